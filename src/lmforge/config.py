@@ -1,0 +1,295 @@
+"""Typed configs: dataclass sections, YAML files, dotted CLI overrides.
+
+A recipe's config is a dataclass whose fields are sections (dataclasses themselves). Every field is
+declared with :func:`opt`, which records a one-line help text used by ``lmforge <cmd> --help``.
+
+    cfg = load_config(SFTConfig, "run.yaml", ["optim.lr=3e-4", "train.max_steps=100"])
+
+Unknown keys are errors that name the key and suggest the closest valid ones; values of the wrong
+type are errors that name the key and the expected type.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+
+from .errors import ConfigError
+
+
+def opt(default: Any, help: str) -> Any:  # noqa: A002 - "help" reads best at call sites
+    """A config field with a default and a one-line help text."""
+    if isinstance(default, (list, dict)):
+        value = default
+        return dataclasses.field(default_factory=lambda: type(value)(value), metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def section(cls: type, help: str = "") -> Any:  # noqa: A002
+    """A field holding a nested config section."""
+    return dataclasses.field(default_factory=cls, metadata={"help": help})
+
+
+# ----------------------------------------------------------------------------- type checking
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp))
+    if origin is list:
+        (inner,) = get_args(tp) or (Any,)
+        return f"list of {_type_name(inner)}"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Return ``value`` converted to ``tp`` or raise ConfigError naming ``key``."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value in get_args(tp):
+            return value
+        raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
+    if origin is list:
+        (inner,) = get_args(tp) or (Any,)
+        if isinstance(value, str):  # "a,b,c" from the command line
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
+        return [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                number = None
+            if number is not None and number.is_integer():
+                return int(number)
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif dataclasses.is_dataclass(tp):
+        if isinstance(value, dict):
+            return _build(tp, value, key + ".")
+    raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
+
+
+def _unknown_key(key: str, prefix: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+    hint = f" Did you mean: {', '.join(prefix + c for c in close)}?" if close else ""
+    return ConfigError(
+        f"unknown config key '{prefix}{key}'.{hint} Valid keys here: {', '.join(sorted(valid))}."
+    )
+
+
+def _build(cls: type, values: dict, prefix: str = "") -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"config section '{prefix.rstrip('.')}' must be a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise _unknown_key(str(key), prefix, list(fields))
+        kwargs[key] = _coerce(value, hints[key], prefix + key)
+    for name in fields:  # sections left out of the file are built too, so that they get validated
+        if name not in kwargs and dataclasses.is_dataclass(hints[name]):
+            kwargs[name] = _build(hints[name], {}, prefix + name + ".")
+    obj = cls(**kwargs)
+    validate = getattr(obj, "validate", None)
+    if validate is not None:
+        validate()
+    return obj
+
+
+# ----------------------------------------------------------------------------- loading
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'optim.lr=3e-4' -> (['optim', 'lr'], '3e-4' parsed as YAML)."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like section.key=value (e.g. optim.lr=3e-4)")
+    key, raw = text.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise ConfigError(f"override '{text}' has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return path, value
+
+
+def apply_overrides(values: dict, overrides: list[str]) -> dict:
+    """Set each dotted override into the nested dict ``values`` (in place) and return it."""
+    for text in overrides:
+        path, value = parse_override(text)
+        node = values
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{text}': '{part}' is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return values
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return data
+
+
+def load_config(cls: type, path: str | Path | None = None, overrides: list[str] | None = None) -> Any:
+    """Build ``cls`` from an optional YAML file and dotted overrides (overrides win)."""
+    values = read_yaml(path) if path else {}
+    apply_overrides(values, list(overrides or []))
+    return _build(cls, values)
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, help) for every leaf option of ``cls``; used by ``--help``."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows.extend(describe(tp, prefix + f.name + "."))
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        else:
+            default = "(required)"
+        rows.append((prefix + f.name, repr(default), f.metadata.get("help", "")))
+    return rows
+
+
+# ----------------------------------------------------------------------------- shared sections
+
+@dataclasses.dataclass
+class ModelConfig:
+    name: str = opt("tiny:llama", "model spec: tiny:llama | tiny:qwen2 | HF dir | hub id | file.gguf | smollm2-135m-instruct")
+    tokenizer: str = opt("", "tokenizer spec (HF dir, hub id, 'char', or a trained BPE dir); empty = the model's own")
+    hidden_size: int = opt(128, "tiny models: hidden size")
+    num_layers: int = opt(4, "tiny models: number of transformer layers")
+    num_heads: int = opt(4, "tiny models: attention heads")
+    num_kv_heads: int = opt(0, "tiny models: key/value heads (0 = same as num_heads)")
+    intermediate_size: int = opt(0, "tiny models: MLP width (0 = 4 x hidden_size)")
+    max_position_embeddings: int = opt(512, "tiny models: longest sequence")
+    init_seed: int = opt(0, "tiny models: seed of the random initialisation")
+
+    def validate(self) -> None:
+        if self.hidden_size % max(self.num_heads, 1):
+            raise ConfigError(f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads})")
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    lr: float = opt(1e-3, "peak learning rate")
+    min_lr_ratio: float = opt(0.1, "final LR as a fraction of the peak (cosine / linear)")
+    schedule: Literal["cosine", "linear", "constant"] = opt("cosine", "LR schedule after warmup")
+    warmup_steps: int = opt(0, "linear warmup steps")
+    weight_decay: float = opt(0.1, "decoupled (AdamW) weight decay")
+    no_decay: list[str] = opt(["bias", "norm", "embed"], "parameter-name substrings excluded from weight decay")
+    beta1: float = opt(0.9, "AdamW beta1")
+    beta2: float = opt(0.95, "AdamW beta2")
+    eps: float = opt(1e-8, "AdamW epsilon")
+    max_grad_norm: float = opt(1.0, "clip gradients to this global L2 norm (0 = no clipping)")
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    output_dir: str = opt("runs/run", "run directory (config, metrics, checkpoints)")
+    max_steps: int = opt(200, "optimizer steps")
+    micro_batch_size: int = opt(0, "rows per forward pass (0 = chosen by hardware tier)")
+    grad_accum: int = opt(1, "micro-batches per optimizer step")
+    seed: int = opt(0, "seed for data order, sampling and dropout")
+    device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = opt("auto", "compute dtype (auto: fp32 on CPU, bf16 on recent GPUs)")
+    threads: int = opt(0, "CPU threads for torch (0 = chosen by hardware tier)")
+    gradient_checkpointing: Literal["auto", "on", "off"] = opt("auto", "recompute activations in backward to save memory")
+    eval_every: int = opt(50, "evaluate (val loss, samples, accuracy) every N steps (0 = only at the end)")
+    save_every: int = opt(100, "checkpoint every N steps (0 = only best and final)")
+    keep_last: int = opt(2, "periodic checkpoints kept on disk")
+    resume: str = opt("", "'' = fresh run, 'auto' = latest checkpoint in output_dir, or a checkpoint path")
+    log_every: int = opt(10, "print a metrics line every N steps")
+    num_samples: int = opt(3, "generations printed and saved at each evaluation")
+    max_new_tokens: int = opt(32, "tokens generated per sample at evaluation")
+
+    def validate(self) -> None:
+        for name in ("max_steps", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+    progress: bool = opt(True, "show a progress bar")
+    tensorboard: bool = opt(False, "write TensorBoard events to output_dir/tb (needs tensorboard)")
+    wandb: bool = opt(False, "log to Weights & Biases (needs wandb)")
+    wandb_project: str = opt("lmforge", "wandb project name")

