@@ -1,0 +1,261 @@
+"""Built-in synthetic tasks with exact checkers, deterministic from a seed.
+
+A task makes :class:`Problem` s (prompt, target completion, answer) and scores a model's completion
+against one. Tasks are chosen by a spec string, ``name`` or ``name:key=value,key=value``:
+
+    task = get_task("addition:digits=3")
+    train = task.make_problems(1000, seed=0, split="train")
+    reward = task.score(generated_text, train[0])          # 1.0 or 0.0
+
+Splits. Each task's problem space is cut once, by a hash of the prompt text, into fixed shares
+(train 80 %, val 10 %, test 10 %). ``make_problems`` only draws from the share of the requested
+split, so the three splits are disjoint whatever seeds are used, and a given (n, seed, split) always
+returns the same list. Problems within one call are distinct while the split's share lasts; a
+request for more problems than the share holds cycles through it again (in the same shuffled order).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import random
+import re
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Protocol
+
+SPLITS = ("train", "val", "test")
+_SPLIT_SHARES = (0.8, 0.1, 0.1)  # train, val, test
+_ENUMERATE_LIMIT = 100_000  # problem spaces up to this size are enumerated, larger ones sampled
+
+# Characters a char-level model sees on the built-in char-level tasks, plus room for simple extensions
+# (``-``, ``*``, space) and the newline the default chat template uses. ``load_tokenizer("char")``
+# builds its vocabulary from this string.
+DEFAULT_ALPHABET = "0123456789+-*= \n"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One task instance.
+
+    prompt:     the text the model is conditioned on, e.g. ``"37+48="``.
+    completion: the exact target text for SFT (without any eos token), e.g. ``"58"``.
+    answer:     the answer in human-readable form, e.g. ``"85"``; for logging and for checkers.
+    """
+
+    prompt: str
+    completion: str
+    answer: str
+
+
+class Task(Protocol):
+    """What every task provides (see :class:`Addition` and :class:`ArithChat`)."""
+
+    name: str
+
+    @property
+    def spec(self) -> str: ...
+    @property
+    def alphabet(self) -> str: ...
+    def make_problems(self, n: int, seed: int, split: str) -> list[Problem]: ...
+    def score(self, completion_text: str, problem: Problem) -> float: ...
+    def is_correct(self, completion_text: str, problem: Problem) -> bool: ...
+
+
+# ----------------------------------------------------------------------------- shared helpers
+
+
+def split_of(prompt: str) -> str:
+    """The split a prompt belongs to: a fixed function of the prompt text (sha256), seed-independent."""
+    digest = hashlib.sha256(prompt.encode("utf-8")).digest()
+    u = int.from_bytes(digest[:8], "big") / 2**64
+    cumulative = 0.0
+    for split, share in zip(SPLITS, _SPLIT_SHARES):
+        cumulative += share
+        if u < cumulative:
+            return split
+    return SPLITS[-1]
+
+
+def _sample_split(
+    problem_at: Callable[[int], Problem], space_size: int, n: int, seed: int, split: str, spec: str
+) -> list[Problem]:
+    """``n`` problems of ``split`` from a problem space indexed ``0 .. space_size - 1``."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    if n < 0:
+        raise ValueError(f"number of problems must be >= 0, got {n}")
+    rng = random.Random(f"{spec}|{seed}|{split}")
+    if space_size <= _ENUMERATE_LIMIT:
+        pool = [p for p in map(problem_at, range(space_size)) if split_of(p.prompt) == split]
+        if not pool and n > 0:
+            raise ValueError(f"task {spec!r} has no {split} problems; use a larger problem space")
+        rng.shuffle(pool)
+        return [pool[k % len(pool)] for k in range(n)]
+    seen: set[int] = set()
+    problems: list[Problem] = []
+    while len(problems) < n:  # the space is large, so collisions and rejections are cheap
+        index = rng.randrange(space_size)
+        if index in seen:
+            continue
+        seen.add(index)
+        problem = problem_at(index)
+        if split_of(problem.prompt) == split:
+            problems.append(problem)
+    return problems
+
+
+# ----------------------------------------------------------------------------- addition
+
+
+@dataclass(frozen=True)
+class Addition:
+    """``digits``-digit addition for char-level models, answer written least-significant digit first.
+
+    Prompt ``"37+48="``; completion ``"58"`` (the sum 85 reversed); answer ``"85"``. Operands have
+    exactly ``digits`` digits (0-9 when ``digits=1``), so the columns line up in every prompt.
+
+    Why reversed: the completion is the short worked answer one writes when adding by hand, column
+    by column from the right -- 7+8 = 15, write 5 carry 1; 3+4+1 = 8, write 8 -- so each output digit
+    depends only on one column of the prompt and the carry from the digit just written. A tiny
+    char-level model learns this order quickly; in normal order the first digit it must write depends
+    on every column, and small models stay near 0 % exact match.
+
+    Score: leading whitespace is skipped, then the maximal run of digits is taken; the score is 1.0
+    if that run equals ``problem.completion`` exactly, else 0.0. Anything after the run (an eos token's
+    text, a newline, more text) is ignored, but a longer digit run (``"580"``) is wrong.
+    """
+
+    digits: int = 2
+    name: ClassVar[str] = "addition"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.digits <= 9:
+            raise ValueError(f"addition: digits must be between 1 and 9, got {self.digits}")
+
+    @property
+    def spec(self) -> str:
+        return f"{self.name}:digits={self.digits}"
+
+    @property
+    def alphabet(self) -> str:
+        return "0123456789+="
+
+    def _problem_at(self, index: int) -> Problem:
+        low = 0 if self.digits == 1 else 10 ** (self.digits - 1)
+        count = 10**self.digits - low
+        a, b = divmod(index, count)
+        a, b = a + low, b + low
+        total = str(a + b)
+        return Problem(prompt=f"{a}+{b}=", completion=total[::-1], answer=total)
+
+    def make_problems(self, n: int, seed: int, split: str) -> list[Problem]:
+        low = 0 if self.digits == 1 else 10 ** (self.digits - 1)
+        space_size = (10**self.digits - low) ** 2
+        return _sample_split(self._problem_at, space_size, n, seed, split, self.spec)
+
+    def score(self, completion_text: str, problem: Problem) -> float:
+        match = re.match(r"\s*(\d*)", completion_text)
+        return 1.0 if match and match.group(1) == problem.completion else 0.0
+
+    def is_correct(self, completion_text: str, problem: Problem) -> bool:
+        return self.score(completion_text, problem) == 1.0
+
+
+# ----------------------------------------------------------------------------- arith_chat
+
+_FIRST_INTEGER = re.compile(r"-?\d+")
+_ARITH_PROMPT = "What is {a} {op} {b}? Answer with just the number."
+
+
+@dataclass(frozen=True)
+class ArithChat:
+    """Small-operand arithmetic in natural language, for instruction-tuned models.
+
+    Prompt ``"What is 3 + 4? Answer with just the number."``; completion and answer ``"7"``.
+    Operands are 0..``max_operand``; ``ops`` is a string of operators drawn from ``"+-"``.
+    Subtraction is only asked with the larger operand first, so every answer is >= 0.
+    The operands are small on purpose: a 135M instruct model already answers some correctly, so
+    RL starts with a non-zero reward.
+
+    Score: the first integer in the completion (regex ``-?\\d+``: an optional minus sign directly
+    before a run of digits) is compared with the answer; 1.0 if equal, 0.0 if different or if the
+    completion has no integer. ``"7"``, ``"7."``, ``"The answer is 7"`` all score 1.0; a completion that
+    repeats the question first (``"3 + 4 = 7"``) scores 0.0, as the prompt asks for just the number.
+    """
+
+    max_operand: int = 9
+    ops: str = "+-"
+    name: ClassVar[str] = "arith_chat"
+
+    def __post_init__(self) -> None:
+        if self.max_operand < 1:
+            raise ValueError(f"arith_chat: max_operand must be >= 1, got {self.max_operand}")
+        if not self.ops or set(self.ops) - set("+-") or len(set(self.ops)) != len(self.ops):
+            raise ValueError(f"arith_chat: ops must be '+', '-' or '+-', got {self.ops!r}")
+
+    @property
+    def spec(self) -> str:
+        return f"{self.name}:max_operand={self.max_operand},ops={self.ops}"
+
+    @property
+    def alphabet(self) -> str:
+        fixed_text = _ARITH_PROMPT.format(a="", op="", b="")
+        return "".join(sorted(set(fixed_text) | set("0123456789") | set(self.ops)))
+
+    def _space_sizes(self) -> list[int]:
+        m = self.max_operand + 1
+        return [m * m if op == "+" else m * (m + 1) // 2 for op in self.ops]
+
+    def _problem_at(self, index: int) -> Problem:
+        for op, size in zip(self.ops, self._space_sizes()):
+            if index < size:
+                break
+            index -= size
+        if op == "+":
+            a, b = divmod(index, self.max_operand + 1)
+            result = a + b
+        else:  # triangular index over pairs a >= b
+            a = (math.isqrt(8 * index + 1) - 1) // 2
+            b = index - a * (a + 1) // 2
+            result = a - b
+        prompt = _ARITH_PROMPT.format(a=a, op=op, b=b)
+        return Problem(prompt=prompt, completion=str(result), answer=str(result))
+
+    def make_problems(self, n: int, seed: int, split: str) -> list[Problem]:
+        return _sample_split(self._problem_at, sum(self._space_sizes()), n, seed, split, self.spec)
+
+    def score(self, completion_text: str, problem: Problem) -> float:
+        match = _FIRST_INTEGER.search(completion_text)
+        return 1.0 if match and int(match.group()) == int(problem.answer) else 0.0
+
+    def is_correct(self, completion_text: str, problem: Problem) -> bool:
+        return self.score(completion_text, problem) == 1.0
+
+
+# ----------------------------------------------------------------------------- registry
+
+TASKS: dict[str, type] = {Addition.name: Addition, ArithChat.name: ArithChat}
+
+
+def get_task(spec: str) -> Task:
+    """Build a task from ``"name"`` or ``"name:key=value,key=value"`` (e.g. ``"addition:digits=3"``)."""
+    name, _, params_text = spec.strip().partition(":")
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r} in spec {spec!r}; valid tasks: {', '.join(sorted(TASKS))}")
+    cls = TASKS[name]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, object] = {}
+    for item in filter(None, (s.strip() for s in params_text.split(","))):
+        key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not eq or key not in fields:
+            valid = ", ".join(f"{k}=<{f.type}> (default {f.default!r})" for k, f in fields.items())
+            raise ValueError(f"task {name!r}: bad parameter {item!r} in spec {spec!r}; valid: {valid}")
+        if fields[key].type == "int":
+            try:
+                kwargs[key] = int(value)
+            except ValueError:
+                raise ValueError(f"task {name!r}: {key} must be an integer, got {value!r}") from None
+        else:
+            kwargs[key] = value
+    return cls(**kwargs)

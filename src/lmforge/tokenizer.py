@@ -1,0 +1,153 @@
+"""Tokenizers: a char-level tokenizer for synthetic tasks, byte-level BPE training, chat templates.
+
+Every tokenizer built here is a ``transformers.PreTrainedTokenizerFast`` that round-trips through
+``save_pretrained`` / ``AutoTokenizer.from_pretrained`` and carries :data:`DEFAULT_CHAT_TEMPLATE`.
+
+Special tokens: ``<pad>`` = 0, ``<bos>`` = 1, ``<eos>`` = 2 in both tokenizers, plus the role markers of
+the default chat template (``<|system|>``, ``<|user|>``, ``<|assistant|>``) as single special tokens.
+No bos is added automatically: callers add what they need.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from .data.tasks import DEFAULT_ALPHABET
+from .errors import ConfigError, DataError
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+
+# The chat template given to tokenizers that have none. Each message renders as
+#     <|role|>\n{content}{eos_token}\n
+# and ``add_generation_prompt=True`` appends ``<|assistant|>\n``. So a user/assistant pair is
+#     <|user|>\n37+48=<eos>\n<|assistant|>\n58<eos>\n
+# Every turn, the assistant's included, ends with the eos token: a model trained on this format stops
+# generating after its answer. (The newline after eos is outside the assistant span; see data/sft.py.)
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+def _wrap(backend, **special_tokens):  # backend: tokenizers.Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, **special_tokens)
+    tok.chat_template = DEFAULT_CHAT_TEMPLATE
+    return tok
+
+
+def char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
+    """One token per character of ``alphabet``; ``decode`` returns exactly the characters encoded.
+
+    Ids: ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3 (any character outside the alphabet, so that
+    unknown text is visible rather than silently dropped), then the alphabet in the order given, then
+    the chat role tokens. ``"\\n"`` is added to the alphabet if missing, since the default chat
+    template uses it.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    if not alphabet:
+        raise ValueError("char_tokenizer: the alphabet is empty")
+    if len(set(alphabet)) != len(alphabet):
+        duplicates = sorted({c for c in alphabet if alphabet.count(c) > 1})
+        raise ValueError(f"char_tokenizer: alphabet has repeated characters {duplicates!r}")
+    if "\n" not in alphabet:
+        alphabet += "\n"
+    vocab = {token: i for i, token in enumerate((PAD, BOS, EOS, UNK, *alphabet, *ROLE_TOKENS))}
+    # BPE with no merges splits text into single characters; Fuse joins them back without spaces.
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in (PAD, BOS, EOS, UNK, *ROLE_TOKENS)]
+    )
+    backend.decoder = decoders.Fuse()
+    return _wrap(backend, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK)
+
+
+def train_bpe_tokenizer(
+    files: list[Path], vocab_size: int, out_dir: Path | None = None, min_frequency: int = 2
+):
+    """Train a byte-level BPE tokenizer on text files; save it as an HF tokenizer dir if ``out_dir``.
+
+    Ids: ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, the role tokens 3-5, the 256 byte symbols, then merges
+    up to ``vocab_size``. Byte-level means any text encodes without unknown tokens.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = [PAD, BOS, EOS, *ROLE_TOKENS]
+    min_vocab = 256 + len(specials)
+    if vocab_size < min_vocab:
+        raise ValueError(
+            f"vocab_size must be >= {min_vocab} (256 bytes + {len(specials)} specials), got {vocab_size}"
+        )
+    paths = [Path(f) for f in files]
+    if not paths:
+        raise DataError("train_bpe_tokenizer: no text files given")
+    for path in paths:
+        if not path.is_file():
+            raise DataError(f"{path}: tokenizer training file not found")
+    if not any(path.read_text(encoding="utf-8").strip() for path in paths):
+        raise DataError(f"tokenizer training files contain no text: {', '.join(map(str, paths))}")
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train([str(p) for p in paths], trainer)
+    tok = _wrap(backend, pad_token=PAD, bos_token=BOS, eos_token=EOS)
+    if out_dir is not None:
+        tok.save_pretrained(str(out_dir))
+    return tok
+
+
+def ensure_chat_template(tok):
+    """Give ``tok`` :data:`DEFAULT_CHAT_TEMPLATE` if it has no chat template; returns ``tok``.
+
+    Modifies ``tok`` in place. A tokenizer that already has a template keeps it. The default
+    template needs an eos token, so a tokenizer without one is an error.
+    """
+    if getattr(tok, "chat_template", None):
+        return tok
+    if tok.eos_token is None:
+        raise ValueError("tokenizer has no chat template and no eos token; set tokenizer.eos_token first")
+    tok.chat_template = DEFAULT_CHAT_TEMPLATE
+    return tok
+
+
+def load_tokenizer(spec: str):
+    """``"char"`` -> :func:`char_tokenizer` over the default task alphabet; a directory -> AutoTokenizer.
+
+    Hub ids and GGUF files are resolved by the model loader, not here.
+    """
+    if spec == "char":
+        return char_tokenizer(DEFAULT_ALPHABET)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path))
+    raise ConfigError(
+        f"tokenizer spec {spec!r} is neither 'char' nor an existing directory; accepted: 'char' "
+        "(character-level, synthetic tasks) or a directory saved with save_pretrained "
+        "(hub ids and GGUF files are loaded together with the model)"
+    )
+
+
+def tokenizer_fingerprint(tok) -> str:
+    """A hash of everything that decides how ``tok`` turns text into ids (for data caches)."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        state = backend.to_str()
+    else:  # a slow tokenizer: its vocabulary and added tokens are the best available summary
+        state = json.dumps(sorted(tok.get_vocab().items())) + type(tok).__name__
+    return hashlib.sha256(f"{state}|eos={tok.eos_token_id}".encode("utf-8")).hexdigest()
