@@ -1,0 +1,174 @@
+"""Detect the machine and choose dtype, threads, micro-batch size and gradient checkpointing.
+
+Each automatic choice comes with the reason it was made; every choice can be overridden in config
+(``train.device``, ``train.dtype``, ``train.threads``, ``train.micro_batch_size``,
+``train.gradient_checkpointing``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from .errors import ConfigError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass
+class Hardware:
+    device: str  # "cpu", "cuda", "mps"
+    accelerator: str  # e.g. "NVIDIA H200" or "none"
+    num_cores: int
+    ram_gb: float
+    accel_mem_gb: float  # 0 on CPU
+    bf16_supported: bool
+
+    @property
+    def tier(self) -> str:
+        """laptop-cpu < workstation-cpu < small-gpu (< 24 GB) < large-gpu."""
+        if self.device == "cpu":
+            return "laptop-cpu" if self.num_cores <= 8 else "workstation-cpu"
+        return "small-gpu" if self.accel_mem_gb < 24 else "large-gpu"
+
+
+@dataclasses.dataclass
+class Choices:
+    device: torch.device
+    dtype: torch.dtype
+    threads: int
+    micro_batch_size: int
+    gradient_checkpointing: bool
+    reasons: dict[str, str]
+
+    def report(self, printer=print) -> None:
+        for key, reason in self.reasons.items():
+            printer(f"[hardware] {key} = {_fmt(getattr(self, key))}: {reason}")
+
+
+def _fmt(value) -> str:
+    return str(value).replace("torch.", "")
+
+
+def _ram_gb() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
+def _num_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def detect(device: str = "auto") -> Hardware:
+    """Inspect the machine. ``device`` narrows the choice ("auto", "cpu", "cuda[:N]", "mps")."""
+    want = device.split(":")[0]
+    if want not in ("auto", "cpu", "cuda", "mps"):
+        raise ConfigError(f"train.device must be auto, cpu, cuda, cuda:N or mps; got '{device}'")
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
+    if want in ("auto", "cuda") and torch.cuda.is_available():
+        index = int(device.split(":")[1]) if ":" in device else 0
+        props = torch.cuda.get_device_properties(index)
+        return Hardware(f"cuda:{index}", props.name, _num_cores(), _ram_gb(), props.total_memory / 2**30,
+                        torch.cuda.is_bf16_supported())
+    if want in ("auto", "mps") and getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return Hardware("mps", "Apple GPU", _num_cores(), _ram_gb(), _ram_gb() / 2, False)
+    if want == "mps":
+        raise ConfigError("train.device=mps but MPS is not available; use train.device=cpu")
+    return Hardware("cpu", "none", _num_cores(), _ram_gb(), 0.0, False)
+
+
+def estimate_train_memory_gb(num_params: int, seq_len: int, hidden: int, layers: int, batch: int,
+                             checkpointing: bool, bytes_per_act: int = 4) -> float:
+    """Rough training memory: fp32 weights + grads + 2 AdamW moments, plus activations.
+
+    Activations per layer and token are ~ 34 * hidden values without checkpointing (attention
+    and MLP intermediates) and ~ 2 * hidden with it (only the layer inputs are kept).
+    """
+    states = num_params * 16
+    per_token = (2 if checkpointing else 34) * hidden * layers * bytes_per_act
+    return (states + per_token * seq_len * batch) / 2**30
+
+
+def choose(hw: Hardware, *, dtype: str = "auto", threads: int = 0, micro_batch_size: int = 0,
+           gradient_checkpointing: str = "auto", num_params: int = 0, seq_len: int = 256,
+           hidden: int = 128, layers: int = 4) -> Choices:
+    """Pick settings for ``hw``; explicit (non-auto) arguments always win."""
+    reasons: dict[str, str] = {}
+    if dtype == "auto":
+        if hw.device.startswith("cuda") and hw.bf16_supported:
+            chosen_dtype, reasons["dtype"] = torch.bfloat16, "CUDA with bf16 support: bf16 autocast"
+        elif hw.device.startswith("cuda"):
+            chosen_dtype, reasons["dtype"] = torch.float16, "CUDA without bf16: fp16 autocast + grad scaler"
+        else:
+            chosen_dtype, reasons["dtype"] = torch.float32, f"{hw.device}: fp32 (bf16 matmul is ~100x slower on CPU)"
+    else:
+        chosen_dtype, reasons["dtype"] = DTYPES[dtype], "set in config"
+    if dtype in ("bf16", "fp16") and hw.device == "cpu":
+        reasons["dtype"] += " (warning: half precision is slow on CPU)"
+
+    if threads > 0:
+        chosen_threads, reasons["threads"] = threads, "set in config"
+    else:
+        chosen_threads = hw.num_cores
+        reasons["threads"] = f"{hw.num_cores} usable cores"
+
+    budget_gb = (hw.accel_mem_gb if hw.device != "cpu" else hw.ram_gb) * 0.7
+    ckpt_fixed = gradient_checkpointing != "auto"
+    ckpt = gradient_checkpointing == "on"
+    if micro_batch_size > 0:
+        batch, reasons["micro_batch_size"] = micro_batch_size, "set in config"
+    else:
+        # CPU: small batches keep the step short and the progress visible; GPUs: fill memory.
+        cap = 8 if hw.device == "cpu" else 64
+        batch = cap
+        while batch > 1 and estimate_train_memory_gb(num_params, seq_len, hidden, layers, batch,
+                                                     ckpt) > budget_gb:
+            batch //= 2
+        reasons["micro_batch_size"] = f"largest power of two <= {cap} fitting 70% of {budget_gb / 0.7:.0f} GB ({hw.tier})"
+    if not ckpt_fixed:
+        need = estimate_train_memory_gb(num_params, seq_len, hidden, layers, batch, False)
+        ckpt = need > budget_gb
+        reasons["gradient_checkpointing"] = (
+            f"estimated {need:.1f} GB {'>' if ckpt else '<='} budget {budget_gb:.1f} GB")
+    else:
+        reasons["gradient_checkpointing"] = "set in config"
+    return Choices(torch.device(hw.device), chosen_dtype, chosen_threads, batch, ckpt, reasons)
+
+
+def apply(choices: Choices) -> None:
+    """Apply process-wide settings (threads)."""
+    if choices.device.type == "cpu":
+        torch.set_num_threads(choices.threads)
+
+
+def describe(hw: Hardware) -> str:
+    return (f"device={hw.device} accelerator={hw.accelerator} cores={hw.num_cores} "
+            f"ram={hw.ram_gb:.1f}GB accel_mem={hw.accel_mem_gb:.1f}GB bf16={hw.bf16_supported} tier={hw.tier}")
+
+
+def matmul_peak_gflops(dtype: torch.dtype = torch.float32, size: int = 1024, reps: int = 5,
+                       device: str = "cpu") -> float:
+    """Measured dense matmul rate of this machine (GFLOP/s), the denominator of MFU."""
+    import time
+
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    a @ b  # warm-up
+    times = []
+    for _ in range(reps):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        a @ b
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return 2 * size**3 / times[len(times) // 2] / 1e9

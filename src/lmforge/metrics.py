@@ -1,0 +1,195 @@
+"""Observability: console lines, a progress bar, metrics.jsonl, optional TensorBoard / wandb,
+the end-of-run summary and ``lmforge plot``."""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .config import LoggingConfig
+
+
+def _scalar(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().float().item()
+    return value
+
+
+def _fmt(key: str, value) -> str:
+    if isinstance(value, float):
+        if key in ("lr",):
+            return f"{key}={value:.2e}"
+        return f"{key}={value:.4g}"
+    return f"{key}={value}"
+
+
+class RunLogger:
+    """Writes every metric record to ``metrics.jsonl`` and echoes a compact line to the console."""
+
+    CONSOLE_KEYS = ("loss", "val_loss", "accuracy", "reward", "lr", "grad_norm", "tokens_per_s", "step_time")
+
+    def __init__(self, run_dir: Path, cfg: LoggingConfig, total_steps: int, console=None):
+        from rich.console import Console
+
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.console = console or Console(highlight=False)
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self.cfg = cfg
+        self.total_steps = total_steps
+        self.tb = self._tensorboard() if cfg.tensorboard else None
+        self.wandb = self._wandb() if cfg.wandb else None
+        self.progress = None
+        self.task = None
+
+    def _tensorboard(self):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise ImportError("logging.tensorboard=true needs tensorboard: pip install tensorboard") from exc
+        return SummaryWriter(str(self.run_dir / "tb"))
+
+    def _wandb(self):
+        try:
+            import wandb
+        except ImportError as exc:
+            raise ImportError("logging.wandb=true needs wandb: pip install wandb") from exc
+        return wandb.init(project=self.cfg.wandb_project, dir=str(self.run_dir))
+
+    def start_progress(self, description: str, completed: int = 0) -> None:
+        if not self.cfg.progress:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                                 console=self.console, transient=True)
+        self.progress.start()
+        self.task = self.progress.add_task(description, total=self.total_steps, completed=completed)
+
+    def advance(self, step: int) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step)
+
+    def print(self, text: str) -> None:
+        self.console.print(text, markup=False)
+
+    def log(self, step: int, metrics: dict, echo: bool = True, kind: str = "train") -> None:
+        record = {"step": step, "kind": kind, "time": time.time()}
+        record.update({k: _scalar(v) for k, v in metrics.items()})
+        self.jsonl.write(json.dumps(record) + "\n")
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and key not in ("step", "time"):
+                if self.tb is not None:
+                    self.tb.add_scalar(f"{kind}/{key}", value, step)
+        if self.wandb is not None:
+            self.wandb.log({f"{kind}/{k}": v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+        if echo:
+            shown = [_fmt(k, record[k]) for k in self.CONSOLE_KEYS if k in record]
+            shown += [_fmt(k, v) for k, v in record.items()
+                      if k not in self.CONSOLE_KEYS and k not in ("step", "kind", "time") and kind != "train"
+                      and isinstance(v, (int, float))]
+            self.print(f"[{kind} {step:>5}/{self.total_steps}] " + " ".join(shown))
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+class StepTimer:
+    """Collects per-step wall time, data time and tokens for the end-of-run summary."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.step_times: list[float] = []
+        self.data_times: list[float] = []
+        self.tokens = 0
+        self.train_time = 0.0
+
+    def record(self, step_time: float, data_time: float, tokens: int) -> None:
+        self.step_times.append(step_time)
+        self.data_times.append(data_time)
+        self.tokens += tokens
+        self.train_time += step_time
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    except ImportError:
+        return 0.0
+
+
+def summary(timer: StepTimer, flops_per_token: float, peak_gflops: float, device: torch.device) -> dict:
+    """End-of-run figures: total time, median step, data time, tokens/s, MFU, peak memory."""
+    tokens_per_s = timer.tokens / timer.train_time if timer.train_time else 0.0
+    achieved = tokens_per_s * flops_per_token / 1e9
+    return {
+        "total_time_s": time.perf_counter() - timer.start,
+        "steps": len(timer.step_times),
+        "median_step_s": statistics.median(timer.step_times) if timer.step_times else 0.0,
+        "data_time_s": sum(timer.data_times),
+        "tokens_per_s": tokens_per_s,
+        "achieved_gflops": achieved,
+        "peak_gflops": peak_gflops,
+        "mfu": achieved / peak_gflops if peak_gflops else 0.0,
+        "peak_memory_gb": peak_memory_gb(device),
+    }
+
+
+def print_summary(logger: RunLogger, figures: dict) -> None:
+    logger.print(
+        "[summary] time {total_time_s:.1f}s | steps {steps} | median step {median_step_s:.3f}s | "
+        "data {data_time_s:.2f}s | {tokens_per_s:.0f} tok/s | {achieved_gflops:.1f} GFLOP/s of "
+        "{peak_gflops:.0f} measured peak (MFU {mfu:.1%}) | peak mem {peak_memory_gb:.2f} GB".format(**figures)
+    )
+    (logger.run_dir / "summary.json").write_text(json.dumps(figures, indent=2))
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics.jsonl in {run_dir}: is it an lmforge run directory?")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+PLOT_KEYS = ("loss", "val_loss", "lr", "accuracy", "reward", "grad_norm")
+
+
+def plot_run(run_dir: Path, out: Path | None = None) -> Path:
+    """PNG of loss / lr / accuracy / reward curves from ``metrics.jsonl``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    keys = [k for k in PLOT_KEYS if any(k in r for r in records)]
+    if not keys:
+        raise ValueError(f"{run_dir}/metrics.jsonl has none of {PLOT_KEYS} to plot")
+    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.2 * len(keys)), sharex=True, squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
+        for kind in sorted({r.get("kind", "train") for r in records if key in r}):
+            points = [(r["step"], r[key]) for r in records if key in r and r.get("kind", "train") == kind]
+            ax.plot(*zip(*points), marker="." if len(points) < 30 else None, label=kind)
+        ax.set_ylabel(key)
+        ax.legend(loc="best", fontsize=7)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    out = Path(out) if out else Path(run_dir) / "curves.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

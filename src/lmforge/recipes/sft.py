@@ -1,0 +1,104 @@
+"""``lmforge sft CONFIG``: supervised fine-tuning with a completion-only loss.
+
+Data is a JSONL / Parquet file of chat (``messages``) or ``prompt``/``completion`` rows, or a
+built-in synthetic task (``data.task=addition``), whose held-out accuracy is then reported.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Literal
+
+from ..config import LoggingConfig, ModelConfig, OptimConfig, TrainConfig, opt, section
+from ..data.sft import collate_sft, load_sft_rows, sft_rows_from_task, tokenize_sft, uses_chat_format
+from ..data.tasks import get_task
+from ..errors import ConfigError
+from ..evaluation import save_samples, task_accuracy
+from ..models import load_model
+from .common import start_run
+from .supervised import SupervisedData, train_supervised
+
+
+@dataclasses.dataclass
+class SFTDataConfig:
+    path: str = opt("", "JSONL or Parquet file of chat (messages) or prompt/completion rows")
+    task: str = opt("", "built-in synthetic task instead of a file, e.g. addition or addition:digits=3")
+    num_train: int = opt(8000, "task: training problems")
+    num_val: int = opt(200, "task: validation problems (loss)")
+    num_eval: int = opt(200, "task: held-out problems for exact-match accuracy")
+    val_fraction: float = opt(0.05, "file: fraction of rows held out for validation loss")
+    max_len: int = opt(256, "longest tokenized row (prompt + completion)")
+    completion_only: bool = opt(True, "loss only on assistant / completion tokens")
+    use_chat_template: Literal["auto", "on", "off"] = opt("auto", "prompt/completion rows through the chat template")
+    truncation: Literal["right", "drop"] = opt("right", "over-long rows: cut on the right, or drop them")
+
+    def validate(self) -> None:
+        if bool(self.path) == bool(self.task):
+            raise ConfigError("set exactly one of data.path (a JSONL/Parquet file) and data.task (e.g. addition)")
+
+
+@dataclasses.dataclass
+class SFTConfig:
+    model: ModelConfig = section(ModelConfig, "model to fine-tune")
+    data: SFTDataConfig = section(SFTDataConfig, "training data")
+    optim: OptimConfig = section(OptimConfig, "optimizer and LR schedule")
+    train: TrainConfig = section(TrainConfig, "loop, evaluation and checkpoints")
+    logging: LoggingConfig = section(LoggingConfig, "progress and metrics sinks")
+
+
+def split_rows(rows: list, val_fraction: float, seed: int) -> tuple[list, list]:
+    rows = list(rows)
+    random.Random(seed).shuffle(rows)
+    num_val = max(1, int(len(rows) * val_fraction)) if len(rows) > 1 else 0
+    return rows[num_val:], rows[:num_val]
+
+
+def build_data(cfg: SFTConfig, tokenizer, printer=print) -> SupervisedData:
+    d = cfg.data
+    if d.task:
+        task = get_task(d.task)
+        train_rows = sft_rows_from_task(task, d.num_train, cfg.train.seed, "train")
+        val_rows = sft_rows_from_task(task, d.num_val, cfg.train.seed, "val")
+    else:
+        train_rows, val_rows = split_rows(load_sft_rows(d.path), d.val_fraction, cfg.train.seed)
+    parts = []
+    for rows in (train_rows, val_rows):
+        data = tokenize_sft(rows, tokenizer, d.max_len, completion_only=d.completion_only,
+                            use_chat_template=d.use_chat_template, truncation=d.truncation)
+        if data.num_truncated or data.num_dropped:
+            printer(f"[data] {data.num_truncated} rows truncated to {d.max_len} tokens, "
+                    f"{data.num_dropped} dropped (data.truncation={d.truncation})")
+        parts.append(data.examples)
+    if not parts[0]:
+        raise ConfigError("no SFT training rows left after tokenization; raise data.max_len")
+    pad_id = tokenizer.pad_token_id
+    return SupervisedData(parts[0], parts[1], lambda rows: collate_sft(rows, pad_id))
+
+
+def make_task_eval(cfg: SFTConfig, tokenizer, run):
+    """Exact-match accuracy on held-out task problems, plus a few printed samples."""
+    if not cfg.data.task:
+        return None
+    task = get_task(cfg.data.task)
+    problems = task.make_problems(cfg.data.num_eval, cfg.train.seed, "test")
+    chat = uses_chat_format(tokenizer, cfg.data.use_chat_template)
+
+    def evaluate(model, step: int) -> dict:
+        accuracy, texts = task_accuracy(model, tokenizer, task, problems, cfg.train.max_new_tokens, chat)
+        k = cfg.train.num_samples
+        save_samples(run.dir, step, [p.prompt for p in problems[:k]], texts[:k], run.print)
+        return {"accuracy": accuracy}
+
+    return evaluate
+
+
+def run_sft(cfg: SFTConfig, model=None, tokenizer=None, console=None, name: str = "sft") -> dict:
+    """Fine-tune and return the final evaluation metrics (val_loss, accuracy for tasks, run_dir)."""
+    if model is None:
+        model, tokenizer = load_model(cfg.model)
+    run = start_run(cfg, name, model, seq_len=cfg.data.max_len, console=console)
+    data = build_data(cfg, tokenizer, run.print)
+    run.print(f"[data] {len(data.train_rows)} training rows, {len(data.val_rows)} validation rows")
+    metrics = train_supervised(run, model, tokenizer, data, make_task_eval(cfg, tokenizer, run))
+    run.print(f"[done] run directory: {run.dir}")
+    return {**metrics, "run_dir": str(run.dir)}
