@@ -80,6 +80,8 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: d
         torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / "trainer_state.pt")
 
     path = _write_dir(root / f"step-{step:06d}", write)
+    for stale in root.glob(".step-*.tmp-*"):  # left by a process that died mid-save
+        shutil.rmtree(stale, ignore_errors=True)
     if keep_last > 0:
         for old in list_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)

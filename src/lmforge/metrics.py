@@ -26,17 +26,22 @@ def _fmt(key: str, value) -> str:
     return f"{key}={value}"
 
 
+def make_console():
+    """A rich console that never wraps metric lines (logs stay one line per record)."""
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=True)
+
+
 class RunLogger:
     """Writes every metric record to ``metrics.jsonl`` and echoes a compact line to the console."""
 
     CONSOLE_KEYS = ("loss", "val_loss", "accuracy", "reward", "lr", "grad_norm", "tokens_per_s", "step_time")
 
     def __init__(self, run_dir: Path, cfg: LoggingConfig, total_steps: int, console=None):
-        from rich.console import Console
-
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.console = console or Console(highlight=False)
+        self.console = console or make_console()
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         self.cfg = cfg
         self.total_steps = total_steps

@@ -215,8 +215,11 @@ def load_model(cfg: ModelConfig, tokenizer=None, dtype: torch.dtype = torch.floa
 
 def save_model(model, tokenizer, out_dir: str | Path) -> Path:
     """Save as a plain HF directory (safetensors + tokenizer)."""
+    from transformers.utils import logging as hf_logging
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    hf_logging.disable_progress_bar()  # a "Writing model shards" bar per checkpoint is noise
     unwrapped = getattr(model, "module", model)
     unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)
     unwrapped.save_pretrained(out_dir, safe_serialization=True)

@@ -12,6 +12,7 @@ from .. import hardware
 from ..checkpoint import list_checkpoints
 from ..config import save_config
 from ..errors import ConfigError
+from ..metrics import make_console
 from ..models import count_parameters
 
 
@@ -53,9 +54,7 @@ class Run:
 
 def start_run(cfg, name: str, model=None, seq_len: int = 256, console=None) -> Run:
     """Choose hardware settings (printing each with its reason), prepare ``train.output_dir``."""
-    from rich.console import Console
-
-    console = console or Console(highlight=False)
+    console = console or make_console()
     tcfg = cfg.train
     run_dir = Path(tcfg.output_dir)
     if not tcfg.resume and list_checkpoints(run_dir):

@@ -13,6 +13,7 @@ from pathlib import Path
 from ..config import LoggingConfig, ModelConfig, OptimConfig, TrainConfig, opt
 from ..data.tasks import get_task
 from ..evaluation import task_accuracy
+from ..metrics import make_console
 from ..models import load_model
 from ..tokenizer import char_tokenizer
 from .sft import SFTConfig, SFTDataConfig, run_sft
@@ -47,9 +48,7 @@ def sft_config(cfg: QuickstartConfig, run_dir: Path) -> SFTConfig:
 
 
 def run_quickstart(cfg: QuickstartConfig, console=None) -> dict:
-    from rich.console import Console
-
-    console = console or Console(highlight=False)
+    console = console or make_console()
     start = time.perf_counter()
     run_dir = Path(cfg.output_dir or f"runs/quickstart-{time.strftime('%Y%m%d-%H%M%S')}")
     task = get_task(cfg.task)

@@ -1,0 +1,72 @@
+"""The command line: help texts, clear errors, and tiny pretrain / plot runs end to end."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lmforge.cli import main
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "lmforge.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_help_lists_commands_and_options():
+    top = run_cli("--help")
+    assert top.returncode == 0
+    for command in ("quickstart", "pretrain", "sft", "hardware", "plot"):
+        assert command in top.stdout
+    for command in ("quickstart", "pretrain", "sft"):
+        sub = run_cli(command, "--help")
+        assert sub.returncode == 0, sub.stderr
+        assert "[default:" in sub.stdout
+    assert "optim.lr" in run_cli("sft", "--help").stdout
+    assert "tokenizer.vocab_size" in run_cli("pretrain", "--help").stdout
+
+
+def test_unknown_key_exits_with_suggestion(capsys):
+    code = main(["sft", "data.task=addition", "train.max_step=3"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "unknown config key 'train.max_step'" in err and "train.max_steps" in err
+
+
+def test_missing_data_file_is_clear(capsys, tmp_path):
+    code = main(["sft", f"data.path={tmp_path / 'nope.jsonl'}", f"train.output_dir={tmp_path / 'run'}"])
+    assert code == 2
+    assert "nope.jsonl" in capsys.readouterr().err
+
+
+def test_pretrain_with_own_bpe_then_plot(tmp_path):
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    words = "the quick brown fox jumps over the lazy dog while the cat sleeps on a warm mat".split()
+    for i in range(12):
+        text = " ".join(words[(i + j) % len(words)] for j in range(300))
+        (corpus / ("sub" if i % 2 else "") / f"doc{i}.txt").write_text(text)
+    out = tmp_path / "run"
+    code = main(["pretrain", f"data.files=[{corpus}]", "tokenizer.train=true", "tokenizer.vocab_size=300",
+                 "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "data.seq_len=32",
+                 "train.max_steps=30", "train.micro_batch_size=8", "train.eval_every=15", "train.save_every=15",
+                 "optim.lr=3e-3", "train.num_samples=1", "train.max_new_tokens=8",
+                 "logging.progress=false", f"train.output_dir={out}"])
+    assert code == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert len(train) == 30 and len(evals) == 2
+    assert train[-1]["loss"] < train[0]["loss"] - 1.0, "repetitive text must be learned quickly"
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] + 1e-6
+    assert (out / "tokenizer" / "tokenizer.json").is_file()
+    assert (out / "final" / "model.safetensors").is_file() and (out / "best").is_dir()
+    assert (out / "samples.jsonl").is_file() and (out / "summary.json").is_file()
+    assert (out / "curves.png").stat().st_size > 1000
+    (out / "curves.png").unlink()
+    assert main(["plot", str(out)]) == 0 and (out / "curves.png").is_file()
+
+
+def test_hardware_command(capsys):
+    assert main(["hardware"]) == 0
+    text = capsys.readouterr().out
+    assert "tier=" in text and "micro_batch_size" in text and "GFLOP/s" in text
