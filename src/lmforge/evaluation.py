@@ -11,21 +11,27 @@ from .rollout.engine import SamplingParams, generate
 
 
 @torch.no_grad()
-def complete(model, tokenizer, prompts: list[str], max_new_tokens: int, chat: bool = False,
-             batch_size: int = 64, temperature: float = 0.0, seed: int = 0) -> list[str]:
-    """Greedy (or sampled) completions of text prompts, decoded without special tokens."""
+def complete_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 64,
+                 temperature: float = 0.0, seed: int = 0) -> list[str]:
+    """Greedy (or sampled) completions of token-id prompts, decoded without special tokens."""
     was_training = model.training
     model.eval()
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
                             stop_token_ids=[tokenizer.eos_token_id], seed=seed)
     texts = []
     for start in range(0, len(prompts), batch_size):
-        ids = [encode_prompt(tokenizer, p, chat) for p in prompts[start:start + batch_size]]
-        out = generate(model, ids, params, pad_token_id=tokenizer.pad_token_id)
+        out = generate(model, prompts[start:start + batch_size], params, pad_token_id=tokenizer.pad_token_id)
         for row, mask in zip(out.completion_ids, out.completion_mask):
             texts.append(tokenizer.decode(row[mask.bool()].tolist(), skip_special_tokens=True))
     model.train(was_training)
     return texts
+
+
+def complete(model, tokenizer, prompts: list[str], max_new_tokens: int, chat: bool = False,
+             batch_size: int = 64, temperature: float = 0.0, seed: int = 0) -> list[str]:
+    """Completions of text prompts (raw, or as one user turn through the chat template)."""
+    ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
+    return complete_ids(model, tokenizer, ids, max_new_tokens, batch_size, temperature, seed)
 
 
 def task_accuracy(model, tokenizer, task, problems, max_new_tokens: int, chat: bool = False) -> tuple[float, list[str]]:

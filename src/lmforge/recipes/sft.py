@@ -10,10 +10,11 @@ import random
 from typing import Literal
 
 from ..config import LoggingConfig, ModelConfig, OptimConfig, TrainConfig, opt, section
-from ..data.sft import collate_sft, load_sft_rows, sft_rows_from_task, tokenize_sft, uses_chat_format
+from ..data.sft import (CHAT_SMALL, collate_sft, encode_prompt, load_sft_rows, sft_rows_from_task, tokenize_sft,
+                        uses_chat_format)
 from ..data.tasks import get_task
 from ..errors import ConfigError
-from ..evaluation import save_samples, task_accuracy
+from ..evaluation import complete_ids, save_samples, task_accuracy
 from ..models import load_model
 from .common import start_run
 from .supervised import SupervisedData, train_supervised
@@ -21,7 +22,7 @@ from .supervised import SupervisedData, train_supervised
 
 @dataclasses.dataclass
 class SFTDataConfig:
-    path: str = opt("", "JSONL or Parquet file of chat (messages) or prompt/completion rows")
+    path: str = opt("", "JSONL or Parquet file of chat (messages) or prompt/completion rows; builtin:chat_small = the shipped chat set")
     task: str = opt("", "built-in synthetic task instead of a file, e.g. addition or addition:digits=3")
     num_train: int = opt(8000, "task: training problems")
     num_val: int = opt(200, "task: validation problems (loss)")
@@ -53,14 +54,16 @@ def split_rows(rows: list, val_fraction: float, seed: int) -> tuple[list, list]:
     return rows[num_val:], rows[:num_val]
 
 
-def build_data(cfg: SFTConfig, tokenizer, printer=print) -> SupervisedData:
+def build_data(cfg: SFTConfig, tokenizer, printer=print) -> tuple[SupervisedData, list[dict]]:
+    """Tokenized train / validation examples, and the raw validation rows (for samples)."""
     d = cfg.data
     if d.task:
         task = get_task(d.task)
         train_rows = sft_rows_from_task(task, d.num_train, cfg.train.seed, "train")
         val_rows = sft_rows_from_task(task, d.num_val, cfg.train.seed, "val")
     else:
-        train_rows, val_rows = split_rows(load_sft_rows(d.path), d.val_fraction, cfg.train.seed)
+        path = CHAT_SMALL if d.path == "builtin:chat_small" else d.path
+        train_rows, val_rows = split_rows(load_sft_rows(path), d.val_fraction, cfg.train.seed)
     parts = []
     for rows in (train_rows, val_rows):
         data = tokenize_sft(rows, tokenizer, d.max_len, completion_only=d.completion_only,
@@ -72,20 +75,40 @@ def build_data(cfg: SFTConfig, tokenizer, printer=print) -> SupervisedData:
     if not parts[0]:
         raise ConfigError("no SFT training rows left after tokenization; raise data.max_len")
     pad_id = tokenizer.pad_token_id
-    return SupervisedData(parts[0], parts[1], lambda rows: collate_sft(rows, pad_id))
+    return SupervisedData(parts[0], parts[1], lambda rows: collate_sft(rows, pad_id)), val_rows
 
 
-def make_task_eval(cfg: SFTConfig, tokenizer, run):
-    """Exact-match accuracy on held-out task problems, plus a few printed samples."""
+def prompt_ids_of(row: dict, tokenizer, chat: bool) -> list[int]:
+    """The prompt part of an SFT row as token ids (everything before the last assistant turn)."""
+    if "messages" in row:
+        messages = row["messages"]
+        if messages and messages[-1].get("role") == "assistant":
+            messages = messages[:-1]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return encode_prompt(tokenizer, row["prompt"], chat)
+
+
+def make_eval(cfg: SFTConfig, tokenizer, run, val_rows: list[dict]):
+    """Each evaluation prints and saves a few generations; for a task it also measures exact-match
+    accuracy on held-out problems."""
+    chat = uses_chat_format(tokenizer, cfg.data.use_chat_template)
+    k, max_new = cfg.train.num_samples, cfg.train.max_new_tokens
     if not cfg.data.task:
-        return None
+        rows = val_rows[:k]
+
+        def sample_only(model, step: int) -> dict:
+            prompts = [prompt_ids_of(row, tokenizer, chat) for row in rows]
+            texts = complete_ids(model, tokenizer, prompts, max_new)
+            save_samples(run.dir, step, [tokenizer.decode(p) for p in prompts], texts, run.print)
+            return {}
+
+        return sample_only if rows else None
     task = get_task(cfg.data.task)
     problems = task.make_problems(cfg.data.num_eval, cfg.train.seed, "test")
-    chat = uses_chat_format(tokenizer, cfg.data.use_chat_template)
 
     def evaluate(model, step: int) -> dict:
-        accuracy, texts = task_accuracy(model, tokenizer, task, problems, cfg.train.max_new_tokens, chat)
-        k = cfg.train.num_samples
+        accuracy, texts = task_accuracy(model, tokenizer, task, problems, max_new, chat)
         save_samples(run.dir, step, [p.prompt for p in problems[:k]], texts[:k], run.print)
         return {"accuracy": accuracy}
 
@@ -97,8 +120,8 @@ def run_sft(cfg: SFTConfig, model=None, tokenizer=None, console=None, name: str 
     if model is None:
         model, tokenizer = load_model(cfg.model)
     run = start_run(cfg, name, model, seq_len=cfg.data.max_len, console=console)
-    data = build_data(cfg, tokenizer, run.print)
+    data, val_rows = build_data(cfg, tokenizer, run.print)
     run.print(f"[data] {len(data.train_rows)} training rows, {len(data.val_rows)} validation rows")
-    metrics = train_supervised(run, model, tokenizer, data, make_task_eval(cfg, tokenizer, run))
+    metrics = train_supervised(run, model, tokenizer, data, make_eval(cfg, tokenizer, run, val_rows))
     run.print(f"[done] run directory: {run.dir}")
     return {**metrics, "run_dir": str(run.dir)}
