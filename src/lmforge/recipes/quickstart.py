@@ -26,9 +26,9 @@ class QuickstartConfig:
     seed: int = opt(0, "seed for model init, data and sampling")
     hidden_size: int = opt(128, "tiny model hidden size")
     num_layers: int = opt(4, "tiny model layers")
-    sft_steps: int = opt(600, "SFT optimizer steps")
-    sft_batch: int = opt(64, "SFT rows per step")
-    sft_lr: float = opt(3e-3, "SFT peak learning rate")
+    sft_steps: int = opt(400, "SFT optimizer steps")
+    sft_batch: int = opt(32, "SFT rows per step")
+    sft_lr: float = opt(1e-3, "SFT peak learning rate")
     num_eval: int = opt(200, "held-out problems for accuracy")
     progress: bool = opt(True, "show progress bars")
 
@@ -39,7 +39,7 @@ def sft_config(cfg: QuickstartConfig, run_dir: Path) -> SFTConfig:
                           num_layers=cfg.num_layers, num_heads=4, max_position_embeddings=64,
                           init_seed=cfg.seed),
         data=SFTDataConfig(task=cfg.task, num_train=8000, num_val=200, num_eval=cfg.num_eval, max_len=32),
-        optim=OptimConfig(lr=cfg.sft_lr, warmup_steps=30, min_lr_ratio=0.05, weight_decay=0.01),
+        optim=OptimConfig(lr=cfg.sft_lr, warmup_steps=100, min_lr_ratio=0.1, weight_decay=0.01, beta2=0.99),
         train=TrainConfig(output_dir=str(run_dir / "sft"), max_steps=cfg.sft_steps, micro_batch_size=cfg.sft_batch,
                           seed=cfg.seed, eval_every=max(cfg.sft_steps // 4, 1), save_every=max(cfg.sft_steps // 2, 1),
                           log_every=50, max_new_tokens=6, num_samples=3, dtype="fp32"),
