@@ -1,0 +1,339 @@
+"""In-process batched sampling with a KV cache, for any Hugging Face causal LM.
+
+``generate`` prefills each prompt once, shares its KV cache among the prompt's ``num_samples``
+samples, then decodes all B = num_prompts * num_samples rows in lockstep. The step-level pieces
+(``prefill``, ``decode_step``, ``process_logits``, ``sample_token``) are public so that other
+samplers (antidistillation decodes a teacher and two proxies in lockstep) can reuse them.
+
+Which distribution the stored logprobs belong to
+------------------------------------------------
+For temperature T > 0, token t is drawn from ``p = softmax(logits / T)``, restricted to the top-k
+set (if ``top_k > 0``) and then to the top-p nucleus (if ``top_p < 1``) and renormalised over what
+is left. ``RolloutBatch.logprobs`` holds ``log p[t]`` of that same processed distribution. With
+``top_k=0, top_p=1`` this is exactly ``log_softmax(logits / T)[t]``: a trainer that recomputes
+logprobs with the same temperature (and no truncation) gets matching values. With truncation on,
+the stored values are of the *renormalised truncated* distribution, which a trainer's plain
+``log_softmax(logits / T)`` will not reproduce (it is lower by log of the kept mass).
+For T = 0 (greedy) the token is the argmax and the stored logprob is ``log_softmax(logits)[t]``
+(the untempered model distribution), since the point mass greedy "samples" from carries no signal.
+
+Shapes: N = number of prompts, G = samples per prompt, B = N * G rows, P = padded prompt length,
+C = completion length (decode steps run, <= max_new_tokens), V = vocabulary size.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+
+@dataclass
+class SamplingParams:
+    """How to sample. temperature 0 means greedy; top_k 0 and top_p 1 mean no truncation."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 32
+    stop_token_ids: list[int] = field(default_factory=list)  # e.g. [eos]; the stop token is kept and masked in
+    stop_strings: list[str] = field(default_factory=list)  # needs ``decode_fn`` in ``generate``
+    seed: int | None = None  # same seed -> same tokens (same model, prompts, threads)
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop_strings must not contain the empty string")
+
+
+@dataclass
+class RolloutBatch:
+    """Sampled completions. Row b belongs to prompt ``group_index[b]``; rows of a group are adjacent."""
+
+    prompt_ids: torch.Tensor  # (B, P) long, left-padded with pad_token_id
+    prompt_mask: torch.Tensor  # (B, P) long, 1 on real prompt tokens
+    completion_ids: torch.Tensor  # (B, C) long, right-padded with pad_token_id
+    completion_mask: torch.Tensor  # (B, C) long, 1 on generated tokens up to and including the stop token
+    logprobs: torch.Tensor  # (B, C) float32, log p(token) under the sampling distribution (module doc); 0 off-mask
+    group_index: torch.Tensor  # (B,) long, index of the prompt each row was sampled for
+    prompt_lens: torch.Tensor  # (B,) long
+    completion_lens: torch.Tensor  # (B,) long, = completion_mask.sum(1)
+    truncated: torch.Tensor  # (B,) bool, hit max_new_tokens without a stop token / string
+
+
+# ----------------------------------------------------------------------------- model calls
+
+_FORWARD_ARGS: dict[type, tuple[str, str | None]] = {}
+
+
+def _forward_args(model: torch.nn.Module) -> tuple[str, str | None]:
+    """(cache kwarg name, last-logits-only kwarg name or None) accepted by ``model.forward``."""
+    key = type(model)
+    if key not in _FORWARD_ARGS:
+        params = inspect.signature(model.forward).parameters
+        cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.x renamed it
+        keep_arg = next((a for a in ("logits_to_keep", "num_logits_to_keep") if a in params), None)
+        _FORWARD_ARGS[key] = (cache_arg, keep_arg)
+    return _FORWARD_ARGS[key]
+
+
+def _forward(model, input_ids, attention_mask, position_ids, cache, last_only: bool):
+    cache_arg, keep_arg = _forward_args(model)
+    kwargs: dict[str, Any] = {cache_arg: cache, "use_cache": True}
+    if last_only and keep_arg is not None:
+        kwargs[keep_arg] = 1
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+    new_cache = out.cache if "cache" in out else out.past_key_values
+    return out.logits[:, -1, :].float(), new_cache
+
+
+def prefill(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: Any = None):
+    """Run left-padded prompts through ``model`` and return ``(last_logits, cache)``.
+
+    input_ids, attention_mask: (N, P), left-padded (attention_mask 1 on real tokens).
+    Returns last_logits (N, V) float32 at the last position (the last real token of every row) and
+    the model's KV cache. Position ids count real tokens only, so padding does not shift RoPE.
+    """
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (N, P)
+    return _forward(model, input_ids, attention_mask, position_ids, cache, last_only=True)
+
+
+def decode_step(model: torch.nn.Module, token_ids: torch.Tensor, cache: Any,
+                attention_mask: torch.Tensor, position_ids: torch.Tensor):
+    """Feed one token per row and return ``(logits, cache)``.
+
+    token_ids: (B,) long; attention_mask: (B, L + 1) covering the cached L positions plus this one;
+    position_ids: (B,) long, the position of this token (= number of real tokens before it).
+    Returns logits (B, V) float32 for the next token and the updated cache.
+    """
+    return _forward(model, token_ids[:, None], attention_mask, position_ids[:, None], cache, last_only=False)
+
+
+class _PreallocatedLayer(DynamicLayer):
+    """A DynamicLayer that writes into buffers of ``capacity`` positions instead of concatenating.
+
+    ``keys``/``values`` stay views of the filled part, so attention, masks and ``get_seq_length``
+    behave exactly as for a DynamicLayer; each decode step copies one position instead of the cache.
+    """
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        batch, heads, _, _ = key_states.shape
+        self.key_buffer = key_states.new_empty((batch, heads, self.capacity, key_states.shape[-1]))
+        self.value_buffer = value_states.new_empty((batch, heads, self.capacity, value_states.shape[-1]))
+        self.keys, self.values = self.key_buffer[:, :, :0], self.value_buffer[:, :, :0]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache capacity {self.capacity} exceeded ({end} positions); make a larger cache")
+        self.key_buffer[:, :, start:end] = key_states
+        self.value_buffer[:, :, start:end] = value_states
+        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select(lambda buf: buf.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(lambda buf: buf[indices])
+
+    def _select(self, fn) -> None:
+        if self.is_initialized:
+            length = self.keys.shape[-2]
+            self.key_buffer, self.value_buffer = fn(self.key_buffer), fn(self.value_buffer)
+            self.keys, self.values = self.key_buffer[:, :, :length], self.value_buffer[:, :, :length]
+
+
+def make_cache(model: torch.nn.Module, capacity: int | None = None) -> DynamicCache:
+    """A KV cache for ``model``: a DynamicCache whose full-attention layers are preallocated to
+    ``capacity`` positions (prompt + new tokens). Sliding-window or other special layers, and
+    ``capacity=None``, keep transformers' own layers."""
+    cache = DynamicCache(config=model.config)
+    if capacity is not None and cache.layers:
+        cache.layers = [_PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer
+                        for layer in cache.layers]
+    return cache
+
+
+def expand_cache(cache: Cache, repeats: int) -> Cache:
+    """Repeat every row of a KV cache ``repeats`` times along the batch (row i -> rows i*r .. i*r+r-1)."""
+    if repeats > 1:
+        cache.batch_repeat_interleave(repeats)
+    return cache
+
+
+# ----------------------------------------------------------------------------- sampling
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probabilities of the distribution ``sample_token`` draws from (see the module doc).
+
+    logits: (B, V). Returns (B, V) float32: log_softmax(logits / T), with tokens outside the top-k set
+    and then outside the top-p nucleus set to -inf and the rest renormalised. Ties at the k-th value
+    are all kept. T = 0 is treated as T = 1 here (greedy stores untempered logprobs).
+    """
+    scaled = logits.float()
+    if params.temperature not in (0.0, 1.0):
+        scaled = scaled / params.temperature
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k, dim=-1).values[:, -1:]  # (B, 1)
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sorted_lp, order = torch.sort(logprobs, dim=-1, descending=True)
+        mass_before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()  # (B, V) mass of strictly better tokens
+        drop_sorted = mass_before >= params.top_p  # never drops the top token (mass_before = 0)
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        logprobs = torch.log_softmax(logprobs.masked_fill(drop, float("-inf")), dim=-1)
+    return logprobs
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams,
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row. logits: (B, V). Returns (tokens (B,) long, logprobs (B,) float32).
+
+    Inverse-CDF sampling: one uniform per row from ``generator`` (reproducible) and a binary search in
+    the cumulative probabilities. On CPU this is ~100x cheaper than ``torch.multinomial`` or an
+    exponential race, which both spend most of a step drawing (B, V) random numbers.
+    """
+    if params.temperature == 0:
+        tokens = logits.argmax(-1)
+        return tokens, torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, None]).squeeze(-1)
+    if params.top_k == 0 and params.top_p == 1.0:
+        scaled = logits.float() if params.temperature == 1.0 else logits.float() / params.temperature
+        probs = torch.softmax(scaled, dim=-1)  # (B, V); one fused pass instead of log_softmax + exp
+    else:
+        probs = process_logits(logits, params).exp()  # 0 outside the top-k / top-p set
+    cdf = probs.cumsum(-1)  # (B, V)
+    total = cdf[:, -1:].contiguous()  # (B, 1), 1 up to rounding
+    u = torch.rand(total.shape, generator=generator, device=cdf.device, dtype=cdf.dtype)
+    tokens = torch.searchsorted(cdf, u * total, right=True)  # first index with cdf > u * total: p > 0
+    # u * total can round up to total; the last token with p > 0 is then the right answer.
+    last_positive = torch.searchsorted(cdf, total)  # first index with cdf >= total
+    tokens = torch.minimum(tokens, last_positive).squeeze(-1)
+    # log of the softmax probability: accurate to ~1e-7 absolute for any token that can be drawn.
+    return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log()
+
+
+# ----------------------------------------------------------------------------- generate
+
+def _left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (ids (N, P), mask (N, P)), left-padded."""
+    if not prompts:
+        raise ValueError("generate needs at least one prompt")
+    lengths = [len(p) for p in prompts]
+    if min(lengths) == 0:
+        raise ValueError(f"prompt {lengths.index(0)} is empty; every prompt needs at least one token (e.g. BOS)")
+    width = max(lengths)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def _hits_stop_string(rows: list[int], completion_ids: torch.Tensor, step: int,
+                      stop_strings: list[str], decode_fn: Callable[[list[int]], str]) -> list[int]:
+    """Rows (of ``rows``) whose completion text now contains a stop string.
+
+    Rows are checked every step, so a match must end in the newest token; decoding only a tail
+    window of (longest stop string + 8) tokens keeps the cost per step independent of the length.
+    """
+    window = max(map(len, stop_strings)) + 8
+    tails = completion_ids[rows, max(0, step + 1 - window): step + 1].tolist()
+    return [b for b, tail in zip(rows, tails) if any(s in decode_fn(tail) for s in stop_strings)]
+
+
+@torch.inference_mode()
+def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], params: SamplingParams,
+             num_samples: int = 1, pad_token_id: int = 0,
+             decode_fn: Callable[[list[int]], str] | None = None, check_every: int = 4) -> RolloutBatch:
+    """Sample ``num_samples`` completions for each prompt (token id lists) with a shared-prefix KV cache.
+
+    The model runs in eval mode (no dropout) and inference mode; its train/eval mode is restored.
+    Every prompt is prefilled once; its cache and last logits are repeated for its samples. Rows that
+    hit a stop token or stop string are finished: later positions hold ``pad_token_id`` with mask 0.
+    Decoding stops when every row has finished (checked every ``check_every`` steps) or after
+    ``max_new_tokens``. ``decode_fn(ids) -> str`` is required when ``params.stop_strings`` is set.
+    """
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if params.stop_strings and decode_fn is None:
+        raise ValueError("stop_strings need decode_fn (e.g. lambda ids: tokenizer.decode(ids)) to match text")
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = _left_pad(prompts, pad_token_id)  # (N, P)
+    generator = None
+    if params.seed is not None:
+        generator = torch.Generator(device=device).manual_seed(params.seed)
+
+    was_training = model.training
+    model.eval()  # no dropout while sampling; the caller's mode is restored below
+    try:
+        cache = make_cache(model, capacity=prompt_ids.shape[1] + params.max_new_tokens)
+        last_logits, cache = prefill(model, prompt_ids.to(device), prompt_mask.to(device), cache)  # (N, V)
+        cache = expand_cache(cache, num_samples)
+        last_logits = last_logits.repeat_interleave(num_samples, dim=0)  # (B, V)
+        prompt_ids = prompt_ids.repeat_interleave(num_samples, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
+        completion_ids, completion_mask, logprobs, finished = _decode_loop(
+            model, cache, last_logits, prompt_mask.to(device), params, pad_token_id, generator, decode_fn,
+            check_every)
+    finally:
+        model.train(was_training)
+
+    group_index = torch.arange(len(prompts)).repeat_interleave(num_samples)
+    return RolloutBatch(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids.cpu(),
+        completion_mask=completion_mask.cpu(), logprobs=logprobs.cpu(), group_index=group_index,
+        prompt_lens=prompt_mask.sum(1), completion_lens=completion_mask.sum(1).cpu(), truncated=~finished.cpu(),
+    )
+
+
+def _decode_loop(model, cache, logits, prompt_mask, params: SamplingParams, pad_token_id: int,
+                 generator, decode_fn, check_every: int):
+    """Sample tokens until every row stopped or max_new_tokens. Returns (ids, mask, logprobs, finished)."""
+    num_rows, prompt_width = prompt_mask.shape
+    device, max_new = prompt_mask.device, params.max_new_tokens
+    completion_ids = torch.full((num_rows, max_new), pad_token_id, dtype=torch.long, device=device)
+    completion_mask = torch.zeros((num_rows, max_new), dtype=torch.long, device=device)
+    logprobs = torch.zeros((num_rows, max_new), dtype=torch.float32, device=device)
+    # Attention mask for prompt + generated positions, sliced per step (finished rows keep attending:
+    # their outputs are discarded, and a constant mask shape avoids per-row bookkeeping).
+    attention_mask = torch.cat([prompt_mask, torch.ones((num_rows, max_new), dtype=torch.long, device=device)], 1)
+    positions = prompt_mask.sum(1)  # (B,) position of the first generated token
+    stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
+    finished = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    num_steps = max_new
+    for step in range(max_new):
+        tokens, token_logprobs = sample_token(logits, params, generator)  # (B,), (B,)
+        alive = ~finished
+        completion_ids[:, step] = torch.where(alive, tokens, pad_token_id)
+        completion_mask[:, step] = alive.long()
+        logprobs[:, step] = token_logprobs.masked_fill(finished, 0.0)
+        if len(stop_ids):
+            finished |= torch.isin(tokens, stop_ids)
+        if params.stop_strings:
+            rows = alive.nonzero().flatten().tolist()
+            finished[_hits_stop_string(rows, completion_ids, step, params.stop_strings, decode_fn)] = True
+        if step + 1 == max_new or ((step + 1) % check_every == 0 and bool(finished.all())):
+            num_steps = step + 1
+            break
+        logits, cache = decode_step(model, tokens, cache, attention_mask[:, : prompt_width + step + 1],
+                                    positions + step)
+    return completion_ids[:, :num_steps], completion_mask[:, :num_steps], logprobs[:, :num_steps], finished
