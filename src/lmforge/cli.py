@@ -43,6 +43,8 @@ def _config_command(sub, name: str, help_text: str, config_cls, runner: Callable
 
 
 def _recipes() -> list[tuple[str, str, type, Callable]]:
+    from .recipes.grpo import GRPOConfig, run_grpo
+    from .recipes.ppo import PPOConfig, run_ppo
     from .recipes.pretrain import PretrainConfig, run_pretrain
     from .recipes.quickstart import QuickstartConfig, run_quickstart
     from .recipes.sft import SFTConfig, run_sft
@@ -53,7 +55,21 @@ def _recipes() -> list[tuple[str, str, type, Callable]]:
         ("pretrain", "train a model on packed raw text (optionally its own BPE tokenizer)",
          PretrainConfig, run_pretrain),
         ("sft", "supervised fine-tuning with a completion-only loss", SFTConfig, run_sft),
+        ("grpo", "RL from verifiable rewards: GRPO and its variants (Dr. GRPO, DAPO, GSPO, RLOO)",
+         GRPOConfig, run_grpo),
+        ("ppo", "RL from verifiable rewards: PPO with a value head and GAE", PPOConfig, run_ppo),
     ]
+
+
+def _antidistill(sub) -> None:
+    """``lmforge antidistill <stage> CONFIG``: one subcommand per pipeline stage, sharing one config."""
+    from .recipes.antidistill import STAGES, AntidistillConfig
+
+    parser = sub.add_parser("antidistill", help="antidistillation sampling pipeline: traces, grad, sample, "
+                            "distill, eval, report (or all)", description="antidistillation sampling pipeline")
+    stages = parser.add_subparsers(dest="stage", metavar="STAGE", required=True)
+    for name, (help_text, runner) in STAGES.items():
+        _config_command(stages, name, help_text, AntidistillConfig, runner)
 
 
 def _hardware(args) -> None:
@@ -79,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text, config_cls, runner in _recipes():
         _config_command(sub, name, help_text, config_cls, runner)
+    _antidistill(sub)
     hw = sub.add_parser("hardware", help="print detected hardware and the automatic choices")
     hw.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | mps")
     hw.set_defaults(func=_hardware)

@@ -1,0 +1,124 @@
+"""``lmforge grpo CONFIG``: group-relative policy optimisation from verifiable rewards.
+
+One step: take the next ``rollout.num_prompts`` prompts (a seeded order that resumes exactly),
+sample ``rollout.group_size`` completions for each, score them, turn the rewards into group-relative
+advantages, then make ``algo.num_iterations`` passes of ``algo.num_mini_batches`` optimizer
+updates over the batch with the clipped policy loss on completion tokens. Presets name the usual
+combinations (GRPO, Dr. GRPO, DAPO, GSPO, RLOO); docs/rl-recipes.md explains each key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import time
+
+import torch
+
+from .. import rl
+from ..advantages import ADVANTAGES, compute_advantages
+from ..config import LoggingConfig, ModelConfig, OptimConfig, TrainConfig, opt, section
+from ..errors import ConfigError
+from ..losses import policy_loss
+
+# Named combinations of algo keys; an explicitly set key always wins over its preset value.
+PRESETS: dict[str, dict] = {
+    # DeepSeekMath GRPO (Shao et al. 2024): std-normalised group advantages, per-sequence token
+    # mean, symmetric clip, k3 KL to the reference with weight 0.04.
+    "grpo": {"advantage": "group_norm", "loss_type": "token_clip", "aggregation": "seq_mean_token_mean",
+             "eps_low": 0.2, "eps_high": 0.2, "kl_coef": 0.04},
+    # Dr. GRPO (Liu et al. 2025): no std division, no per-sequence length normalisation, no KL.
+    "dr_grpo": {"advantage": "group_mean", "loss_type": "token_clip", "aggregation": "seq_sum_max_len",
+                "eps_low": 0.2, "eps_high": 0.2, "kl_coef": 0.0},
+    # DAPO (Yu et al. 2025): clip-higher and a token mean over the whole update, no KL. (Dynamic
+    # sampling and overlong shaping are not implemented; zero-variance groups are only counted.)
+    "dapo": {"advantage": "group_norm", "loss_type": "token_clip", "aggregation": "global_token_mean",
+             "eps_low": 0.2, "eps_high": 0.28, "kl_coef": 0.0},
+    # GSPO (Zheng et al. 2025): clipped sequence ratio; its clip range 3e-4 / 4e-4 comes with the loss.
+    "gspo": {"advantage": "group_norm", "loss_type": "gspo", "aggregation": "seq_mean_token_mean",
+             "kl_coef": 0.0},
+    # RLOO (Ahmadian et al. 2024): leave-one-out baseline; sequence log-prob sums (a constant
+    # normaliser), as in its sequence-level REINFORCE objective.
+    "rloo": {"advantage": "rloo", "loss_type": "token_clip", "aggregation": "seq_sum_max_len",
+             "eps_low": 0.2, "eps_high": 0.2, "kl_coef": 0.0},
+}
+GRPO_DEFAULTS = {**rl.POLICY_DEFAULTS, "advantage": "group_norm"}
+
+
+@dataclasses.dataclass
+class GRPOAlgoConfig(rl.PolicyConfig):
+    preset: str = opt("", f"named combination: {', '.join(PRESETS)} ('' = none); explicit keys win")
+    advantage: str | None = opt(None, f"advantage estimator: {', '.join(ADVANTAGES)} (unset: preset, else group_norm)")
+    std_eps: float = opt(1e-6, "added to the std by the std-normalising estimators (group_norm, batch_norm)")
+
+    def resolved(self) -> "GRPOAlgoConfig":
+        if self.preset and self.preset not in PRESETS:
+            raise ConfigError(f"algo.preset={self.preset!r} is not known; valid: {', '.join(PRESETS)} ('' = none)")
+        return rl.resolve_algo(self, GRPO_DEFAULTS, PRESETS.get(self.preset, {}))
+
+
+@dataclasses.dataclass
+class GRPOConfig:
+    model: ModelConfig = section(ModelConfig, "policy to train (also the KL reference when algo.kl_coef > 0)")
+    data: rl.RLDataConfig = section(rl.RLDataConfig, "prompts")
+    rollout: rl.RolloutConfig = section(rl.RolloutConfig, "sampling")
+    rewards: rl.RewardsConfig = section(rl.RewardsConfig, "reward functions")
+    algo: GRPOAlgoConfig = section(GRPOAlgoConfig, "advantages and policy loss")
+    optim: OptimConfig = section(OptimConfig, "optimizer and LR schedule (one scheduler step per update)")
+    train: TrainConfig = section(TrainConfig, "loop, evaluation and checkpoints (max_steps = RL steps)")
+    logging: LoggingConfig = section(LoggingConfig, "progress and metrics sinks")
+
+
+def advantages_of(rewards: torch.Tensor, algo: GRPOAlgoConfig, group_size: int):
+    """(B,) rewards -> (B,) advantages and metrics (zero-variance groups are counted, advantage 0)."""
+    options = {}
+    if "std_eps" in inspect.signature(ADVANTAGES[algo.advantage]).parameters:
+        options["std_eps"] = algo.std_eps
+    return compute_advantages(algo.advantage, rewards, group_size, **options)
+
+
+def micro_loss(model, batch: rl.RLBatch, algo: GRPOAlgoConfig, temperature: float, counts: dict,
+               precision) -> tuple[torch.Tensor, dict]:
+    """Policy loss of one micro-batch, normalised by its update's global ``counts``."""
+    logprobs, entropy = rl.policy_logprobs(model, batch, temperature, precision,
+                                           entropy_grad=algo.entropy_coef != 0)
+    # On-policy (one pass, one update, batch.old_logprobs None): the weights have not moved since
+    # sampling, so pi_old is this forward pass itself. Detached, it gives ratio 1 and the plain
+    # policy gradient, and saves a second forward over the batch.
+    old_logprobs = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs
+    return policy_loss(logprobs, old_logprobs, batch.advantages, batch.completion_mask,
+                       rollout_logprobs=batch.rollout_logprobs, ref_logprobs=batch.ref_logprobs,
+                       entropy=entropy, **rl.policy_kwargs(algo), **counts)
+
+
+def grpo_step(state: rl.RLState, algo: GRPOAlgoConfig, step: int) -> dict:
+    """Sample, score, compute advantages, update. Returns the step's metrics."""
+    cfg = state.run.cfg
+    rollout, rewards, metrics = rl.sample_and_score(
+        state.model, state.tokenizer, state.prompts, state.order.next(), cfg.rollout, state.reward_set,
+        rl.step_seed(cfg.train.seed, step))
+    start = time.perf_counter()
+    advantages, adv_metrics = advantages_of(rewards.total, algo, cfg.rollout.group_size)
+    batch = rl.pack_rollout(rollout, state.tokenizer.pad_token_id, need_rollout_logprobs=algo.is_level != "none")
+    batch.advantages = advantages
+    batch = batch.to(state.run.device)
+    precision, temperature = state.updater.precision, cfg.rollout.temperature
+    if state.ref_model is not None:
+        batch.ref_logprobs = rl.batch_logprobs(state.ref_model, batch, state.micro_batch_size, temperature, precision)
+    if algo.num_iterations > 1 or algo.num_mini_batches > 1:  # the weights move before the last update
+        batch.old_logprobs = rl.batch_logprobs(state.model, batch, state.micro_batch_size, temperature, precision)
+    train_metrics = rl.update(
+        batch, algo, state.updater, state.micro_batch_size, cfg.rollout.max_new_tokens,
+        lambda micro, counts: micro_loss(state.model, micro, algo, temperature, counts, precision), step)
+    return {**metrics, **adv_metrics, **train_metrics, "time_training": time.perf_counter() - start,
+            "num_tokens": int(batch.attention_mask.sum()) * algo.num_iterations}
+
+
+def run_grpo(cfg: GRPOConfig, model=None, tokenizer=None, console=None, name: str = "grpo") -> dict:
+    """Train with GRPO; returns the final metrics (``accuracy``, ``accuracy_before`` for tasks) and ``run_dir``."""
+    algo = cfg.algo.resolved()
+    if cfg.rollout.group_size < 2:
+        raise ConfigError(f"rollout.group_size must be >= 2 for group-relative advantages, got {cfg.rollout.group_size}")
+    state, _ = rl.prepare(cfg, name, algo, model, tokenizer, console)
+    state.run.print(f"[algo] {rl.describe_algo(algo)}")
+    return rl.train_rl(state, lambda step: grpo_step(state, algo, step))
+

@@ -1,0 +1,187 @@
+"""``lmforge ppo CONFIG``: PPO from verifiable rewards with a value head and GAE.
+
+One step: sample ``rollout.group_size`` completions for each of the next prompts and score them;
+one no-grad pass gives the rollout-time logprobs and values; each completion's reward is placed on
+its last token (minus ``algo.kl_coef`` times the per-token KL to the reference, when on); GAE turns
+these into per-token advantages and value targets; the advantages are whitened over the batch;
+then ``algo.num_iterations`` passes of ``algo.num_mini_batches`` updates minimise the clipped
+policy loss plus ``algo.value_coef`` times the clipped value loss.
+
+The critic is a linear value head on the policy's last hidden state (shared body, as in the early
+RLHF implementations): cheap, and one forward gives logits and values. It is saved in each
+checkpoint's trainer state and as ``final/value_head.pt``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+
+from .. import rl
+from ..advantages import gae, whiten_advantages
+from ..config import LoggingConfig, ModelConfig, OptimConfig, TrainConfig, opt, section
+from ..errors import ConfigError
+from ..losses import kl_per_token, policy_loss, value_loss
+from ..ops import masked_mean
+from ..train import PLAIN_HEAD_MODELS, decoder_of
+
+# Policy losses that take per-token advantages (B, T); plain "gspo" needs one per sequence.
+PER_TOKEN_ADVANTAGE_LOSSES = ("token_clip", "gspo_token")
+
+
+@dataclasses.dataclass
+class PPOAlgoConfig(rl.PolicyConfig):
+    kl_coef: float | None = opt(None, "per-token KL penalty in the reward, against the starting policy "
+                                "(loaded only when > 0; unset: 0)")
+    kl_estimator: str = opt("k1", "estimator of the KL penalty in the reward: k1, k2, k3")
+    gamma: float = opt(1.0, "GAE discount")
+    lam: float = opt(0.95, "GAE lambda")
+    value_coef: float = opt(0.1, "weight of the value loss (the critic shares the policy's body)")
+    value_clip: float | None = opt(0.2, "clip the value update around the rollout-time value (null = off)")
+    whiten: bool = opt(True, "whiten the GAE advantages over the batch's completion tokens")
+
+    def resolved(self) -> "PPOAlgoConfig":
+        algo = rl.resolve_algo(self, rl.POLICY_DEFAULTS)
+        if algo.loss_type not in PER_TOKEN_ADVANTAGE_LOSSES:
+            raise ConfigError(f"ppo has per-token advantages; algo.loss_type must be one of "
+                              f"{', '.join(PER_TOKEN_ADVANTAGE_LOSSES)}, got {algo.loss_type!r}")
+        if not (0.0 <= algo.gamma <= 1.0 and 0.0 <= algo.lam <= 1.0):
+            raise ConfigError(f"algo.gamma and algo.lam must lie in [0, 1], got {algo.gamma}, {algo.lam}")
+        if algo.value_clip is not None and algo.value_clip <= 0:
+            raise ConfigError(f"algo.value_clip must be > 0 (or null), got {algo.value_clip}")
+        return algo
+
+
+@dataclasses.dataclass
+class PPOConfig:
+    model: ModelConfig = section(ModelConfig, "policy to train (also the KL reference when algo.kl_coef > 0)")
+    data: rl.RLDataConfig = section(rl.RLDataConfig, "prompts")
+    rollout: rl.RolloutConfig = section(rl.RolloutConfig, "sampling")
+    rewards: rl.RewardsConfig = section(rl.RewardsConfig, "reward functions")
+    algo: PPOAlgoConfig = section(PPOAlgoConfig, "GAE, policy and value losses")
+    optim: OptimConfig = section(OptimConfig, "optimizer and LR schedule (one scheduler step per update)")
+    train: TrainConfig = section(TrainConfig, "loop, evaluation and checkpoints (max_steps = RL steps)")
+    logging: LoggingConfig = section(LoggingConfig, "progress and metrics sinks")
+
+
+class ValueHead(torch.nn.Module):
+    """V(s_t) = w . h_t + b on the last hidden state; zero-initialised, so the first values are 0."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.zeros_(self.linear.weight)
+        torch.nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N,)
+        return self.linear(hidden.float()).squeeze(-1)
+
+
+def policy_and_values(model, value_head: ValueHead, batch: rl.RLBatch, temperature: float, precision,
+                      entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs, entropy and values, each (B, C), of the completion tokens from one forward pass.
+
+    values[b, t] is the critic's estimate at the position that predicts completion token t, i.e.
+    V(s_t) before emitting it, as ``gae`` expects.
+    """
+    body = decoder_of(model)
+    if body is None or model.config.model_type not in PLAIN_HEAD_MODELS:
+        raise ConfigError(f"ppo's value head needs a model whose logits are lm_head(last hidden state) "
+                          f"({', '.join(sorted(PLAIN_HEAD_MODELS))}); got {model.config.model_type!r}")
+    with precision.autocast():
+        hidden = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+        hidden = hidden[batch.positions]  # (N, H)
+        logits = model.get_output_embeddings()(hidden)  # (N, V)
+    logprobs, entropy = rl.completion_logprobs(logits, batch, temperature, entropy_grad)
+    values = rl.scatter_completion(value_head(hidden), batch.completion_mask.bool())
+    return logprobs, entropy, values
+
+
+def terminal_rewards(rewards: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) sequence rewards -> (B, C) per-token rewards: each on its completion's last token."""
+    last = completion_mask.sum(1).clamp(min=1) - 1  # (B,)
+    return torch.zeros(completion_mask.shape, dtype=torch.float32, device=completion_mask.device).scatter(
+        1, last[:, None], rewards.float()[:, None])
+
+
+@torch.no_grad()
+def add_targets(model, value_head: ValueHead, ref_model, algo: PPOAlgoConfig, batch: rl.RLBatch,
+                rewards: torch.Tensor, temperature: float, micro_batch_size: int, precision) -> dict:
+    """Fill the batch's old logprobs and values, advantages and returns from (B,) ``rewards``.
+
+    PPO always needs this no-grad pass (GAE needs the rollout-time values), so its old logprobs
+    come from it at no extra cost, on-policy or not. Returns KL / advantage metrics.
+    """
+    parts = [policy_and_values(model, value_head, batch.select(rows), temperature, precision)
+             for rows in torch.arange(batch.num_rows).split(micro_batch_size)]
+    batch.old_logprobs = torch.cat([p[0] for p in parts])
+    batch.old_values = torch.cat([p[2] for p in parts])
+    mask = batch.completion_mask
+    token_rewards = terminal_rewards(rewards.to(mask.device), mask)
+    metrics = {}
+    if ref_model is not None:
+        ref_logprobs = rl.batch_logprobs(ref_model, batch, micro_batch_size, temperature, precision)
+        kl = kl_per_token(batch.old_logprobs, ref_logprobs, mask, estimator=algo.kl_estimator)
+        token_rewards = token_rewards - algo.kl_coef * kl
+        metrics["kl"] = masked_mean(kl, mask.float())
+    advantages, batch.returns = gae(token_rewards, batch.old_values, mask, gamma=algo.gamma, lam=algo.lam)
+    batch.advantages = whiten_advantages(advantages, mask) if algo.whiten else advantages
+    metrics["advantage_abs_mean"] = masked_mean(advantages.abs(), mask.float())
+    metrics["return_mean"] = masked_mean(batch.returns, mask.float())
+    return metrics
+
+
+def micro_loss(model, value_head: ValueHead, batch: rl.RLBatch, algo: PPOAlgoConfig, temperature: float,
+               counts: dict, precision) -> tuple[torch.Tensor, dict]:
+    """Clipped policy loss + value_coef x clipped value loss of one micro-batch (global counts)."""
+    logprobs, entropy, values = policy_and_values(model, value_head, batch, temperature, precision,
+                                                  entropy_grad=algo.entropy_coef != 0)
+    # The KL to the reference is already in the reward; it is not also a loss term here.
+    kwargs = {**rl.policy_kwargs(algo), "kl_coef": 0.0}
+    pg_loss, metrics = policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.completion_mask,
+                                   rollout_logprobs=batch.rollout_logprobs, entropy=entropy, **kwargs, **counts)
+    v_loss, v_metrics = value_loss(values, batch.returns, batch.completion_mask, aggregation=algo.aggregation,
+                                   old_values=batch.old_values, clip_eps=algo.value_clip, **counts)
+    return pg_loss + algo.value_coef * v_loss, {**metrics, **v_metrics}
+
+
+def ppo_step(state: rl.RLState, value_head: ValueHead, algo: PPOAlgoConfig, step: int) -> dict:
+    """Sample, score, GAE targets, update. Returns the step's metrics."""
+    cfg = state.run.cfg
+    rollout, rewards, metrics = rl.sample_and_score(
+        state.model, state.tokenizer, state.prompts, state.order.next(), cfg.rollout, state.reward_set,
+        rl.step_seed(cfg.train.seed, step))
+    start = time.perf_counter()
+    batch = rl.pack_rollout(rollout, state.tokenizer.pad_token_id, need_rollout_logprobs=algo.is_level != "none")
+    batch = batch.to(state.run.device)
+    precision, temperature = state.updater.precision, cfg.rollout.temperature
+    metrics.update(add_targets(state.model, value_head, state.ref_model, algo, batch, rewards.total, temperature,
+                               state.micro_batch_size, precision))
+    train_metrics = rl.update(
+        batch, algo, state.updater, state.micro_batch_size, cfg.rollout.max_new_tokens,
+        lambda micro, counts: micro_loss(state.model, value_head, micro, algo, temperature, counts, precision),
+        step)
+    return {**metrics, **train_metrics, "time_training": time.perf_counter() - start,
+            "num_tokens": int(batch.attention_mask.sum()) * algo.num_iterations}
+
+
+def run_ppo(cfg: PPOConfig, model=None, tokenizer=None, console=None, name: str = "ppo") -> dict:
+    """Train with PPO; returns the final metrics (``accuracy``, ``accuracy_before`` for tasks) and ``run_dir``."""
+    algo = cfg.algo.resolved()
+    if model is None:
+        from ..models import load_model
+
+        model, tokenizer = load_model(cfg.model)
+    value_head = ValueHead(model.config.hidden_size)
+    state, saved = rl.prepare(cfg, name, algo, model, tokenizer, console, extra_modules={"value_head": value_head})
+    if "value_head" in saved:
+        value_head.load_state_dict(saved["value_head"])
+    state.run.print(f"[algo] {rl.describe_algo(algo)}")
+
+    def save_value_head(final_dir: Path) -> None:
+        torch.save(value_head.state_dict(), final_dir / "value_head.pt")
+
+    return rl.train_rl(state, lambda step: ppo_step(state, value_head, algo, step),
+                       extra_state=lambda: {"value_head": value_head.state_dict()}, save_extra=save_value_head)

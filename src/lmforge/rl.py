@@ -1,0 +1,638 @@
+"""Shared pieces of the RL recipes (``lmforge grpo``, ``lmforge ppo``).
+
+One RL step: take the next prompts -> sample ``group_size`` completions each -> score them ->
+(recipe: advantages) -> lay the rollout out for the trainer -> for each pass and mini-batch:
+forward/backward on the completion tokens, one optimizer update. This module holds what both
+recipes use -- config sections, prompts, sampling + scoring, the trainer's layout of a rollout,
+completion logprobs, the update loop over passes / mini-batches / micro-batches, and the outer
+step loop with logging, evaluation and checkpoints. Each recipe keeps its own loss and step.
+
+Layout of a rollout for the trainer (:class:`RLBatch`). The engine returns left-padded prompts
+(B, P) and right-padded completions (B, C). Each row is re-packed as ``prompt tokens, completion
+tokens, padding`` (B, L): positions are then plain 0..L-1, exactly the position ids the engine
+used (it counts real tokens only), so the model needs no position ids. ``positions`` (B, L)
+selects the logits that predict completion tokens; since every completion mask is a prefix of its
+row, those N logits, taken in row-major order, line up with ``completion_mask`` (B, C).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import torch
+
+from . import checkpoint as ckpt
+from .advantages import ADVANTAGES
+from .config import opt
+from .data.sft import encode_prompt, uses_chat_format
+from .data.tasks import get_task
+from .errors import ConfigError, DataError, TrainingError
+from .evaluation import save_samples, task_accuracy
+from .losses import AGGREGATIONS, GSPO_EPS_HIGH, GSPO_EPS_LOW, IS_LEVELS, KL_ESTIMATORS, POLICY_LOSSES
+from .metrics import RunLogger, StepTimer, plot_run, print_summary, summary
+from .models import load_model
+from .ops import entropy_from_logits, selective_log_softmax
+from .rollout import RewardOutput, RewardSet, RolloutBatch, SamplingParams, generate
+from .train import (BatchOrder, Precision, build_optimizer, build_scheduler, check_finite, logits_at,
+                    optimizer_step)
+from .recipes.common import Run, start_run
+
+Tensor = torch.Tensor
+
+# ----------------------------------------------------------------------------- config sections
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    num_prompts: int = opt(8, "prompts sampled per RL step")
+    group_size: int = opt(8, "completions sampled per prompt (G)")
+    temperature: float = opt(1.0, "sampling temperature (> 0); training logprobs use logits / temperature too")
+    top_k: int = opt(0, "sample among the k most likely tokens only (0 = off; see docs/rl-recipes.md)")
+    top_p: float = opt(1.0, "nucleus sampling mass (1 = off; see docs/rl-recipes.md)")
+    max_new_tokens: int = opt(64, "longest completion; also the Dr. GRPO length normaliser")
+
+    def validate(self) -> None:
+        for name in ("num_prompts", "group_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.temperature > 0:
+            raise ConfigError(f"rollout.temperature must be > 0, got {self.temperature}: RL trains on "
+                              "sampled completions (greedy decoding has no distribution to improve)")
+        try:
+            self.sampling(stop_token_ids=[], seed=0)
+        except ValueError as exc:
+            raise ConfigError(f"rollout: {exc}") from exc
+
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k / top-p make the sampling distribution differ from softmax(logits / T)."""
+        return self.top_k > 0 or self.top_p < 1.0
+
+    def sampling(self, stop_token_ids: list[int], seed: int) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              max_new_tokens=self.max_new_tokens, stop_token_ids=stop_token_ids, seed=seed)
+
+
+@dataclasses.dataclass
+class RewardsConfig:
+    functions: list[Any] = opt(["exact"], "reward functions, summed with weights: each a name (exact, math, "
+                               "format, package.module:function) or {name, weight, kwargs}")
+    max_failure_fraction: float = opt(0.5, "stop the run when a reward function fails on more than this "
+                                      "fraction of a batch (fewer failures score 0 and are counted)")
+
+    def specs(self) -> list[tuple]:
+        """``RewardSet`` specs ``(name, weight, kwargs)`` from ``functions``."""
+        if not self.functions:
+            raise ConfigError("rewards.functions is empty; name at least one reward, e.g. [exact]")
+        specs = []
+        for i, item in enumerate(self.functions):
+            if isinstance(item, str):
+                item = {"name": item}
+            if not isinstance(item, dict) or "name" not in item or set(item) - {"name", "weight", "kwargs"}:
+                raise ConfigError(f"rewards.functions[{i}] = {item!r}: expected a name or a mapping with "
+                                  "'name' and optional 'weight' and 'kwargs'")
+            try:
+                weight = float(item.get("weight", 1.0))
+            except (TypeError, ValueError):
+                raise ConfigError(f"rewards.functions[{i}].weight must be a number, got {item['weight']!r}") from None
+            specs.append((str(item["name"]), weight, dict(item.get("kwargs") or {})))
+        return specs
+
+    def validate(self) -> None:
+        self.specs()
+        if not 0.0 <= self.max_failure_fraction <= 1.0:
+            raise ConfigError(f"rewards.max_failure_fraction must be in [0, 1], got {self.max_failure_fraction}")
+
+
+@dataclasses.dataclass
+class RLDataConfig:
+    task: str = opt("", "built-in task giving prompts, the 'exact' reward and held-out accuracy, e.g. addition")
+    path: str = opt("", "instead of a task: JSONL of rows with a 'prompt' (each row goes to the reward functions)")
+    num_train: int = opt(4000, "task: training prompts")
+    num_eval: int = opt(200, "task: held-out problems for greedy accuracy (0 = none)")
+    use_chat_template: Literal["auto", "on", "off"] = opt("auto", "wrap prompts in the chat template (auto: "
+                                                          "when the tokenizer has its own)")
+
+    def validate(self) -> None:
+        if bool(self.path) == bool(self.task):
+            raise ConfigError("set exactly one of data.task (e.g. addition) and data.path (a JSONL of prompts)")
+        if self.task:
+            try:
+                get_task(self.task)
+            except ValueError as exc:
+                raise ConfigError(f"data.task: {exc}") from exc
+
+
+# The algorithm keys both recipes share. Keys that a preset may set default to None ("unset") so
+# that an explicit value can be told apart from a default: explicit > loss clip > preset > default.
+POLICY_DEFAULTS = {"loss_type": "token_clip", "aggregation": "seq_mean_token_mean",
+                   "eps_low": 0.2, "eps_high": 0.2, "kl_coef": 0.0}
+# Clip ranges that belong to the loss, not to a preset: GSPO clips a length-normalised sequence
+# ratio, which moves ~1e-3 per update, so PPO's 0.2 would never clip (GSPO paper values).
+LOSS_CLIP_DEFAULTS = {"gspo": (GSPO_EPS_LOW, GSPO_EPS_HIGH), "gspo_token": (GSPO_EPS_LOW, GSPO_EPS_HIGH)}
+NAMED_CHOICES = {"loss_type": POLICY_LOSSES, "aggregation": AGGREGATIONS, "advantage": ADVANTAGES,
+                 "kl_estimator": KL_ESTIMATORS, "is_level": {"none": None, **IS_LEVELS}}
+
+
+@dataclasses.dataclass
+class PolicyConfig:
+    loss_type: str | None = opt(None, f"policy loss: {', '.join(POLICY_LOSSES)} (unset: preset, else token_clip)")
+    aggregation: str | None = opt(None, f"per-token -> scalar: {', '.join(AGGREGATIONS)} (unset: preset, "
+                                  "else seq_mean_token_mean)")
+    eps_low: float | None = opt(None, "ratio clip below 1 - eps_low (unset: 3e-4 for gspo*, else preset, else 0.2)")
+    eps_high: float | None = opt(None, "ratio clip above 1 + eps_high (unset: 4e-4 for gspo*, else preset, else 0.2)")
+    dual_clip: float | None = opt(None, "dual-clip constant c > 1 bounding the loss of negative advantages (null = off)")
+    kl_coef: float | None = opt(None, "KL weight to the reference = the starting policy, loaded only when > 0 "
+                                "(unset: preset, else 0)")
+    kl_estimator: str = opt("k3", "KL estimator: k1, k2, k3")
+    entropy_coef: float = opt(0.0, "entropy bonus weight (entropy is logged either way)")
+    num_iterations: int = opt(1, "optimizer passes over each rollout batch")
+    num_mini_batches: int = opt(1, "optimizer updates per pass (the batch is split into this many)")
+    is_level: str = opt("none", "importance weights pi_old / pi_rollout against the sampler: none, token, sequence")
+    is_cap: float = opt(2.0, "truncate importance weights at this value")
+
+    def resolved(self) -> "PolicyConfig":
+        return resolve_algo(self, POLICY_DEFAULTS)
+
+    def validate(self) -> None:
+        self.resolved()
+
+
+def resolve_algo(algo, defaults: dict, preset_values: dict | None = None):
+    """A copy of ``algo`` with every unset (None) key of ``defaults`` filled, then checked.
+
+    Precedence: explicit value > the loss type's own clip range (GSPO) > preset > default.
+    """
+    explicit = {key: getattr(algo, key) for key in defaults if getattr(algo, key) is not None}
+    values = {**defaults, **(preset_values or {}), **explicit}
+    for key, value in zip(("eps_low", "eps_high"), LOSS_CLIP_DEFAULTS.get(values["loss_type"], ())):
+        if key not in explicit:
+            values[key] = value
+    resolved = dataclasses.replace(algo, **values)
+    check_algo(resolved)
+    return resolved
+
+
+def check_algo(algo) -> None:
+    """ConfigError naming the key for an unknown name or an out-of-range number in ``algo``."""
+    for key, registry in NAMED_CHOICES.items():
+        if hasattr(algo, key) and getattr(algo, key) not in registry:
+            raise ConfigError(f"algo.{key}={getattr(algo, key)!r} is not known; valid: {', '.join(registry)}")
+    if not (0.0 <= algo.eps_low < 1.0 and algo.eps_high >= 0.0):
+        raise ConfigError(f"need 0 <= algo.eps_low < 1 and algo.eps_high >= 0, got {algo.eps_low}, {algo.eps_high}")
+    if algo.dual_clip is not None and algo.dual_clip <= 1.0:
+        raise ConfigError(f"algo.dual_clip must be > 1 (or null to disable), got {algo.dual_clip}")
+    if algo.kl_coef < 0:
+        raise ConfigError(f"algo.kl_coef must be >= 0, got {algo.kl_coef}")
+    for key in ("num_iterations", "num_mini_batches"):
+        if getattr(algo, key) < 1:
+            raise ConfigError(f"algo.{key} must be >= 1, got {getattr(algo, key)}")
+    if algo.is_cap <= 0:
+        raise ConfigError(f"algo.is_cap must be > 0, got {algo.is_cap}")
+
+
+def check_rl_config(cfg, algo) -> None:
+    """Validate the sections (again: a config built in Python skips ``validate``), then the checks
+    that span sections."""
+    for section_cfg in (cfg.data, cfg.rollout, cfg.rewards, cfg.optim, cfg.train):
+        section_cfg.validate()
+    if algo.is_level != "none" and cfg.rollout.truncates:
+        raise ConfigError(
+            f"algo.is_level={algo.is_level} weights by pi_trainer / pi_rollout, but with rollout.top_k / "
+            "rollout.top_p the sampler reports logprobs of a truncated, renormalised distribution that "
+            "the trainer does not compute, so every weight would be biased; set rollout.top_k=0 and "
+            "rollout.top_p=1, or algo.is_level=none")
+    batch_rows = cfg.rollout.num_prompts * cfg.rollout.group_size
+    if algo.num_mini_batches > batch_rows:
+        raise ConfigError(f"algo.num_mini_batches={algo.num_mini_batches} exceeds the {batch_rows} completions "
+                          "of a step (rollout.num_prompts x rollout.group_size)")
+
+
+def describe_algo(algo) -> str:
+    """Every resolved algo key on one line, so a run's log says what the presets amounted to."""
+    return " ".join(f"{f.name}={getattr(algo, f.name)}" for f in dataclasses.fields(algo))
+
+
+def policy_kwargs(algo) -> dict:
+    """The ``losses.policy_loss`` keyword arguments that come from a resolved ``algo``."""
+    return dict(loss_type=algo.loss_type, aggregation=algo.aggregation, eps_low=algo.eps_low,
+                eps_high=algo.eps_high, dual_clip=algo.dual_clip, is_cap=algo.is_cap,
+                is_level=None if algo.is_level == "none" else algo.is_level,
+                kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator, entropy_coef=algo.entropy_coef)
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+@dataclasses.dataclass
+class PromptSet:
+    """Training prompts as token ids, what the reward functions see for each, held-out problems."""
+
+    prompt_ids: list[list[int]]
+    problems: list  # one per prompt: a task Problem, or the JSONL row (a dict)
+    task: Any  # the Task (passed to rewards as task=...), or None for a prompts file
+    eval_problems: list
+    chat: bool
+
+
+def load_prompt_rows(path: str | Path) -> list[dict]:
+    """JSONL rows, each an object with a 'prompt' string; other keys are for the reward functions."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DataError(f"{path}: prompts file not found")
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{number}: invalid JSON ({err.msg}); one object per line") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise DataError(f"{path}:{number}: each row needs a 'prompt' string (plus what the rewards "
+                            "read, e.g. 'answer')")
+        rows.append(row)
+    if not rows:
+        raise DataError(f"{path}: file has no rows")
+    return rows
+
+
+def build_prompts(data: RLDataConfig, tokenizer, seed: int) -> PromptSet:
+    chat = uses_chat_format(tokenizer, data.use_chat_template)
+    if data.task:
+        task = get_task(data.task)
+        problems = task.make_problems(data.num_train, seed, "train")
+        eval_problems = task.make_problems(data.num_eval, seed, "test")
+        texts = [p.prompt for p in problems]
+    else:
+        task, eval_problems = None, []
+        problems = load_prompt_rows(data.path)
+        texts = [row["prompt"] for row in problems]
+    prompt_ids = [encode_prompt(tokenizer, text, chat) for text in texts]
+    return PromptSet(prompt_ids, problems, task, eval_problems, chat)
+
+
+# ----------------------------------------------------------------------------- sample and score
+
+
+def sample_and_score(model, tokenizer, prompts: PromptSet, rows: list[int], cfg: RolloutConfig,
+                     reward_set: RewardSet, seed: int) -> tuple[RolloutBatch, RewardOutput, dict]:
+    """Sample ``cfg.group_size`` completions for each prompt in ``rows``; score them.
+
+    Returns the rollout (B = len(rows) * G rows, a prompt's samples adjacent), the rewards and
+    detached metrics: reward mean/std overall and per function, lengths, timings.
+    """
+    start = time.perf_counter()
+    was_training = model.training
+    model.eval()  # sampling is inference: no dropout, and the KV cache stays on
+    params = cfg.sampling([tokenizer.eos_token_id], seed)
+    rollout = generate(model, [prompts.prompt_ids[i] for i in rows], params, num_samples=cfg.group_size,
+                       pad_token_id=tokenizer.pad_token_id)
+    model.train(was_training)
+    generated = time.perf_counter()
+    texts = [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+             for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+    problems = [prompts.problems[i] for i in rows for _ in range(cfg.group_size)]
+    shared = {} if prompts.task is None else {"task": prompts.task}
+    rewards = reward_set(texts, problems, **shared)
+    lengths = rollout.completion_lens.float()
+    metrics = {
+        "reward": rewards.total.mean(),
+        "reward_std": rewards.total.std(correction=0),
+        **{f"reward_{name}": rewards.per_function[:, f].mean() for f, name in enumerate(rewards.names)},
+        "reward_failures": rewards.num_failed.sum(),
+        "completion_len_mean": lengths.mean(),
+        "completion_len_max": lengths.max(),
+        "truncated_frac": rollout.truncated.float().mean(),
+        "time_generation": generated - start,
+        "time_scoring": time.perf_counter() - generated,
+    }
+    return rollout, rewards, metrics
+
+
+# ----------------------------------------------------------------------------- trainer layout
+
+
+@dataclasses.dataclass
+class RLBatch:
+    """A rollout laid out for the trainer (module doc). B rows, L packed length, C completion width."""
+
+    input_ids: Tensor  # (B, L) long: prompt tokens, completion tokens, then padding
+    attention_mask: Tensor  # (B, L) long
+    positions: Tensor  # (B, L) bool: the logits here predict the completion tokens
+    completion_ids: Tensor  # (B, C) long
+    completion_mask: Tensor  # (B, C) long, a prefix of ones in each row
+    rollout_logprobs: Tensor | None  # (B, C) the sampler's logprobs (None if it reports none)
+    advantages: Tensor | None = None  # (B,) per sequence (GRPO) or (B, C) per token (PPO)
+    old_logprobs: Tensor | None = None  # (B, C) trainer logprobs at the rollout's weights
+    ref_logprobs: Tensor | None = None  # (B, C) reference model logprobs
+    old_values: Tensor | None = None  # (B, C) PPO critic at rollout time
+    returns: Tensor | None = None  # (B, C) PPO value targets
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device) -> "RLBatch":
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device)
+                                            for f in dataclasses.fields(self) if getattr(self, f.name) is not None})
+
+    def select(self, rows: Tensor) -> "RLBatch":
+        """The rows ``rows`` (1-D index tensor), with packed columns that are padding in all of them cut."""
+        picked = {f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
+                  for f in dataclasses.fields(self)}
+        width = int(picked["attention_mask"].sum(1).max())
+        for name in ("input_ids", "attention_mask", "positions"):
+            picked[name] = picked[name][:, :width]
+        return RLBatch(**picked)
+
+
+def pack_rollout(rollout: RolloutBatch, pad_token_id: int, need_rollout_logprobs: bool) -> RLBatch:
+    """Re-pack a rollout as ``prompt, completion, padding`` rows (module doc)."""
+    if need_rollout_logprobs and rollout.logprobs is None:
+        raise TrainingError(
+            "algo.is_level weights by the sampler's logprobs, but this rollout carries none "
+            "(RolloutBatch.logprobs is None); use a rollout engine that reports them, or set "
+            "algo.is_level=none")
+    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)  # (B, P + C)
+    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], dim=1)
+    is_completion = torch.cat([torch.zeros_like(rollout.prompt_mask), rollout.completion_mask], dim=1)
+    # A stable sort on "is padding" moves each row's real tokens to the front, keeping their order.
+    order = torch.sort((mask == 0).long(), dim=1, stable=True).indices
+    ids, mask, is_completion = ids.gather(1, order), mask.gather(1, order), is_completion.gather(1, order)
+    positions = torch.zeros_like(mask, dtype=torch.bool)
+    positions[:, :-1] = is_completion[:, 1:].bool()  # logits at t predict token t + 1
+    width = int(mask.sum(1).max())
+    return RLBatch(input_ids=ids[:, :width], attention_mask=mask[:, :width], positions=positions[:, :width],
+                   completion_ids=rollout.completion_ids, completion_mask=rollout.completion_mask,
+                   rollout_logprobs=rollout.logprobs)
+
+
+def scatter_completion(flat: Tensor, mask: Tensor) -> Tensor:
+    """(N,) values of the mask's true entries, row-major -> (B, C), 0 elsewhere (differentiable)."""
+    return flat.new_zeros(mask.shape).masked_scatter(mask, flat)
+
+
+def completion_logprobs(logits: Tensor, batch: RLBatch, temperature: float,
+                        entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
+    """Logits (N, V) at ``batch.positions`` -> logprobs and entropy (B, C) of softmax(logits / T).
+
+    T is the sampling temperature: the ratio and the entropy must be of the distribution the
+    completions were drawn from. The entropy carries a gradient only if ``entropy_grad``.
+    """
+    scaled = logits.float() / temperature
+    mask = batch.completion_mask.bool()
+    logprobs = selective_log_softmax(scaled, batch.completion_ids[mask])  # (N,)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = entropy_from_logits(scaled)  # (N,)
+    return scatter_completion(logprobs, mask), scatter_completion(entropy, mask)
+
+
+def policy_logprobs(model, batch: RLBatch, temperature: float, precision: Precision,
+                    entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
+    """One forward of ``model`` on ``batch``; the LM head runs on completion positions only."""
+    with precision.autocast():
+        logits = logits_at(model, batch.input_ids, batch.attention_mask, batch.positions)  # (N, V)
+    return completion_logprobs(logits, batch, temperature, entropy_grad)
+
+
+@torch.no_grad()
+def batch_logprobs(model, batch: RLBatch, micro_batch_size: int, temperature: float,
+                   precision: Precision) -> Tensor:
+    """(B, C) logprobs of ``model`` on the whole batch, in micro-batches, without gradients."""
+    parts = [policy_logprobs(model, batch.select(rows), temperature, precision)[0]
+             for rows in torch.arange(batch.num_rows).split(micro_batch_size)]
+    return torch.cat(parts)
+
+
+def reference_model(model, kl_coef: float):
+    """A frozen copy of the starting policy, made only when the KL term is on (it costs a model)."""
+    if kl_coef <= 0:
+        return None
+    ref = copy.deepcopy(model).eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+# ----------------------------------------------------------------------------- updates
+
+
+@dataclasses.dataclass
+class Updater:
+    """Optimizer, LR schedule and precision of the trained module; ``step`` is one update."""
+
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    precision: Precision
+    max_grad_norm: float
+
+    @classmethod
+    def build(cls, module, optim_cfg, num_updates: int, precision: Precision) -> "Updater":
+        optimizer = build_optimizer(module, optim_cfg)
+        return cls(module, optimizer, build_scheduler(optimizer, optim_cfg, num_updates), precision,
+                   optim_cfg.max_grad_norm)
+
+    def step(self) -> Tensor:
+        return optimizer_step(self.module, self.optimizer, self.scheduler, self.precision, self.max_grad_norm)
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "precision": self.precision.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.precision.load_state_dict(state["precision"])
+
+
+def global_counts(batch: RLBatch, max_new_tokens: int) -> dict:
+    """The aggregation counts of one optimizer update: summed over all its micro-batches, once."""
+    return {"num_seqs_global": batch.num_rows, "num_loss_tokens_global": int(batch.completion_mask.sum()),
+            "max_completion_len": max_new_tokens}
+
+
+def reduce_metrics(records: list[tuple[dict, int]]) -> dict:
+    """Per-micro-batch metrics -> one value each: max of ``*_max``, min of ``*_min``, else the
+    mean weighted by the micro-batch's completion tokens."""
+    values: dict[str, list] = {}
+    for metrics, weight in records:
+        for key, value in metrics.items():
+            values.setdefault(key, []).append((float(value), weight))
+    out = {}
+    for key, pairs in values.items():
+        if key.endswith("_max"):
+            out[key] = max(v for v, _ in pairs)
+        elif key.endswith("_min"):
+            out[key] = min(v for v, _ in pairs)
+        else:
+            out[key] = sum(v * w for v, w in pairs) / max(sum(w for _, w in pairs), 1)
+    return out
+
+
+LossFn = Callable[[RLBatch, dict], tuple[Tensor, dict]]
+
+
+def update(batch: RLBatch, algo, updater: Updater, micro_batch_size: int, max_new_tokens: int,
+           loss_fn: LossFn, step: int) -> dict:
+    """``algo.num_iterations`` passes over ``batch``, each of ``algo.num_mini_batches`` updates.
+
+    Mini-batches are contiguous row ranges (a prompt's samples stay together when the sizes
+    divide); each is split into micro-batches of ``micro_batch_size`` rows whose losses,
+    normalised by the mini-batch's global counts, are accumulated into one optimizer step.
+    ``loss_fn(micro_batch, counts) -> (loss, metrics)``.
+    """
+    records, losses, grad_norms = [], [], []
+    lr = updater.scheduler.get_last_lr()[0]
+    for _ in range(algo.num_iterations):
+        for mini_rows in torch.arange(batch.num_rows).tensor_split(algo.num_mini_batches):
+            mini = batch.select(mini_rows)
+            counts = global_counts(mini, max_new_tokens)
+            loss_sum = 0.0
+            for rows in torch.arange(mini.num_rows).split(micro_batch_size):
+                micro = mini.select(rows)
+                loss, metrics = loss_fn(micro, counts)
+                check_finite(loss, step)
+                updater.precision.backward(loss)
+                loss_sum = loss_sum + loss.detach()
+                records.append((metrics, int(micro.completion_mask.sum())))
+            grad_norms.append(updater.step())
+            losses.append(loss_sum)
+    grad_norms = torch.stack(grad_norms)
+    return {**reduce_metrics(records), "loss": torch.stack(losses).mean(), "grad_norm": grad_norms.mean(),
+            "grad_norm_max": grad_norms.max(), "lr": lr}
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+@dataclasses.dataclass
+class RLState:
+    """Everything a run's steps share (built by :func:`prepare`)."""
+
+    run: Run
+    model: torch.nn.Module
+    tokenizer: Any
+    ref_model: torch.nn.Module | None
+    prompts: PromptSet
+    reward_set: RewardSet
+    order: BatchOrder
+    updater: Updater
+    step: int  # RL steps already done (non-zero after resume)
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.run.choices.micro_batch_size
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The sampler's seed at ``step``: a function of the step, so a resumed run samples the same."""
+    return seed * 1_000_003 + step
+
+
+def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
+            extra_modules: dict[str, torch.nn.Module] | None = None) -> tuple[RLState, dict]:
+    """Load, set up hardware and the run directory, build the optimizer, resume if asked.
+
+    ``extra_modules`` (e.g. PPO's value head) are trained and clipped with the model. Returns the
+    state and the saved trainer state of the checkpoint resumed from ({} for a fresh run).
+    """
+    check_rl_config(cfg, algo)
+    if model is None:
+        model, tokenizer = load_model(cfg.model)
+    prompts = build_prompts(cfg.data, tokenizer, cfg.train.seed)
+    seq_len = max(len(p) for p in prompts.prompt_ids) + cfg.rollout.max_new_tokens
+    run = start_run(cfg, name, model, seq_len=seq_len, console=console)
+    model.to(run.device)
+    ref_model = reference_model(model, algo.kl_coef)  # before resume: the reference is the start
+    if run.choices.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    trainable = model
+    if extra_modules:
+        trainable = torch.nn.ModuleDict({"policy": model, **extra_modules}).to(run.device)
+    num_updates = cfg.train.max_steps * algo.num_iterations * algo.num_mini_batches
+    updater = Updater.build(trainable, cfg.optim, num_updates, Precision(run.device, run.choices.dtype))
+    order = BatchOrder(len(prompts.prompt_ids), cfg.rollout.num_prompts, cfg.train.seed)
+    reward_set = RewardSet(cfg.rewards.specs(), cfg.rewards.max_failure_fraction)
+    state = RLState(run, model, tokenizer, ref_model, prompts, reward_set, order, updater, step=0)
+    saved = {}
+    resume_from = ckpt.resolve_resume(cfg.train.resume, run.dir)
+    if resume_from is not None:
+        ckpt.load_model_weights(model, resume_from)
+        saved = ckpt.load_trainer_state(resume_from)
+        updater.load_state_dict(saved)
+        order.load_state_dict(saved["data"])
+        ckpt.set_rng_state(saved["rng"])
+        state.step = saved["step"]
+        run.print(f"[resume] from {resume_from} at step {state.step}")
+    run.print(f"[data] {len(prompts.prompt_ids)} training prompts, {len(prompts.eval_problems)} held-out problems")
+    return state, saved
+
+
+def make_evaluate(state: RLState) -> Callable[[int], dict] | None:
+    """Greedy held-out accuracy of the policy (task data only), plus a few printed samples."""
+    prompts, run = state.prompts, state.run
+    if prompts.task is None or not prompts.eval_problems:
+        return None
+    tcfg = run.cfg.train
+
+    def evaluate(step: int) -> dict:
+        accuracy, texts = task_accuracy(state.model, state.tokenizer, prompts.task, prompts.eval_problems,
+                                        tcfg.max_new_tokens, prompts.chat)
+        k = tcfg.num_samples
+        save_samples(run.dir, step, [p.prompt for p in prompts.eval_problems[:k]], texts[:k], run.print)
+        return {"accuracy": accuracy}
+
+    return evaluate
+
+
+TIME_KEYS = ("time_generation", "time_scoring", "time_training")
+
+
+def train_rl(state: RLState, step_fn: Callable[[int], dict], extra_state: Callable[[], dict] = dict,
+             save_extra: Callable[[Path], None] | None = None) -> dict:
+    """Steps ``state.step + 1 .. max_steps``: ``step_fn(step) -> metrics``, log, evaluate, checkpoint;
+    then the final model, the summary and the curves. Returns the last evaluation + ``run_dir``."""
+    run, tcfg = state.run, state.run.cfg.train
+    logger = RunLogger(run.dir, run.cfg.logging, tcfg.max_steps, console=run.console)
+    timer, totals = StepTimer(), dict.fromkeys(TIME_KEYS, 0.0)
+    evaluate = make_evaluate(state)
+    final: dict = {}
+    logger.start_progress(run.name, completed=state.step)
+    try:
+        if evaluate is not None and state.step == 0:  # the baseline the curve starts from
+            final = {"accuracy_before": evaluate(0)["accuracy"]}
+            logger.log(0, {"accuracy": final["accuracy_before"]}, kind="eval")
+        for step in range(state.step, tcfg.max_steps):
+            done, start = step + 1, time.perf_counter()
+            metrics = step_fn(done)
+            step_time = time.perf_counter() - start
+            timer.record(step_time, metrics["time_generation"] + metrics["time_scoring"], metrics.pop("num_tokens"))
+            totals = {key: totals[key] + metrics[key] for key in TIME_KEYS}
+            logger.log(done, {**metrics, "step_time": step_time}, echo=done % tcfg.log_every == 0 or done == 1)
+            logger.advance(done)
+            last = done == tcfg.max_steps
+            if evaluate is not None and ((tcfg.eval_every and done % tcfg.eval_every == 0) or last):
+                final.update(evaluate(done))
+                logger.log(done, {"accuracy": final["accuracy"]}, kind="eval")
+            if (tcfg.save_every and done % tcfg.save_every == 0) or last:
+                trainer_state = {**state.updater.state_dict(), "data": state.order.state_dict(), **extra_state()}
+                ckpt.save_checkpoint(run.dir, done, state.model, state.tokenizer, trainer_state, tcfg.keep_last)
+        ckpt.save_model_dir(run.dir / "final", state.model, state.tokenizer)
+        if save_extra is not None:
+            save_extra(run.dir / "final")
+    finally:
+        logger.close()
+    figures = summary(timer, run.flops_per_token(state.model), run.peak_gflops(), run.device)
+    figures.update({f"{key}_s": value for key, value in totals.items()})
+    print_summary(logger, figures)
+    run.print("[summary] time split: generation {time_generation_s:.1f}s | scoring {time_scoring_s:.1f}s | "
+              "training {time_training_s:.1f}s".format(**figures))
+    plot_run(run.dir)
+    run.print(f"[done] run directory: {run.dir}")
+    return {**final, "run_dir": str(run.dir)}

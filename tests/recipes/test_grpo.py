@@ -1,0 +1,185 @@
+"""GRPO recipe on a tiny in-process model: an end-to-end run, bit-exact resume, the on-policy
+shortcut, importance sampling without rollout logprobs, presets and config errors."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from lmforge import cli, rl
+from lmforge.config import ModelConfig, load_config
+from lmforge.errors import ConfigError, TrainingError
+from lmforge.models import load_model
+from lmforge.recipes.grpo import GRPOConfig, micro_loss, run_grpo
+from lmforge.rollout import BUILTIN_REWARDS, RewardSet
+from lmforge.train import Precision
+
+TINY = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
+        "model.max_position_embeddings=32"]
+ARGS = TINY + [
+    "data.task=addition", "data.num_train=64", "data.num_eval=8", "rollout.num_prompts=2",
+    "rollout.group_size=4", "rollout.max_new_tokens=4", "rewards.functions=[parity]",
+    "train.max_steps=4", "train.micro_batch_size=2", "train.save_every=2", "train.keep_last=10",
+    "train.eval_every=2", "train.max_new_tokens=4", "train.threads=1", "optim.lr=1e-2",
+    "logging.progress=false",
+    # the fullest path: KL to a reference (grpo preset), two passes of two mini-batches of
+    # two micro-batches each, so old logprobs are recomputed and the ratio leaves 1
+    "algo.preset=grpo", "algo.num_iterations=2", "algo.num_mini_batches=2",
+]
+STEP_KEYS = {
+    "reward", "reward_std", "reward_parity", "reward_failures", "frac_zero_variance_groups",
+    "num_zero_variance_groups", "completion_len_mean", "completion_len_max", "truncated_frac", "kl",
+    "entropy", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max",
+    "rollout_diff_mean", "rollout_diff_abs_mean", "rollout_diff_abs_max", "rollout_ratio_mean",
+    "rollout_ratio_frac_low", "rollout_ratio_frac_high", "pg_loss", "loss", "grad_norm", "lr",
+    "time_generation", "time_scoring", "time_training", "step_time",
+}
+
+
+def parity(completion: str, problem) -> float:
+    """A reward with variance for an untrained model: parity of the completion's character codes."""
+    return float(sum(map(ord, completion)) % 2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def parity_reward():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(BUILTIN_REWARDS, "parity", parity)
+        yield
+
+
+def records(run_dir, kind="train"):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if r["kind"] == kind}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo") / "run"
+    result = run_grpo(load_config(GRPOConfig, None, ARGS + [f"train.output_dir={out}"]))
+    return out, result
+
+
+def test_run_logs_every_metric_and_checkpoints(reference):
+    out, result = reference
+    train = records(out)
+    assert sorted(train) == [1, 2, 3, 4]
+    for step, record in train.items():
+        assert STEP_KEYS <= set(record), f"step {step} lacks {sorted(STEP_KEYS - set(record))}"
+    assert sorted(records(out, "eval")) == [0, 2, 4]
+    assert set(result) >= {"accuracy", "accuracy_before", "run_dir"}
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step-000002", "step-000004"]
+    assert (out / "final" / "model.safetensors").is_file() and (out / "summary.json").is_file()
+    assert any(r["grad_norm"] > 0 for r in train.values()), "no step had a learning signal"
+    # trainer and sampler agree at the same temperature: numerical noise only
+    assert all(r["rollout_diff_abs_max"] < 1e-4 for r in train.values())
+    # two passes: the second sees moved weights, so old logprobs were not the current ones
+    assert any(r["ratio_max"] > 1 + 1e-6 or r["ratio_min"] < 1 - 1e-6 for r in train.values())
+
+
+def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(reference, tmp_path):
+    out, _ = reference
+    resumed = tmp_path / "resumed"
+    run_grpo(load_config(GRPOConfig, None, ARGS + [f"train.output_dir={resumed}",
+                                                   f"train.resume={out / 'checkpoints' / 'step-000002'}"]))
+    want, got = records(out), records(resumed)
+    assert sorted(got) == [3, 4]
+    for step in (3, 4):
+        for key in ("loss", "reward", "kl", "grad_norm"):
+            assert got[step][key] == want[step][key], f"step {step} {key}: {got[step][key]!r} != {want[step][key]!r}"
+
+
+def tiny_batch(temperature=1.0):
+    """A tiny model and a packed rollout of 2 prompts x 4 samples with fixed advantages."""
+    model, tokenizer = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2,
+                                              num_heads=2, max_position_embeddings=32))
+    prompts = rl.build_prompts(rl.RLDataConfig(task="addition", num_train=8, num_eval=0), tokenizer, seed=0)
+    rollout_cfg = rl.RolloutConfig(num_prompts=2, group_size=4, max_new_tokens=4, temperature=temperature)
+    rollout, _, _ = rl.sample_and_score(model, tokenizer, prompts, [0, 1], rollout_cfg, RewardSet([("exact", 1.0)]), 0)
+    batch = rl.pack_rollout(rollout, tokenizer.pad_token_id, need_rollout_logprobs=False)
+    batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 0.25])
+    return model, batch
+
+
+def test_on_policy_shortcut_equals_recomputed_old_logprobs():
+    model, batch = tiny_batch()
+    algo = load_config(GRPOConfig, None, ["data.task=addition", "algo.entropy_coef=0.01"]).algo.resolved()
+    precision, counts = Precision(torch.device("cpu"), torch.float32), rl.global_counts(batch, 4)
+
+    def loss_and_grads(old_logprobs):
+        model.zero_grad()
+        loss, _ = micro_loss(model, dataclasses.replace(batch, old_logprobs=old_logprobs), algo, 1.0, counts, precision)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    shortcut_loss, shortcut_grads = loss_and_grads(None)
+    old_logprobs = rl.batch_logprobs(model, batch, batch.num_rows, 1.0, precision)
+    recomputed_loss, recomputed_grads = loss_and_grads(old_logprobs)
+    torch.testing.assert_close(shortcut_loss, recomputed_loss, rtol=0, atol=1e-7)
+    assert any(g.abs().max() > 1e-4 for g in shortcut_grads)
+    for got, want in zip(shortcut_grads, recomputed_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
+
+
+def test_packed_rows_reproduce_the_sampler_logprobs():
+    # at T != 1, so that training logprobs of softmax(logits) instead of softmax(logits / T) fail
+    model, batch = tiny_batch(temperature=0.7)
+    precision = Precision(torch.device("cpu"), torch.float32)
+    logprobs = rl.batch_logprobs(model, batch, 3, 0.7, precision)
+    mask = batch.completion_mask.bool()
+    torch.testing.assert_close(logprobs[mask], batch.rollout_logprobs[mask], rtol=0, atol=1e-5)
+    assert (logprobs[~mask] == 0).all()
+
+
+def test_importance_sampling_without_rollout_logprobs_fails_loudly(tmp_path, monkeypatch):
+    real_generate = rl.generate
+    monkeypatch.setattr(rl, "generate", lambda *a, **k: dataclasses.replace(real_generate(*a, **k), logprobs=None))
+    cfg = load_config(GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path}", "algo.is_level=token"])
+    with pytest.raises(TrainingError, match="is_level"):
+        run_grpo(cfg)
+
+
+def test_importance_sampling_with_truncated_sampling_is_a_config_error(tmp_path):
+    cfg = load_config(GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path}", "algo.is_level=sequence",
+                                                "rollout.top_k=5"])
+    with pytest.raises(ConfigError, match="top_k"):
+        run_grpo(cfg)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ([], dict(advantage="group_norm", loss_type="token_clip", aggregation="seq_mean_token_mean",
+              eps_low=0.2, eps_high=0.2, kl_coef=0.0)),
+    (["algo.preset=dapo"], dict(aggregation="global_token_mean", eps_low=0.2, eps_high=0.28, kl_coef=0.0)),
+    (["algo.preset=dapo", "algo.eps_high=0.3"], dict(eps_high=0.3)),
+    (["algo.preset=dr_grpo"], dict(advantage="group_mean", aggregation="seq_sum_max_len")),
+    (["algo.preset=gspo"], dict(loss_type="gspo", eps_low=3e-4, eps_high=4e-4)),
+    (["algo.loss_type=gspo_token"], dict(eps_low=3e-4, eps_high=4e-4)),
+    (["algo.preset=dapo", "algo.loss_type=gspo"], dict(eps_low=3e-4, eps_high=4e-4)),
+    (["algo.loss_type=gspo", "algo.eps_low=1e-3"], dict(eps_low=1e-3, eps_high=4e-4)),
+    (["algo.preset=rloo"], dict(advantage="rloo", aggregation="seq_sum_max_len")),
+    (["algo.preset=grpo", "algo.kl_coef=0"], dict(kl_coef=0.0)),
+])
+def test_presets_and_explicit_keys(overrides, expected):
+    algo = load_config(GRPOConfig, None, ["data.task=addition", *overrides]).algo.resolved()
+    assert {key: getattr(algo, key) for key in expected} == expected
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algo.preset=grpoo", "valid: grpo, dr_grpo, dapo, gspo, rloo"),
+    ("algo.loss_type=ppo", "valid: token_clip, gspo, gspo_token"),
+    ("algo.aggregation=mean", "algo.aggregation='mean' is not known"),
+    ("algo.advantage=gae", "valid: group_norm, group_mean, rloo, batch_norm"),
+    ("algo.kl_estimator=k4", "algo.kl_estimator"),
+    ("algo.is_level=tokens", "valid: none, token, sequence"),
+    ("algo.dual_clip=0.5", "dual_clip"),
+    ("rollout.temperature=0", "rollout.temperature"),
+    ("rewards.functions=[{nme: exact}]", "rewards.functions\\[0\\]"),
+])
+def test_bad_config_is_a_clear_error(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(GRPOConfig, None, ["data.task=addition", override])
+
+
+def test_cli_reports_a_bad_preset(capsys):
+    assert cli.main(["grpo", "data.task=addition", "algo.preset=nope"]) == 2
+    assert "algo.preset='nope' is not known" in capsys.readouterr().err
