@@ -1,10 +1,13 @@
 """``lmforge <command>``: each command is a thin call into a recipe.
 
-    lmforge quickstart                      the embedded default: tiny model, synthetic task, no network
-    lmforge pretrain CONFIG [key=value ...] train on packed text
-    lmforge sft CONFIG [key=value ...]      supervised fine-tuning
-    lmforge hardware                        what was detected and what would be chosen
-    lmforge plot RUN_DIR                    PNG of the run's curves
+    lmforge quickstart                         the embedded default: tiny model, SFT then GRPO, no network
+    lmforge pretrain CONFIG [key=value ...]    train on packed text
+    lmforge sft CONFIG [key=value ...]         supervised fine-tuning
+    lmforge grpo CONFIG [key=value ...]        RL: GRPO / Dr. GRPO / DAPO / GSPO / RLOO
+    lmforge ppo CONFIG [key=value ...]         RL: PPO with a value head and GAE
+    lmforge antidistill STAGE CONFIG [...]     antidistillation pipeline (traces, grad, sample, distill, eval, report, all)
+    lmforge hardware                           what was detected and what would be chosen
+    lmforge plot RUN_DIR                       PNG of the run's curves
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ def _recipes() -> list[tuple[str, str, type, Callable]]:
     from .recipes.sft import SFTConfig, run_sft
 
     return [
-        ("quickstart", "train a tiny model on synthetic addition (SFT), offline, in minutes",
+        ("quickstart", "train a tiny model on synthetic addition (SFT, then GRPO), offline, in minutes",
          QuickstartConfig, run_quickstart),
         ("pretrain", "train a model on packed raw text (optionally its own BPE tokenizer)",
          PretrainConfig, run_pretrain),

@@ -1,8 +1,9 @@
 """``lmforge quickstart``: the embedded default. No files, no network.
 
 Builds a tiny Llama and a character tokenizer, measures held-out accuracy on synthetic 2-digit
-addition (answer written least-significant digit first), fine-tunes it with SFT, measures again,
-and saves the run (checkpoints, metrics.jsonl, curves.png).
+addition (answer written least-significant digit first), fine-tunes it with SFT, then improves it
+with GRPO against the task's exact-answer reward, measuring held-out accuracy after each stage.
+Each stage saves its run (checkpoints, metrics.jsonl, samples.jsonl, curves.png).
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from ..evaluation import task_accuracy
 from ..metrics import make_console
 from ..models import load_model
 from ..tokenizer import char_tokenizer
+from ..rl import RLDataConfig, RolloutConfig
+from .grpo import GRPOConfig, run_grpo
 from .sft import SFTConfig, SFTDataConfig, run_sft
 
 
@@ -29,6 +32,8 @@ class QuickstartConfig:
     sft_steps: int = opt(400, "SFT optimizer steps")
     sft_batch: int = opt(32, "SFT rows per step")
     sft_lr: float = opt(1e-3, "SFT peak learning rate")
+    grpo_steps: int = opt(100, "GRPO steps after SFT (0 = skip the RL stage)")
+    grpo_lr: float = opt(1e-4, "GRPO learning rate (constant)")
     num_eval: int = opt(200, "held-out problems for accuracy")
     progress: bool = opt(True, "show progress bars")
 
@@ -39,10 +44,24 @@ def sft_config(cfg: QuickstartConfig, run_dir: Path) -> SFTConfig:
                           num_layers=cfg.num_layers, num_heads=4, max_position_embeddings=64,
                           init_seed=cfg.seed),
         data=SFTDataConfig(task=cfg.task, num_train=8000, num_val=200, num_eval=cfg.num_eval, max_len=32),
-        optim=OptimConfig(lr=cfg.sft_lr, warmup_steps=100, min_lr_ratio=0.1, weight_decay=0.01, beta2=0.99),
+        optim=OptimConfig(lr=cfg.sft_lr, warmup_steps=100, min_lr_ratio=0.5, weight_decay=0.01, beta2=0.99),
         train=TrainConfig(output_dir=str(run_dir / "sft"), max_steps=cfg.sft_steps, micro_batch_size=cfg.sft_batch,
                           seed=cfg.seed, eval_every=max(cfg.sft_steps // 4, 1), save_every=max(cfg.sft_steps // 2, 1),
                           log_every=50, max_new_tokens=6, num_samples=3, dtype="fp32"),
+        logging=LoggingConfig(progress=cfg.progress),
+    )
+
+
+def grpo_config(cfg: QuickstartConfig, run_dir: Path) -> GRPOConfig:
+    """GRPO on the SFT model: 8 prompts x 8 samples, exact-answer reward, no KL (settings measured
+    in docs/rl-recipes.md: higher learning rates were unstable on this model)."""
+    return GRPOConfig(
+        data=RLDataConfig(task=cfg.task, num_train=4000, num_eval=cfg.num_eval),
+        rollout=RolloutConfig(num_prompts=8, group_size=8, temperature=1.0, max_new_tokens=6),
+        optim=OptimConfig(lr=cfg.grpo_lr, schedule="constant", weight_decay=0.0),
+        train=TrainConfig(output_dir=str(run_dir / "grpo"), max_steps=cfg.grpo_steps, micro_batch_size=64,
+                          seed=cfg.seed, eval_every=max(cfg.grpo_steps // 4, 1), save_every=cfg.grpo_steps,
+                          log_every=10, max_new_tokens=6, num_samples=3, dtype="fp32"),
         logging=LoggingConfig(progress=cfg.progress),
     )
 
@@ -60,10 +79,18 @@ def run_quickstart(cfg: QuickstartConfig, console=None) -> dict:
     console.print(f"[quickstart] {task.spec}: held-out accuracy before training {before:.1%}", markup=False)
 
     metrics = run_sft(scfg, model, tokenizer, console=console, name="quickstart sft")
-    after = metrics.get("accuracy", 0.0)
+    after_sft = metrics.get("accuracy", 0.0)
+    result = {"before": before, "after_sft": after_sft, "run_dir": str(run_dir)}
+    line = f"before {before:.1%} -> after SFT {after_sft:.1%}"
+    if cfg.grpo_steps > 0:
+        rl_metrics = run_grpo(grpo_config(cfg, run_dir), model, tokenizer, console=console, name="quickstart grpo")
+        result["after_grpo"] = rl_metrics.get("accuracy", 0.0)
+        line += f" -> after GRPO {result['after_grpo']:.1%}"
     elapsed = time.perf_counter() - start
-    console.print(f"[quickstart] held-out accuracy: before {before:.1%} -> after SFT {after:.1%} "
-                  f"({len(problems)} problems, {elapsed:.0f} s)", markup=False)
-    console.print(f"[quickstart] run saved in {run_dir} (final model: {run_dir / 'sft' / 'final'}, "
-                  f"curves: {run_dir / 'sft' / 'curves.png'})", markup=False)
-    return {"before": before, "after_sft": after, "run_dir": str(run_dir)}
+    console.print(f"[quickstart] held-out accuracy ({len(problems)} problems): {line}  ({elapsed:.0f} s)",
+                  markup=False)
+    stages = ["sft"] + (["grpo"] if cfg.grpo_steps > 0 else [])
+    for stage in stages:
+        console.print(f"[quickstart] {stage}: model {run_dir / stage / 'final'}, curves {run_dir / stage / 'curves.png'}",
+                      markup=False)
+    return result
