@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import json
 import time
 from pathlib import Path
 from typing import Any, Callable, Literal
 
 import torch
+from transformers.cache_utils import DynamicCache
 
 from . import checkpoint as ckpt
 from .advantages import ADVANTAGES
@@ -35,10 +37,9 @@ from .evaluation import save_samples, task_accuracy
 from .losses import AGGREGATIONS, GSPO_EPS_HIGH, GSPO_EPS_LOW, IS_LEVELS, KL_ESTIMATORS, POLICY_LOSSES
 from .metrics import RunLogger, StepTimer, plot_run, print_summary, summary
 from .models import load_model
-from .ops import entropy_from_logits, selective_log_softmax
 from .rollout import RewardOutput, RewardSet, RolloutBatch, SamplingParams, generate
-from .train import (BatchOrder, Precision, build_optimizer, build_scheduler, check_finite, logits_at,
-                    optimizer_step)
+from .train import (PLAIN_HEAD_MODELS, BatchOrder, Precision, build_optimizer, build_scheduler, check_finite,
+                    decoder_of, logits_at, optimizer_step)
 from .recipes.common import Run, start_run
 
 Tensor = torch.Tensor
@@ -54,6 +55,10 @@ class RolloutConfig:
     top_k: int = opt(0, "sample among the k most likely tokens only (0 = off; see docs/rl-recipes.md)")
     top_p: float = opt(1.0, "nucleus sampling mass (1 = off; see docs/rl-recipes.md)")
     max_new_tokens: int = opt(64, "longest completion; also the Dr. GRPO length normaliser")
+    backend: Literal["inprocess", "vllm"] = opt("inprocess", "sampler: inprocess (any device) or vllm "
+                                                "(one CUDA GPU, unverified here; docs/vllm.md)")
+    vllm_gpu_memory_utilization: float = opt(0.3, "vllm backend: fraction of GPU memory vLLM reserves "
+                                             "(its weights + KV cache)")
 
     def validate(self) -> None:
         for name in ("num_prompts", "group_size"):
@@ -62,6 +67,9 @@ class RolloutConfig:
         if not self.temperature > 0:
             raise ConfigError(f"rollout.temperature must be > 0, got {self.temperature}: RL trains on "
                               "sampled completions (greedy decoding has no distribution to improve)")
+        if not 0 < self.vllm_gpu_memory_utilization < 1:
+            raise ConfigError(f"rollout.vllm_gpu_memory_utilization must be in (0, 1), got "
+                              f"{self.vllm_gpu_memory_utilization}")
         try:
             self.sampling(stop_token_ids=[], seed=0)
         except ValueError as exc:
@@ -280,18 +288,25 @@ def build_prompts(data: RLDataConfig, tokenizer, seed: int) -> PromptSet:
 
 
 def sample_and_score(model, tokenizer, prompts: PromptSet, rows: list[int], cfg: RolloutConfig,
-                     reward_set: RewardSet, seed: int) -> tuple[RolloutBatch, RewardOutput, dict]:
+                     reward_set: RewardSet, seed: int, engine=None) -> tuple[RolloutBatch, RewardOutput, dict]:
     """Sample ``cfg.group_size`` completions for each prompt in ``rows``; score them.
 
     Returns the rollout (B = len(rows) * G rows, a prompt's samples adjacent), the rewards and
-    detached metrics: reward mean/std overall and per function, lengths, timings.
+    detached metrics: reward mean/std overall and per function, lengths, timings. ``engine`` is an
+    external sampler (the vLLM backend): it gets the current weights before every rollout.
     """
     start = time.perf_counter()
     was_training = model.training
     model.eval()  # sampling is inference: no dropout, and the KV cache stays on
     params = cfg.sampling([tokenizer.eos_token_id], seed)
-    rollout = generate(model, [prompts.prompt_ids[i] for i in rows], params, num_samples=cfg.group_size,
-                       pad_token_id=tokenizer.pad_token_id)
+    prompt_ids = [prompts.prompt_ids[i] for i in rows]
+    if engine is None:
+        rollout = generate(model, prompt_ids, params, num_samples=cfg.group_size,
+                           pad_token_id=tokenizer.pad_token_id)
+    else:  # syncing before each rollout covers "after every optimizer step" and resumed runs
+        engine.sync_weights(model)
+        rollout = engine.generate(prompt_ids, params, num_samples=cfg.group_size,
+                                  pad_token_id=tokenizer.pad_token_id)
     model.train(was_training)
     generated = time.perf_counter()
     texts = [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
@@ -327,6 +342,8 @@ class RLBatch:
     completion_ids: Tensor  # (B, C) long
     completion_mask: Tensor  # (B, C) long, a prefix of ones in each row
     rollout_logprobs: Tensor | None  # (B, C) the sampler's logprobs (None if it reports none)
+    group_index: Tensor | None = None  # (B,) long: rows with one value share their prompt (a rollout group)
+    prompt_lens: Tensor | None = None  # (B,) long: prompt tokens at the start of each packed row
     advantages: Tensor | None = None  # (B,) per sequence (GRPO) or (B, C) per token (PPO)
     old_logprobs: Tensor | None = None  # (B, C) trainer logprobs at the rollout's weights
     ref_logprobs: Tensor | None = None  # (B, C) reference model logprobs
@@ -369,7 +386,8 @@ def pack_rollout(rollout: RolloutBatch, pad_token_id: int, need_rollout_logprobs
     width = int(mask.sum(1).max())
     return RLBatch(input_ids=ids[:, :width], attention_mask=mask[:, :width], positions=positions[:, :width],
                    completion_ids=rollout.completion_ids, completion_mask=rollout.completion_mask,
-                   rollout_logprobs=rollout.logprobs)
+                   rollout_logprobs=rollout.logprobs, group_index=rollout.group_index,
+                   prompt_lens=rollout.prompt_lens)
 
 
 def scatter_completion(flat: Tensor, mask: Tensor) -> Tensor:
@@ -384,19 +402,71 @@ def completion_logprobs(logits: Tensor, batch: RLBatch, temperature: float,
     T is the sampling temperature: the ratio and the entropy must be of the distribution the
     completions were drawn from. The entropy carries a gradient only if ``entropy_grad``.
     """
-    scaled = logits.float() / temperature
+    scaled = logits.float() if temperature == 1.0 else logits.float() / temperature
     mask = batch.completion_mask.bool()
-    logprobs = selective_log_softmax(scaled, batch.completion_ids[mask])  # (N,)
+    # One log_softmax over the (N, V) logits serves both the picked logprobs and the entropy: fewer
+    # full-vocabulary passes than a logsumexp for one and a second log_softmax for the other.
+    all_logprobs = torch.log_softmax(scaled, dim=-1)  # (N, V)
+    logprobs = all_logprobs.gather(-1, batch.completion_ids[mask][:, None]).squeeze(-1)  # (N,)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = entropy_from_logits(scaled)  # (N,)
+        entropy = -(all_logprobs.exp() * all_logprobs).sum(-1)  # (N,)
     return scatter_completion(logprobs, mask), scatter_completion(entropy, mask)
+
+
+def shares_prompts(model, batch: RLBatch) -> bool:
+    """Whether :func:`shared_prompt_logits` applies: a plain-head model without gradient checkpointing
+    (which turns the KV cache off in training), and rows that share a prompt."""
+    return (batch.group_index is not None and batch.prompt_lens is not None
+            and getattr(getattr(model, "config", None), "model_type", "") in PLAIN_HEAD_MODELS
+            and decoder_of(model) is not None and not getattr(model, "is_gradient_checkpointing", False)
+            and len(torch.unique(batch.group_index)) < batch.num_rows)
+
+
+def shared_prompt_logits(model, batch: RLBatch) -> Tensor:
+    """Logits (N, V) that predict the completion tokens, as ``logits_at`` on the packed rows, with each
+    prompt run once per group instead of once per row.
+
+    The distinct prompts go through the model body once, left-padded with positions counting real
+    tokens (as in the sampler); their KV cache is repeated for each group's rows; then each row's
+    completion tokens (but the last) run against it. The last prompt position and the completion
+    positions predict the completion tokens. Attention is causal, so a prompt position never sees a
+    completion and this is the packed forward's computation, in fewer rows; autograd sums the
+    gradient of a shared prompt over its rows. The LM head runs on completion positions only.
+    """
+    body = decoder_of(model)
+    _, inverse = torch.unique(batch.group_index, return_inverse=True)  # (B,) row -> its distinct prompt
+    first = torch.zeros(int(inverse.max()) + 1, dtype=torch.long, device=inverse.device)
+    first.scatter_(0, inverse, torch.arange(len(inverse), device=inverse.device))  # a row of each prompt
+    lens = batch.prompt_lens
+    width = int(lens.max())
+    source = torch.arange(width, device=lens.device) - (width - lens[first, None])  # (U, P) packed column
+    prompt_mask = (source >= 0).long()
+    prompt_ids = batch.input_ids[first].gather(1, source.clamp(min=0)) * prompt_mask
+    cache = DynamicCache()  # filled in place by the model
+    cache_kwarg = {"cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values": cache}
+    prompt_out = body(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=source.clamp(min=0),
+                      use_cache=True, **cache_kwarg)
+    hidden = prompt_out.last_hidden_state[inverse, -1:]  # (B, 1, H): predicts completion token 0
+    completion_in = batch.completion_ids[:, :-1].clone()  # (B, C - 1); a copy: the sampler's may be inference tensors
+    if completion_in.shape[1]:
+        cache.batch_select_indices(inverse)  # differentiable gather: each row gets its prompt's keys / values
+        steps = torch.arange(completion_in.shape[1], device=lens.device)
+        mask = torch.cat([prompt_mask[inverse], torch.ones_like(completion_in)], dim=1)
+        out = body(input_ids=completion_in, attention_mask=mask, position_ids=lens[:, None] + steps,
+                   use_cache=True, **cache_kwarg)
+        hidden = torch.cat([hidden, out.last_hidden_state], dim=1)  # (B, C, H)
+    return model.get_output_embeddings()(hidden[batch.completion_mask.bool()])
 
 
 def policy_logprobs(model, batch: RLBatch, temperature: float, precision: Precision,
                     entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
-    """One forward of ``model`` on ``batch``; the LM head runs on completion positions only."""
+    """One forward of ``model`` on ``batch``; the LM head runs on completion positions only, and a
+    prompt shared by several rows runs once (:func:`shared_prompt_logits`) where the model allows."""
     with precision.autocast():
-        logits = logits_at(model, batch.input_ids, batch.attention_mask, batch.positions)  # (N, V)
+        if shares_prompts(model, batch):
+            logits = shared_prompt_logits(model, batch)  # (N, V)
+        else:
+            logits = logits_at(model, batch.input_ids, batch.attention_mask, batch.positions)  # (N, V)
     return completion_logprobs(logits, batch, temperature, entropy_grad)
 
 
@@ -523,6 +593,7 @@ class RLState:
     order: BatchOrder
     updater: Updater
     step: int  # RL steps already done (non-zero after resume)
+    rollout_engine: Any = None  # an external sampler (vLLM backend), else the in-process engine
 
     @property
     def micro_batch_size(self) -> int:
@@ -570,6 +641,11 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
         ckpt.set_rng_state(saved["rng"])
         state.step = saved["step"]
         run.print(f"[resume] from {resume_from} at step {state.step}")
+    if cfg.rollout.backend == "vllm":
+        from .rollout.vllm_backend import VLLMEngine
+
+        state.rollout_engine = VLLMEngine(model, tokenizer, cfg.rollout.vllm_gpu_memory_utilization,
+                                          seed=cfg.train.seed, max_model_len=seq_len)
     run.print(f"[data] {len(prompts.prompt_ids)} training prompts, {len(prompts.eval_problems)} held-out problems")
     return state, saved
 

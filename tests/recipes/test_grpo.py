@@ -11,8 +11,8 @@ from lmforge.config import ModelConfig, load_config
 from lmforge.errors import ConfigError, TrainingError
 from lmforge.models import load_model
 from lmforge.recipes.grpo import GRPOConfig, micro_loss, run_grpo
-from lmforge.rollout import BUILTIN_REWARDS, RewardSet
-from lmforge.train import Precision
+from lmforge.rollout import BUILTIN_REWARDS, RewardSet, SamplingParams, generate
+from lmforge.train import Precision, logits_at
 
 TINY = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
         "model.max_position_embeddings=32"]
@@ -119,6 +119,36 @@ def test_on_policy_shortcut_equals_recomputed_old_logprobs():
     assert any(g.abs().max() > 1e-4 for g in shortcut_grads)
     for got, want in zip(shortcut_grads, recomputed_grads):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
+
+
+def test_shared_prompt_forward_equals_the_packed_forward():
+    # each prompt runs once per group (its KV cache repeated for the group's rows): the same logits and
+    # gradients as the packed rows, for prompts of different lengths, completions that stop early, and
+    # a micro-batch with partial groups
+    model, tokenizer = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2,
+                                              num_heads=2, max_position_embeddings=32))
+    prompts = [tokenizer.encode("12+34="), tokenizer.encode("1+2="), tokenizer.encode("123+45=")]
+    assert len({len(p) for p in prompts}) == 3
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, stop_token_ids=[tokenizer.eos_token_id, 5, 9], seed=1)
+    rollout = generate(model, prompts, params, num_samples=3, pad_token_id=tokenizer.pad_token_id)
+    assert len(set(rollout.completion_lens.tolist())) > 1
+    batch = rl.pack_rollout(rollout, tokenizer.pad_token_id, need_rollout_logprobs=False)
+    model.train()
+    for rows in (torch.arange(9), torch.tensor([1, 2, 3, 4, 7])):
+        micro = batch.select(rows)
+        assert rl.shares_prompts(model, micro)
+        results = []
+        for forward in (lambda: rl.shared_prompt_logits(model, micro),
+                        lambda: logits_at(model, micro.input_ids, micro.attention_mask, micro.positions)):
+            model.zero_grad()
+            logits = forward()
+            (logits.logsumexp(-1).sum() + logits[:, 3].sum()).backward()
+            results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+        (shared, shared_grads), (packed, packed_grads) = results
+        assert shared.shape == packed.shape == (int(micro.completion_mask.sum()), len(tokenizer))
+        torch.testing.assert_close(shared, packed, rtol=0, atol=1e-5)
+        for got, want in zip(shared_grads, packed_grads):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
 def test_packed_rows_reproduce_the_sampler_logprobs():

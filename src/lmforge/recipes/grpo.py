@@ -95,7 +95,7 @@ def grpo_step(state: rl.RLState, algo: GRPOAlgoConfig, step: int) -> dict:
     cfg = state.run.cfg
     rollout, rewards, metrics = rl.sample_and_score(
         state.model, state.tokenizer, state.prompts, state.order.next(), cfg.rollout, state.reward_set,
-        rl.step_seed(cfg.train.seed, step))
+        rl.step_seed(cfg.train.seed, step), engine=state.rollout_engine)
     start = time.perf_counter()
     advantages, adv_metrics = advantages_of(rewards.total, algo, cfg.rollout.group_size)
     batch = rl.pack_rollout(rollout, state.tokenizer.pad_token_id, need_rollout_logprobs=algo.is_level != "none")

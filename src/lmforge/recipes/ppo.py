@@ -152,7 +152,7 @@ def ppo_step(state: rl.RLState, value_head: ValueHead, algo: PPOAlgoConfig, step
     cfg = state.run.cfg
     rollout, rewards, metrics = rl.sample_and_score(
         state.model, state.tokenizer, state.prompts, state.order.next(), cfg.rollout, state.reward_set,
-        rl.step_seed(cfg.train.seed, step))
+        rl.step_seed(cfg.train.seed, step), engine=state.rollout_engine)
     start = time.perf_counter()
     batch = rl.pack_rollout(rollout, state.tokenizer.pad_token_id, need_rollout_logprobs=algo.is_level != "none")
     batch = batch.to(state.run.device)
