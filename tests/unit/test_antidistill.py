@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
-import multiprocessing
 import os
 import socket
 
@@ -265,14 +264,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="needs the fork start method")
 def test_two_gloo_ranks_equal_one_rank_on_all_data(tmp_path):
     import torch.multiprocessing as mp
 
-    # fork: the ranks inherit the imported modules (spawn would re-import torch and transformers in
-    # each rank, ~3x slower on a small CPU box). The parent never initialises a process group.
+    # spawn, not fork: a child forked after the parent's OpenMP thread pool has started (any earlier
+    # test that ran a matmul) can deadlock on its first parallel region.
     mp.start_processes(_gloo_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True,
-                       start_method="fork")
+                       start_method="spawn")
     expected, expected_meta = proxy_gradient(TinyLM().double(), [collate(make_traces(8))])
     for rank in range(2):
         grads, meta = load_gradient(tmp_path / f"rank{rank}.safetensors")
