@@ -48,7 +48,7 @@ import warnings
 
 import torch
 
-from lmforge import hardware, rl
+from lmforge import rl, rl_config
 from lmforge.config import ModelConfig, load_config
 from lmforge.models import count_parameters, load_model, resolve_pretrained
 from lmforge.recipes.grpo import GRPOConfig, grpo_step
@@ -293,7 +293,7 @@ def main() -> None:
               f"torch={torch.__version__} transformers={transformers.__version__} trl={trl.__version__} "
               f"rows={args.prompts}x{args.samples} new_tokens={args.new_tokens} steps={args.warmup}+{args.steps}",
               flush=True)
-        print(f"[bench] lmforge algo: {rl.describe_algo(algo)}", flush=True)
+        print(f"[bench] lmforge algo: {rl_config.describe_algo(algo)}", flush=True)
         if args.no_trl:
             trl_times, trl_gen, lm = [], [], lmforge_only(state, algo, args)
         else:

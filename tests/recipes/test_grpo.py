@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from lmforge import cli, rl
+from lmforge import cli, rl, rl_config
 from lmforge.config import ModelConfig, load_config
 from lmforge.errors import ConfigError, TrainingError
 from lmforge.models import load_model
@@ -93,8 +93,8 @@ def tiny_batch(temperature=1.0):
     """A tiny model and a packed rollout of 2 prompts x 4 samples with fixed advantages."""
     model, tokenizer = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2,
                                               num_heads=2, max_position_embeddings=32))
-    prompts = rl.build_prompts(rl.RLDataConfig(task="addition", num_train=8, num_eval=0), tokenizer, seed=0)
-    rollout_cfg = rl.RolloutConfig(num_prompts=2, group_size=4, max_new_tokens=4, temperature=temperature)
+    prompts = rl.build_prompts(rl_config.RLDataConfig(task="addition", num_train=8, num_eval=0), tokenizer, seed=0)
+    rollout_cfg = rl_config.RolloutConfig(num_prompts=2, group_size=4, max_new_tokens=4, temperature=temperature)
     rollout, _, _ = rl.sample_and_score(model, tokenizer, prompts, [0, 1], rollout_cfg, RewardSet([("exact", 1.0)]), 0)
     batch = rl.pack_rollout(rollout, tokenizer.pad_token_id, need_rollout_logprobs=False)
     batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 0.25])

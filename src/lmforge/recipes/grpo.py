@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from .. import rl
+from .. import rl, rl_config
 from ..advantages import ADVANTAGES, compute_advantages
 from ..config import LoggingConfig, ModelConfig, OptimConfig, TrainConfig, opt, section
 from ..errors import ConfigError
@@ -41,11 +41,11 @@ PRESETS: dict[str, dict] = {
     "rloo": {"advantage": "rloo", "loss_type": "token_clip", "aggregation": "seq_sum_max_len",
              "eps_low": 0.2, "eps_high": 0.2, "kl_coef": 0.0},
 }
-GRPO_DEFAULTS = {**rl.POLICY_DEFAULTS, "advantage": "group_norm"}
+GRPO_DEFAULTS = {**rl_config.POLICY_DEFAULTS, "advantage": "group_norm"}
 
 
 @dataclasses.dataclass
-class GRPOAlgoConfig(rl.PolicyConfig):
+class GRPOAlgoConfig(rl_config.PolicyConfig):
     preset: str = opt("", f"named combination: {', '.join(PRESETS)} ('' = none); explicit keys win")
     advantage: str | None = opt(None, f"advantage estimator: {', '.join(ADVANTAGES)} (unset: preset, else group_norm)")
     std_eps: float = opt(1e-6, "added to the std by the std-normalising estimators (group_norm, batch_norm)")
@@ -53,15 +53,15 @@ class GRPOAlgoConfig(rl.PolicyConfig):
     def resolved(self) -> "GRPOAlgoConfig":
         if self.preset and self.preset not in PRESETS:
             raise ConfigError(f"algo.preset={self.preset!r} is not known; valid: {', '.join(PRESETS)} ('' = none)")
-        return rl.resolve_algo(self, GRPO_DEFAULTS, PRESETS.get(self.preset, {}))
+        return rl_config.resolve_algo(self, GRPO_DEFAULTS, PRESETS.get(self.preset, {}))
 
 
 @dataclasses.dataclass
 class GRPOConfig:
     model: ModelConfig = section(ModelConfig, "policy to train (also the KL reference when algo.kl_coef > 0)")
-    data: rl.RLDataConfig = section(rl.RLDataConfig, "prompts")
-    rollout: rl.RolloutConfig = section(rl.RolloutConfig, "sampling")
-    rewards: rl.RewardsConfig = section(rl.RewardsConfig, "reward functions")
+    data: rl_config.RLDataConfig = section(rl_config.RLDataConfig, "prompts")
+    rollout: rl_config.RolloutConfig = section(rl_config.RolloutConfig, "sampling")
+    rewards: rl_config.RewardsConfig = section(rl_config.RewardsConfig, "reward functions")
     algo: GRPOAlgoConfig = section(GRPOAlgoConfig, "advantages and policy loss")
     optim: OptimConfig = section(OptimConfig, "optimizer and LR schedule (one scheduler step per update)")
     train: TrainConfig = section(TrainConfig, "loop, evaluation and checkpoints (max_steps = RL steps)")
@@ -87,7 +87,7 @@ def micro_loss(model, batch: rl.RLBatch, algo: GRPOAlgoConfig, temperature: floa
     old_logprobs = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs
     return policy_loss(logprobs, old_logprobs, batch.advantages, batch.completion_mask,
                        rollout_logprobs=batch.rollout_logprobs, ref_logprobs=batch.ref_logprobs,
-                       entropy=entropy, **rl.policy_kwargs(algo), **counts)
+                       entropy=entropy, **rl_config.policy_kwargs(algo), **counts)
 
 
 def grpo_step(state: rl.RLState, algo: GRPOAlgoConfig, step: int) -> dict:
@@ -119,6 +119,6 @@ def run_grpo(cfg: GRPOConfig, model=None, tokenizer=None, console=None, name: st
     if cfg.rollout.group_size < 2:
         raise ConfigError(f"rollout.group_size must be >= 2 for group-relative advantages, got {cfg.rollout.group_size}")
     state, _ = rl.prepare(cfg, name, algo, model, tokenizer, console)
-    state.run.print(f"[algo] {rl.describe_algo(algo)}")
+    state.run.print(f"[algo] {rl_config.describe_algo(algo)}")
     return rl.train_rl(state, lambda step: grpo_step(state, algo, step))
 

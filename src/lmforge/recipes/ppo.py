@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .. import rl
+from .. import rl, rl_config
 from ..advantages import gae, whiten_advantages
 from ..config import LoggingConfig, ModelConfig, OptimConfig, TrainConfig, opt, section
 from ..errors import ConfigError
@@ -32,7 +32,7 @@ PER_TOKEN_ADVANTAGE_LOSSES = ("token_clip", "gspo_token")
 
 
 @dataclasses.dataclass
-class PPOAlgoConfig(rl.PolicyConfig):
+class PPOAlgoConfig(rl_config.PolicyConfig):
     kl_coef: float | None = opt(None, "per-token KL penalty in the reward, against the starting policy "
                                 "(loaded only when > 0; unset: 0)")
     kl_estimator: str = opt("k1", "estimator of the KL penalty in the reward: k1, k2, k3")
@@ -43,7 +43,7 @@ class PPOAlgoConfig(rl.PolicyConfig):
     whiten: bool = opt(True, "whiten the GAE advantages over the batch's completion tokens")
 
     def resolved(self) -> "PPOAlgoConfig":
-        algo = rl.resolve_algo(self, rl.POLICY_DEFAULTS)
+        algo = rl_config.resolve_algo(self, rl_config.POLICY_DEFAULTS)
         if algo.loss_type not in PER_TOKEN_ADVANTAGE_LOSSES:
             raise ConfigError(f"ppo has per-token advantages; algo.loss_type must be one of "
                               f"{', '.join(PER_TOKEN_ADVANTAGE_LOSSES)}, got {algo.loss_type!r}")
@@ -57,9 +57,9 @@ class PPOAlgoConfig(rl.PolicyConfig):
 @dataclasses.dataclass
 class PPOConfig:
     model: ModelConfig = section(ModelConfig, "policy to train (also the KL reference when algo.kl_coef > 0)")
-    data: rl.RLDataConfig = section(rl.RLDataConfig, "prompts")
-    rollout: rl.RolloutConfig = section(rl.RolloutConfig, "sampling")
-    rewards: rl.RewardsConfig = section(rl.RewardsConfig, "reward functions")
+    data: rl_config.RLDataConfig = section(rl_config.RLDataConfig, "prompts")
+    rollout: rl_config.RolloutConfig = section(rl_config.RolloutConfig, "sampling")
+    rewards: rl_config.RewardsConfig = section(rl_config.RewardsConfig, "reward functions")
     algo: PPOAlgoConfig = section(PPOAlgoConfig, "GAE, policy and value losses")
     optim: OptimConfig = section(OptimConfig, "optimizer and LR schedule (one scheduler step per update)")
     train: TrainConfig = section(TrainConfig, "loop, evaluation and checkpoints (max_steps = RL steps)")
@@ -139,7 +139,7 @@ def micro_loss(model, value_head: ValueHead, batch: rl.RLBatch, algo: PPOAlgoCon
     logprobs, entropy, values = policy_and_values(model, value_head, batch, temperature, precision,
                                                   entropy_grad=algo.entropy_coef != 0)
     # The KL to the reference is already in the reward; it is not also a loss term here.
-    kwargs = {**rl.policy_kwargs(algo), "kl_coef": 0.0}
+    kwargs = {**rl_config.policy_kwargs(algo), "kl_coef": 0.0}
     pg_loss, metrics = policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.completion_mask,
                                    rollout_logprobs=batch.rollout_logprobs, entropy=entropy, **kwargs, **counts)
     v_loss, v_metrics = value_loss(values, batch.returns, batch.completion_mask, aggregation=algo.aggregation,
@@ -178,7 +178,7 @@ def run_ppo(cfg: PPOConfig, model=None, tokenizer=None, console=None, name: str 
     state, saved = rl.prepare(cfg, name, algo, model, tokenizer, console, extra_modules={"value_head": value_head})
     if "value_head" in saved:
         value_head.load_state_dict(saved["value_head"])
-    state.run.print(f"[algo] {rl.describe_algo(algo)}")
+    state.run.print(f"[algo] {rl_config.describe_algo(algo)}")
 
     def save_value_head(final_dir: Path) -> None:
         torch.save(value_head.state_dict(), final_dir / "value_head.pt")

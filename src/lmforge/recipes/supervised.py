@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch

@@ -1,0 +1,199 @@
+"""Config sections shared by the RL recipes (``grpo``, ``ppo``) and how algorithm keys resolve:
+explicit key > the loss's own clip range > preset > default."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from .advantages import ADVANTAGES
+from .config import opt
+from .data.tasks import get_task
+from .errors import ConfigError
+from .losses import AGGREGATIONS, GSPO_EPS_HIGH, GSPO_EPS_LOW, IS_LEVELS, KL_ESTIMATORS, POLICY_LOSSES
+from .rollout import SamplingParams
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    num_prompts: int = opt(8, "prompts sampled per RL step")
+    group_size: int = opt(8, "completions sampled per prompt (G)")
+    temperature: float = opt(1.0, "sampling temperature (> 0); training logprobs use logits / temperature too")
+    top_k: int = opt(0, "sample among the k most likely tokens only (0 = off; see docs/rl-recipes.md)")
+    top_p: float = opt(1.0, "nucleus sampling mass (1 = off; see docs/rl-recipes.md)")
+    max_new_tokens: int = opt(64, "longest completion; also the Dr. GRPO length normaliser")
+    backend: Literal["inprocess", "vllm"] = opt("inprocess", "sampler: inprocess (any device) or vllm "
+                                                "(one CUDA GPU, unverified here; docs/vllm.md)")
+    vllm_gpu_memory_utilization: float = opt(0.3, "vllm backend: fraction of GPU memory vLLM reserves "
+                                             "(its weights + KV cache)")
+
+    def validate(self) -> None:
+        for name in ("num_prompts", "group_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.temperature > 0:
+            raise ConfigError(f"rollout.temperature must be > 0, got {self.temperature}: RL trains on "
+                              "sampled completions (greedy decoding has no distribution to improve)")
+        if not 0 < self.vllm_gpu_memory_utilization < 1:
+            raise ConfigError(f"rollout.vllm_gpu_memory_utilization must be in (0, 1), got "
+                              f"{self.vllm_gpu_memory_utilization}")
+        try:
+            self.sampling(stop_token_ids=[], seed=0)
+        except ValueError as exc:
+            raise ConfigError(f"rollout: {exc}") from exc
+
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k / top-p make the sampling distribution differ from softmax(logits / T)."""
+        return self.top_k > 0 or self.top_p < 1.0
+
+    def sampling(self, stop_token_ids: list[int], seed: int) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              max_new_tokens=self.max_new_tokens, stop_token_ids=stop_token_ids, seed=seed)
+
+
+@dataclasses.dataclass
+class RewardsConfig:
+    functions: list[Any] = opt(["exact"], "reward functions, summed with weights: each a name (exact, math, "
+                               "format, package.module:function) or {name, weight, kwargs}")
+    max_failure_fraction: float = opt(0.5, "stop the run when a reward function fails on more than this "
+                                      "fraction of a batch (fewer failures score 0 and are counted)")
+
+    def specs(self) -> list[tuple]:
+        """``RewardSet`` specs ``(name, weight, kwargs)`` from ``functions``."""
+        if not self.functions:
+            raise ConfigError("rewards.functions is empty; name at least one reward, e.g. [exact]")
+        specs = []
+        for i, item in enumerate(self.functions):
+            if isinstance(item, str):
+                item = {"name": item}
+            if not isinstance(item, dict) or "name" not in item or set(item) - {"name", "weight", "kwargs"}:
+                raise ConfigError(f"rewards.functions[{i}] = {item!r}: expected a name or a mapping with "
+                                  "'name' and optional 'weight' and 'kwargs'")
+            try:
+                weight = float(item.get("weight", 1.0))
+            except (TypeError, ValueError):
+                raise ConfigError(f"rewards.functions[{i}].weight must be a number, got {item['weight']!r}") from None
+            specs.append((str(item["name"]), weight, dict(item.get("kwargs") or {})))
+        return specs
+
+    def validate(self) -> None:
+        self.specs()
+        if not 0.0 <= self.max_failure_fraction <= 1.0:
+            raise ConfigError(f"rewards.max_failure_fraction must be in [0, 1], got {self.max_failure_fraction}")
+
+
+@dataclasses.dataclass
+class RLDataConfig:
+    task: str = opt("", "built-in task giving prompts, the 'exact' reward and held-out accuracy, e.g. addition")
+    path: str = opt("", "instead of a task: JSONL of rows with a 'prompt' (each row goes to the reward functions)")
+    num_train: int = opt(4000, "task: training prompts")
+    num_eval: int = opt(200, "task: held-out problems for greedy accuracy (0 = none)")
+    use_chat_template: Literal["auto", "on", "off"] = opt("auto", "wrap prompts in the chat template (auto: "
+                                                          "when the tokenizer has its own)")
+
+    def validate(self) -> None:
+        if bool(self.path) == bool(self.task):
+            raise ConfigError("set exactly one of data.task (e.g. addition) and data.path (a JSONL of prompts)")
+        if self.task:
+            try:
+                get_task(self.task)
+            except ValueError as exc:
+                raise ConfigError(f"data.task: {exc}") from exc
+
+
+# The algorithm keys both recipes share. Keys that a preset may set default to None ("unset") so
+# that an explicit value can be told apart from a default: explicit > loss clip > preset > default.
+POLICY_DEFAULTS = {"loss_type": "token_clip", "aggregation": "seq_mean_token_mean",
+                   "eps_low": 0.2, "eps_high": 0.2, "kl_coef": 0.0}
+# Clip ranges that belong to the loss, not to a preset: GSPO clips a length-normalised sequence
+# ratio, which moves ~1e-3 per update, so PPO's 0.2 would never clip (GSPO paper values).
+LOSS_CLIP_DEFAULTS = {"gspo": (GSPO_EPS_LOW, GSPO_EPS_HIGH), "gspo_token": (GSPO_EPS_LOW, GSPO_EPS_HIGH)}
+NAMED_CHOICES = {"loss_type": POLICY_LOSSES, "aggregation": AGGREGATIONS, "advantage": ADVANTAGES,
+                 "kl_estimator": KL_ESTIMATORS, "is_level": {"none": None, **IS_LEVELS}}
+
+
+@dataclasses.dataclass
+class PolicyConfig:
+    loss_type: str | None = opt(None, f"policy loss: {', '.join(POLICY_LOSSES)} (unset: preset, else token_clip)")
+    aggregation: str | None = opt(None, f"per-token -> scalar: {', '.join(AGGREGATIONS)} (unset: preset, "
+                                  "else seq_mean_token_mean)")
+    eps_low: float | None = opt(None, "ratio clip below 1 - eps_low (unset: 3e-4 for gspo*, else preset, else 0.2)")
+    eps_high: float | None = opt(None, "ratio clip above 1 + eps_high (unset: 4e-4 for gspo*, else preset, else 0.2)")
+    dual_clip: float | None = opt(None, "dual-clip constant c > 1 bounding the loss of negative advantages (null = off)")
+    kl_coef: float | None = opt(None, "KL weight to the reference = the starting policy, loaded only when > 0 "
+                                "(unset: preset, else 0)")
+    kl_estimator: str = opt("k3", "KL estimator: k1, k2, k3")
+    entropy_coef: float = opt(0.0, "entropy bonus weight (entropy is logged either way)")
+    num_iterations: int = opt(1, "optimizer passes over each rollout batch")
+    num_mini_batches: int = opt(1, "optimizer updates per pass (the batch is split into this many)")
+    is_level: str = opt("none", "importance weights pi_old / pi_rollout against the sampler: none, token, sequence")
+    is_cap: float = opt(2.0, "truncate importance weights at this value")
+
+    def resolved(self) -> "PolicyConfig":
+        return resolve_algo(self, POLICY_DEFAULTS)
+
+    def validate(self) -> None:
+        self.resolved()
+
+
+def resolve_algo(algo, defaults: dict, preset_values: dict | None = None):
+    """A copy of ``algo`` with every unset (None) key of ``defaults`` filled, then checked.
+
+    Precedence: explicit value > the loss type's own clip range (GSPO) > preset > default.
+    """
+    explicit = {key: getattr(algo, key) for key in defaults if getattr(algo, key) is not None}
+    values = {**defaults, **(preset_values or {}), **explicit}
+    for key, value in zip(("eps_low", "eps_high"), LOSS_CLIP_DEFAULTS.get(values["loss_type"], ())):
+        if key not in explicit:
+            values[key] = value
+    resolved = dataclasses.replace(algo, **values)
+    check_algo(resolved)
+    return resolved
+
+
+def check_algo(algo) -> None:
+    """ConfigError naming the key for an unknown name or an out-of-range number in ``algo``."""
+    for key, registry in NAMED_CHOICES.items():
+        if hasattr(algo, key) and getattr(algo, key) not in registry:
+            raise ConfigError(f"algo.{key}={getattr(algo, key)!r} is not known; valid: {', '.join(registry)}")
+    if not (0.0 <= algo.eps_low < 1.0 and algo.eps_high >= 0.0):
+        raise ConfigError(f"need 0 <= algo.eps_low < 1 and algo.eps_high >= 0, got {algo.eps_low}, {algo.eps_high}")
+    if algo.dual_clip is not None and algo.dual_clip <= 1.0:
+        raise ConfigError(f"algo.dual_clip must be > 1 (or null to disable), got {algo.dual_clip}")
+    if algo.kl_coef < 0:
+        raise ConfigError(f"algo.kl_coef must be >= 0, got {algo.kl_coef}")
+    for key in ("num_iterations", "num_mini_batches"):
+        if getattr(algo, key) < 1:
+            raise ConfigError(f"algo.{key} must be >= 1, got {getattr(algo, key)}")
+    if algo.is_cap <= 0:
+        raise ConfigError(f"algo.is_cap must be > 0, got {algo.is_cap}")
+
+
+def check_rl_config(cfg, algo) -> None:
+    """Validate the sections (again: a config built in Python skips ``validate``), then the checks
+    that span sections."""
+    for section_cfg in (cfg.data, cfg.rollout, cfg.rewards, cfg.optim, cfg.train):
+        section_cfg.validate()
+    if algo.is_level != "none" and cfg.rollout.truncates:
+        raise ConfigError(
+            f"algo.is_level={algo.is_level} weights by pi_trainer / pi_rollout, but with rollout.top_k / "
+            "rollout.top_p the sampler reports logprobs of a truncated, renormalised distribution that "
+            "the trainer does not compute, so every weight would be biased; set rollout.top_k=0 and "
+            "rollout.top_p=1, or algo.is_level=none")
+    batch_rows = cfg.rollout.num_prompts * cfg.rollout.group_size
+    if algo.num_mini_batches > batch_rows:
+        raise ConfigError(f"algo.num_mini_batches={algo.num_mini_batches} exceeds the {batch_rows} completions "
+                          "of a step (rollout.num_prompts x rollout.group_size)")
+
+
+def describe_algo(algo) -> str:
+    """Every resolved algo key on one line, so a run's log says what the presets amounted to."""
+    return " ".join(f"{f.name}={getattr(algo, f.name)}" for f in dataclasses.fields(algo))
+
+
+def policy_kwargs(algo) -> dict:
+    """The ``losses.policy_loss`` keyword arguments that come from a resolved ``algo``."""
+    return dict(loss_type=algo.loss_type, aggregation=algo.aggregation, eps_low=algo.eps_low,
+                eps_high=algo.eps_high, dual_clip=algo.dual_clip, is_cap=algo.is_cap,
+                is_level=None if algo.is_level == "none" else algo.is_level,
+                kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator, entropy_coef=algo.entropy_coef)
