@@ -1,4 +1,4 @@
-"""``lmforge <command>``: each command is a thin call into a recipe.
+"""lmforge COMMAND: each command is a thin call into a recipe.
 
     lmforge quickstart                         the embedded default: tiny model, SFT then GRPO, no network
     lmforge pretrain CONFIG [key=value ...]    train on packed text
