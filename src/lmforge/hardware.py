@@ -65,6 +65,16 @@ def _num_cores() -> int:
         return os.cpu_count() or 1
 
 
+def cpu_has_bf16() -> bool:
+    """Whether the CPU has native bf16 dot products (AVX512-BF16 or AMX); Linux only."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            flags = handle.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def detect(device: str = "auto") -> Hardware:
     """Inspect the machine. ``device`` narrows the choice ("auto", "cpu", "cuda[:N]", "mps")."""
     want = device.split(":")[0]
@@ -107,7 +117,10 @@ def choose(hw: Hardware, *, dtype: str = "auto", threads: int = 0, micro_batch_s
         elif hw.device.startswith("cuda"):
             chosen_dtype, reasons["dtype"] = torch.float16, "CUDA without bf16: fp16 autocast + grad scaler"
         else:
-            chosen_dtype, reasons["dtype"] = torch.float32, f"{hw.device}: fp32 (bf16 matmul is ~100x slower on CPU)"
+            chosen_dtype, reasons["dtype"] = torch.float32, (
+                f"{hw.device}: fp32, the safe default (bf16 matmul is fast only on CPUs with AVX512-BF16 "
+                f"or AMX{': this one has it, try train.dtype=bf16' if cpu_has_bf16() else ''}; "
+                f"convergence in bf16 autocast on CPU is not checked by lmforge)")
     else:
         chosen_dtype, reasons["dtype"] = DTYPES[dtype], "set in config"
     if dtype in ("bf16", "fp16") and hw.device == "cpu":
