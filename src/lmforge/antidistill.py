@@ -30,7 +30,7 @@ from .ops import selective_log_softmax
 from .rollout.engine import (
     RolloutBatch,
     SamplingParams,
-    _left_pad,
+    left_pad,
     decode_step,
     expand_cache,
     make_cache,
@@ -392,7 +392,7 @@ def ads_generate(teacher: nn.Module, proxy_plus: nn.Module, proxy_minus: nn.Modu
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     models = (teacher, proxy_plus, proxy_minus)
     device = _model_device(teacher)
-    prompt_ids, prompt_mask = _left_pad(prompts, pad_token_id)  # (N, P)
+    prompt_ids, prompt_mask = left_pad(prompts, pad_token_id)  # (N, P)
     generator = None if params.seed is None else torch.Generator(device=device).manual_seed(params.seed)
     caches, logits = [], []
     for model in models:

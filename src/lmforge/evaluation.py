@@ -10,6 +10,12 @@ from .data.sft import encode_prompt
 from .rollout.engine import SamplingParams, generate
 
 
+def completion_texts(tokenizer, rollout) -> list[str]:
+    """The generated text of each row of a ``RolloutBatch`` (masked tokens, no special tokens)."""
+    return [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+            for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+
+
 @torch.no_grad()
 def complete_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 64,
                  temperature: float = 0.0, seed: int = 0) -> list[str]:
@@ -21,8 +27,7 @@ def complete_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens: int
     texts = []
     for start in range(0, len(prompts), batch_size):
         out = generate(model, prompts[start:start + batch_size], params, pad_token_id=tokenizer.pad_token_id)
-        for row, mask in zip(out.completion_ids, out.completion_mask):
-            texts.append(tokenizer.decode(row[mask.bool()].tolist(), skip_special_tokens=True))
+        texts.extend(completion_texts(tokenizer, out))
     model.train(was_training)
     return texts
 

@@ -31,12 +31,11 @@ from . import checkpoint as ckpt
 from .data.sft import encode_prompt, uses_chat_format
 from .data.tasks import get_task
 from .errors import DataError, TrainingError
-from .evaluation import save_samples, task_accuracy
+from .evaluation import completion_texts, save_samples, task_accuracy
 from .metrics import RunLogger, StepTimer, plot_run, print_summary, summary
 from .models import load_model
 from .rollout import RewardOutput, RewardSet, RolloutBatch, generate
-from .train import (PLAIN_HEAD_MODELS, BatchOrder, Precision, build_optimizer, build_scheduler, check_finite,
-                    decoder_of, logits_at, optimizer_step)
+from .train import PLAIN_HEAD_MODELS, BatchOrder, Precision, Updater, check_finite, decoder_of, logits_at
 from .recipes.common import Run, start_run
 
 Tensor = torch.Tensor
@@ -119,8 +118,7 @@ def sample_and_score(model, tokenizer, prompts: PromptSet, rows: list[int], cfg:
                                   pad_token_id=tokenizer.pad_token_id)
     model.train(was_training)
     generated = time.perf_counter()
-    texts = [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
-             for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+    texts = completion_texts(tokenizer, rollout)
     problems = [prompts.problems[i] for i in rows for _ in range(cfg.group_size)]
     shared = {} if prompts.task is None else {"task": prompts.task}
     rewards = reward_set(texts, problems, **shared)
@@ -299,35 +297,6 @@ def reference_model(model, kl_coef: float):
 
 
 # ----------------------------------------------------------------------------- updates
-
-
-@dataclasses.dataclass
-class Updater:
-    """Optimizer, LR schedule and precision of the trained module; ``step`` is one update."""
-
-    module: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    precision: Precision
-    max_grad_norm: float
-
-    @classmethod
-    def build(cls, module, optim_cfg, num_updates: int, precision: Precision) -> "Updater":
-        optimizer = build_optimizer(module, optim_cfg)
-        return cls(module, optimizer, build_scheduler(optimizer, optim_cfg, num_updates), precision,
-                   optim_cfg.max_grad_norm)
-
-    def step(self) -> Tensor:
-        return optimizer_step(self.module, self.optimizer, self.scheduler, self.precision, self.max_grad_norm)
-
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "precision": self.precision.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.precision.load_state_dict(state["precision"])
 
 
 def global_counts(batch: RLBatch, max_new_tokens: int) -> dict:

@@ -3,6 +3,7 @@ positions only, accumulation-normalised steps, global-norm clipping and a resuma
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import torch
@@ -103,6 +104,35 @@ def optimizer_step(model, optimizer, scheduler, precision: Precision, max_grad_n
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return norm.detach()
+
+
+@dataclasses.dataclass
+class Updater:
+    """Optimizer, LR schedule and precision of the trained module; ``step`` is one update."""
+
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    precision: Precision
+    max_grad_norm: float
+
+    @classmethod
+    def build(cls, module, optim_cfg, num_updates: int, precision: Precision) -> "Updater":
+        optimizer = build_optimizer(module, optim_cfg)
+        return cls(module, optimizer, build_scheduler(optimizer, optim_cfg, num_updates), precision,
+                   optim_cfg.max_grad_norm)
+
+    def step(self) -> torch.Tensor:
+        return optimizer_step(self.module, self.optimizer, self.scheduler, self.precision, self.max_grad_norm)
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "precision": self.precision.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.precision.load_state_dict(state["precision"])
 
 
 # ----------------------------------------------------------------------------- forward

@@ -11,7 +11,7 @@ from lmforge.errors import ConfigError
 from lmforge.models import load_model
 from lmforge.recipes.ppo import PPOConfig, ValueHead, add_targets, micro_loss, run_ppo, terminal_rewards
 from lmforge.rollout import BUILTIN_REWARDS, RewardSet
-from lmforge.train import Precision
+from lmforge.train import Precision, Updater
 
 ARGS = [
     "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
@@ -80,7 +80,7 @@ def test_value_loss_decreases_on_a_fixed_batch():
     value_head = ValueHead(model.config.hidden_size)
     module = torch.nn.ModuleDict({"policy": model, "value_head": value_head})
     precision = Precision(torch.device("cpu"), torch.float32)
-    updater = rl.Updater.build(module, OptimConfig(lr=1e-2, schedule="constant"), 100, precision)
+    updater = Updater.build(module, OptimConfig(lr=1e-2, schedule="constant"), 100, precision)
     prompts = rl.build_prompts(cfg.data, tokenizer, seed=0)
     rollout, _, _ = rl.sample_and_score(model, tokenizer, prompts, [0, 1], cfg.rollout, RewardSet([("exact", 1.0)]), 0)
     batch = rl.pack_rollout(rollout, tokenizer.pad_token_id, need_rollout_logprobs=False)

@@ -33,7 +33,7 @@ def crash_run(out_dir, patch: str):
     """Run the SFT recipe in a subprocess that dies (os._exit) where ``patch`` says."""
     script = textwrap.dedent(f"""
         import os, sys
-        import lmforge.recipes.supervised as sup, lmforge.checkpoint as ck
+        import lmforge.train as tr, lmforge.checkpoint as ck
         from lmforge.config import load_config
         from lmforge.recipes.sft import SFTConfig, run_sft
         {patch}
@@ -58,7 +58,7 @@ def test_kill_between_steps_then_resume_is_bit_exact(tmp_path, reference):
     out = tmp_path / "run"
     # die right after the 5th optimizer step: checkpoints exist for steps 2 and 4
     crash_run(out, textwrap.dedent("""
-        real = sup.optimizer_step
+        real = tr.optimizer_step
         calls = []
         def dying_step(*a, **k):
             calls.append(1)
@@ -66,7 +66,7 @@ def test_kill_between_steps_then_resume_is_bit_exact(tmp_path, reference):
             if len(calls) == 5:
                 os._exit(17)
             return result
-        sup.optimizer_step = dying_step
+        tr.optimizer_step = dying_step  # Updater.step looks it up in lmforge.train
     """).replace("\n", "\n        "))
     assert [p.name for p in list_checkpoints(out)] == ["step-000002", "step-000004"]
     resume(out)

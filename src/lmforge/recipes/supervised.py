@@ -16,8 +16,8 @@ import torch
 from .. import checkpoint as ckpt
 from ..losses import sft_loss
 from ..metrics import RunLogger, StepTimer, plot_run, print_summary, summary
-from ..train import (BatchOrder, Precision, build_optimizer, build_scheduler, check_finite,
-                     count_loss_tokens, logits_at, optimizer_step, shifted_targets)
+from ..train import (BatchOrder, Precision, Updater, check_finite, count_loss_tokens, logits_at,
+                     shifted_targets)
 from .common import Run
 
 
@@ -73,9 +73,8 @@ def train_supervised(run: Run, model, tokenizer, data: SupervisedData,
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     model.train()
-    optimizer = build_optimizer(model, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, tcfg.max_steps)
-    precision = Precision(device, run.choices.dtype)
+    updater = Updater.build(model, cfg.optim, tcfg.max_steps, Precision(device, run.choices.dtype))
+    precision = updater.precision
     order = BatchOrder(len(data.train_rows), run.choices.micro_batch_size, tcfg.seed)
     state = {"step": 0, "best_val_loss": math.inf}
 
@@ -83,18 +82,14 @@ def train_supervised(run: Run, model, tokenizer, data: SupervisedData,
     if resume_from is not None:
         ckpt.load_model_weights(model, resume_from)
         saved = ckpt.load_trainer_state(resume_from)
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        precision.load_state_dict(saved["precision"])
+        updater.load_state_dict(saved)
         order.load_state_dict(saved["data"])
         ckpt.set_rng_state(saved["rng"])
         state = {"step": saved["step"], "best_val_loss": saved["best_val_loss"]}
         run.print(f"[resume] from {resume_from} at step {state['step']}")
 
     def trainer_state() -> dict:
-        return {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "precision": precision.state_dict(), "data": order.state_dict(),
-                "best_val_loss": state["best_val_loss"]}
+        return {**updater.state_dict(), "data": order.state_dict(), "best_val_loss": state["best_val_loss"]}
 
     logger = RunLogger(run.dir, cfg.logging, tcfg.max_steps, console=run.console)
     timer = StepTimer()
@@ -113,8 +108,8 @@ def train_supervised(run: Run, model, tokenizer, data: SupervisedData,
                 check_finite(loss, step + 1)
                 precision.backward(loss)
                 loss_sum += loss.detach()
-            lr = scheduler.get_last_lr()[0]
-            grad_norm = optimizer_step(model, optimizer, scheduler, precision, cfg.optim.max_grad_norm)
+            lr = updater.scheduler.get_last_lr()[0]
+            grad_norm = updater.step()
             step_time = time.perf_counter() - t0
             num_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
             timer.record(step_time, data_time, num_tokens)

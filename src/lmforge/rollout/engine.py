@@ -232,7 +232,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams,
 
 # ----------------------------------------------------------------------------- generate
 
-def _left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token lists -> (ids (N, P), mask (N, P)), left-padded."""
     if not prompts:
         raise ValueError("generate needs at least one prompt")
@@ -277,7 +277,7 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], params: S
     if params.stop_strings and decode_fn is None:
         raise ValueError("stop_strings need decode_fn (e.g. lambda ids: tokenizer.decode(ids)) to match text")
     device = next(model.parameters()).device
-    prompt_ids, prompt_mask = _left_pad(prompts, pad_token_id)  # (N, P)
+    prompt_ids, prompt_mask = left_pad(prompts, pad_token_id)  # (N, P)
     generator = None
     if params.seed is not None:
         generator = torch.Generator(device=device).manual_seed(params.seed)

@@ -42,7 +42,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .engine import RolloutBatch, SamplingParams, _left_pad
+from .engine import RolloutBatch, SamplingParams, left_pad
 
 INSTALL_HINT = ("the vLLM rollout backend needs vLLM >= 0.10.2 on a CUDA machine: pip install vllm "
                 "(it brings its own CUDA build of torch); or use rollout.backend=inprocess")
@@ -104,7 +104,7 @@ def to_rollout_batch(outputs: Sequence[Any], prompts: Sequence[Sequence[int]], n
     ``finish_reason == "stop"`` (a stop string). Logprobs are read from each position's
     ``{token_id: Logprob}`` entry for the sampled token; 0 off the mask.
     """
-    prompt_ids, prompt_mask = _left_pad(prompts, pad_token_id)  # (N, P)
+    prompt_ids, prompt_mask = left_pad(prompts, pad_token_id)  # (N, P)
     completions = [c for request in outputs for c in request.outputs]
     num_rows = len(prompts) * num_samples
     if len(completions) != num_rows:
@@ -249,7 +249,7 @@ class VLLMEngine:
         if pad_token_id is None:
             pad_token_id = getattr(self.tokenizer, "pad_token_id", None)
             pad_token_id = 0 if pad_token_id is None else pad_token_id
-        _left_pad(prompts, pad_token_id)  # the same input checks (and messages) as the in-process engine
+        left_pad(prompts, pad_token_id)  # the same input checks (and messages) as the in-process engine
         requests = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(num_samples)]
         sampling = vllm_sampling_params(self._vllm, params, len(requests))
         outputs = self.llm.generate(requests, sampling_params=sampling, use_tqdm=False)
