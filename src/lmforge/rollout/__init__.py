@@ -1,5 +1,6 @@
 """Rollouts: the in-process sampling engine and reward functions."""
 from .engine import (
+    CastEngine,
     RolloutBatch,
     SamplingParams,
     decode_step,
@@ -13,6 +14,7 @@ from .engine import (
 from .rewards import BUILTIN_REWARDS, RewardOutput, RewardSet, resolve_reward
 
 __all__ = [
+    "CastEngine",
     "BUILTIN_REWARDS",
     "RewardOutput",
     "RewardSet",

@@ -22,6 +22,7 @@ C = completion length (decode steps run, <= max_new_tokens), V = vocabulary size
 """
 from __future__ import annotations
 
+import copy
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -337,3 +338,47 @@ def _decode_loop(model, cache, logits, prompt_mask, params: SamplingParams, pad_
         logits, cache = decode_step(model, tokens, cache, attention_mask[:, : prompt_width + step + 1],
                                     positions + step)
     return completion_ids[:, :num_steps], completion_mask[:, :num_steps], logprobs[:, :num_steps], finished
+
+
+# ----------------------------------------------------------------------------- a sampler in another dtype
+
+class CastEngine:
+    """The in-process sampler on a copy of the policy whose weights are cast to ``dtype`` (e.g. bf16
+    rollouts for an fp32 trainer, the arrangement of vLLM-fed trainers, here without a second engine).
+
+    Decoding a small batch streams every weight from memory once per token, so halving the weight
+    bytes nearly halves the decode time where the hardware multiplies bf16 natively (CUDA, and CPUs
+    with AVX512-BF16 or AMX: ``hardware.cpu_has_bf16``). Only the parameters are cast; buffers (the
+    rotary frequencies) keep their dtype, and the logits are upcast to float32 before sampling.
+
+    The samples then come from the bf16 model and their logprobs differ from the trainer's float32
+    recomputation by rounding: ``algo.is_level`` (truncated importance sampling against these
+    logprobs) corrects for that, and the alignment metrics show how large it is. Same interface as the
+    vLLM backend: ``sync_weights(model)`` before every rollout, then ``generate``.
+    """
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
+        self.dtype = dtype
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        for param in self.model.parameters():
+            param.grad = None
+            param.data = param.data.to(dtype)
+        self._pairs = None
+
+    @torch.no_grad()
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Copy (and cast) ``model``'s current parameters into the sampler's copy."""
+        if self._pairs is None:
+            mine = dict(self.model.named_parameters())
+            theirs = dict(model.named_parameters())
+            if mine.keys() != theirs.keys():
+                missing = sorted(mine.keys() ^ theirs.keys())[:3]
+                raise ValueError(f"CastEngine.sync_weights: parameter names differ from the copy's ({missing})")
+            self._pairs = [(mine[name], theirs[name]) for name in mine]
+        for dst, src in self._pairs:
+            dst.copy_(src)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, num_samples: int = 1,
+                 pad_token_id: int = 0, decode_fn: Callable[[list[int]], str] | None = None) -> RolloutBatch:
+        return generate(self.model, prompts, params, num_samples=num_samples, pad_token_id=pad_token_id,
+                        decode_fn=decode_fn)
