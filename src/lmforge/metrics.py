@@ -110,19 +110,22 @@ class RunLogger:
 
 
 class StepTimer:
-    """Collects per-step wall time, data time and tokens for the end-of-run summary."""
+    """Collects per-step wall time, data time, tokens and (where the recipe counts them) the matmul
+    FLOPs the step executed, for the end-of-run summary."""
 
     def __init__(self):
         self.start = time.perf_counter()
         self.step_times: list[float] = []
         self.data_times: list[float] = []
         self.tokens = 0
+        self.flops = 0.0
         self.train_time = 0.0
 
-    def record(self, step_time: float, data_time: float, tokens: int) -> None:
+    def record(self, step_time: float, data_time: float, tokens: int, flops: float = 0.0) -> None:
         self.step_times.append(step_time)
         self.data_times.append(data_time)
         self.tokens += tokens
+        self.flops += flops
         self.train_time += step_time
 
 
@@ -138,9 +141,14 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 def summary(timer: StepTimer, flops_per_token: float, peak_gflops: float, device: torch.device) -> dict:
-    """End-of-run figures: total time, median step, data time, tokens/s, MFU, peak memory."""
+    """End-of-run figures: total time, median step, data time, tokens/s, MFU, peak memory.
+
+    The FLOPs are the ones the steps recorded (RL: what sampling and training executed), else the
+    usual model-FLOPs convention, ``flops_per_token`` (6N) x tokens.
+    """
     tokens_per_s = timer.tokens / timer.train_time if timer.train_time else 0.0
-    achieved = tokens_per_s * flops_per_token / 1e9
+    flops = timer.flops or timer.tokens * flops_per_token
+    achieved = flops / timer.train_time / 1e9 if timer.train_time else 0.0
     return {
         "total_time_s": time.perf_counter() - timer.start,
         "steps": len(timer.step_times),

@@ -280,6 +280,38 @@ def policy_logprobs(model, batch: RLBatch, temperature: float, precision: Precis
     return completion_logprobs(logits, batch, temperature, entropy_grad)
 
 
+def step_flops(model, batch: RLBatch, micro_batch_size: int, train_passes: int, forward_passes: int,
+               share_prompts: bool = True) -> float:
+    """Matmul FLOPs of one RL step as lmforge runs it (an estimate: attention scores are left out).
+
+    Sampling: each distinct prompt prefilled once, then one decode forward (body + LM head) per row and
+    completion position. Training: each pass runs the body over the tokens its micro-batches actually
+    feed (a shared prompt once per micro-batch, see :func:`shares_prompts`) and the LM head over the
+    completion positions; ``train_passes`` forward + backward (3x a forward), ``forward_passes``
+    forward-only (old logprobs, reference model, values); ``share_prompts=False`` for trainers that
+    always run the packed rows (PPO). Unlike 6N x tokens, this does not count a
+    prompt once per row, which made a "utilisation" above 100% possible.
+    """
+    body, head = Run.matmul_params(model)
+
+    def prompt_tokens(part: RLBatch) -> int:  # each distinct prompt once
+        if part.group_index is None or part.prompt_lens is None:
+            return int(part.attention_mask.sum()) - int(part.completion_mask.sum())
+        return sum(dict(zip(part.group_index.tolist(), part.prompt_lens.tolist())).values())
+
+    completion = int(batch.completion_mask.sum())
+    forward_tokens = 0
+    for rows in torch.arange(batch.num_rows).split(micro_batch_size):
+        micro = batch.select(rows)
+        if share_prompts and shares_prompts(model, micro):
+            forward_tokens += prompt_tokens(micro) + int(micro.completion_mask.sum()) - micro.num_rows
+        else:
+            forward_tokens += int(micro.attention_mask.sum())
+    forward = 2.0 * (body * forward_tokens + head * completion)
+    sampling = 2.0 * body * prompt_tokens(batch) + 2.0 * (body + head) * batch.completion_mask.numel()
+    return sampling + forward * (3 * train_passes + forward_passes)
+
+
 @torch.no_grad()
 def batch_logprobs(model, batch: RLBatch, micro_batch_size: int, temperature: float,
                    precision: Precision) -> Tensor:
@@ -486,7 +518,8 @@ def train_rl(state: RLState, step_fn: Callable[[int], dict], extra_state: Callab
             done, start = step + 1, time.perf_counter()
             metrics = step_fn(done)
             step_time = time.perf_counter() - start
-            timer.record(step_time, metrics["time_generation"] + metrics["time_scoring"], metrics.pop("num_tokens"))
+            timer.record(step_time, metrics["time_generation"] + metrics["time_scoring"], metrics.pop("num_tokens"),
+                         metrics.pop("num_flops"))
             totals = {key: totals[key] + metrics[key] for key in TIME_KEYS}
             logger.log(done, {**metrics, "step_time": step_time}, echo=done % tcfg.log_every == 0 or done == 1)
             logger.advance(done)

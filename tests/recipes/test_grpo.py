@@ -10,6 +10,7 @@ from lmforge import cli, rl, rl_config
 from lmforge.config import ModelConfig, load_config
 from lmforge.errors import ConfigError, TrainingError
 from lmforge.models import load_model
+from lmforge.recipes.common import Run
 from lmforge.recipes.grpo import GRPOConfig, micro_loss, run_grpo
 from lmforge.rollout import BUILTIN_REWARDS, RewardSet, SamplingParams, generate
 from lmforge.train import Precision, logits_at
@@ -119,6 +120,27 @@ def test_on_policy_shortcut_equals_recomputed_old_logprobs():
     assert any(g.abs().max() > 1e-4 for g in shortcut_grads)
     for got, want in zip(shortcut_grads, recomputed_grads):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
+
+
+def test_step_flops_count_what_sampling_and_training_run():
+    model, batch = tiny_batch()
+    body, head = Run.matmul_params(model)
+    embedding = model.get_input_embeddings().weight
+    untied = 0 if model.get_output_embeddings().weight is embedding else embedding.numel()
+    assert body + head + untied == sum(p.numel() for p in model.parameters())
+    rows, width = batch.completion_mask.shape
+    completion = int(batch.completion_mask.sum())
+    lens = {int(g): int(n) for g, n in zip(batch.group_index, batch.prompt_lens)}
+    assert len(lens) == 2  # 2 prompts x 4 samples
+    sampling = 2 * body * sum(lens.values()) + 2 * (body + head) * rows * width
+    shared = 2 * (body * (sum(lens.values()) + completion - rows) + head * completion)
+    packed = 2 * (body * int(batch.attention_mask.sum()) + head * completion)
+    # one forward + backward (3 forwards) and one forward-only pass
+    assert rl.step_flops(model, batch, 8, 1, 1) == sampling + 4 * shared
+    assert rl.step_flops(model, batch, 4, 1, 1) == sampling + 4 * shared  # a group per micro-batch
+    assert rl.step_flops(model, batch, 1, 1, 1) == sampling + 4 * packed  # nothing shared in a row
+    assert rl.step_flops(model, batch, 8, 2, 0, share_prompts=False) == sampling + 6 * packed
+    assert packed > shared
 
 
 def test_shared_prompt_forward_equals_the_packed_forward():

@@ -40,6 +40,18 @@ class Run:
         return self._peak
 
     @staticmethod
+    def matmul_params(model) -> tuple[int, int]:
+        """(body, head): parameters multiplied per token in the transformer body and in the LM head.
+
+        The input-embedding lookup does no matmul; a tied embedding counts once, as the head.
+        """
+        head = model.get_output_embeddings().weight.numel()
+        body = count_parameters(model) - head
+        if not getattr(model.config, "tie_word_embeddings", False):
+            body -= model.get_input_embeddings().weight.numel()
+        return body, head
+
+    @staticmethod
     def flops_per_token(model) -> float:
         """Training FLOPs per token, 6 x the parameters that do matmuls (forward 2N, backward 4N).
 

@@ -110,7 +110,9 @@ def grpo_step(state: rl.RLState, algo: GRPOAlgoConfig, step: int) -> dict:
         batch, algo, state.updater, state.micro_batch_size, cfg.rollout.max_new_tokens,
         lambda micro, counts: micro_loss(state.model, micro, algo, temperature, counts, precision), step)
     return {**metrics, **adv_metrics, **train_metrics, "time_training": time.perf_counter() - start,
-            "num_tokens": int(batch.attention_mask.sum()) * algo.num_iterations}
+            "num_tokens": int(batch.attention_mask.sum()) * algo.num_iterations,
+            "num_flops": rl.step_flops(state.model, batch, state.micro_batch_size, algo.num_iterations,
+                                       int(state.ref_model is not None) + int(batch.old_logprobs is not None))}
 
 
 def run_grpo(cfg: GRPOConfig, model=None, tokenizer=None, console=None, name: str = "grpo") -> dict:

@@ -164,7 +164,9 @@ def ppo_step(state: rl.RLState, value_head: ValueHead, algo: PPOAlgoConfig, step
         lambda micro, counts: micro_loss(state.model, value_head, micro, algo, temperature, counts, precision),
         step)
     return {**metrics, **train_metrics, "time_training": time.perf_counter() - start,
-            "num_tokens": int(batch.attention_mask.sum()) * algo.num_iterations}
+            "num_tokens": int(batch.attention_mask.sum()) * algo.num_iterations,
+            "num_flops": rl.step_flops(state.model, batch, state.micro_batch_size, algo.num_iterations,
+                                       1 + int(state.ref_model is not None), share_prompts=False)}
 
 
 def run_ppo(cfg: PPOConfig, model=None, tokenizer=None, console=None, name: str = "ppo") -> dict:
