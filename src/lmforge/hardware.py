@@ -23,7 +23,7 @@ class Hardware:
     num_cores: int
     ram_gb: float
     accel_mem_gb: float  # 0 on CPU
-    bf16_supported: bool
+    bf16_supported: bool  # native bf16 matmul: CUDA's own check, or AVX512-BF16 / AMX on a CPU
 
     @property
     def tier(self) -> str:
@@ -91,7 +91,7 @@ def detect(device: str = "auto") -> Hardware:
         return Hardware("mps", "Apple GPU", _num_cores(), _ram_gb(), _ram_gb() / 2, False)
     if want == "mps":
         raise ConfigError("train.device=mps but MPS is not available; use train.device=cpu")
-    return Hardware("cpu", "none", _num_cores(), _ram_gb(), 0.0, False)
+    return Hardware("cpu", "none", _num_cores(), _ram_gb(), 0.0, cpu_has_bf16())
 
 
 def estimate_train_memory_gb(num_params: int, seq_len: int, hidden: int, layers: int, batch: int,
@@ -119,12 +119,12 @@ def choose(hw: Hardware, *, dtype: str = "auto", threads: int = 0, micro_batch_s
         else:
             chosen_dtype, reasons["dtype"] = torch.float32, (
                 f"{hw.device}: fp32, the safe default (bf16 matmul is fast only on CPUs with AVX512-BF16 "
-                f"or AMX{': this one has it, try train.dtype=bf16' if cpu_has_bf16() else ''}; "
+                f"or AMX{': this one has it, try train.dtype=bf16' if hw.bf16_supported else ''}; "
                 f"convergence in bf16 autocast on CPU is not checked by lmforge)")
     else:
         chosen_dtype, reasons["dtype"] = DTYPES[dtype], "set in config"
-    if dtype in ("bf16", "fp16") and hw.device == "cpu":
-        reasons["dtype"] += " (warning: half precision is slow on CPU)"
+    if hw.device == "cpu" and (dtype == "fp16" or (dtype == "bf16" and not hw.bf16_supported)):
+        reasons["dtype"] += " (warning: this CPU has no native units for it: far slower than fp32)"
 
     if threads > 0:
         chosen_threads, reasons["threads"] = threads, "set in config"
