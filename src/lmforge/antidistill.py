@@ -30,9 +30,10 @@ from .ops import selective_log_softmax
 from .rollout.engine import (
     RolloutBatch,
     SamplingParams,
-    left_pad,
     decode_step,
     expand_cache,
+    left_pad,
+    lockstep_decode,
     make_cache,
     prefill,
     sample_token,
@@ -415,44 +416,29 @@ def ads_generate(teacher: nn.Module, proxy_plus: nn.Module, proxy_minus: nn.Modu
 
 def _ads_decode_loop(models, caches, logits, prompt_mask, params: SamplingParams, lam: float, eps: float,
                      pad_token_id: int, generator, vocab_size: int | None, check_every: int = 4):
-    """Lockstep sampling loop. logits: [teacher, plus, minus] each (B, V); prompt_mask (B, P).
+    """Lockstep sampling of [teacher, plus, minus]. logits: their (B, V) logits; prompt_mask (B, P).
 
-    Returns (ids, mask, logprobs, teacher_logprobs) each (B, C) and finished (B,). Mirrors the rollout
-    engine's loop (same RNG use, same stop rule) so that lam = 0 reproduces it exactly.
+    Returns (ids, mask, logprobs, teacher_logprobs) each (B, C) and finished (B,). The rollout
+    engine's loop (``rollout.engine.lockstep_decode``: same RNG use, same stop rule) with the ADS
+    logits in place of the teacher's, so that lam = 0 reproduces the engine exactly.
     """
-    num_rows, prompt_width = prompt_mask.shape
-    device, max_new = prompt_mask.device, params.max_new_tokens
+    device = prompt_mask.device
     adjusted_params = dataclasses.replace(params, temperature=1.0)  # ads_logits already divided by T
-    ids = torch.full((num_rows, max_new), pad_token_id, dtype=torch.long, device=device)
-    mask = torch.zeros((num_rows, max_new), dtype=torch.long, device=device)
-    logprobs = torch.zeros((num_rows, max_new), dtype=torch.float32, device=device)
-    teacher_logprobs = torch.zeros_like(logprobs)
-    attention_mask = torch.cat([prompt_mask, torch.ones((num_rows, max_new), dtype=torch.long, device=device)], 1)
-    positions = prompt_mask.sum(1)  # (B,) position of the first generated token
-    stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
-    finished = torch.zeros(num_rows, dtype=torch.bool, device=device)
-    num_steps = max_new
-    for step in range(max_new):
+
+    def pick(step: int):
         z_teacher, z_plus, z_minus = (z[:, :vocab_size] for z in logits)
         adjusted = ads_logits(z_teacher, z_plus, z_minus, params.temperature, lam, eps)  # (B, V)
         tokens, token_logprobs = sample_token(adjusted, adjusted_params, generator)  # (B,), (B,)
         teacher_all = torch.log_softmax(z_teacher / params.temperature, dim=-1)  # (B, V), finite everywhere
-        token_teacher_logprobs = teacher_all.gather(-1, tokens[:, None]).squeeze(-1)
-        alive = ~finished
-        ids[:, step] = torch.where(alive, tokens, pad_token_id)
-        mask[:, step] = alive.long()
-        logprobs[:, step] = token_logprobs.float().masked_fill(finished, 0.0)
-        teacher_logprobs[:, step] = token_teacher_logprobs.masked_fill(finished, 0.0)
-        if len(stop_ids):
-            finished |= torch.isin(tokens, stop_ids)
-        if step + 1 == max_new or ((step + 1) % check_every == 0 and bool(finished.all())):
-            num_steps = step + 1
-            break
+        return tokens, token_logprobs, (teacher_all.gather(-1, tokens[:, None]).squeeze(-1),)
+
+    def advance(tokens, attention_mask, positions):
         for i, model in enumerate(models):
             model_device = _model_device(model)
-            step_logits, caches[i] = decode_step(
-                model, tokens.to(model_device), caches[i],
-                attention_mask[:, : prompt_width + step + 1].to(model_device), (positions + step).to(model_device))
+            step_logits, caches[i] = decode_step(model, tokens.to(model_device), caches[i],
+                                                 attention_mask.to(model_device), positions.to(model_device))
             logits[i] = step_logits.to(device)
-    return (ids[:, :num_steps], mask[:, :num_steps], logprobs[:, :num_steps],
-            teacher_logprobs[:, :num_steps], finished)
+
+    ids, mask, logprobs, (teacher_logprobs,), finished = lockstep_decode(
+        pick, advance, prompt_mask, params, pad_token_id, check_every=check_every, num_extras=1)
+    return ids, mask, logprobs, teacher_logprobs, finished

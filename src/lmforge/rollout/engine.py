@@ -309,11 +309,39 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], params: S
 def _decode_loop(model, cache, logits, prompt_mask, params: SamplingParams, pad_token_id: int,
                  generator, decode_fn, check_every: int):
     """Sample tokens until every row stopped or max_new_tokens. Returns (ids, mask, logprobs, finished)."""
+    state = {"logits": logits, "cache": cache}
+
+    def pick(step: int):
+        tokens, token_logprobs = sample_token(state["logits"], params, generator)
+        return tokens, token_logprobs, ()
+
+    def advance(tokens, attention_mask, positions):
+        state["logits"], state["cache"] = decode_step(model, tokens, state["cache"], attention_mask, positions)
+
+    ids, mask, logprobs, _, finished = lockstep_decode(pick, advance, prompt_mask, params, pad_token_id,
+                                                       decode_fn, check_every)
+    return ids, mask, logprobs, finished
+
+
+def lockstep_decode(pick: Callable, advance: Callable, prompt_mask: torch.Tensor, params: SamplingParams,
+                    pad_token_id: int, decode_fn=None, check_every: int = 4, num_extras: int = 0):
+    """The sampling loop every sampler here shares: all B rows advance one token per step.
+
+    ``pick(step) -> (tokens (B,), logprobs (B,), extras)`` chooses this step's tokens from the current
+    logits; ``extras`` is a tuple of ``num_extras`` (B,) float tensors stored like the logprobs (e.g.
+    antidistillation's teacher logprobs). ``advance(tokens, attention_mask, positions)`` then runs the
+    model(s) on them; attention_mask (B, P + step + 1) covers the prompt and the tokens so far,
+    positions (B,) is each new token's position. Rows that hit a stop token or stop string are
+    finished: later positions hold ``pad_token_id`` with mask 0 and logprob 0. The loop ends when every
+    row has finished (checked every ``check_every`` steps, to avoid a host sync per step) or after
+    ``max_new_tokens``. Returns (ids, mask, logprobs, extras list, finished), each (B, C) but finished (B,).
+    """
     num_rows, prompt_width = prompt_mask.shape
     device, max_new = prompt_mask.device, params.max_new_tokens
     completion_ids = torch.full((num_rows, max_new), pad_token_id, dtype=torch.long, device=device)
     completion_mask = torch.zeros((num_rows, max_new), dtype=torch.long, device=device)
     logprobs = torch.zeros((num_rows, max_new), dtype=torch.float32, device=device)
+    extras = [torch.zeros_like(logprobs) for _ in range(num_extras)]
     # Attention mask for prompt + generated positions, sliced per step (finished rows keep attending:
     # their outputs are discarded, and a constant mask shape avoids per-row bookkeeping).
     attention_mask = torch.cat([prompt_mask, torch.ones((num_rows, max_new), dtype=torch.long, device=device)], 1)
@@ -322,11 +350,13 @@ def _decode_loop(model, cache, logits, prompt_mask, params: SamplingParams, pad_
     finished = torch.zeros(num_rows, dtype=torch.bool, device=device)
     num_steps = max_new
     for step in range(max_new):
-        tokens, token_logprobs = sample_token(logits, params, generator)  # (B,), (B,)
+        tokens, token_logprobs, token_extras = pick(step)  # (B,), (B,), num_extras x (B,)
         alive = ~finished
         completion_ids[:, step] = torch.where(alive, tokens, pad_token_id)
         completion_mask[:, step] = alive.long()
-        logprobs[:, step] = token_logprobs.masked_fill(finished, 0.0)
+        logprobs[:, step] = token_logprobs.float().masked_fill(finished, 0.0)
+        for store, value in zip(extras, token_extras):
+            store[:, step] = value.float().masked_fill(finished, 0.0)
         if len(stop_ids):
             finished |= torch.isin(tokens, stop_ids)
         if params.stop_strings:
@@ -335,9 +365,9 @@ def _decode_loop(model, cache, logits, prompt_mask, params: SamplingParams, pad_
         if step + 1 == max_new or ((step + 1) % check_every == 0 and bool(finished.all())):
             num_steps = step + 1
             break
-        logits, cache = decode_step(model, tokens, cache, attention_mask[:, : prompt_width + step + 1],
-                                    positions + step)
-    return completion_ids[:, :num_steps], completion_mask[:, :num_steps], logprobs[:, :num_steps], finished
+        advance(tokens, attention_mask[:, : prompt_width + step + 1], positions + step)
+    return (completion_ids[:, :num_steps], completion_mask[:, :num_steps], logprobs[:, :num_steps],
+            [e[:, :num_steps] for e in extras], finished)
 
 
 # ----------------------------------------------------------------------------- a sampler in another dtype
