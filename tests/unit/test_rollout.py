@@ -327,10 +327,12 @@ def test_cast_engine_samples_from_a_synced_bf16_copy():
         with torch.no_grad():
             bf16 = torch.log_softmax(_full_logits(engine.model, batch, row), -1)
             fp32 = torch.log_softmax(_full_logits(policy, batch, row), -1)
-        own = bf16.gather(-1, target[:, None]).squeeze(-1)
-        torch.testing.assert_close(batch.logprobs[row], own, rtol=0, atol=1e-5)
+        # bf16 forwards of the cached decode and of the full sequence can round differently where the
+        # kernels block differently (~5e-7 on the development CPU); the fp32 model is ~1e-2 away
+        own_err = (bf16.gather(-1, target[:, None]).squeeze(-1) - batch.logprobs[row]).abs().max()
         gap = (fp32.gather(-1, target[:, None]).squeeze(-1) - batch.logprobs[row]).abs().max()
-        assert 1e-4 < gap < 0.1, gap  # bf16 rounding moves them (~1e-2 here), but not far
+        assert own_err < 2e-3 and gap > 5 * own_err, (own_err, gap)
+        assert 1e-4 < gap < 0.1, gap  # bf16 rounding moves them, but not far
 
 
 def test_cast_engine_refuses_a_model_with_other_parameters():
