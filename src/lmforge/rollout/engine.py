@@ -2,8 +2,9 @@
 
 ``generate`` prefills each prompt once, shares its KV cache among the prompt's ``num_samples``
 samples, then decodes all B = num_prompts * num_samples rows in lockstep. The step-level pieces
-(``prefill``, ``decode_step``, ``process_logits``, ``sample_token``) are public so that other
-samplers (antidistillation decodes a teacher and two proxies in lockstep) can reuse them.
+(``prefill``, ``decode_step``, ``process_logits``, ``sample_token``) and the loop itself
+(``lockstep_decode``) are public so that other samplers (antidistillation decodes a teacher and two
+proxies in lockstep) reuse them. ``CastEngine`` runs the same sampler on a bf16 / fp16 copy.
 
 Which distribution the stored logprobs belong to
 ------------------------------------------------
