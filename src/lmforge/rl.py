@@ -379,10 +379,10 @@ def update(batch: RLBatch, algo, updater: Updater, micro_batch_size: int, max_ne
             for rows in torch.arange(mini.num_rows).split(micro_batch_size):
                 micro = mini.select(rows)
                 loss, metrics = loss_fn(micro, counts)
-                check_finite(loss, step)
                 updater.precision.backward(loss)
                 loss_sum = loss_sum + loss.detach()
                 records.append((metrics, int(micro.completion_mask.sum())))
+            check_finite(loss_sum, step)  # once per update (a host sync on GPUs), before it is applied
             grad_norms.append(updater.step())
             losses.append(loss_sum)
     grad_norms = torch.stack(grad_norms)

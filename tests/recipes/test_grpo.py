@@ -212,6 +212,24 @@ def test_bf16_sampler_without_importance_sampling_says_so(tmp_path, capsys):
     assert "algo.is_level=token corrects for it" in capsys.readouterr().out
 
 
+def test_nan_loss_stops_the_run_before_the_update(tmp_path, monkeypatch):
+    import lmforge.recipes.grpo as grpo
+
+    real = grpo.micro_loss
+
+    def poisoned(model, micro, algo, *args, **kwargs):
+        loss, metrics = real(model, micro, algo, *args, **kwargs)
+        return loss * float("nan"), metrics
+
+    monkeypatch.setattr(grpo, "micro_loss", poisoned)
+    model, tokenizer = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2,
+                                              num_heads=2, max_position_embeddings=32))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TrainingError, match="non-finite loss .* step 1"):
+        run_grpo(load_config(GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path}"]), model, tokenizer)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # no update was applied
+
+
 def test_importance_sampling_with_truncated_sampling_is_a_config_error(tmp_path):
     cfg = load_config(GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path}", "algo.is_level=sequence",
                                                 "rollout.top_k=5"])

@@ -6,6 +6,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from lmforge.checkpoint import list_checkpoints
 from lmforge.config import load_config
@@ -101,3 +102,27 @@ def test_fresh_run_refuses_to_overwrite_checkpoints(tmp_path, reference):
     run_sft(load_config(SFTConfig, None, ARGS + [f"train.output_dir={out}", "train.max_steps=2"]))
     with pytest.raises(ConfigError, match="train.resume=auto"):
         run_sft(load_config(SFTConfig, None, ARGS + [f"train.output_dir={out}", "train.max_steps=2"]))
+
+
+def test_nan_loss_stops_before_the_update_and_keeps_the_checkpoints(tmp_path, reference, monkeypatch):
+    # the loss of step 5's second micro-batch turns NaN: the run stops with a TrainingError naming
+    # the step, before that step's optimizer update, and the step-2/4 checkpoints resume bit for bit
+    import lmforge.recipes.supervised as supervised
+    from lmforge.errors import TrainingError
+
+    real, calls = supervised.micro_loss, []
+
+    def poisoned(*args, **kwargs):
+        calls.extend([1] if torch.is_grad_enabled() else [])  # training calls (validation runs no_grad)
+        loss, metrics = real(*args, **kwargs)
+        return (loss * float("nan") if len(calls) == 10 else loss), metrics  # 2 micro-batches per step
+
+    monkeypatch.setattr(supervised, "micro_loss", poisoned)
+    out = tmp_path / "run"
+    with pytest.raises(TrainingError, match="non-finite loss .* step 5"):
+        run_sft(load_config(SFTConfig, None, ARGS + [f"train.output_dir={out}"]))
+    assert [c.name for c in list_checkpoints(out)] == ["step-000002", "step-000004"]
+    assert sorted(losses(out)) == [1, 2, 3, 4]  # step 5 was never logged
+    monkeypatch.setattr(supervised, "micro_loss", real)
+    resume(out)
+    assert losses(out) == reference

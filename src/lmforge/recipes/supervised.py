@@ -105,9 +105,9 @@ def train_supervised(run: Run, model, tokenizer, data: SupervisedData,
             loss_sum = torch.zeros((), device=device)
             for batch in batches:
                 loss, _ = micro_loss(model, batch, max(num_loss_tokens, 1), precision)
-                check_finite(loss, step + 1)
                 precision.backward(loss)
                 loss_sum += loss.detach()
+            check_finite(loss_sum, step + 1)  # once per step (a host sync on GPUs), before the update
             lr = updater.scheduler.get_last_lr()[0]
             grad_norm = updater.step()
             step_time = time.perf_counter() - t0
