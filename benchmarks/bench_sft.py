@@ -32,7 +32,7 @@ Optional contestants (not part of the headline): ``plain`` (``model(**batch).los
 default AdamW), ``lmforge_bf16`` (the same lmforge step with ``train.dtype=bf16`` autocast).
 
 The lmforge step is the body of ``recipes/supervised.py: train_supervised`` (grad_accum = 1):
-``count_loss_tokens`` -> ``micro_loss`` -> ``check_finite`` -> ``Precision.backward`` ->
+``count_loss_tokens`` -> ``micro_loss`` -> ``Precision.backward`` -> ``check_finite`` ->
 ``optimizer_step`` (global-norm clip 1.0, fused AdamW, LR schedule), with the optimizer, schedule,
 precision and thread count that ``train_supervised`` / ``start_run`` build.
 """
@@ -99,8 +99,8 @@ class LmforgeStep:
         batch = collate_sft(batch_rows(self.rows, self.step, self.batch), self.pad_id)
         num_loss_tokens = count_loss_tokens(batch["labels"])
         loss, _ = micro_loss(self.model, batch, max(num_loss_tokens, 1), self.precision)
-        check_finite(loss, self.step + 1)
         self.precision.backward(loss)
+        check_finite(loss, self.step + 1)
         optimizer_step(self.model, self.optimizer, self.scheduler, self.precision, MAX_GRAD_NORM)
         self.step += 1
         return int(batch["attention_mask"].sum()), num_loss_tokens, float(loss)
