@@ -110,6 +110,25 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
     return path
 
 
+def resume_training(resume: str, run_dir: Path, model, updater, order, printer) -> dict:
+    """Resume as ``train.resume`` says (see :func:`resolve_resume`), or do nothing.
+
+    Loads the checkpoint's weights into ``model`` and restores ``updater`` (optimizer, schedule,
+    precision), ``order`` (data position) and the RNG states; prints where it resumed from. Returns
+    the saved trainer state (its ``step`` and whatever the recipe stored), or {} for a fresh run.
+    """
+    path = resolve_resume(resume, run_dir)
+    if path is None:
+        return {}
+    load_model_weights(model, path)
+    saved = load_trainer_state(path)
+    updater.load_state_dict(saved)
+    order.load_state_dict(saved["data"])
+    set_rng_state(saved["rng"])
+    printer(f"[resume] from {path} at step {saved['step']}")
+    return saved
+
+
 def load_trainer_state(path: Path) -> dict:
     return torch.load(Path(path) / "trainer_state.pt", map_location="cpu", weights_only=False)
 

@@ -31,7 +31,6 @@ from . import checkpoint as ckpt
 from .data.sft import encode_prompt, uses_chat_format
 from .data.tasks import get_task
 from .errors import DataError, TrainingError
-from .hardware import cpu_has_bf16
 from .evaluation import completion_texts, save_samples, task_accuracy
 from .metrics import RunLogger, StepTimer, plot_run, print_summary, summary
 from .models import load_model
@@ -444,16 +443,8 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
     order = BatchOrder(len(prompts.prompt_ids), cfg.rollout.num_prompts, cfg.train.seed)
     reward_set = RewardSet(cfg.rewards.specs(), cfg.rewards.max_failure_fraction)
     state = RLState(run, model, tokenizer, ref_model, prompts, reward_set, order, updater, step=0)
-    saved = {}
-    resume_from = ckpt.resolve_resume(cfg.train.resume, run.dir)
-    if resume_from is not None:
-        ckpt.load_model_weights(model, resume_from)
-        saved = ckpt.load_trainer_state(resume_from)
-        updater.load_state_dict(saved)
-        order.load_state_dict(saved["data"])
-        ckpt.set_rng_state(saved["rng"])
-        state.step = saved["step"]
-        run.print(f"[resume] from {resume_from} at step {state.step}")
+    saved = ckpt.resume_training(cfg.train.resume, run.dir, model, updater, order, run.print)
+    state.step = saved.get("step", 0)
     if cfg.rollout.dtype != "same":
         state.rollout_engine = cast_engine(model, cfg.rollout.dtype, algo, run)
     if cfg.rollout.backend == "vllm":
@@ -470,7 +461,7 @@ def cast_engine(model, dtype_name: str, algo, run) -> CastEngine:
     when that dtype is slow on this device or when no importance weights correct for the rounding."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     device = next(model.parameters()).device
-    if device.type == "cpu" and not (dtype is torch.bfloat16 and cpu_has_bf16()):
+    if device.type == "cpu" and not (dtype is torch.bfloat16 and run.hw.bf16_supported):
         run.print(f"[rollout] note: rollout.dtype={dtype_name} on a CPU without native {dtype_name} units "
                   "is usually much slower than fp32; rollout.dtype=same is the fast choice here")
     if algo.is_level == "none":

@@ -78,15 +78,9 @@ def train_supervised(run: Run, model, tokenizer, data: SupervisedData,
     order = BatchOrder(len(data.train_rows), run.choices.micro_batch_size, tcfg.seed)
     state = {"step": 0, "best_val_loss": math.inf}
 
-    resume_from = ckpt.resolve_resume(tcfg.resume, run.dir)
-    if resume_from is not None:
-        ckpt.load_model_weights(model, resume_from)
-        saved = ckpt.load_trainer_state(resume_from)
-        updater.load_state_dict(saved)
-        order.load_state_dict(saved["data"])
-        ckpt.set_rng_state(saved["rng"])
+    saved = ckpt.resume_training(tcfg.resume, run.dir, model, updater, order, run.print)
+    if saved:
         state = {"step": saved["step"], "best_val_loss": saved["best_val_loss"]}
-        run.print(f"[resume] from {resume_from} at step {state['step']}")
 
     def trainer_state() -> dict:
         return {**updater.state_dict(), "data": order.state_dict(), "best_val_loss": state["best_val_loss"]}
