@@ -12,7 +12,7 @@ from lmforge.errors import ConfigError, TrainingError
 from lmforge.models import load_model
 from lmforge.recipes.common import Run
 from lmforge.recipes.grpo import GRPOConfig, micro_loss, run_grpo
-from lmforge.rollout import BUILTIN_REWARDS, RewardSet, SamplingParams, generate
+from lmforge.rollout import RewardSet, SamplingParams, generate
 from lmforge.train import Precision, logits_at
 
 TINY = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
@@ -35,18 +35,6 @@ STEP_KEYS = {
     "rollout_ratio_frac_low", "rollout_ratio_frac_high", "pg_loss", "loss", "grad_norm", "lr",
     "time_generation", "time_scoring", "time_training", "step_time",
 }
-
-
-def parity(completion: str, problem) -> float:
-    """A reward with variance for an untrained model: parity of the completion's character codes."""
-    return float(sum(map(ord, completion)) % 2)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def parity_reward():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(BUILTIN_REWARDS, "parity", parity)
-        yield
 
 
 def records(run_dir, kind="train"):

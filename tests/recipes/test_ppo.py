@@ -10,7 +10,7 @@ from lmforge.config import ModelConfig, OptimConfig, load_config
 from lmforge.errors import ConfigError
 from lmforge.models import load_model
 from lmforge.recipes.ppo import PPOConfig, ValueHead, add_targets, micro_loss, run_ppo, terminal_rewards
-from lmforge.rollout import BUILTIN_REWARDS, RewardSet
+from lmforge.rollout import RewardSet
 from lmforge.train import Precision, Updater
 
 ARGS = [
@@ -21,18 +21,6 @@ ARGS = [
     "train.eval_every=0", "train.max_new_tokens=4", "train.threads=1", "optim.lr=1e-2", "logging.progress=false",
     "algo.kl_coef=0.05", "algo.num_iterations=2", "algo.num_mini_batches=2",
 ]
-
-
-def parity(completion: str, problem) -> float:
-    """A reward with variance for an untrained model: parity of the completion's character codes."""
-    return float(sum(map(ord, completion)) % 2)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def parity_reward():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(BUILTIN_REWARDS, "parity", parity)
-        yield
 
 
 def records(run_dir):
