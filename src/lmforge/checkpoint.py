@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from .errors import ConfigError
-from .models import save_model
+from .models import save_model, save_model_config
+from .parallel.wrap import full_state_dict, is_sharded
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -41,12 +42,12 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _write_dir(final: Path, write) -> Path:
-    """Run ``write(tmp_dir)`` then atomically move ``tmp_dir`` to ``final`` (replacing it)."""
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    write(tmp)
+def _tmp_dir(final: Path) -> Path:
+    return final.with_name(f".{final.name}.tmp-{os.getpid()}")
+
+
+def _commit(tmp: Path, final: Path) -> Path:
+    """fsync ``tmp`` and rename it to ``final`` (replacing it): all or nothing under ``final``."""
     _fsync_tree(tmp)
     if final.exists():
         old = final.with_name(f".{final.name}.old-{os.getpid()}")
@@ -58,6 +59,15 @@ def _write_dir(final: Path, write) -> Path:
     return final
 
 
+def _write_dir(final: Path, write) -> Path:
+    """Run ``write(tmp_dir)`` then atomically move ``tmp_dir`` to ``final`` (replacing it)."""
+    tmp = _tmp_dir(final)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    return _commit(tmp, final)
+
+
 def _fsync_tree(root: Path) -> None:
     for path in root.rglob("*"):
         if path.is_file():
@@ -65,27 +75,80 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(handle.fileno())
 
 
-def save_model_dir(final: Path, model, tokenizer) -> Path:
-    """Atomically write a plain HF model directory (best / final)."""
-    return _write_dir(final, lambda tmp: save_model(model, tokenizer, tmp))
+def _on_main(ctx, work) -> None:
+    """``work()`` on rank 0; every rank then learns whether it failed (no rank waits forever)."""
+    error = None
+    if ctx.is_main:
+        try:
+            work()
+        except Exception as exc:  # re-raised on rank 0 by check_all_ok, after the others know
+            error = exc
+    ctx.check_all_ok(error)
 
 
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: dict, keep_last: int) -> Path:
-    """Write ``checkpoints/step-XXXXXX`` atomically and prune all but the newest ``keep_last``."""
-    root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
+def save_model_dir(final: Path, state) -> Path:
+    """Atomically write a plain HF model directory (best / final) of ``state.model``.
 
-    def write(tmp: Path) -> None:
-        save_model(model, tokenizer, tmp / "model")
-        torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / "trainer_state.pt")
+    Under FSDP2 the parameters are first gathered (a collective: every rank calls this); rank 0 writes.
+    """
+    weights = full_state_dict(state.wrapped) if is_sharded(state.wrapped) else None
+    _on_main(state.run.ctx, lambda: _write_dir(final, lambda tmp: save_model(state.model, state.tokenizer, tmp,
+                                                                           state_dict=weights)))
+    return final
 
-    path = _write_dir(root / f"step-{step:06d}", write)
-    for stale in root.glob(".step-*.tmp-*"):  # left by a process that died mid-save
-        shutil.rmtree(stale, ignore_errors=True)
-    if keep_last > 0:
-        for old in list_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    return path
+
+def save_checkpoint(state, extra: dict, keep_last: int) -> Path:
+    """Write ``checkpoints/step-XXXXXX`` atomically and prune all but the newest ``keep_last``.
+
+    One process or DDP: rank 0 writes the HF model and ``trainer_state.pt`` (optimizer, schedule,
+    precision, data position, step, every rank's RNG state). FSDP2: the sharded model and optimizer
+    go to ``dcp/`` with ``torch.distributed.checkpoint`` (each rank writes its shards), the model's
+    config and tokenizer to ``model/``, the rest to ``trainer_state.pt``; ``lmforge export`` turns it
+    into an HF directory. Either way the directory appears under its final name only when complete.
+    """
+    run, ctx = state.run, state.run.ctx
+    root = Path(run.dir) / "checkpoints"
+    final = root / f"step-{state.step:06d}"
+    rngs = ctx.gather_objects(rng_state())
+    trainer_state = {"data": state.order.state_dict(), **extra, "step": state.step, "rng": rngs[0],
+                     "rng_ranks": rngs, "world_size": ctx.world_size, "strategy": ctx.strategy}
+    tmp = ctx.broadcast_object(_tmp_dir(final))
+    sharded = is_sharded(state.wrapped)
+
+    def prepare() -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+
+    _on_main(ctx, prepare)
+    if sharded:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(state.wrapped, state.updater.optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / "dcp"))
+        trainer_state.update({"scheduler": state.updater.scheduler.state_dict(),
+                              "precision": state.updater.precision.state_dict()})
+    else:
+        trainer_state.update(state.updater.state_dict())
+
+    def write() -> None:
+        if sharded:
+            save_model_config(state.model, state.tokenizer, tmp / "model")
+        else:
+            save_model(state.model, state.tokenizer, tmp / "model")
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+        _commit(tmp, final)
+        for stale in root.glob(".step-*.tmp-*"):  # left by a process that died mid-save
+            if stale != tmp:
+                shutil.rmtree(stale, ignore_errors=True)
+        if keep_last > 0:
+            for old in list_checkpoints(run.dir)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    ctx.barrier()  # every rank's shards are written
+    _on_main(ctx, write)
+    return final
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -110,23 +173,55 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
     return path
 
 
-def resume_training(resume: str, run_dir: Path, model, updater, order, printer) -> dict:
+def resume_training(resume: str, run_dir: Path, state, printer) -> dict:
     """Resume as ``train.resume`` says (see :func:`resolve_resume`), or do nothing.
 
-    Loads the checkpoint's weights into ``model`` and restores ``updater`` (optimizer, schedule,
-    precision), ``order`` (data position) and the RNG states; prints where it resumed from. Returns
-    the saved trainer state (its ``step`` and whatever the recipe stored), or {} for a fresh run.
+    Restores the weights, the optimizer / schedule / precision (``state.updater``), the data position
+    (``state.order``) and each rank's RNG state. A checkpoint written at another world size reshards
+    (FSDP2, through ``torch.distributed.checkpoint``) or loads as is (DDP, one process: the state is
+    replicated); the RNG streams then restart from the seed, the rank and the step (docs/distributed.md).
+    Returns the saved trainer state (its ``step`` and what the recipe stored), or {} for a fresh run.
     """
     path = resolve_resume(resume, run_dir)
     if path is None:
         return {}
-    load_model_weights(model, path)
+    ctx = state.run.ctx
     saved = load_trainer_state(path)
-    updater.load_state_dict(saved)
-    order.load_state_dict(saved["data"])
-    set_rng_state(saved["rng"])
+    if (path / "dcp").is_dir():
+        _load_sharded(path, state)
+        state.updater.scheduler.load_state_dict(saved["scheduler"])
+        state.updater.precision.load_state_dict(saved["precision"])
+    elif is_sharded(state.wrapped):
+        raise ConfigError(f"checkpoint {path} was written without FSDP2 (no dcp/ directory): resume it with "
+                          "parallel.strategy=ddp, or start a new run from its weights (model.name={path}/model)")
+    else:
+        load_model_weights(state.model, path)
+        state.updater.load_state_dict(saved)
+    state.order.load_state_dict(saved["data"])
+    rngs = saved.get("rng_ranks", [saved["rng"]])
+    if len(rngs) == ctx.world_size:
+        set_rng_state(rngs[ctx.rank])
+    else:
+        reseed = state.run.cfg.train.seed + 1_000_003 * ctx.rank + 7919 * saved["step"]
+        random.seed(reseed)
+        torch.manual_seed(reseed)
+        printer(f"[resume] the checkpoint was written by {len(rngs)} ranks, this run has {ctx.world_size}: "
+                "weights, optimizer and data position are restored, the RNG streams restart from "
+                "(seed, rank, step)")
     printer(f"[resume] from {path} at step {saved['step']}")
     return saved
+
+
+def _load_sharded(path: Path, state) -> None:
+    """Load a ``dcp/`` checkpoint into the (possibly differently sharded) model and optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(state.wrapped, state.updater.optimizer)
+    loaded = {"model": model_state, "optim": optim_state}
+    dcp.load(loaded, checkpoint_id=str(path / "dcp"))
+    set_state_dict(state.wrapped, state.updater.optimizer, model_state_dict=loaded["model"],
+                   optim_state_dict=loaded["optim"])
 
 
 def load_trainer_state(path: Path) -> dict:

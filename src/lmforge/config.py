@@ -266,8 +266,10 @@ class OptimConfig:
 class TrainConfig:
     output_dir: str = opt("runs/run", "run directory (config, metrics, checkpoints)")
     max_steps: int = opt(200, "optimizer steps")
-    micro_batch_size: int = opt(0, "rows per forward pass (0 = chosen by hardware tier)")
-    grad_accum: int = opt(1, "micro-batches per optimizer step")
+    batch_size: int = opt(0, "rows per optimizer step over all ranks (SFT / pretrain; 0 = 32); RL: "
+                          "rollout.num_prompts x rollout.group_size, set by the recipe")
+    micro_batch_size: int = opt(0, "rows per forward pass on one rank (0 = chosen by hardware tier); only "
+                                "splits the batch: accumulation = batch_size / (micro_batch_size x ranks)")
     seed: int = opt(0, "seed for data order, sampling and dropout")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps")
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = opt("auto", "compute dtype (auto: fp32 on CPU, bf16 on recent GPUs)")
@@ -282,9 +284,20 @@ class TrainConfig:
     max_new_tokens: int = opt(32, "tokens generated per sample at evaluation")
 
     def validate(self) -> None:
-        for name in ("max_steps", "grad_accum"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_steps < 1:
+            raise ConfigError(f"train.max_steps must be >= 1, got {self.max_steps}")
+        for name in ("batch_size", "micro_batch_size"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name} must be >= 0 (0 = automatic), got {getattr(self, name)}")
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    strategy: Literal["ddp", "fsdp2"] = opt("ddp", "data parallelism under torchrun: ddp (replicated model) or "
+                                            "fsdp2 (sharded parameters, gradients and optimizer state)")
+    grad_sync: Literal["native", "ring"] = opt("native", "DDP gradient sum: native all-reduce, or lmforge's ring "
+                                               "all-reduce (point-to-point, docs/algorithms/all-reduce.md)")
+    timeout_s: float = opt(600.0, "a collective that waits longer than this fails (a dead rank never hangs the rest)")
 
 
 @dataclasses.dataclass

@@ -233,7 +233,7 @@ POLICY_LOSSES = {
 
 def seq_mean_token_mean(
     token_losses, mask, *, num_seqs_global=None, num_loss_tokens_global=None,
-    max_completion_len=None,
+    max_completion_len=None, num_micro_batches_global=None,
 ) -> torch.Tensor:
     """GRPO paper: mean over tokens within each sequence, then sum / num_seqs_global.
 
@@ -246,15 +246,18 @@ def seq_mean_token_mean(
 
 def token_mean(
     token_losses, mask, *, num_seqs_global=None, num_loss_tokens_global=None,
-    max_completion_len=None,
+    max_completion_len=None, num_micro_batches_global=None,
 ) -> torch.Tensor:
-    """Local token mean (BNPO): sum over valid tokens / this micro-batch's valid-token count."""
-    return masked_mean(token_losses, mask.to(token_losses.dtype))
+    """Local token mean (BNPO): each micro-batch's mean over its own valid tokens, averaged over the
+    step's micro-batches on all ranks (num_micro_batches_global, default 1), so the step's loss does
+    not grow with the number of micro-batches or ranks."""
+    num_micro = 1 if num_micro_batches_global is None else num_micro_batches_global
+    return masked_mean(token_losses, mask.to(token_losses.dtype)) / num_micro
 
 
 def global_token_mean(
     token_losses, mask, *, num_seqs_global=None, num_loss_tokens_global=None,
-    max_completion_len=None,
+    max_completion_len=None, num_micro_batches_global=None,
 ) -> torch.Tensor:
     """DAPO: sum over valid tokens / num_loss_tokens_global (the step's tokens, all ranks)."""
     if num_loss_tokens_global is None:
@@ -267,7 +270,7 @@ def global_token_mean(
 
 def seq_sum_max_len(
     token_losses, mask, *, num_seqs_global=None, num_loss_tokens_global=None,
-    max_completion_len=None,
+    max_completion_len=None, num_micro_batches_global=None,
 ) -> torch.Tensor:
     """Dr. GRPO: sum over valid tokens / (num_seqs_global * max_completion_len).
 
@@ -300,6 +303,7 @@ def aggregate(
     num_seqs_global: int | torch.Tensor | None = None,
     num_loss_tokens_global: int | torch.Tensor | None = None,
     max_completion_len: int | None = None,
+    num_micro_batches_global: int | None = None,
 ) -> torch.Tensor:
     """Reduce per-token values (B, T) with the aggregation ``mode`` (a key of ``AGGREGATIONS``)."""
     if token_losses.shape != mask.shape:
@@ -312,6 +316,7 @@ def aggregate(
         num_seqs_global=num_seqs_global,
         num_loss_tokens_global=num_loss_tokens_global,
         max_completion_len=max_completion_len,
+        num_micro_batches_global=num_micro_batches_global,
     )
 
 
@@ -369,6 +374,7 @@ def entropy_bonus(
     num_seqs_global: int | torch.Tensor | None = None,
     num_loss_tokens_global: int | torch.Tensor | None = None,
     max_completion_len: int | None = None,
+    num_micro_batches_global: int | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """Loss ``-aggregate(H_t)``: adding ``coef * loss`` to the objective raises the entropy.
 
@@ -382,6 +388,7 @@ def entropy_bonus(
     mean_entropy = aggregate(
         entropy, mask, aggregation, num_seqs_global=num_seqs_global,
         num_loss_tokens_global=num_loss_tokens_global, max_completion_len=max_completion_len,
+        num_micro_batches_global=num_micro_batches_global,
     )
     return -mean_entropy, {"entropy": mean_entropy.detach()}
 
@@ -397,6 +404,7 @@ def value_loss(
     num_seqs_global: int | torch.Tensor | None = None,
     num_loss_tokens_global: int | torch.Tensor | None = None,
     max_completion_len: int | None = None,
+    num_micro_batches_global: int | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """PPO critic loss, per token ``0.5 * max((V - R)^2, (clip(V, V_old - eps, V_old + eps) - R)^2)``.
 
@@ -426,6 +434,7 @@ def value_loss(
     loss = aggregate(
         0.5 * squared, mask, aggregation, num_seqs_global=num_seqs_global,
         num_loss_tokens_global=num_loss_tokens_global, max_completion_len=max_completion_len,
+        num_micro_batches_global=num_micro_batches_global,
     )
     metrics["value_loss"] = loss.detach()
     metrics["value_mean"] = masked_mean(values, valid.to(values.dtype)).detach()
@@ -546,6 +555,7 @@ def policy_loss(
     num_seqs_global: int | torch.Tensor | None = None,
     num_loss_tokens_global: int | torch.Tensor | None = None,
     max_completion_len: int | None = None,
+    num_micro_batches_global: int | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """``aggregate(w * policy_term) + kl_coef * aggregate(kl) - entropy_coef * aggregate(H)``.
 
@@ -558,6 +568,7 @@ def policy_loss(
         num_seqs_global=num_seqs_global,
         num_loss_tokens_global=num_loss_tokens_global,
         max_completion_len=max_completion_len,
+        num_micro_batches_global=num_micro_batches_global,
     )
     term_fn = _lookup(POLICY_LOSSES, loss_type, "policy loss")
     token_losses, metrics = term_fn(

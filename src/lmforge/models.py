@@ -213,8 +213,12 @@ def load_model(cfg: ModelConfig, tokenizer=None, dtype: torch.dtype = torch.floa
     return model, tokenizer
 
 
-def save_model(model, tokenizer, out_dir: str | Path) -> Path:
-    """Save as a plain HF directory (safetensors + tokenizer)."""
+def save_model(model, tokenizer, out_dir: str | Path, state_dict: dict | None = None) -> Path:
+    """Save as a plain HF directory (safetensors + tokenizer).
+
+    ``state_dict``: the full weights when ``model``'s own parameters are shards (FSDP2); they are
+    written with the model's config, so the directory loads like any other.
+    """
     from transformers.utils import logging as hf_logging
 
     out_dir = Path(out_dir)
@@ -222,7 +226,28 @@ def save_model(model, tokenizer, out_dir: str | Path) -> Path:
     hf_logging.disable_progress_bar()  # a "Writing model shards" bar per checkpoint is noise
     unwrapped = getattr(model, "module", model)
     unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)
-    unwrapped.save_pretrained(out_dir, safe_serialization=True)
+    if state_dict is None:
+        unwrapped.save_pretrained(out_dir, safe_serialization=True)
+    else:
+        from safetensors.torch import save_file
+
+        if getattr(unwrapped.config, "tie_word_embeddings", False):
+            state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
+        save_file({k: v.detach().cpu().contiguous() for k, v in state_dict.items()},
+                  str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        save_model_config(unwrapped, None, out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def save_model_config(model, tokenizer, out_dir: str | Path) -> Path:
+    """The model's config (and generation config) and tokenizer, without weights."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(out_dir)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     return out_dir

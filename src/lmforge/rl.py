@@ -27,20 +27,20 @@ from typing import Any, Callable
 import torch
 from transformers.cache_utils import DynamicCache
 
-from . import checkpoint as ckpt
 from .data.sft import encode_prompt, uses_chat_format
 from .data.tasks import get_task
-from .errors import DataError, TrainingError
+from .errors import ConfigError, DataError, TrainingError
 from .evaluation import completion_texts, save_samples, task_accuracy
-from .metrics import RunLogger, StepTimer, plot_run, print_summary, summary
 from .models import load_model
+from .parallel.context import ParallelContext
+from .parallel.wrap import gradient_sync, run_forward
+from .rl_config import RLDataConfig, RolloutConfig, check_rl_config
 from .rollout import CastEngine, RewardOutput, RewardSet, RolloutBatch, generate
-from .train import PLAIN_HEAD_MODELS, BatchOrder, Precision, Updater, check_finite, decoder_of, logits_at
-from .recipes.common import Run, start_run
+from .runtime.loop import Trainer, TrainState, build_state, full_model, train_loop
+from .runtime.run import Run, start_run
+from .train import PLAIN_HEAD_MODELS, BatchOrder, Precision, check_finite, decoder_of, logits_at
 
 Tensor = torch.Tensor
-
-from .rl_config import RLDataConfig, RolloutConfig, check_rl_config
 
 # ----------------------------------------------------------------------------- prompts
 
@@ -267,15 +267,26 @@ def shared_prompt_logits(model, batch: RLBatch) -> Tensor:
     return model.get_output_embeddings()(hidden[batch.completion_mask.bool()])
 
 
+def completion_logits(model, batch: RLBatch) -> Tensor:
+    """Logits (N, V) that predict ``batch``'s completion tokens: the LM head runs on completion
+    positions only, and a prompt shared by several rows runs once where the model allows."""
+    if shares_prompts(model, batch):
+        return shared_prompt_logits(model, batch)
+    return logits_at(model, batch.input_ids, batch.attention_mask, batch.positions)
+
+
 def policy_logprobs(model, batch: RLBatch, temperature: float, precision: Precision,
-                    entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
-    """One forward of ``model`` on ``batch``; the LM head runs on completion positions only, and a
-    prompt shared by several rows runs once (:func:`shared_prompt_logits`) where the model allows."""
+                    entropy_grad: bool = False, wrapped=None) -> tuple[Tensor, Tensor]:
+    """One forward of ``model`` on ``batch`` -> completion logprobs and entropy (B, C).
+
+    ``wrapped``: the parallel root that holds ``model`` (training forwards go through it, so DDP and
+    FSDP2 see them); None for a model that is not trained (the reference).
+    """
     with precision.autocast():
-        if shares_prompts(model, batch):
-            logits = shared_prompt_logits(model, batch)  # (N, V)
+        if wrapped is None:
+            logits = completion_logits(model, batch)  # (N, V)
         else:
-            logits = logits_at(model, batch.input_ids, batch.attention_mask, batch.positions)  # (N, V)
+            logits = run_forward(wrapped, completion_logits, model, batch)
     return completion_logprobs(logits, batch, temperature, entropy_grad)
 
 
@@ -313,9 +324,9 @@ def step_flops(model, batch: RLBatch, micro_batch_size: int, train_passes: int, 
 
 @torch.no_grad()
 def batch_logprobs(model, batch: RLBatch, micro_batch_size: int, temperature: float,
-                   precision: Precision) -> Tensor:
+                   precision: Precision, wrapped=None) -> Tensor:
     """(B, C) logprobs of ``model`` on the whole batch, in micro-batches, without gradients."""
-    parts = [policy_logprobs(model, batch.select(rows), temperature, precision)[0]
+    parts = [policy_logprobs(model, batch.select(rows), temperature, precision, wrapped=wrapped)[0]
              for rows in torch.arange(batch.num_rows).split(micro_batch_size)]
     return torch.cat(parts)
 
@@ -332,61 +343,99 @@ def reference_model(model, kl_coef: float):
 # ----------------------------------------------------------------------------- updates
 
 
-def global_counts(batch: RLBatch, max_new_tokens: int) -> dict:
-    """The aggregation counts of one optimizer update: summed over all its micro-batches, once."""
-    return {"num_seqs_global": batch.num_rows, "num_loss_tokens_global": int(batch.completion_mask.sum()),
-            "max_completion_len": max_new_tokens}
+def global_counts(batch: RLBatch, max_new_tokens: int, num_micro_batches: int, ctx: ParallelContext) -> dict:
+    """The aggregation counts of one optimizer update: summed over its micro-batches and all ranks, once."""
+    num_seqs, num_tokens, num_micro = ctx.sum_counts(batch.num_rows, int(batch.completion_mask.sum()),
+                                                     num_micro_batches)
+    return {"num_seqs_global": num_seqs, "num_loss_tokens_global": num_tokens,
+            "max_completion_len": max_new_tokens, "num_micro_batches_global": num_micro}
 
 
-def reduce_metrics(records: list[tuple[dict, int]]) -> dict:
-    """Per-micro-batch metrics -> one value each: max of ``*_max``, min of ``*_min``, else the
-    mean weighted by the micro-batch's completion tokens."""
+def reduce_metrics(records: list[tuple[dict, int]], ctx: ParallelContext) -> dict:
+    """Per-micro-batch metrics of every rank -> one value each: max of ``*_max``, min of ``*_min``,
+    else the mean weighted by the micro-batch's completion tokens. Three collectives in all."""
     values: dict[str, list] = {}
     for metrics, weight in records:
         for key, value in metrics.items():
             values.setdefault(key, []).append((float(value), weight))
-    out = {}
-    for key, pairs in values.items():
-        if key.endswith("_max"):
-            out[key] = max(v for v, _ in pairs)
-        elif key.endswith("_min"):
-            out[key] = min(v for v, _ in pairs)
-        else:
-            out[key] = sum(v * w for v, w in pairs) / max(sum(w for _, w in pairs), 1)
-    return out
+    keys = sorted(values)
+    maxima = [k for k in keys if k.endswith("_max")]
+    minima = [k for k in keys if k.endswith("_min")]
+    means = [k for k in keys if k not in maxima and k not in minima]
+    sums = torch.tensor([x for k in means for x in (sum(v * w for v, w in values[k]), sum(w for _, w in values[k]))],
+                        dtype=torch.float64)
+    highs = torch.tensor([max(v for v, _ in values[k]) for k in maxima], dtype=torch.float64)
+    lows = torch.tensor([min(v for v, _ in values[k]) for k in minima], dtype=torch.float64)
+    if ctx.distributed:
+        ctx.all_reduce(sums)
+        ctx.all_reduce(highs, op=torch.distributed.ReduceOp.MAX)
+        ctx.all_reduce(lows, op=torch.distributed.ReduceOp.MIN)
+    out = {k: float(sums[2 * i]) / max(float(sums[2 * i + 1]), 1) for i, k in enumerate(means)}
+    out.update({k: float(highs[i]) for i, k in enumerate(maxima)})
+    out.update({k: float(lows[i]) for i, k in enumerate(minima)})
+    return {k: out[k] for k in values}  # first-seen order, as logged
 
 
 LossFn = Callable[[RLBatch, dict], tuple[Tensor, dict]]
 
 
-def update(batch: RLBatch, algo, updater: Updater, micro_batch_size: int, max_new_tokens: int,
-           loss_fn: LossFn, step: int) -> dict:
-    """``algo.num_iterations`` passes over ``batch``, each of ``algo.num_mini_batches`` updates.
+def update(batch: RLBatch, algo, state: TrainState, max_new_tokens: int, loss_fn: LossFn, step: int) -> dict:
+    """``algo.num_iterations`` passes over this rank's ``batch``, each of ``algo.num_mini_batches`` updates.
 
-    Mini-batches are contiguous row ranges (a prompt's samples stay together when the sizes
-    divide); each is split into micro-batches of ``micro_batch_size`` rows whose losses,
-    normalised by the mini-batch's global counts, are accumulated into one optimizer step.
-    ``loss_fn(micro_batch, counts) -> (loss, metrics)``.
+    Mini-batches are contiguous row ranges (a prompt's samples stay together); the rank's rows were
+    chosen so that its m-th mini-batch is its share of the global m-th mini-batch
+    (:func:`rank_prompts`). Each is split into micro-batches of ``run.micro_batch_size`` rows whose
+    losses, normalised by the mini-batch's global counts, are accumulated into one optimizer step;
+    gradients are summed across ranks on the last micro-batch. ``loss_fn(micro_batch, counts) -> (loss, metrics)``.
     """
+    ctx, micro_batch_size, updater = state.run.ctx, state.run.micro_batch_size, state.updater
     records, losses, grad_norms = [], [], []
     lr = updater.scheduler.get_last_lr()[0]
     for _ in range(algo.num_iterations):
         for mini_rows in torch.arange(batch.num_rows).tensor_split(algo.num_mini_batches):
             mini = batch.select(mini_rows)
-            counts = global_counts(mini, max_new_tokens)
+            micro_rows = torch.arange(mini.num_rows).split(micro_batch_size)
+            counts = global_counts(mini, max_new_tokens, len(micro_rows), ctx)
             loss_sum = 0.0
-            for rows in torch.arange(mini.num_rows).split(micro_batch_size):
+            for index, rows in enumerate(micro_rows):
                 micro = mini.select(rows)
-                loss, metrics = loss_fn(micro, counts)
-                updater.precision.backward(loss)
+                with gradient_sync(state.wrapped, enabled=index == len(micro_rows) - 1):
+                    loss, metrics = loss_fn(micro, counts)
+                    updater.precision.backward(loss)
                 loss_sum = loss_sum + loss.detach()
                 records.append((metrics, int(micro.completion_mask.sum())))
-            check_finite(loss_sum, step)  # once per update (a host sync on GPUs), before it is applied
+            ctx.all_reduce(loss_sum)  # each rank's part is over the global counts: the sum is the loss
+            check_finite(loss_sum, step)  # once per update (a host sync on GPUs), on every rank, before it
             grad_norms.append(updater.step())
             losses.append(loss_sum)
     grad_norms = torch.stack(grad_norms)
-    return {**reduce_metrics(records), "loss": torch.stack(losses).mean(), "grad_norm": grad_norms.mean(),
+    return {**reduce_metrics(records, ctx), "loss": torch.stack(losses).mean(), "grad_norm": grad_norms.mean(),
             "grad_norm_max": grad_norms.max(), "lr": lr}
+
+
+def reduce_rollout_metrics(metrics: dict, ctx: ParallelContext) -> dict:
+    """A rank's rollout / advantage metrics -> the step's over all ranks (every rank holds the same
+    number of rows and groups): ``num_*`` and ``*_failures`` are summed, ``*_max`` / ``time_*`` take
+    the maximum, ``reward_std`` is recombined from the ranks' means and variances, the rest are means."""
+    if not ctx.distributed:
+        return metrics
+    keys = list(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    summed = ctx.all_reduce(values.clone())
+    highest = ctx.all_reduce(values.clone(), op=torch.distributed.ReduceOp.MAX)
+    out = {}
+    for i, key in enumerate(keys):
+        if key.startswith("num_") or key.endswith("_failures"):
+            out[key] = float(summed[i])
+        elif key.endswith("_max") or key.startswith("time_"):
+            out[key] = float(highest[i])
+        else:
+            out[key] = float(summed[i]) / ctx.world_size
+    if "reward_std" in metrics and "reward" in metrics:
+        second = ctx.all_reduce(torch.tensor([float(metrics["reward_std"]) ** 2 + float(metrics["reward"]) ** 2],
+                                             dtype=torch.float64))
+        out["reward_std"] = max(float(second) / ctx.world_size - out["reward"] ** 2, 0.0) ** 0.5
+    return out
 
 
 # ----------------------------------------------------------------------------- the run
@@ -394,66 +443,115 @@ def update(batch: RLBatch, algo, updater: Updater, micro_batch_size: int, max_ne
 
 @dataclasses.dataclass
 class RLState:
-    """Everything a run's steps share (built by :func:`prepare`)."""
+    """Everything a run's steps share (built by :func:`prepare`): the training state and the RL parts."""
 
-    run: Run
-    model: torch.nn.Module
-    tokenizer: Any
+    train: TrainState
     ref_model: torch.nn.Module | None
     prompts: PromptSet
     reward_set: RewardSet
-    order: BatchOrder
-    updater: Updater
-    step: int  # RL steps already done (non-zero after resume)
     rollout_engine: Any = None  # a sampler with its own weights (vLLM, or a CastEngine copy), else the policy
 
     @property
+    def run(self) -> Run:
+        return self.train.run
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.train.model
+
+    @property
+    def tokenizer(self):
+        return self.train.tokenizer
+
+    @property
+    def updater(self):
+        return self.train.updater
+
+    @property
     def micro_batch_size(self) -> int:
-        return self.run.choices.micro_batch_size
+        return self.run.micro_batch_size
+
+    def next_prompts(self) -> list[int]:
+        """This rank's prompts for the next step (the global order is the same on every rank)."""
+        return rank_prompts(self.train.order.next(), self.run.cfg.algo.num_mini_batches, self.run.ctx)
+
+    def sampler_model(self) -> torch.nn.Module:
+        """The full policy to sample from (FSDP2: gathered; a collective)."""
+        return full_model(self.train)
 
 
-def step_seed(seed: int, step: int) -> int:
-    """The sampler's seed at ``step``: a function of the step, so a resumed run samples the same."""
-    return seed * 1_000_003 + step
+def rank_prompts(rows: list[int], num_mini_batches: int, ctx: ParallelContext) -> list[int]:
+    """This rank's prompts of a step's global ``rows``: its share of each mini-batch, groups whole.
+
+    Mini-batch m of the step is the m-th contiguous chunk of ``rows``; rank r takes the r-th part of
+    each chunk. Then the rank's own m-th mini-batch is its share of the global m-th mini-batch, and
+    the union over ranks of each update's rows is the update of a single process.
+    """
+    if not ctx.distributed:
+        return rows
+    per_mini = len(rows) // num_mini_batches
+    share = per_mini // ctx.world_size
+    return [rows[m * per_mini + ctx.rank * share + i] for m in range(num_mini_batches) for i in range(share)]
+
+
+def step_seed(seed: int, step: int, rank: int = 0) -> int:
+    """The sampler's seed at ``step`` on ``rank``: a function of both, so a resumed run samples the same."""
+    return seed * 1_000_003 + step + 1_000_000_007 * rank
+
+
+def check_rl_split(cfg, algo, world_size: int) -> int:
+    """Rows of one optimizer update over all ranks; an error naming the numbers when the step's
+    prompts cannot be shared out with each group whole on one rank."""
+    num_prompts, group = cfg.rollout.num_prompts, cfg.rollout.group_size
+    if num_prompts % (algo.num_mini_batches * world_size):
+        raise ConfigError(
+            f"rollout.num_prompts={num_prompts} must be divisible by algo.num_mini_batches="
+            f"{algo.num_mini_batches} x world size={world_size}: each update takes whole groups from every rank")
+    return num_prompts * group // algo.num_mini_batches
 
 
 def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
-            extra_modules: dict[str, torch.nn.Module] | None = None) -> tuple[RLState, dict]:
-    """Load, set up hardware and the run directory, build the optimizer, resume if asked.
+            extra_modules: dict[str, torch.nn.Module] | None = None) -> RLState:
+    """Load, set up hardware, the parallel context and the run directory, build the optimizer, resume.
 
-    ``extra_modules`` (e.g. PPO's value head) are trained and clipped with the model. Returns the
-    state and the saved trainer state of the checkpoint resumed from ({} for a fresh run).
+    ``extra_modules`` (e.g. PPO's value head) are trained and clipped with the model; the saved
+    trainer state of the checkpoint resumed from is ``state.train.saved`` ({} for a fresh run).
     """
     check_rl_config(cfg, algo)
     if model is None:
         model, tokenizer = load_model(cfg.model)
     prompts = build_prompts(cfg.data, tokenizer, cfg.train.seed)
     seq_len = max(len(p) for p in prompts.prompt_ids) + cfg.rollout.max_new_tokens
-    run = start_run(cfg, name, model, seq_len=seq_len, console=console)
+    cfg.algo = algo  # the saved config holds the resolved algo (presets applied)
+    rows = cfg.rollout.num_prompts * cfg.rollout.group_size
+    if cfg.train.batch_size not in (0, rows):
+        raise ConfigError(f"train.batch_size={cfg.train.batch_size}: an RL step's batch is rollout.num_prompts x "
+                          f"rollout.group_size = {rows} completions; leave train.batch_size unset (0)")
+    cfg.train.batch_size = rows
+    from .parallel.context import torchrun_world
+
+    update_rows = check_rl_split(cfg, algo, torchrun_world()[1])
+    run = start_run(cfg, name, model, seq_len=seq_len, console=console, update_rows=update_rows,
+                    update_label="rollout rows per update (num_prompts x group_size / num_mini_batches)")
+    if cfg.rollout.backend == "vllm" and run.ctx.distributed:
+        raise ConfigError("rollout.backend=vllm runs in one process for now (docs/vllm.md has the plan for "
+                          "torchrun); use rollout.backend=engine under torchrun")
     model.to(run.device)
     ref_model = reference_model(model, algo.kl_coef)  # before resume: the reference is the start
-    if run.choices.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    model.train()
-    trainable = model
-    if extra_modules:
-        trainable = torch.nn.ModuleDict({"policy": model, **extra_modules}).to(run.device)
     num_updates = cfg.train.max_steps * algo.num_iterations * algo.num_mini_batches
-    updater = Updater.build(trainable, cfg.optim, num_updates, Precision(run.device, run.choices.dtype))
     order = BatchOrder(len(prompts.prompt_ids), cfg.rollout.num_prompts, cfg.train.seed)
+    train = build_state(run, model, tokenizer, order, num_updates, extra_modules)
     reward_set = RewardSet(cfg.rewards.specs(), cfg.rewards.max_failure_fraction)
-    state = RLState(run, model, tokenizer, ref_model, prompts, reward_set, order, updater, step=0)
-    saved = ckpt.resume_training(cfg.train.resume, run.dir, model, updater, order, run.print)
-    state.step = saved.get("step", 0)
+    state = RLState(train, ref_model, prompts, reward_set)
     if cfg.rollout.dtype != "same":
-        state.rollout_engine = cast_engine(model, cfg.rollout.dtype, algo, run)
+        state.rollout_engine = cast_engine(state.sampler_model(), cfg.rollout.dtype, algo, run)
     if cfg.rollout.backend == "vllm":
         from .rollout.vllm_backend import VLLMEngine
 
         state.rollout_engine = VLLMEngine(model, tokenizer, cfg.rollout.vllm_gpu_memory_utilization,
                                           seed=cfg.train.seed, max_model_len=seq_len)
     run.print(f"[data] {len(prompts.prompt_ids)} training prompts, {len(prompts.eval_problems)} held-out problems")
-    return state, saved
+    return state
 
 
 def cast_engine(model, dtype_name: str, algo, run) -> CastEngine:
@@ -471,6 +569,21 @@ def cast_engine(model, dtype_name: str, algo, run) -> CastEngine:
     return CastEngine(model, dtype)
 
 
+def rollout(state: RLState, step: int) -> tuple[RolloutBatch, RewardOutput, dict]:
+    """Sample and score this rank's prompts for ``step`` (metrics reduced over ranks)."""
+    cfg, ctx = state.run.cfg, state.run.ctx
+    error, result = None, None
+    try:
+        result = sample_and_score(state.sampler_model(), state.tokenizer, state.prompts, state.next_prompts(),
+                                  cfg.rollout, state.reward_set, step_seed(cfg.train.seed, step, ctx.rank),
+                                  engine=state.rollout_engine)
+    except (DataError, TrainingError) as exc:  # e.g. too many reward failures on this rank alone
+        error = exc
+    ctx.check_all_ok(error)
+    batch, rewards, metrics = result
+    return batch, rewards, reduce_rollout_metrics(metrics, ctx)
+
+
 def make_evaluate(state: RLState) -> Callable[[int], dict] | None:
     """Greedy held-out accuracy of the policy (task data only), plus a few printed samples."""
     prompts, run = state.prompts, state.run
@@ -479,10 +592,11 @@ def make_evaluate(state: RLState) -> Callable[[int], dict] | None:
     tcfg = run.cfg.train
 
     def evaluate(step: int) -> dict:
-        accuracy, texts = task_accuracy(state.model, state.tokenizer, prompts.task, prompts.eval_problems,
+        accuracy, texts = task_accuracy(state.sampler_model(), state.tokenizer, prompts.task, prompts.eval_problems,
                                         tcfg.max_new_tokens, prompts.chat)
         k = tcfg.num_samples
-        save_samples(run.dir, step, [p.prompt for p in prompts.eval_problems[:k]], texts[:k], run.print)
+        if run.ctx.is_main:
+            save_samples(run.dir, step, [p.prompt for p in prompts.eval_problems[:k]], texts[:k], run.print)
         return {"accuracy": accuracy}
 
     return evaluate
@@ -493,44 +607,13 @@ TIME_KEYS = ("time_generation", "time_scoring", "time_training")
 
 def train_rl(state: RLState, step_fn: Callable[[int], dict], extra_state: Callable[[], dict] = dict,
              save_extra: Callable[[Path], None] | None = None) -> dict:
-    """Steps ``state.step + 1 .. max_steps``: ``step_fn(step) -> metrics``, log, evaluate, checkpoint;
-    then the final model, the summary and the curves. Returns the last evaluation + ``run_dir``."""
-    run, tcfg = state.run, state.run.cfg.train
-    logger = RunLogger(run.dir, run.cfg.logging, tcfg.max_steps, console=run.console)
-    timer, totals = StepTimer(), dict.fromkeys(TIME_KEYS, 0.0)
-    evaluate = make_evaluate(state)
-    final: dict = {}
-    logger.start_progress(run.name, completed=state.step)
-    try:
-        if evaluate is not None and state.step == 0:  # the baseline the curve starts from
-            final = {"accuracy_before": evaluate(0)["accuracy"]}
-            logger.log(0, {"accuracy": final["accuracy_before"]}, kind="eval")
-        for step in range(state.step, tcfg.max_steps):
-            done, start = step + 1, time.perf_counter()
-            metrics = step_fn(done)
-            step_time = time.perf_counter() - start
-            timer.record(step_time, metrics["time_generation"] + metrics["time_scoring"], metrics.pop("num_tokens"),
-                         metrics.pop("num_flops"))
-            totals = {key: totals[key] + metrics[key] for key in TIME_KEYS}
-            logger.log(done, {**metrics, "step_time": step_time}, echo=done % tcfg.log_every == 0 or done == 1)
-            logger.advance(done)
-            last = done == tcfg.max_steps
-            if evaluate is not None and ((tcfg.eval_every and done % tcfg.eval_every == 0) or last):
-                final.update(evaluate(done))
-                logger.log(done, {"accuracy": final["accuracy"]}, kind="eval")
-            if (tcfg.save_every and done % tcfg.save_every == 0) or last:
-                trainer_state = {**state.updater.state_dict(), "data": state.order.state_dict(), **extra_state()}
-                ckpt.save_checkpoint(run.dir, done, state.model, state.tokenizer, trainer_state, tcfg.keep_last)
-        ckpt.save_model_dir(run.dir / "final", state.model, state.tokenizer)
-        if save_extra is not None:
-            save_extra(run.dir / "final")
-    finally:
-        logger.close()
-    figures = summary(timer, run.flops_per_token(state.model), run.peak_gflops(), run.device)
-    figures.update({f"{key}_s": value for key, value in totals.items()})
-    print_summary(logger, figures)
-    run.print("[summary] time split: generation {time_generation_s:.1f}s | scoring {time_scoring_s:.1f}s | "
-              "training {time_training_s:.1f}s".format(**figures))
-    plot_run(run.dir)
-    run.print(f"[done] run directory: {run.dir}")
-    return {**final, "run_dir": str(run.dir)}
+    """Steps ``state.train.step + 1 .. max_steps`` of ``step_fn(step) -> metrics`` on the runtime loop
+    (a baseline evaluation at step 0). Returns the last evaluation (+ ``accuracy_before``) and ``run_dir``."""
+    def step(done: int) -> dict:
+        metrics = step_fn(done)
+        metrics["data_time"] = metrics["time_generation"] + metrics["time_scoring"]
+        return metrics
+
+    trainer = Trainer(step=step, evaluate=make_evaluate(state), evaluate_at_start=True, extra_state=extra_state,
+                      save_final_extra=save_extra, time_keys=TIME_KEYS)
+    return train_loop(state.train, trainer)

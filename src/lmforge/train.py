@@ -94,8 +94,12 @@ def optimizer_step(model, optimizer, scheduler, precision: Precision, max_grad_n
     params = [p for p in model.parameters() if p.grad is not None]
     if max_grad_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    elif any(hasattr(p.grad, "full_tensor") for p in params):  # FSDP2 shards: a norm over all ranks
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     else:
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
     if precision.scaler:
         precision.scaler.step(optimizer)
         precision.scaler.update()
@@ -118,6 +122,7 @@ class Updater:
 
     @classmethod
     def build(cls, module, optim_cfg, num_updates: int, precision: Precision) -> "Updater":
+        """``module``: what the optimizer trains (the wrapped root, so DDP / FSDP2 parameters)."""
         optimizer = build_optimizer(module, optim_cfg)
         return cls(module, optimizer, build_scheduler(optimizer, optim_cfg, num_updates), precision,
                    optim_cfg.max_grad_norm)

@@ -10,7 +10,7 @@ from lmforge import cli, rl, rl_config
 from lmforge.config import ModelConfig, load_config
 from lmforge.errors import ConfigError, TrainingError
 from lmforge.models import load_model
-from lmforge.recipes.common import Run
+from lmforge.runtime.run import Run
 from lmforge.recipes.grpo import GRPOConfig, micro_loss, run_grpo
 from lmforge.rollout import RewardSet, SamplingParams, generate
 from lmforge.train import Precision, logits_at

@@ -16,7 +16,7 @@ from lmforge.recipes.sft import SFTConfig, run_sft
 ARGS = ["data.task=addition", "data.num_train=64", "data.num_val=16", "data.num_eval=8", "data.max_len=16",
         "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
         "model.max_position_embeddings=32", "train.max_steps=8", "train.micro_batch_size=8",
-        "train.grad_accum=2", "train.save_every=2", "train.keep_last=10", "train.eval_every=4",
+        "train.batch_size=16", "train.save_every=2", "train.keep_last=10", "train.eval_every=4",
         "train.max_new_tokens=4", "train.threads=1", "optim.lr=1e-2", "optim.warmup_steps=2",
         "logging.progress=false"]
 

@@ -105,8 +105,8 @@ class SampleConfig:
 class DistillConfig:
     optim: OptimConfig = section(OptimConfig, "student optimizer and LR schedule")
     max_steps: int = opt(200, "optimizer steps per student")
-    micro_batch_size: int = opt(32, "rows per forward pass")
-    grad_accum: int = opt(1, "micro-batches per optimizer step")
+    batch_size: int = opt(32, "rows per optimizer step")
+    micro_batch_size: int = opt(32, "rows per forward pass (splits the batch; 0 = chosen by hardware tier)")
     val_fraction: float = opt(0.05, "fraction of each trace set held out for the student's validation loss")
 
 
@@ -308,8 +308,8 @@ def _sft_config(cfg: AntidistillConfig, traces: Path, out: Path) -> SFTConfig:
     d = cfg.distill
     data = SFTDataConfig(path=str(traces), max_len=cfg.data.max_len, use_chat_template=cfg.data.use_chat_template,
                          val_fraction=d.val_fraction)
-    train = TrainConfig(output_dir=str(out), max_steps=d.max_steps, micro_batch_size=d.micro_batch_size,
-                        grad_accum=d.grad_accum, seed=cfg.data.seed, device=cfg.run.device, threads=cfg.run.threads,
+    train = TrainConfig(output_dir=str(out), max_steps=d.max_steps, batch_size=d.batch_size,
+                        micro_batch_size=d.micro_batch_size, seed=cfg.data.seed, device=cfg.run.device, threads=cfg.run.threads,
                         eval_every=0, save_every=0, keep_last=1, log_every=max(d.max_steps // 5, 1),
                         max_new_tokens=cfg.data.max_new_tokens)
     return SFTConfig(model=cfg.student, data=data, optim=d.optim, train=train,

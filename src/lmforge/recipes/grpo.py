@@ -16,7 +16,7 @@ import torch
 
 from .. import rl, rl_config
 from ..advantages import ADVANTAGES, compute_advantages
-from ..config import LoggingConfig, ModelConfig, OptimConfig, TrainConfig, opt, section
+from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, section
 from ..errors import ConfigError
 from ..losses import policy_loss
 
@@ -65,6 +65,7 @@ class GRPOConfig:
     algo: GRPOAlgoConfig = section(GRPOAlgoConfig, "advantages and policy loss")
     optim: OptimConfig = section(OptimConfig, "optimizer and LR schedule (one scheduler step per update)")
     train: TrainConfig = section(TrainConfig, "loop, evaluation and checkpoints (max_steps = RL steps)")
+    parallel: ParallelConfig = section(ParallelConfig, "processes under torchrun (docs/distributed.md)")
     logging: LoggingConfig = section(LoggingConfig, "progress and metrics sinks")
 
 
@@ -76,11 +77,11 @@ def advantages_of(rewards: torch.Tensor, algo: GRPOAlgoConfig, group_size: int):
     return compute_advantages(algo.advantage, rewards, group_size, **options)
 
 
-def micro_loss(model, batch: rl.RLBatch, algo: GRPOAlgoConfig, temperature: float, counts: dict,
+def micro_loss(state: rl.RLState, batch: rl.RLBatch, algo: GRPOAlgoConfig, temperature: float, counts: dict,
                precision) -> tuple[torch.Tensor, dict]:
     """Policy loss of one micro-batch, normalised by its update's global ``counts``."""
-    logprobs, entropy = rl.policy_logprobs(model, batch, temperature, precision,
-                                           entropy_grad=algo.entropy_coef != 0)
+    logprobs, entropy = rl.policy_logprobs(state.model, batch, temperature, precision,
+                                           entropy_grad=algo.entropy_coef != 0, wrapped=state.train.wrapped)
     # On-policy (one pass, one update, batch.old_logprobs None): the weights have not moved since
     # sampling, so pi_old is this forward pass itself. Detached, it gives ratio 1 and the plain
     # policy gradient, and saves a second forward over the batch.
@@ -93,11 +94,10 @@ def micro_loss(model, batch: rl.RLBatch, algo: GRPOAlgoConfig, temperature: floa
 def grpo_step(state: rl.RLState, algo: GRPOAlgoConfig, step: int) -> dict:
     """Sample, score, compute advantages, update. Returns the step's metrics."""
     cfg = state.run.cfg
-    rollout, rewards, metrics = rl.sample_and_score(
-        state.model, state.tokenizer, state.prompts, state.order.next(), cfg.rollout, state.reward_set,
-        rl.step_seed(cfg.train.seed, step), engine=state.rollout_engine)
+    rollout, rewards, metrics = rl.rollout(state, step)
     start = time.perf_counter()
     advantages, adv_metrics = advantages_of(rewards.total, algo, cfg.rollout.group_size)
+    adv_metrics = rl.reduce_rollout_metrics(adv_metrics, state.run.ctx)
     batch = rl.pack_rollout(rollout, state.tokenizer.pad_token_id, need_rollout_logprobs=algo.is_level != "none")
     batch.advantages = advantages
     batch = batch.to(state.run.device)
@@ -105,10 +105,11 @@ def grpo_step(state: rl.RLState, algo: GRPOAlgoConfig, step: int) -> dict:
     if state.ref_model is not None:
         batch.ref_logprobs = rl.batch_logprobs(state.ref_model, batch, state.micro_batch_size, temperature, precision)
     if algo.num_iterations > 1 or algo.num_mini_batches > 1:  # the weights move before the last update
-        batch.old_logprobs = rl.batch_logprobs(state.model, batch, state.micro_batch_size, temperature, precision)
+        batch.old_logprobs = rl.batch_logprobs(state.model, batch, state.micro_batch_size, temperature, precision,
+                                               wrapped=state.train.wrapped)
     train_metrics = rl.update(
-        batch, algo, state.updater, state.micro_batch_size, cfg.rollout.max_new_tokens,
-        lambda micro, counts: micro_loss(state.model, micro, algo, temperature, counts, precision), step)
+        batch, algo, state.train, cfg.rollout.max_new_tokens,
+        lambda micro, counts: micro_loss(state, micro, algo, temperature, counts, precision), step)
     return {**metrics, **adv_metrics, **train_metrics, "time_training": time.perf_counter() - start,
             "num_tokens": int(batch.attention_mask.sum()) * algo.num_iterations,
             "num_flops": rl.step_flops(state.model, batch, state.micro_batch_size, algo.num_iterations,
@@ -120,7 +121,7 @@ def run_grpo(cfg: GRPOConfig, model=None, tokenizer=None, console=None, name: st
     algo = cfg.algo.resolved()
     if cfg.rollout.group_size < 2:
         raise ConfigError(f"rollout.group_size must be >= 2 for group-relative advantages, got {cfg.rollout.group_size}")
-    state, _ = rl.prepare(cfg, name, algo, model, tokenizer, console)
+    state = rl.prepare(cfg, name, algo, model, tokenizer, console)
     state.run.print(f"[algo] {rl_config.describe_algo(algo)}")
     return rl.train_rl(state, lambda step: grpo_step(state, algo, step))
 

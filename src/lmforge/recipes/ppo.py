@@ -21,10 +21,11 @@ import torch
 
 from .. import rl, rl_config
 from ..advantages import gae, whiten_advantages
-from ..config import LoggingConfig, ModelConfig, OptimConfig, TrainConfig, opt, section
+from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, section
 from ..errors import ConfigError
 from ..losses import kl_per_token, policy_loss, value_loss
 from ..ops import masked_mean
+from ..parallel.wrap import full_state_dict, is_sharded, run_forward
 from ..train import PLAIN_HEAD_MODELS, decoder_of
 
 # Policy losses that take per-token advantages (B, T); plain "gspo" needs one per sequence.
@@ -63,6 +64,7 @@ class PPOConfig:
     algo: PPOAlgoConfig = section(PPOAlgoConfig, "GAE, policy and value losses")
     optim: OptimConfig = section(OptimConfig, "optimizer and LR schedule (one scheduler step per update)")
     train: TrainConfig = section(TrainConfig, "loop, evaluation and checkpoints (max_steps = RL steps)")
+    parallel: ParallelConfig = section(ParallelConfig, "processes under torchrun (docs/distributed.md)")
     logging: LoggingConfig = section(LoggingConfig, "progress and metrics sinks")
 
 
@@ -79,24 +81,31 @@ class ValueHead(torch.nn.Module):
         return self.linear(hidden.float()).squeeze(-1)
 
 
+def _hidden_and_logits(model, value_head: ValueHead, batch: rl.RLBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, H) last hidden states at the completion-predicting positions and (N,) values there."""
+    hidden = decoder_of(model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    hidden = hidden[batch.positions]  # (N, H)
+    return model.get_output_embeddings()(hidden), value_head(hidden)  # (N, V), (N,)
+
+
 def policy_and_values(model, value_head: ValueHead, batch: rl.RLBatch, temperature: float, precision,
-                      entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logprobs, entropy and values, each (B, C), of the completion tokens from one forward pass.
+                      entropy_grad: bool = False, wrapped=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs, entropy and values, each (B, C), of the completion tokens from one forward pass
+    (through ``wrapped``, the parallel root, when given).
 
     values[b, t] is the critic's estimate at the position that predicts completion token t, i.e.
     V(s_t) before emitting it, as ``gae`` expects.
     """
-    body = decoder_of(model)
-    if body is None or model.config.model_type not in PLAIN_HEAD_MODELS:
+    if decoder_of(model) is None or model.config.model_type not in PLAIN_HEAD_MODELS:
         raise ConfigError(f"ppo's value head needs a model whose logits are lm_head(last hidden state) "
                           f"({', '.join(sorted(PLAIN_HEAD_MODELS))}); got {model.config.model_type!r}")
     with precision.autocast():
-        hidden = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-        hidden = hidden[batch.positions]  # (N, H)
-        logits = model.get_output_embeddings()(hidden)  # (N, V)
+        if wrapped is None:
+            logits, values = _hidden_and_logits(model, value_head, batch)
+        else:
+            logits, values = run_forward(wrapped, _hidden_and_logits, model, value_head, batch)
     logprobs, entropy = rl.completion_logprobs(logits, batch, temperature, entropy_grad)
-    values = rl.scatter_completion(value_head(hidden), batch.completion_mask.bool())
-    return logprobs, entropy, values
+    return logprobs, entropy, rl.scatter_completion(values, batch.completion_mask.bool())
 
 
 def terminal_rewards(rewards: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
@@ -108,13 +117,13 @@ def terminal_rewards(rewards: torch.Tensor, completion_mask: torch.Tensor) -> to
 
 @torch.no_grad()
 def add_targets(model, value_head: ValueHead, ref_model, algo: PPOAlgoConfig, batch: rl.RLBatch,
-                rewards: torch.Tensor, temperature: float, micro_batch_size: int, precision) -> dict:
+                rewards: torch.Tensor, temperature: float, micro_batch_size: int, precision, wrapped=None) -> dict:
     """Fill the batch's old logprobs and values, advantages and returns from (B,) ``rewards``.
 
     PPO always needs this no-grad pass (GAE needs the rollout-time values), so its old logprobs
     come from it at no extra cost, on-policy or not. Returns KL / advantage metrics.
     """
-    parts = [policy_and_values(model, value_head, batch.select(rows), temperature, precision)
+    parts = [policy_and_values(model, value_head, batch.select(rows), temperature, precision, wrapped=wrapped)
              for rows in torch.arange(batch.num_rows).split(micro_batch_size)]
     batch.old_logprobs = torch.cat([p[0] for p in parts])
     batch.old_values = torch.cat([p[2] for p in parts])
@@ -133,11 +142,11 @@ def add_targets(model, value_head: ValueHead, ref_model, algo: PPOAlgoConfig, ba
     return metrics
 
 
-def micro_loss(model, value_head: ValueHead, batch: rl.RLBatch, algo: PPOAlgoConfig, temperature: float,
+def micro_loss(state: rl.RLState, value_head: ValueHead, batch: rl.RLBatch, algo: PPOAlgoConfig, temperature: float,
                counts: dict, precision) -> tuple[torch.Tensor, dict]:
     """Clipped policy loss + value_coef x clipped value loss of one micro-batch (global counts)."""
-    logprobs, entropy, values = policy_and_values(model, value_head, batch, temperature, precision,
-                                                  entropy_grad=algo.entropy_coef != 0)
+    logprobs, entropy, values = policy_and_values(state.model, value_head, batch, temperature, precision,
+                                                  entropy_grad=algo.entropy_coef != 0, wrapped=state.train.wrapped)
     # The KL to the reference is already in the reward; it is not also a loss term here.
     kwargs = {**rl_config.policy_kwargs(algo), "kl_coef": 0.0}
     pg_loss, metrics = policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.completion_mask,
@@ -150,18 +159,17 @@ def micro_loss(model, value_head: ValueHead, batch: rl.RLBatch, algo: PPOAlgoCon
 def ppo_step(state: rl.RLState, value_head: ValueHead, algo: PPOAlgoConfig, step: int) -> dict:
     """Sample, score, GAE targets, update. Returns the step's metrics."""
     cfg = state.run.cfg
-    rollout, rewards, metrics = rl.sample_and_score(
-        state.model, state.tokenizer, state.prompts, state.order.next(), cfg.rollout, state.reward_set,
-        rl.step_seed(cfg.train.seed, step), engine=state.rollout_engine)
+    rollout, rewards, metrics = rl.rollout(state, step)
     start = time.perf_counter()
     batch = rl.pack_rollout(rollout, state.tokenizer.pad_token_id, need_rollout_logprobs=algo.is_level != "none")
     batch = batch.to(state.run.device)
     precision, temperature = state.updater.precision, cfg.rollout.temperature
-    metrics.update(add_targets(state.model, value_head, state.ref_model, algo, batch, rewards.total, temperature,
-                               state.micro_batch_size, precision))
+    target_metrics = add_targets(state.model, value_head, state.ref_model, algo, batch, rewards.total, temperature,
+                                 state.micro_batch_size, precision, wrapped=state.train.wrapped)
+    metrics.update(rl.reduce_rollout_metrics(target_metrics, state.run.ctx))
     train_metrics = rl.update(
-        batch, algo, state.updater, state.micro_batch_size, cfg.rollout.max_new_tokens,
-        lambda micro, counts: micro_loss(state.model, value_head, micro, algo, temperature, counts, precision),
+        batch, algo, state.train, cfg.rollout.max_new_tokens,
+        lambda micro, counts: micro_loss(state, value_head, micro, algo, temperature, counts, precision),
         step)
     return {**metrics, **train_metrics, "time_training": time.perf_counter() - start,
             "num_tokens": int(batch.attention_mask.sum()) * algo.num_iterations,
@@ -177,13 +185,25 @@ def run_ppo(cfg: PPOConfig, model=None, tokenizer=None, console=None, name: str 
 
         model, tokenizer = load_model(cfg.model)
     value_head = ValueHead(model.config.hidden_size)
-    state, saved = rl.prepare(cfg, name, algo, model, tokenizer, console, extra_modules={"value_head": value_head})
-    if "value_head" in saved:
-        value_head.load_state_dict(saved["value_head"])
+    state = rl.prepare(cfg, name, algo, model, tokenizer, console, extra_modules={"value_head": value_head})
+    if "value_head" in state.train.saved and not state.train.saved.get("strategy") == "fsdp2":
+        value_head.load_state_dict(state.train.saved["value_head"])  # (FSDP2: restored from dcp/ with the model)
     state.run.print(f"[algo] {rl_config.describe_algo(algo)}")
 
+    sharded = is_sharded(state.train.wrapped)
+
+    def value_head_state() -> dict:
+        return full_state_dict(state.train.wrapped, "value_head")  # (a collective under FSDP2)
+
     def save_value_head(final_dir: Path) -> None:
-        torch.save(value_head.state_dict(), final_dir / "value_head.pt")
+        torch.save(final_value_head, final_dir / "value_head.pt")
+
+    final_value_head: dict = {}
+
+    def extra_state() -> dict:
+        nonlocal final_value_head
+        final_value_head = value_head_state()
+        return {} if sharded else {"value_head": final_value_head}
 
     return rl.train_rl(state, lambda step: ppo_step(state, value_head, algo, step),
-                       extra_state=lambda: {"value_head": value_head.state_dict()}, save_extra=save_value_head)
+                       extra_state=extra_state, save_extra=save_value_head)

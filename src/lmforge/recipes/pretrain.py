@@ -10,14 +10,14 @@ from pathlib import Path
 
 import torch
 
-from ..config import LoggingConfig, ModelConfig, OptimConfig, TrainConfig, opt, section
+from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, section
 from ..data.text import load_text_files, pack_documents
 from ..errors import ConfigError
 from ..evaluation import save_samples
 from ..models import cache_dir, load_model
 from ..rollout.engine import SamplingParams, generate
 from ..tokenizer import train_bpe_tokenizer
-from .common import start_run
+from ..runtime.run import start_run
 from .supervised import SupervisedData, train_supervised
 
 
@@ -47,6 +47,7 @@ class PretrainConfig:
     data: TextDataConfig = section(TextDataConfig, "text data")
     optim: OptimConfig = section(OptimConfig, "optimizer and LR schedule")
     train: TrainConfig = section(TrainConfig, "loop, evaluation and checkpoints")
+    parallel: ParallelConfig = section(ParallelConfig, "processes under torchrun (docs/distributed.md)")
     logging: LoggingConfig = section(LoggingConfig, "progress and metrics sinks")
 
 
@@ -64,7 +65,8 @@ def make_sampler(cfg: PretrainConfig, tokenizer, val_blocks: torch.Tensor, run):
         params = SamplingParams(temperature=0.0, max_new_tokens=cfg.train.max_new_tokens)
         out = generate(model, prompts, params, pad_token_id=tokenizer.pad_token_id or 0)
         texts = [tokenizer.decode(row.tolist()) for row in out.completion_ids]
-        save_samples(run.dir, step, [tokenizer.decode(p) for p in prompts], texts, run.print)
+        if run.ctx.is_main:
+            save_samples(run.dir, step, [tokenizer.decode(p) for p in prompts], texts, run.print)
         return {}
 
     return evaluate
@@ -87,6 +89,4 @@ def run_pretrain(cfg: PretrainConfig, console=None) -> dict:
     run.print(f"[data] {len(docs)} documents -> {len(packed.train)} train / {len(packed.val)} val blocks "
               f"of {cfg.data.seq_len} tokens")
     data = SupervisedData(list(packed.train), list(packed.val), collate_blocks)
-    metrics = train_supervised(run, model, tokenizer, data, make_sampler(cfg, tokenizer, packed.val, run))
-    run.print(f"[done] run directory: {run.dir}")
-    return {**metrics, "run_dir": str(run.dir)}
+    return train_supervised(run, model, tokenizer, data, make_sampler(cfg, tokenizer, packed.val, run))

@@ -9,14 +9,14 @@ import dataclasses
 import random
 from typing import Literal
 
-from ..config import LoggingConfig, ModelConfig, OptimConfig, TrainConfig, opt, section
+from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, section
 from ..data.sft import (CHAT_SMALL, collate_sft, encode_prompt, load_sft_rows, sft_rows_from_task, tokenize_sft,
                         uses_chat_format)
 from ..data.tasks import get_task
 from ..errors import ConfigError
 from ..evaluation import complete_ids, save_samples, task_accuracy
 from ..models import load_model
-from .common import start_run
+from ..runtime.run import start_run
 from .supervised import SupervisedData, train_supervised
 
 
@@ -44,6 +44,7 @@ class SFTConfig:
     data: SFTDataConfig = section(SFTDataConfig, "training data")
     optim: OptimConfig = section(OptimConfig, "optimizer and LR schedule")
     train: TrainConfig = section(TrainConfig, "loop, evaluation and checkpoints")
+    parallel: ParallelConfig = section(ParallelConfig, "processes under torchrun (docs/distributed.md)")
     logging: LoggingConfig = section(LoggingConfig, "progress and metrics sinks")
 
 
@@ -100,7 +101,8 @@ def make_eval(cfg: SFTConfig, tokenizer, run, val_rows: list[dict]):
         def sample_only(model, step: int) -> dict:
             prompts = [prompt_ids_of(row, tokenizer, chat) for row in rows]
             texts = complete_ids(model, tokenizer, prompts, max_new)
-            save_samples(run.dir, step, [tokenizer.decode(p) for p in prompts], texts, run.print)
+            if run.ctx.is_main:
+                save_samples(run.dir, step, [tokenizer.decode(p) for p in prompts], texts, run.print)
             return {}
 
         return sample_only if rows else None
@@ -109,7 +111,8 @@ def make_eval(cfg: SFTConfig, tokenizer, run, val_rows: list[dict]):
 
     def evaluate(model, step: int) -> dict:
         accuracy, texts = task_accuracy(model, tokenizer, task, problems, max_new, chat)
-        save_samples(run.dir, step, [p.prompt for p in problems[:k]], texts[:k], run.print)
+        if run.ctx.is_main:
+            save_samples(run.dir, step, [p.prompt for p in problems[:k]], texts[:k], run.print)
         return {"accuracy": accuracy}
 
     return evaluate
@@ -122,6 +125,4 @@ def run_sft(cfg: SFTConfig, model=None, tokenizer=None, console=None, name: str 
     run = start_run(cfg, name, model, seq_len=cfg.data.max_len, console=console)
     data, val_rows = build_data(cfg, tokenizer, run.print)
     run.print(f"[data] {len(data.train_rows)} training rows, {len(data.val_rows)} validation rows")
-    metrics = train_supervised(run, model, tokenizer, data, make_eval(cfg, tokenizer, run, val_rows))
-    run.print(f"[done] run directory: {run.dir}")
-    return {**metrics, "run_dir": str(run.dir)}
+    return train_supervised(run, model, tokenizer, data, make_eval(cfg, tokenizer, run, val_rows))

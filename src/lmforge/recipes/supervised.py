@@ -1,8 +1,10 @@
-"""The supervised loop shared by ``pretrain`` and ``sft``: next-token cross-entropy on the positions
-the labels select, normalised by the loss tokens of the whole optimizer step.
+"""The supervised step shared by ``pretrain`` and ``sft``: next-token cross-entropy on the positions
+the labels select, normalised by the loss tokens of the whole optimizer step over all ranks.
 
-Read top to bottom: set up -> (resume) -> for each step: fetch micro-batches, count loss tokens,
-forward/backward each micro-batch, clip, step -> log / evaluate / checkpoint -> final save + summary.
+One step: take the next global batch of rows (the same order on every rank) -> this rank's share ->
+micro-batches -> count the step's loss tokens over all ranks, once -> forward / backward each
+micro-batch (gradients reduced across ranks on the last one only) -> clip, update. The loop around
+it (log, evaluate, checkpoint, resume, summary) is :func:`lmforge.runtime.loop.train_loop`.
 """
 from __future__ import annotations
 
@@ -13,12 +15,11 @@ from typing import Callable
 
 import torch
 
-from .. import checkpoint as ckpt
 from ..losses import sft_loss
-from ..metrics import RunLogger, StepTimer, plot_run, print_summary, summary
-from ..train import (BatchOrder, Precision, Updater, check_finite, count_loss_tokens, logits_at,
-                     shifted_targets)
-from .common import Run
+from ..parallel.wrap import gradient_sync, run_forward
+from ..runtime.loop import Trainer, TrainState, build_state, full_model, train_loop
+from ..runtime.run import Run
+from ..train import BatchOrder, Precision, check_finite, count_loss_tokens, logits_at, shifted_targets
 
 
 @dataclasses.dataclass
@@ -31,111 +32,100 @@ class SupervisedData:
     collate: Callable[[list], dict]
 
 
-def micro_loss(model, batch: dict, num_loss_tokens_step: int, precision: Precision):
-    """Loss of one micro-batch, already divided by the step's loss-token count."""
+def micro_loss(state: TrainState, batch: dict, num_loss_tokens_global: int, precision: Precision):
+    """Loss of one micro-batch, already divided by the step's loss-token count over all ranks."""
     positions, targets = shifted_targets(batch["labels"])
     with precision.autocast():
-        logits = logits_at(model, batch["input_ids"], batch["attention_mask"], positions)
-    return sft_loss(logits, targets, num_loss_tokens_step)
+        logits = run_forward(state.wrapped, logits_at, state.model, batch["input_ids"], batch["attention_mask"],
+                             positions)
+    return sft_loss(logits, targets, num_loss_tokens_global)
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def rank_share(rows: list, rank: int, world_size: int) -> list:
+    """This rank's contiguous share of a global batch (equal shares: the batch size divides)."""
+    per_rank = len(rows) // world_size
+    return rows[rank * per_rank:(rank + 1) * per_rank]
+
+
+def supervised_step(state: TrainState, data: SupervisedData, step: int) -> dict:
+    """One optimizer step over the next global batch; returns its metrics (loss summed over ranks)."""
+    run, updater = state.run, state.updater
+    ctx, micro = run.ctx, run.micro_batch_size
+    t0 = time.perf_counter()
+    rows = rank_share(state.order.next(), ctx.rank, ctx.world_size)
+    batches = [to_device(data.collate([data.train_rows[i] for i in rows[k:k + micro]]), run.device)
+               for k in range(0, len(rows), micro)]
+    num_loss_tokens_global, = ctx.sum_counts(sum(count_loss_tokens(b["labels"]) for b in batches))
+    data_time = time.perf_counter() - t0
+    loss_sum = torch.zeros((), device=run.device)
+    for index, batch in enumerate(batches):
+        with gradient_sync(state.wrapped, enabled=index == len(batches) - 1):
+            loss, _ = micro_loss(state, batch, max(num_loss_tokens_global, 1), updater.precision)
+            updater.precision.backward(loss)
+        loss_sum += loss.detach()
+    ctx.all_reduce(loss_sum)  # each rank's part is already over the global count: the sum is the loss
+    check_finite(loss_sum, step)  # once per step (a host sync on GPUs), before the update, on every rank
+    lr = updater.scheduler.get_last_lr()[0]
+    grad_norm = updater.step()
+    return {"loss": loss_sum, "lr": lr, "grad_norm": grad_norm, "loss_tokens": num_loss_tokens_global,
+            "num_tokens": sum(int(b["attention_mask"].sum()) for b in batches), "data_time": data_time}
+
+
 @torch.no_grad()
-def validation_loss(model, data: SupervisedData, batch_rows: int, device, precision: Precision,
-                    max_rows: int = 512) -> float:
-    """Mean NLL per loss token over (up to ``max_rows``) validation rows."""
-    was_training = model.training
-    model.eval()
-    nll, tokens = 0.0, 0
+def validation_loss(state: TrainState, data: SupervisedData, max_rows: int = 512) -> float:
+    """Mean NLL per loss token over (up to ``max_rows``) validation rows, shared out over the ranks.
+
+    Every rank runs the same number of forward passes (FSDP2 gathers parameters in each): a rank
+    whose share is used up repeats a batch and counts nothing from it.
+    """
+    run = state.run
+    ctx, micro = run.ctx, run.micro_batch_size
+    was_training = state.model.training
+    state.model.eval()
     rows = data.val_rows[:max_rows]
-    for start in range(0, len(rows), batch_rows):
-        batch = to_device(data.collate(rows[start:start + batch_rows]), device)
-        count = count_loss_tokens(batch["labels"])
-        if count == 0:
+    mine = rows[ctx.rank::ctx.world_size]
+    num_batches = math.ceil(len(rows) / (micro * ctx.world_size)) if rows else 0
+    totals = torch.zeros(2, dtype=torch.float64)  # nll, tokens
+    for index in range(num_batches):
+        part = mine[index * micro:(index + 1) * micro]
+        batch = to_device(data.collate(part or rows[:1]), run.device)
+        count = count_loss_tokens(batch["labels"]) if part else 0
+        if count == 0 and not ctx.distributed:
             continue
-        _, metrics = micro_loss(model, batch, count, precision)
-        nll += float(metrics["nll_sum"])
-        tokens += count
-    model.train(was_training)
-    return nll / max(tokens, 1)
+        _, metrics = micro_loss(state, batch, max(count, 1), state.updater.precision)
+        if count:
+            totals += torch.tensor([float(metrics["nll_sum"]), count], dtype=torch.float64)
+    ctx.all_reduce(totals)
+    state.model.train(was_training)
+    return float(totals[0] / max(totals[1], 1))
 
 
 def train_supervised(run: Run, model, tokenizer, data: SupervisedData,
                      evaluate: Callable[[object, int], dict] | None = None) -> dict:
     """Train ``model`` on ``data`` as configured by ``run``; returns the final evaluation metrics."""
-    cfg, device = run.cfg, run.device
-    tcfg = cfg.train
-    model.to(device)
-    if run.choices.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-    model.train()
-    updater = Updater.build(model, cfg.optim, tcfg.max_steps, Precision(device, run.choices.dtype))
-    precision = updater.precision
-    order = BatchOrder(len(data.train_rows), run.choices.micro_batch_size, tcfg.seed)
-    state = {"step": 0, "best_val_loss": math.inf}
+    tcfg = run.cfg.train
+    if len(data.train_rows) < tcfg.batch_size:
+        from ..errors import DataError
 
-    saved = ckpt.resume_training(tcfg.resume, run.dir, model, updater, order, run.print)
-    if saved:
-        state = {"step": saved["step"], "best_val_loss": saved["best_val_loss"]}
+        raise DataError(f"{len(data.train_rows)} training rows are fewer than one batch "
+                        f"(train.batch_size={tcfg.batch_size}); lower train.batch_size or add data")
+    order = BatchOrder(len(data.train_rows), tcfg.batch_size, tcfg.seed)
+    state = build_state(run, model, tokenizer, order, tcfg.max_steps)
 
-    def trainer_state() -> dict:
-        return {**updater.state_dict(), "data": order.state_dict(), "best_val_loss": state["best_val_loss"]}
+    def run_eval(step: int) -> dict:
+        val_loss = validation_loss(state, data)
+        metrics = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+        if evaluate is not None:
+            sampler = full_model(state)
+            sampler.eval()
+            metrics.update(evaluate(sampler, step))
+            state.model.train()
+        return metrics
 
-    logger = RunLogger(run.dir, cfg.logging, tcfg.max_steps, console=run.console)
-    timer = StepTimer()
-    final_metrics: dict = {}
-    logger.start_progress(f"{run.name}", completed=state["step"])
-    try:
-        for step in range(state["step"], tcfg.max_steps):
-            t0 = time.perf_counter()
-            batches = [to_device(data.collate([data.train_rows[i] for i in order.next()]), device)
-                       for _ in range(tcfg.grad_accum)]
-            num_loss_tokens = sum(count_loss_tokens(b["labels"]) for b in batches)
-            data_time = time.perf_counter() - t0
-            loss_sum = torch.zeros((), device=device)
-            for batch in batches:
-                loss, _ = micro_loss(model, batch, max(num_loss_tokens, 1), precision)
-                precision.backward(loss)
-                loss_sum += loss.detach()
-            check_finite(loss_sum, step + 1)  # once per step (a host sync on GPUs), before the update
-            lr = updater.scheduler.get_last_lr()[0]
-            grad_norm = updater.step()
-            step_time = time.perf_counter() - t0
-            num_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
-            timer.record(step_time, data_time, num_tokens)
-            done = step + 1
-            logger.log(done, {"loss": loss_sum, "lr": lr, "grad_norm": grad_norm,
-                              "tokens_per_s": num_tokens / step_time, "step_time": step_time,
-                              "loss_tokens": num_loss_tokens},
-                       echo=done % tcfg.log_every == 0 or done == 1)
-            logger.advance(done)
-            last = done == tcfg.max_steps
-            if (tcfg.eval_every and done % tcfg.eval_every == 0) or last:
-                final_metrics = run_eval(run, model, data, precision, evaluate, done, logger)
-                if final_metrics["val_loss"] < state["best_val_loss"]:
-                    state["best_val_loss"] = final_metrics["val_loss"]
-                    ckpt.save_model_dir(run.dir / "best", model, tokenizer)
-            if (tcfg.save_every and done % tcfg.save_every == 0) or last:
-                ckpt.save_checkpoint(run.dir, done, model, tokenizer, trainer_state(), tcfg.keep_last)
-        ckpt.save_model_dir(run.dir / "final", model, tokenizer)
-    finally:
-        logger.close()
-    figures = summary(timer, run.flops_per_token(model), run.peak_gflops(), device)
-    print_summary(logger, figures)
-    plot_run(run.dir)
-    return final_metrics
-
-
-def run_eval(run: Run, model, data: SupervisedData, precision, evaluate, step: int, logger) -> dict:
-    val_loss = validation_loss(model, data, run.choices.micro_batch_size, run.device, precision)
-    metrics = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
-    if evaluate is not None:
-        model.eval()
-        metrics.update(evaluate(model, step))
-        model.train()
-    logger.log(step, metrics, kind="eval")
-    return metrics
+    trainer = Trainer(step=lambda step: supervised_step(state, data, step), evaluate=run_eval,
+                      best_metric="val_loss")
+    return train_loop(state, trainer)

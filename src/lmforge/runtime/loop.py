@@ -1,0 +1,182 @@
+"""The one training loop. Every recipe (pretrain, SFT, GRPO, PPO, the antidistillation student) runs
+here; a recipe supplies only its step function and its evaluation.
+
+Read top to bottom: :func:`build_state` wraps the trained modules for the parallel strategy, builds
+the optimizer and resumes -> :func:`train_loop` runs ``step(n)`` for n = resumed step + 1 ..
+max_steps, logs each step's metrics, evaluates and checkpoints on their cadence, then writes the
+final model, the summary and the curves. Only rank 0 writes to the console and to files.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .. import checkpoint as ckpt
+from ..metrics import RunLogger, StepTimer, plot_run, print_summary, summary
+from ..parallel.wrap import Root, full_state_dict, is_sharded, unwrap, wrap
+from ..train import BatchOrder, Precision, Updater
+from .run import Run
+
+
+@dataclasses.dataclass
+class TrainState:
+    """What the loop trains and checkpoints."""
+
+    run: Run
+    wrapped: torch.nn.Module  # the Root, wrapped for the parallel strategy: every training forward goes through it
+    model: torch.nn.Module  # the policy (an HF causal LM), inside the root
+    tokenizer: Any
+    updater: Updater
+    order: BatchOrder  # the resumable data order
+    step: int = 0  # optimizer steps (RL: RL steps) already done
+    saved: dict = dataclasses.field(default_factory=dict)  # the trainer state resumed from ({} if fresh)
+
+    _full: Any = None  # FSDP2: the gathered copy that evaluation samples from
+
+    @property
+    def root(self) -> Root:
+        return unwrap(self.wrapped)
+
+
+def full_model(state: TrainState) -> torch.nn.Module:
+    """The policy with all its parameters, for generation (evaluation samples, rollouts).
+
+    One process or DDP: the policy itself. FSDP2: a plain copy on this rank, refreshed from the shards
+    on each call (a collective: every rank calls it at the same point).
+    """
+    if not is_sharded(state.wrapped):
+        return state.model
+    from transformers import AutoModelForCausalLM
+
+    weights = full_state_dict(state.wrapped)
+    if state._full is None:
+        state._full = AutoModelForCausalLM.from_config(state.model.config).to(state.run.device).eval()
+        state._full.requires_grad_(False)
+    missing, unexpected = state._full.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    if missing:
+        state._full.tie_weights()
+    return state._full
+
+
+def build_state(run: Run, model, tokenizer, order: BatchOrder, num_updates: int,
+                extra_modules: dict[str, torch.nn.Module] | None = None) -> TrainState:
+    """Move to the device, turn on gradient checkpointing where chosen, wrap (DDP / FSDP2), build the
+    optimizer (AdamW, schedule over ``num_updates``, precision) and resume as ``train.resume`` says.
+
+    ``extra_modules`` (PPO's value head) are trained, clipped and checkpointed with the model.
+    """
+    model.to(run.device)
+    if run.choices.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    model.train()
+    pcfg = getattr(run.cfg, "parallel", None)
+    wrapped = wrap(Root(policy=model, **(extra_modules or {})), run.ctx, run.device, run.choices.dtype,
+                   getattr(pcfg, "grad_sync", "native"))
+    updater = Updater.build(wrapped, run.cfg.optim, num_updates, Precision(run.device, run.choices.dtype))
+    state = TrainState(run, wrapped, model, tokenizer, updater, order)
+    state.saved = ckpt.resume_training(run.cfg.train.resume, run.dir, state, run.print)
+    state.step = state.saved.get("step", 0)
+    return state
+
+
+@dataclasses.dataclass
+class Trainer:
+    """A recipe's part of the loop.
+
+    ``step(n) -> metrics`` runs optimizer step (RL: RL step) ``n`` (1-based) and returns its metrics,
+    already reduced over ranks, plus the reserved keys ``num_tokens`` (tokens this rank processed)
+    and optionally ``num_flops`` (matmul FLOPs this rank executed) and ``data_time`` (seconds).
+    """
+
+    step: Callable[[int], dict]
+    evaluate: Callable[[int], dict] | None = None  # -> metrics, at eval_every and at the end
+    evaluate_at_start: bool = False  # also at step 0, logged as the curve's start and returned as <key>_before
+    best_metric: str | None = None  # keep best/ at the lowest value of this evaluation metric
+    extra_state: Callable[[], dict] = dict  # more trainer state to checkpoint (PPO: the value head)
+    save_final_extra: Callable[[Path], None] | None = None
+    time_keys: tuple[str, ...] = ()  # per-step seconds summed for the summary's time split
+
+
+class NullLogger:
+    """The logger of ranks other than 0: takes every call, writes nothing."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def make_logger(run: Run):
+    if not run.ctx.is_main:
+        return NullLogger()
+    return RunLogger(run.dir, run.cfg.logging, run.cfg.train.max_steps, console=run.console)
+
+
+def due(every: int, step: int, last: bool) -> bool:
+    return bool(every and step % every == 0) or last
+
+
+def train_loop(state: TrainState, trainer: Trainer) -> dict:
+    """Steps ``state.step + 1 .. train.max_steps``; then the final model, the summary and the curves.
+    Returns the last evaluation's metrics (plus ``<key>_before`` from a start evaluation) and ``run_dir``."""
+    run, tcfg = state.run, state.run.cfg.train
+    logger = make_logger(run)
+    timer, totals = StepTimer(), dict.fromkeys(trainer.time_keys, 0.0)
+    best = state.saved.get("best_metric", state.saved.get("best_val_loss", float("inf")))
+    final: dict = {}
+    logger.start_progress(run.name, completed=state.step)
+    try:
+        if trainer.evaluate is not None and trainer.evaluate_at_start and state.step == 0:
+            before = trainer.evaluate(0)
+            logger.log(0, before, kind="eval")
+            final = {f"{key}_before": value for key, value in before.items()}
+        for step in range(state.step, tcfg.max_steps):
+            done, start = step + 1, time.perf_counter()
+            metrics = trainer.step(done)
+            step_time = time.perf_counter() - start
+            num_tokens, = run.ctx.sum_counts(metrics.pop("num_tokens"))
+            timer.record(step_time, metrics.pop("data_time", 0.0), num_tokens, metrics.pop("num_flops", 0.0))
+            totals = {key: totals[key] + metrics[key] for key in trainer.time_keys}
+            logger.log(done, {**metrics, "tokens_per_s": num_tokens / step_time, "step_time": step_time},
+                       echo=done % tcfg.log_every == 0 or done == 1)
+            logger.advance(done)
+            state.step = done
+            last = done == tcfg.max_steps
+            if trainer.evaluate is not None and due(tcfg.eval_every, done, last):
+                evaluation = trainer.evaluate(done)
+                logger.log(done, evaluation, kind="eval")
+                final.update(evaluation)
+                if trainer.best_metric and evaluation[trainer.best_metric] < best:
+                    best = evaluation[trainer.best_metric]
+                    ckpt.save_model_dir(run.dir / "best", state)
+            if due(tcfg.save_every, done, last):
+                ckpt.save_checkpoint(state, {**trainer.extra_state(), "best_metric": best}, tcfg.keep_last)
+        ckpt.save_model_dir(run.dir / "final", state)
+        if trainer.save_final_extra is not None and run.ctx.is_main:
+            trainer.save_final_extra(run.dir / "final")
+    finally:
+        logger.close()
+    finish(state, timer, totals, logger)
+    return {**final, "run_dir": str(run.dir)}
+
+
+def finish(state: TrainState, timer: StepTimer, totals: dict, logger) -> None:
+    """End-of-run summary (rank 0): time, throughput over all ranks, MFU, memory; the curves."""
+    run = state.run
+    flops, = run.ctx.all_reduce(torch.tensor([timer.flops], dtype=torch.float64)).tolist()
+    timer.flops = flops
+    figures = summary(timer, run.flops_per_token(state.model) if not timer.flops else 0.0,
+                      run.peak_gflops() * run.ctx.world_size if run.ctx.is_main else 0.0, run.device)
+    if not run.ctx.is_main:
+        return
+    figures.update({f"{key}_s": value for key, value in totals.items()})
+    print_summary(logger, figures)
+    if totals:
+        run.print("[summary] time split: " + " | ".join(
+            f"{key.removeprefix('time_')} {value:.1f}s" for key, value in totals.items()))
+    plot_run(run.dir)
+    run.print(f"[done] run directory: {run.dir}")

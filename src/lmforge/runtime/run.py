@@ -1,0 +1,164 @@
+"""What every recipe does first: start the parallel context, pick hardware settings, split the
+batch, make the run directory, write the resolved config, seed every rank's RNG."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+from pathlib import Path
+
+import torch
+import yaml
+
+from .. import hardware
+from ..checkpoint import list_checkpoints
+from ..config import save_config, to_dict
+from ..errors import ConfigError
+from ..metrics import make_console
+from ..models import count_parameters
+from ..parallel.context import ParallelContext, init_parallel
+
+DEFAULT_BATCH_SIZE = 32
+
+
+@dataclasses.dataclass
+class Run:
+    name: str
+    cfg: object
+    dir: Path
+    hw: hardware.Hardware
+    choices: hardware.Choices
+    console: object
+    ctx: ParallelContext = dataclasses.field(default_factory=ParallelContext)
+    micro_batch_size: int = 1  # rows per forward pass on this rank
+    grad_accum: int = 1  # micro-batches per rank per optimizer update
+    _peak: float = 0.0
+
+    @property
+    def device(self) -> torch.device:
+        return self.choices.device
+
+    def print(self, text: str) -> None:
+        """Console output, from rank 0 only."""
+        if self.ctx.is_main:
+            self.console.print(text, markup=False, highlight=False)
+
+    def peak_gflops(self) -> float:
+        """Measured matmul peak of this machine in the run's dtype (cached)."""
+        if not self._peak:
+            self._peak = hardware.matmul_peak_gflops(self.choices.dtype, device=str(self.device))
+        return self._peak
+
+    @staticmethod
+    def matmul_params(model) -> tuple[int, int]:
+        """(body, head): parameters multiplied per token in the transformer body and in the LM head.
+
+        The input-embedding lookup does no matmul; a tied embedding counts once, as the head.
+        """
+        head = model.get_output_embeddings().weight.numel()
+        body = count_parameters(model) - head
+        if not getattr(model.config, "tie_word_embeddings", False):
+            body -= model.get_input_embeddings().weight.numel()
+        return body, head
+
+    @staticmethod
+    def flops_per_token(model) -> float:
+        """Training FLOPs per token, 6 x the parameters that do matmuls (forward 2N, backward 4N).
+
+        The input-embedding lookup does no matmul; with tied embeddings the same matrix is the LM
+        head, which does. Attention-score FLOPs (~ 12 x layers x hidden x seq) are left out.
+        """
+        params = count_parameters(model)
+        if not getattr(model.config, "tie_word_embeddings", False):
+            params -= model.get_input_embeddings().weight.numel()
+        return 6.0 * params
+
+
+def split_batch(global_rows: int, micro_batch_size: int, world_size: int, what: str) -> int:
+    """Micro-batches per rank (the accumulation) for ``global_rows`` rows per update over ``world_size`` ranks.
+
+    The batch is the user's: the micro-batch size and the world size only change how it is split,
+    ``accumulation = global_rows / (micro x world)``; a micro-batch larger than a rank's share means
+    one micro-batch of the share. A split that does not divide evenly is an error naming the numbers.
+    """
+    if global_rows % world_size:
+        raise ConfigError(f"{what}={global_rows} rows cannot be split evenly over {world_size} ranks")
+    per_rank = global_rows // world_size
+    micro = min(micro_batch_size, per_rank)
+    if per_rank % micro:
+        raise ConfigError(f"{what}={global_rows} rows is not divisible by micro_batch_size={micro} x "
+                          f"world size={world_size}; choose numbers with {what} = micro x ranks x accumulation")
+    return per_rank // micro
+
+
+def largest_divisor_at_most(n: int, cap: int) -> int:
+    return max(d for d in range(1, min(n, max(cap, 1)) + 1) if n % d == 0)
+
+
+def start_run(cfg, name: str, model=None, seq_len: int = 256, console=None, update_rows: int | None = None,
+              update_label: str = "train.batch_size") -> Run:
+    """Start the parallel context, choose hardware settings (printing each with its reason), split the
+    batch, prepare ``train.output_dir``, write the resolved config.
+
+    ``update_rows``: rows of one optimizer update over all ranks (RL: a mini-batch of the rollout);
+    default ``train.batch_size``. The resolved values (batch size, micro-batch size, dtype, threads,
+    checkpointing) are written back into ``cfg`` before it is saved, so the saved config reproduces
+    the run on another machine.
+    """
+    console = console or make_console()
+    tcfg = cfg.train
+    run_dir = Path(tcfg.output_dir)
+    if not tcfg.resume and list_checkpoints(run_dir):
+        raise ConfigError(
+            f"{run_dir} already holds checkpoints of an earlier run. Resume it with train.resume=auto "
+            f"or choose another train.output_dir (nothing was overwritten)."
+        )
+    hw = hardware.detect(tcfg.device)
+    pcfg = getattr(cfg, "parallel", None)
+    ctx, device = init_parallel(getattr(pcfg, "strategy", "ddp"), torch.device(hw.device),
+                                getattr(pcfg, "timeout_s", 600.0))
+    mcfg = getattr(model, "config", None)
+    # Several ranks on one CPU share its cores: each gets its part unless threads are set.
+    threads = tcfg.threads or (max(hw.num_cores // local_world_size(), 1) if hw.device == "cpu" and ctx.distributed else 0)
+    choices = hardware.choose(
+        hw, dtype=tcfg.dtype, threads=threads, micro_batch_size=tcfg.micro_batch_size,
+        gradient_checkpointing=tcfg.gradient_checkpointing,
+        num_params=count_parameters(model) if model is not None else 0, seq_len=seq_len,
+        hidden=getattr(mcfg, "hidden_size", 128), layers=getattr(mcfg, "num_hidden_layers", 4),
+    )
+    choices.device = device
+    if update_rows is None:
+        tcfg.batch_size = tcfg.batch_size or DEFAULT_BATCH_SIZE
+        update_rows = tcfg.batch_size
+    per_rank = update_rows // ctx.world_size if update_rows % ctx.world_size == 0 else update_rows
+    wanted = tcfg.micro_batch_size or largest_divisor_at_most(per_rank, choices.micro_batch_size)
+    micro, accum = wanted, split_batch(update_rows, wanted, ctx.world_size, update_label)
+    choices.micro_batch_size = micro
+    hardware.apply(choices)
+    tcfg.micro_batch_size, tcfg.threads = micro, choices.threads
+    tcfg.dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[choices.dtype]
+    tcfg.gradient_checkpointing = "on" if choices.gradient_checkpointing else "off"
+    run = Run(name, cfg, run_dir, hw, choices, console, ctx, micro, accum)
+    ctx.check_same_config(yaml.safe_dump({k: v for k, v in to_dict(cfg).items()}, sort_keys=True))
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        console.print(f"[hardware] {hardware.describe(hw)}", markup=False)
+        choices.report(lambda text: console.print(text, markup=False))
+        if ctx.distributed:
+            console.print(f"[parallel] {ctx.world_size} ranks, {ctx.strategy}; {update_label}={update_rows} rows "
+                          f"= {micro} per micro-batch x {ctx.world_size} ranks x {accum} accumulation", markup=False)
+        save_config(cfg, run_dir / "config.yaml")
+    ctx.barrier()
+    seed_everything(tcfg.seed, ctx.rank)
+    return run
+
+
+def local_world_size() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+
+
+def seed_everything(seed: int, rank: int = 0) -> None:
+    """Seed Python's and torch's RNGs; each rank gets its own stream (rank 0 the single-process one)."""
+    seed = seed + 1_000_003 * rank
+    random.seed(seed)
+    torch.manual_seed(seed)
