@@ -43,7 +43,7 @@ def run_forward(wrapped: torch.nn.Module, fn, *args, **kwargs):
     return wrapped(fn, *args, **kwargs)
 
 
-def sum_hook(group, bucket: dist.GradBucket) -> torch.futures.Future:
+def sum_hook(group, bucket):  # no annotations: DDP checks them, and this module's are strings
     """DDP communication hook: the plain sum of the bucket over the group (DDP's default divides)."""
     work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
@@ -73,8 +73,9 @@ def wrap(root: Root, ctx: ParallelContext, device: torch.device, dtype: torch.dt
     if ctx.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        # Buffers (rotary frequencies) are equal on every rank: synced once at construction, not per forward.
         wrapped = DDP(root, device_ids=[device.index] if device.type == "cuda" else None,
-                      process_group=ctx.group, broadcast_buffers=False)
+                      process_group=ctx.group, forward_sync_buffers=False)
         if grad_sync == "ring":
             from .ring import ring_hook
 

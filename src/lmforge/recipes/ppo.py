@@ -24,7 +24,8 @@ from ..advantages import gae, whiten_advantages
 from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, section
 from ..errors import ConfigError
 from ..losses import kl_per_token, policy_loss, value_loss
-from ..ops import masked_mean
+from ..ops import masked_mean, masked_sum
+from ..parallel.context import ParallelContext
 from ..parallel.wrap import full_state_dict, is_sharded, run_forward
 from ..train import PLAIN_HEAD_MODELS, decoder_of
 
@@ -117,12 +118,15 @@ def terminal_rewards(rewards: torch.Tensor, completion_mask: torch.Tensor) -> to
 
 @torch.no_grad()
 def add_targets(model, value_head: ValueHead, ref_model, algo: PPOAlgoConfig, batch: rl.RLBatch,
-                rewards: torch.Tensor, temperature: float, micro_batch_size: int, precision, wrapped=None) -> dict:
+                rewards: torch.Tensor, temperature: float, micro_batch_size: int, precision, wrapped=None,
+                ctx: ParallelContext | None = None) -> dict:
     """Fill the batch's old logprobs and values, advantages and returns from (B,) ``rewards``.
 
     PPO always needs this no-grad pass (GAE needs the rollout-time values), so its old logprobs
-    come from it at no extra cost, on-policy or not. Returns KL / advantage metrics.
+    come from it at no extra cost, on-policy or not. The whitening statistics are over all ranks'
+    completion tokens (``ctx``). Returns KL / advantage metrics.
     """
+    ctx = ctx or ParallelContext()
     parts = [policy_and_values(model, value_head, batch.select(rows), temperature, precision, wrapped=wrapped)
              for rows in torch.arange(batch.num_rows).split(micro_batch_size)]
     batch.old_logprobs = torch.cat([p[0] for p in parts])
@@ -136,10 +140,26 @@ def add_targets(model, value_head: ValueHead, ref_model, algo: PPOAlgoConfig, ba
         token_rewards = token_rewards - algo.kl_coef * kl
         metrics["kl"] = masked_mean(kl, mask.float())
     advantages, batch.returns = gae(token_rewards, batch.old_values, mask, gamma=algo.gamma, lam=algo.lam)
-    batch.advantages = whiten_advantages(advantages, mask) if algo.whiten else advantages
+    batch.advantages = whiten_over_ranks(advantages, mask, ctx) if algo.whiten else advantages
     metrics["advantage_abs_mean"] = masked_mean(advantages.abs(), mask.float())
     metrics["return_mean"] = masked_mean(batch.returns, mask.float())
     return metrics
+
+
+def whiten_over_ranks(advantages: torch.Tensor, mask: torch.Tensor, ctx: ParallelContext,
+                      std_eps: float = 1e-8) -> torch.Tensor:
+    """``whiten_advantages`` with the mean and the sample std of every rank's valid tokens (two
+    all-reduces); one process calls ``whiten_advantages`` itself."""
+    if not ctx.distributed:
+        return whiten_advantages(advantages, mask, std_eps=std_eps)
+    valid = mask.bool()
+    weights = valid.to(advantages.dtype)
+    totals = ctx.all_reduce(torch.stack([masked_sum(advantages, weights), weights.sum()]).double())
+    mean = (totals[0] / totals[1].clamp(min=1)).to(advantages.dtype)
+    centred = torch.where(valid, advantages - mean, 0.0)
+    squares = ctx.all_reduce(masked_sum(centred**2, weights).double().reshape(1))[0]
+    std = (squares / (totals[1] - 1).clamp(min=1)).sqrt().to(advantages.dtype)
+    return torch.where(valid, centred / (std + std_eps), 0.0)
 
 
 def micro_loss(state: rl.RLState, value_head: ValueHead, batch: rl.RLBatch, algo: PPOAlgoConfig, temperature: float,
@@ -165,7 +185,7 @@ def ppo_step(state: rl.RLState, value_head: ValueHead, algo: PPOAlgoConfig, step
     batch = batch.to(state.run.device)
     precision, temperature = state.updater.precision, cfg.rollout.temperature
     target_metrics = add_targets(state.model, value_head, state.ref_model, algo, batch, rewards.total, temperature,
-                                 state.micro_batch_size, precision, wrapped=state.train.wrapped)
+                                 state.micro_batch_size, precision, wrapped=state.train.wrapped, ctx=state.run.ctx)
     metrics.update(rl.reduce_rollout_metrics(target_metrics, state.run.ctx))
     train_metrics = rl.update(
         batch, algo, state.train, cfg.rollout.max_new_tokens,

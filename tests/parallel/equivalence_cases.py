@@ -1,0 +1,141 @@
+"""The cases of test_equivalence.py, run in one process or in each spawned gloo rank.
+
+Each case trains a tiny Llama for 3 optimizer steps on a fixed global batch and records the per-step
+losses and the final weights. The batch is the same for every world size: SFT rows in the seeded
+order, and for GRPO / PPO one rollout sampled with a fixed seed on every rank (identical, since the
+model and the seed are), of which each rank keeps its share (``rl.rank_prompts``).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from lmforge import rl
+from lmforge.config import (LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig)
+from lmforge.models import load_model
+from lmforge.parallel.wrap import full_state_dict
+from lmforge.recipes import grpo, ppo
+from lmforge.recipes.sft import SFTConfig, SFTDataConfig, build_data
+from lmforge.recipes.supervised import supervised_step
+from lmforge.rl_config import RLDataConfig, RolloutConfig
+from lmforge.rollout import SamplingParams, generate
+from lmforge.runtime.loop import build_state
+from lmforge.runtime.run import start_run
+from lmforge.train import BatchOrder
+
+STEPS = 3
+MODEL = ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2, num_heads=2,
+                    max_position_embeddings=32, init_seed=0)
+# AdamW's update lr * m / (sqrt(v) + eps) is ~ lr * sign(g) where |g| << eps: a gradient that differs in
+# its last bits between two summation orders could flip such an update. eps = 1e-3 keeps the update
+# Lipschitz in g (constant lr / eps = 10), so fp32 rounding in g stays fp32-sized in the weights.
+OPTIM = OptimConfig(lr=1e-2, eps=1e-3, weight_decay=0.0, schedule="constant")
+
+
+class Quiet:
+    def print(self, *args, **kwargs):
+        pass
+
+
+def train_config(out: Path, micro: int, batch: int) -> TrainConfig:
+    return TrainConfig(output_dir=str(out), max_steps=STEPS, batch_size=batch, micro_batch_size=micro, threads=1,
+                       dtype="fp32", device="cpu", gradient_checkpointing="off", save_every=0)
+
+
+def sft_case(out: Path, micro: int, strategy: str) -> dict:
+    cfg = SFTConfig(model=MODEL, data=SFTDataConfig(task="addition", num_train=64, num_val=8, max_len=32),
+                    optim=OPTIM, train=train_config(out, micro, batch=8), parallel=ParallelConfig(strategy=strategy),
+                    logging=LoggingConfig(progress=False))
+    model, tokenizer = load_model(cfg.model)
+    run = start_run(cfg, "sft", model, seq_len=32, console=Quiet())
+    data, _ = build_data(cfg, tokenizer, lambda *_: None)
+    state = build_state(run, model, tokenizer, BatchOrder(len(data.train_rows), 8, 0), STEPS)
+    losses = [float(supervised_step(state, data, step)["loss"]) for step in range(1, STEPS + 1)]
+    return {"losses": losses, "weights": full_state_dict(state.wrapped)}
+
+
+def fixed_rollout(model, tokenizer, prompts, num_prompts: int, group_size: int):
+    """One rollout of the first ``num_prompts`` prompts, the same on every rank (fixed seed)."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=[tokenizer.eos_token_id], seed=1234)
+    with torch.no_grad():
+        return generate(model.eval(), prompts.prompt_ids[:num_prompts], params, num_samples=group_size,
+                        pad_token_id=tokenizer.pad_token_id)
+
+
+def rank_rows(num_prompts: int, group_size: int, num_mini: int, ctx) -> torch.Tensor:
+    prompts = rl.rank_prompts(list(range(num_prompts)), num_mini, ctx)
+    return torch.tensor([p * group_size + g for p in prompts for g in range(group_size)])
+
+
+def rl_case(out: Path, recipe: str, aggregation: str, micro: int, strategy: str, num_mini: int = 1) -> dict:
+    num_prompts, group = 4, 4
+    module = grpo if recipe == "grpo" else ppo
+    config_cls = grpo.GRPOConfig if recipe == "grpo" else ppo.PPOConfig
+    algo_cls = grpo.GRPOAlgoConfig if recipe == "grpo" else ppo.PPOAlgoConfig
+    cfg = config_cls(model=MODEL, data=RLDataConfig(task="addition", num_train=16, num_eval=0),
+                     rollout=RolloutConfig(num_prompts=num_prompts, group_size=group, max_new_tokens=4),
+                     algo=algo_cls(aggregation=aggregation, num_mini_batches=num_mini, kl_coef=0.0),
+                     optim=OPTIM, train=train_config(out, micro, batch=0), parallel=ParallelConfig(strategy=strategy),
+                     logging=LoggingConfig(progress=False))
+    algo = cfg.algo.resolved()
+    model, tokenizer = load_model(cfg.model)
+    rollout = fixed_rollout(model, tokenizer, rl.build_prompts(cfg.data, tokenizer, 0), num_prompts, group)
+    extra = {"value_head": ppo.ValueHead(model.config.hidden_size)} if recipe == "ppo" else None
+    state = rl.prepare(cfg, recipe, algo, model, tokenizer, console=Quiet(), extra_modules=extra)
+    ctx = state.run.ctx
+    full = rl.pack_rollout(rollout, tokenizer.pad_token_id, need_rollout_logprobs=False)
+    rewards = torch.tensor([float(i % 3 == 0) + 0.25 * (i % 2) for i in range(num_prompts * group)])
+    rows = rank_rows(num_prompts, group, num_mini, ctx)
+    precision, losses = state.updater.precision, []
+    for step in range(1, STEPS + 1):
+        batch = full.select(rows)
+        if recipe == "grpo":
+            batch.advantages, _ = grpo.advantages_of(rewards[rows], algo, group)
+
+            def loss_fn(micro_batch, counts):
+                return grpo.micro_loss(state, micro_batch, algo, 1.0, counts, precision)
+        else:
+            ppo.add_targets(state.model, extra["value_head"], None, algo, batch, rewards[rows], 1.0,
+                            state.micro_batch_size, precision, wrapped=state.train.wrapped, ctx=ctx)
+
+            def loss_fn(micro_batch, counts):
+                return ppo.micro_loss(state, extra["value_head"], micro_batch, algo, 1.0, counts, precision)
+        if num_mini > 1 and recipe == "grpo":  # the weights move between updates: old logprobs fixed first
+            batch.old_logprobs = rl.batch_logprobs(state.model, batch, state.micro_batch_size, 1.0, precision,
+                                                   wrapped=state.train.wrapped)
+        losses.append(float(rl.update(batch, algo, state.train, 4, loss_fn, step)["loss"]))
+    weights = full_state_dict(state.train.wrapped)
+    if recipe == "ppo":
+        weights.update({f"value_head.{k}": v for k, v in full_state_dict(state.train.wrapped, "value_head").items()})
+    return {"losses": losses, "weights": weights}
+
+
+CASES = {
+    "sft": lambda out, micro, strategy: sft_case(out, micro, strategy),
+    **{f"grpo-{agg}": (lambda agg: lambda out, micro, strategy: rl_case(out, "grpo", agg, micro, strategy))(agg)
+       for agg in ("seq_mean_token_mean", "token_mean", "global_token_mean", "seq_sum_max_len")},
+    "grpo-minibatches": lambda out, micro, strategy: rl_case(out, "grpo", "global_token_mean", micro, strategy, 2),
+    "ppo": lambda out, micro, strategy: rl_case(out, "ppo", "seq_mean_token_mean", micro, strategy),
+}
+
+
+def run_cases(root: Path, plan: list[tuple[str, int]], strategy: str) -> dict:
+    """``plan``: (case, micro-batch size) pairs; returns {case@micro: result}."""
+    return {f"{name}@{micro}": CASES[name](root / f"{name}-{micro}-{strategy}", micro, strategy)
+            for name, micro in plan}
+
+
+def worker(rank: int, world: int, port: int, root: str, plan: list, strategy: str, result_path: str) -> None:
+    """A spawned rank: torchrun's environment, then the cases; rank 0 saves the results."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    results = run_cases(Path(root), plan, strategy)
+    if rank == 0:
+        torch.save(results, result_path)
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,82 @@
+"""Data parallelism changes how a step is computed, never what: 2 gloo ranks x B rows (DDP and FSDP2,
+with and without accumulation) give the per-step losses and the weights after 3 optimizer steps of
+1 process x 2B rows, for SFT, GRPO under its four aggregations (and with two mini-batches per step)
+and PPO (value head, GAE, advantages whitened over all ranks).
+
+Tolerance: everything runs in fp32. What differs between the runs is the order of floating-point
+sums (a loss is a sum of per-rank partial sums; a gradient the sum of two ranks' gradients; a
+padded micro-batch has other matmul shapes), each step rounding at ~6e-8 relative. Over 3 AdamW
+steps with eps = 1e-3 (equivalence_cases.OPTIM: the update is then Lipschitz in the gradient), the
+observed differences were at most 1.2e-7 in a weight and 3e-6 relative in a loss. The bounds below
+(weights 2e-5 absolute, for weights moved by ~3 x lr = 3e-2; losses 2e-5 relative) leave room for
+other CPUs' kernels and stay far below a wrong normalisation: averaging instead of summing the two
+ranks' gradients moved the weights by 1e-3 to 9e-3 from the reference (checked by breaking it once).
+"""
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import equivalence_cases as cases
+
+# (case, micro-batch size on one process) -> (micro-batch sizes on each of 2 ranks) that must agree.
+# token_mean is a mean per micro-batch, so its reference is the one-process run with the same
+# micro-batches (4 rows), not the one-micro-batch run: only the world size changes.
+PLAN_1 = [("sft", 8), ("grpo-seq_mean_token_mean", 16), ("grpo-token_mean", 4), ("grpo-global_token_mean", 16),
+          ("grpo-seq_sum_max_len", 16), ("grpo-minibatches", 8), ("ppo", 16)]
+PLAN_2 = {"sft": [4, 2], "grpo-seq_mean_token_mean": [8, 4], "grpo-token_mean": [4],
+          "grpo-global_token_mean": [8, 4], "grpo-seq_sum_max_len": [8, 4], "grpo-minibatches": [4, 2],
+          "ppo": [8, 4]}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("equivalence")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in each rank: the same kernels sample the same fixed rollout
+    try:
+        single = cases.run_cases(root / "w1", PLAN_1, "ddp")
+    finally:
+        torch.set_num_threads(threads)
+    multi = {}
+    plan = [(name, micro) for name, micros in PLAN_2.items() for micro in micros]
+    for strategy in ("ddp", "fsdp2"):
+        path = root / f"{strategy}.pt"
+        mp.start_processes(cases.worker, args=(2, free_port(), str(root / strategy), plan, strategy, str(path)),
+                           nprocs=2, start_method="spawn", join=True)
+        multi[strategy] = torch.load(path, weights_only=False)
+    return single, multi
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("name", list(PLAN_2))
+def test_two_ranks_match_one_process(results, name, strategy):
+    single, multi = results
+    reference = single[f"{name}@{dict(PLAN_1)[name]}"]
+    for micro in PLAN_2[name]:
+        got = multi[strategy][f"{name}@{micro}"]
+        assert got["losses"] == pytest.approx(reference["losses"], rel=2e-5, abs=1e-7), (name, micro)
+        assert got["weights"].keys() == reference["weights"].keys()
+        worst = max((got["weights"][k] - reference["weights"][k]).abs().max().item() for k in got["weights"])
+        assert worst < 2e-5, f"{name} micro={micro} {strategy}: weights differ by {worst:.2e}"
+
+
+def test_the_steps_moved_the_weights(results):
+    """The comparison above means something only if training changed the weights far beyond the bound."""
+    single, _ = results
+    from lmforge.models import load_model
+
+    start = load_model(cases.MODEL)[0].state_dict()
+    for key, result in single.items():
+        moved = max((result["weights"][k] - start[k]).abs().max().item() for k in start if k in result["weights"])
+        assert moved > 1e-3, f"{key}: weights moved only {moved:.1e}"
+
