@@ -244,3 +244,50 @@ def load_model_weights(model, path: Path) -> None:
         raise ConfigError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
     if tied:
         model.tie_weights()
+
+
+def latest_or_given(run_or_checkpoint: Path) -> Path:
+    """A checkpoint directory: the path itself, or the newest checkpoint of a run directory."""
+    path = Path(run_or_checkpoint)
+    if (path / "trainer_state.pt").is_file():
+        return path
+    found = list_checkpoints(path)
+    if not found:
+        raise ConfigError(f"{path} is neither a checkpoint (no trainer_state.pt) nor a run directory with "
+                          "checkpoints/step-*")
+    return found[-1]
+
+
+def export_checkpoint(run_or_checkpoint: Path, out: Path) -> Path:
+    """Write a consolidated HF directory (safetensors + config + tokenizer) of a checkpoint.
+
+    Sharded (FSDP2) checkpoints are gathered from ``dcp/`` in this one process, whatever the world
+    size that wrote them; others already hold an HF directory (``model/``), which is copied.
+    """
+    path = latest_or_given(run_or_checkpoint)
+    out = Path(out)
+
+    def write(tmp: Path) -> None:
+        if not (path / "dcp").is_dir():
+            shutil.copytree(path / "model", tmp, dirs_exist_ok=True)
+            return
+        import json
+        import tempfile
+
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as scratch:
+            dcp_to_torch_save(str(path / "dcp"), f"{scratch}/full.pt")
+            state = torch.load(f"{scratch}/full.pt", map_location="cpu", weights_only=False)["model"]
+        weights = {k.removeprefix("policy."): v.contiguous() for k, v in state.items() if k.startswith("policy.")}
+        config = json.loads((path / "model" / "config.json").read_text())
+        if config.get("tie_word_embeddings"):
+            weights.pop("lm_head.weight", None)
+        shutil.copytree(path / "model", tmp, dirs_exist_ok=True)
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        extras = {k: v for k, v in state.items() if not k.startswith("policy.")}
+        if extras:  # e.g. PPO's value head
+            torch.save(extras, tmp / "extra_modules.pt")
+
+    return _write_dir(out, write)

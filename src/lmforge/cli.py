@@ -6,6 +6,7 @@
     lmforge grpo CONFIG [key=value ...]        RL: GRPO / Dr. GRPO / DAPO / GSPO / RLOO
     lmforge ppo CONFIG [key=value ...]         RL: PPO with a value head and GAE
     lmforge antidistill STAGE CONFIG [...]     antidistillation pipeline (traces, grad, sample, distill, eval, report, all)
+    lmforge export RUN_DIR --out DIR           a checkpoint as an HF directory (gathers FSDP2 shards)
     lmforge hardware                           what was detected and what would be chosen
     lmforge plot RUN_DIR                       PNG of the run's curves
 """
@@ -85,6 +86,13 @@ def _hardware(args) -> None:
     print(f"measured fp32 matmul peak: {hardware.matmul_peak_gflops(device=hw.device):.0f} GFLOP/s")
 
 
+def _export(args) -> None:
+    from .checkpoint import export_checkpoint
+
+    out = export_checkpoint(args.run_dir, args.out)
+    print(f"wrote {out} (a Hugging Face model directory)")
+
+
 def _plot(args) -> None:
     from .metrics import plot_run
 
@@ -102,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     hw = sub.add_parser("hardware", help="print detected hardware and the automatic choices")
     hw.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | mps")
     hw.set_defaults(func=_hardware)
+    export = sub.add_parser("export", help="write a checkpoint (the newest of RUN_DIR, or CHECKPOINT) as an HF "
+                            "model directory; gathers FSDP2 shards", description="consolidate a checkpoint into a "
+                            "Hugging Face model directory (safetensors + config + tokenizer)")
+    export.add_argument("run_dir", help="run directory (its newest checkpoint) or a checkpoints/step-N directory")
+    export.add_argument("--out", required=True, help="output directory (replaced atomically)")
+    export.set_defaults(func=_export)
     plot = sub.add_parser("plot", help="write a PNG of loss / lr / accuracy curves of a run")
     plot.add_argument("run_dir", help="run directory holding metrics.jsonl")
     plot.add_argument("--out", default=None, help="output PNG (default RUN_DIR/curves.png)")
@@ -115,14 +129,20 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    from .parallel.context import end_process_group, rank_prefix, should_report
+
     try:
         args.func(args)
     except (LmforgeError, FileNotFoundError, ImportError) as exc:
-        print(f"lmforge {args.command}: error: {exc}", file=sys.stderr)
+        if should_report(exc):  # under torchrun: once, not once per rank
+            print(f"lmforge {args.command}: error: {rank_prefix()}{exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"lmforge {args.command}: interrupted; completed checkpoints are intact", file=sys.stderr)
+        if should_report(KeyboardInterrupt()):
+            print(f"lmforge {args.command}: interrupted; completed checkpoints are intact", file=sys.stderr)
         return 130
+    finally:
+        end_process_group()
     return 0
 
 

@@ -343,17 +343,20 @@ def reference_model(model, kl_coef: float):
 # ----------------------------------------------------------------------------- updates
 
 
-def global_counts(batch: RLBatch, max_new_tokens: int, num_micro_batches: int, ctx: ParallelContext) -> dict:
+def global_counts(batch: RLBatch, max_new_tokens: int, num_micro_batches: int = 1,
+                  ctx: ParallelContext | None = None) -> dict:
     """The aggregation counts of one optimizer update: summed over its micro-batches and all ranks, once."""
+    ctx = ctx or ParallelContext()
     num_seqs, num_tokens, num_micro = ctx.sum_counts(batch.num_rows, int(batch.completion_mask.sum()),
                                                      num_micro_batches)
     return {"num_seqs_global": num_seqs, "num_loss_tokens_global": num_tokens,
             "max_completion_len": max_new_tokens, "num_micro_batches_global": num_micro}
 
 
-def reduce_metrics(records: list[tuple[dict, int]], ctx: ParallelContext) -> dict:
+def reduce_metrics(records: list[tuple[dict, int]], ctx: ParallelContext | None = None) -> dict:
     """Per-micro-batch metrics of every rank -> one value each: max of ``*_max``, min of ``*_min``,
     else the mean weighted by the micro-batch's completion tokens. Three collectives in all."""
+    ctx = ctx or ParallelContext()
     values: dict[str, list] = {}
     for metrics, weight in records:
         for key, value in metrics.items():
@@ -379,16 +382,18 @@ def reduce_metrics(records: list[tuple[dict, int]], ctx: ParallelContext) -> dic
 LossFn = Callable[[RLBatch, dict], tuple[Tensor, dict]]
 
 
-def update(batch: RLBatch, algo, state: TrainState, max_new_tokens: int, loss_fn: LossFn, step: int) -> dict:
+def update(batch: RLBatch, algo, updater, micro_batch_size: int, max_new_tokens: int, loss_fn: LossFn, step: int,
+           ctx: ParallelContext | None = None, wrapped=None) -> dict:
     """``algo.num_iterations`` passes over this rank's ``batch``, each of ``algo.num_mini_batches`` updates.
 
     Mini-batches are contiguous row ranges (a prompt's samples stay together); the rank's rows were
     chosen so that its m-th mini-batch is its share of the global m-th mini-batch
-    (:func:`rank_prompts`). Each is split into micro-batches of ``run.micro_batch_size`` rows whose
+    (:func:`rank_prompts`). Each is split into micro-batches of ``micro_batch_size`` rows whose
     losses, normalised by the mini-batch's global counts, are accumulated into one optimizer step;
-    gradients are summed across ranks on the last micro-batch. ``loss_fn(micro_batch, counts) -> (loss, metrics)``.
+    gradients are summed across ranks (``ctx``; ``wrapped``, the parallel root) on the last
+    micro-batch. ``loss_fn(micro_batch, counts) -> (loss, metrics)``.
     """
-    ctx, micro_batch_size, updater = state.run.ctx, state.run.micro_batch_size, state.updater
+    ctx = ctx or ParallelContext()
     records, losses, grad_norms = [], [], []
     lr = updater.scheduler.get_last_lr()[0]
     for _ in range(algo.num_iterations):
@@ -399,7 +404,7 @@ def update(batch: RLBatch, algo, state: TrainState, max_new_tokens: int, loss_fn
             loss_sum = 0.0
             for index, rows in enumerate(micro_rows):
                 micro = mini.select(rows)
-                with gradient_sync(state.wrapped, enabled=index == len(micro_rows) - 1):
+                with gradient_sync(wrapped, enabled=index == len(micro_rows) - 1):
                     loss, metrics = loss_fn(micro, counts)
                     updater.precision.backward(loss)
                 loss_sum = loss_sum + loss.detach()
@@ -603,6 +608,12 @@ def make_evaluate(state: RLState) -> Callable[[int], dict] | None:
 
 
 TIME_KEYS = ("time_generation", "time_scoring", "time_training")
+
+
+def update_state(batch: RLBatch, algo, state: RLState, loss_fn: LossFn, step: int) -> dict:
+    """:func:`update` with the run's optimizer, micro-batch size, parallel context and wrapped root."""
+    return update(batch, algo, state.updater, state.micro_batch_size, state.run.cfg.rollout.max_new_tokens, loss_fn,
+                  step, state.run.ctx, state.train.wrapped)
 
 
 def train_rl(state: RLState, step_fn: Callable[[int], dict], extra_state: Callable[[], dict] = dict,

@@ -95,17 +95,18 @@ def rl_case(out: Path, recipe: str, aggregation: str, micro: int, strategy: str,
             batch.advantages, _ = grpo.advantages_of(rewards[rows], algo, group)
 
             def loss_fn(micro_batch, counts):
-                return grpo.micro_loss(state, micro_batch, algo, 1.0, counts, precision)
+                return grpo.micro_loss(state.model, micro_batch, algo, 1.0, counts, precision, state.train.wrapped)
         else:
             ppo.add_targets(state.model, extra["value_head"], None, algo, batch, rewards[rows], 1.0,
                             state.micro_batch_size, precision, wrapped=state.train.wrapped, ctx=ctx)
 
             def loss_fn(micro_batch, counts):
-                return ppo.micro_loss(state, extra["value_head"], micro_batch, algo, 1.0, counts, precision)
+                return ppo.micro_loss(state.model, extra["value_head"], micro_batch, algo, 1.0, counts, precision,
+                                      state.train.wrapped)
         if num_mini > 1 and recipe == "grpo":  # the weights move between updates: old logprobs fixed first
             batch.old_logprobs = rl.batch_logprobs(state.model, batch, state.micro_batch_size, 1.0, precision,
                                                    wrapped=state.train.wrapped)
-        losses.append(float(rl.update(batch, algo, state.train, 4, loss_fn, step)["loss"]))
+        losses.append(float(rl.update_state(batch, algo, state, loss_fn, step)["loss"]))
     weights = full_state_dict(state.train.wrapped)
     if recipe == "ppo":
         weights.update({f"value_head.{k}": v for k, v in full_state_dict(state.train.wrapped, "value_head").items()})

@@ -23,7 +23,7 @@ ARGS = ([f"{role}.{kv}" for role in ("teacher", "proxy", "student") for kv in TI
            "data.num_heldout=8", "data.num_prompts=8", "data.samples_per_prompt=2", "data.num_test=8",
            "data.max_new_tokens=4", "data.max_len=16", "traces.batch_size=4", "grad.batch_size=3",
            "sample.temperatures=[1.0,2.0]", "sample.lams=[0.0,0.5]", "sample.batch_size=4",
-           "distill.max_steps=2", "distill.micro_batch_size=4", "distill.optim.lr=1e-2", "distill.val_fraction=0.2",
+           "distill.max_steps=2", "distill.batch_size=4", "distill.micro_batch_size=4", "distill.optim.lr=1e-2", "distill.val_fraction=0.2",
            "run.threads=1", "run.progress=false"])
 SETTINGS = ["T1-lam0", "T1-lam0.5", "T2-lam0", "T2-lam0.5"]
 

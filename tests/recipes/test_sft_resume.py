@@ -82,8 +82,8 @@ def test_kill_during_save_keeps_last_good_checkpoint(tmp_path, reference):
     # die half-way through writing the step-4 checkpoint (model written, trainer state not)
     crash_run(out, textwrap.dedent("""
         real = ck.save_model
-        def dying_save(model, tok, path):
-            real(model, tok, path)
+        def dying_save(model, tok, path, **kwargs):
+            real(model, tok, path, **kwargs)
             if "step-000004" in str(path):
                 os._exit(17)
         ck.save_model = dying_save

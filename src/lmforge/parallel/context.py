@@ -91,9 +91,10 @@ class ParallelContext:
         flags[self.rank] = int(error is not None)
         failed = self.all_reduce(flags).nonzero().flatten().tolist()
         if error is not None:
+            error.lmforge_report = self.rank == min(failed)  # printed once, by the lowest failing rank
             raise error
         if failed:
-            raise TrainingError(f"stopping: rank(s) {failed} failed (their error is printed above)")
+            raise PeerFailed(f"stopping: rank(s) {failed} failed (the error is printed by rank {min(failed)})")
 
     def check_same_config(self, text: str) -> None:
         """Every rank must run the same resolved config; a difference is an error naming the ranks."""
@@ -142,9 +143,30 @@ def init_parallel(strategy: str, device: torch.device, timeout_s: float = 600.0)
     return ParallelContext(rank, world, local_rank, strategy, mesh, None), device
 
 
-def shutdown_parallel(ctx: ParallelContext) -> None:
-    if ctx.distributed and dist.is_initialized():
+def end_process_group() -> None:
+    """Destroy the default process group if this process started one (end of a command)."""
+    if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+class PeerFailed(TrainingError):
+    """Another rank failed; this one stops with it (the other rank reports the error)."""
+
+
+def should_report(error: BaseException) -> bool:
+    """Whether this process prints ``error``: once per run, not once per rank. An error raised through
+    :meth:`ParallelContext.check_all_ok` is printed by the lowest failing rank; one every rank hits
+    alike (a config error at start-up, an interrupt) by rank 0; ``PeerFailed`` by nobody."""
+    if isinstance(error, PeerFailed):
+        return False
+    if hasattr(error, "lmforge_report"):
+        return error.lmforge_report
+    return torchrun_world()[0] == 0
+
+
+def rank_prefix() -> str:
+    rank, world, _ = torchrun_world()
+    return f"[rank {rank}] " if world > 1 else ""
 
 
 class Interrupted(TrainingError):

@@ -104,7 +104,7 @@ def unwrap(wrapped: torch.nn.Module) -> Root:
     return getattr(wrapped, "module", wrapped)
 
 
-def is_sharded(wrapped: torch.nn.Module) -> bool:
+def is_sharded(wrapped: torch.nn.Module | None) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(wrapped, FSDPModule)
@@ -113,7 +113,7 @@ def is_sharded(wrapped: torch.nn.Module) -> bool:
 @contextlib.contextmanager
 def gradient_sync(wrapped: torch.nn.Module, enabled: bool):
     """Reduce gradients across ranks in this backward only if ``enabled`` (the last micro-batch of
-    an optimizer step); the earlier micro-batches accumulate locally."""
+    an optimizer step); the earlier micro-batches accumulate locally. ``wrapped=None``: one process."""
     if not enabled and hasattr(wrapped, "no_sync"):  # DDP
         with wrapped.no_sync():
             yield

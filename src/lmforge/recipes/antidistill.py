@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import shutil
 import time
 from pathlib import Path
@@ -37,6 +36,8 @@ from ..errors import ConfigError
 from ..evaluation import task_accuracy
 from ..metrics import make_console
 from ..models import load_model, load_tokenizer_for
+from ..parallel.context import init_parallel, torchrun_world
+from ..runtime.run import local_world_size
 from ..rollout.engine import SamplingParams, generate
 from .sft import SFTConfig, SFTDataConfig, run_sft
 
@@ -139,14 +140,19 @@ def _settings(cfg: AntidistillConfig) -> list[tuple[float, float]]:
 
 
 def _start(cfg: AntidistillConfig, console, stage: str):
-    """Console, device and threads for a stage; prints what was chosen."""
-    console = console or make_console()
+    """Console, device, threads and the parallel context of a stage (under torchrun: the process
+    group of the runtime, one per command); prints what was chosen, from rank 0 only."""
     hw = hardware.detect(cfg.run.device)
-    choices = hardware.choose(hw, threads=cfg.run.threads)
+    ctx, device = init_parallel("ddp", torch.device(hw.device))
+    threads = cfg.run.threads or (max(hw.num_cores // local_world_size(), 1) if ctx.distributed else 0)
+    choices = hardware.choose(hw, threads=threads)
     hardware.apply(choices)
-    console.print(f"[antidistill {stage}] device={choices.device} threads={choices.threads} "
-                  f"workdir={cfg.run.workdir}", markup=False)
-    return console, choices.device
+    console = console or make_console()
+    if not ctx.is_main:
+        console.quiet = True
+    console.print(f"[antidistill {stage}] device={device} threads={choices.threads} "
+                  f"workdir={cfg.run.workdir}" + (f" ranks={ctx.world_size}" if ctx.distributed else ""), markup=False)
+    return console, device, ctx
 
 
 def _load(model_cfg: ModelConfig, device, role: str):
@@ -180,18 +186,25 @@ def _progress(console, enabled: bool, description: str, total: int):
         yield lambda n=1: bar.advance(task_id, n)
 
 
-def _sample_traces(cfg, teacher, tokenizer, task, problems, temperature: float, lam: float, proxies,
+def _sample_traces(cfg, ctx, teacher, tokenizer, task, problems, temperature: float, lam: float, proxies,
                    num_samples: int, batch_size: int, console, description: str) -> tuple[list[dict], dict]:
-    """Sample the teacher (ADS when lam != 0, else plain) on ``problems``; returns (rows, stats)."""
+    """Sample the teacher (ADS when lam != 0, else plain) on ``problems``; returns (rows, stats).
+
+    Under torchrun each rank samples a contiguous share of the problems with its own seeds; every
+    rank gets all rows back in problem order (rank 0 writes them).
+    """
     chat = uses_chat_format(tokenizer, cfg.data.use_chat_template)
+    bounds = [len(problems) * r // ctx.world_size for r in range(ctx.world_size + 1)]
+    problems = problems[bounds[ctx.rank]:bounds[ctx.rank + 1]]
     rows, kl_sum, num_tokens = [], 0.0, 0
     start = time.perf_counter()
-    with _progress(console, cfg.run.progress, description, len(problems)) as advance:
+    with _progress(console, cfg.run.progress and ctx.is_main, description, len(problems)) as advance:
         for index, first in enumerate(range(0, len(problems), batch_size)):
             chunk = problems[first:first + batch_size]
             prompts = [encode_prompt(tokenizer, p.prompt, chat) for p in chunk]
             params = SamplingParams(temperature=temperature, max_new_tokens=cfg.data.max_new_tokens,
-                                    stop_token_ids=[tokenizer.eos_token_id], seed=cfg.data.seed + index)
+                                    stop_token_ids=[tokenizer.eos_token_id],
+                                    seed=cfg.data.seed + index + 1_000_003 * ctx.rank)
             if lam == 0:
                 batch = generate(teacher, prompts, params, num_samples=num_samples, pad_token_id=tokenizer.pad_token_id)
             else:
@@ -202,6 +215,11 @@ def _sample_traces(cfg, teacher, tokenizer, task, problems, temperature: float, 
             kl_sum, num_tokens = kl_sum + kl, num_tokens + tokens
             advance(len(chunk))
     seconds = time.perf_counter() - start
+    if ctx.distributed:
+        parts = ctx.gather_objects((rows, kl_sum, num_tokens, seconds))
+        rows = [row for part in parts for row in part[0]]
+        kl_sum, num_tokens = sum(p[1] for p in parts), sum(p[2] for p in parts)
+        seconds = max(p[3] for p in parts)
     stats = {"teacher_accuracy": pipe.accuracy(rows), "num_traces": len(rows),
              "num_truncated": sum(r["truncated"] for r in rows), "kl_per_token": kl_sum / max(num_tokens, 1),
              "num_completion_tokens": num_tokens, "seconds": seconds, "tokens_per_s": num_tokens / seconds}
@@ -212,42 +230,29 @@ def _sample_traces(cfg, teacher, tokenizer, task, problems, temperature: float, 
 
 def run_traces(cfg: AntidistillConfig, console=None) -> dict:
     """Teacher traces on the held-out split, scored: traces/heldout.jsonl + traces/summary.json."""
-    console, device = _start(cfg, console, "traces")
+    console, device, ctx = _start(cfg, console, "traces")
     task = get_task(cfg.data.task)
     teacher, tokenizer = _load(cfg.teacher, device, "teacher")
     problems = task.make_problems(cfg.data.num_heldout, cfg.data.seed, cfg.data.heldout_split)
-    rows, stats = _sample_traces(cfg, teacher, tokenizer, task, problems, cfg.traces.temperature, 0.0, None,
+    rows, stats = _sample_traces(cfg, ctx, teacher, tokenizer, task, problems, cfg.traces.temperature, 0.0, None,
                                  1, cfg.traces.batch_size, console, "held-out traces")
     path = pipe.heldout_path(Path(cfg.run.workdir))
-    pipe.write_jsonl(path, rows)
     summary = {"split": cfg.data.heldout_split, "temperature": cfg.traces.temperature, **stats, "config": to_dict(cfg)}
-    pipe.write_json(path.with_name("summary.json"), summary)
+    if ctx.is_main:
+        pipe.write_jsonl(path, rows)
+        pipe.write_json(path.with_name("summary.json"), summary)
+    ctx.barrier()
     console.print(f"[antidistill traces] teacher accuracy {100 * stats['teacher_accuracy']:.1f}% on "
                   f"{len(rows)} {cfg.data.heldout_split} prompts -> {path}", markup=False)
     return summary
 
 
-def _distributed(device: torch.device) -> tuple[int, int, torch.device]:
-    """(rank, world size, device); initialises the process group under torchrun (WORLD_SIZE > 1)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1, device
-    import torch.distributed as dist
-
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), world, device
-
-
 def run_grad(cfg: AntidistillConfig, console=None) -> dict:
     """Proxy gradient on the held-out traces: grad/proxy_grad.safetensors (+ summary.json), rank 0 writes."""
-    console, device = _start(cfg, console, "grad")
+    console, device, ctx = _start(cfg, console, "grad")
     workdir = Path(cfg.run.workdir)
     rows = pipe.read_jsonl(pipe.require(pipe.heldout_path(workdir), "traces"))
-    rank, world, device = _distributed(device)
+    rank, world = ctx.rank, ctx.world_size
     proxy, proxy_tok = _load(cfg.proxy, device, "proxy")
     _check_tokenizers(load_tokenizer_for(cfg.teacher), proxy_tok)
     shard = rows[rank::world]
@@ -267,15 +272,13 @@ def run_grad(cfg: AntidistillConfig, console=None) -> dict:
         console.print(f"[antidistill grad] {meta['num_sequences']} traces, {meta['num_tokens']} completion tokens, "
                       f"world size {world}, |g| = {meta['grad_norm']:.4g} (eps * |g| = "
                       f"{cfg.sample.eps * meta['grad_norm']:.3g}) -> {path}", markup=False)
-    if world > 1:
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    ctx.barrier()
     return summary
 
 
 def run_sample(cfg: AntidistillConfig, console=None) -> list[dict]:
     """Teacher traces on the distillation prompts for every (T, lam): samples/<setting>/traces.jsonl."""
-    console, device = _start(cfg, console, "sample")
+    console, device, ctx = _start(cfg, console, "sample")
     workdir = Path(cfg.run.workdir)
     grads, meta = load_gradient(pipe.require(pipe.grad_path(workdir), "grad"))
     teacher, tokenizer = _load(cfg.teacher, device, "teacher")
@@ -290,13 +293,15 @@ def run_sample(cfg: AntidistillConfig, console=None) -> list[dict]:
     summaries = []
     for temperature, lam in _settings(cfg):
         name = pipe.setting_name(temperature, lam)
-        rows, stats = _sample_traces(cfg, teacher, tokenizer, task, problems, temperature, lam, proxies,
+        rows, stats = _sample_traces(cfg, ctx, teacher, tokenizer, task, problems, temperature, lam, proxies,
                                      cfg.data.samples_per_prompt, cfg.sample.batch_size, console, f"sample {name}")
         out = pipe.sample_dir(workdir, temperature, lam)
-        pipe.write_jsonl(out / "traces.jsonl", rows)
         summary = {"name": name, "temperature": temperature, "lam": lam, "lam_reference": lam * temperature,
                    "eps": cfg.sample.eps, "grad_norm": meta.get("grad_norm"), **stats, "config": to_dict(cfg)}
-        pipe.write_json(out / "summary.json", summary)
+        if ctx.is_main:
+            pipe.write_jsonl(out / "traces.jsonl", rows)
+            pipe.write_json(out / "summary.json", summary)
+        ctx.barrier()
         summaries.append(summary)
         console.print(f"[antidistill sample] {name}: teacher accuracy {100 * stats['teacher_accuracy']:.1f}%, "
                       f"KL/token {stats['kl_per_token']:.3f}, {stats['tokens_per_s']:.0f} tok/s -> {out}",
@@ -318,7 +323,7 @@ def _sft_config(cfg: AntidistillConfig, traces: Path, out: Path) -> SFTConfig:
 
 def run_distill(cfg: AntidistillConfig, console=None) -> list[dict]:
     """A fresh student fine-tuned on each setting's traces: students/<setting>/final (replaced if present)."""
-    console, _ = _start(cfg, console, "distill")
+    console, _, ctx = _start(cfg, console, "distill")
     workdir = Path(cfg.run.workdir)
     inputs = [(t, lam, pipe.require(pipe.sample_dir(workdir, t, lam) / "traces.jsonl", "sample"))
               for t, lam in _settings(cfg)]
@@ -326,12 +331,14 @@ def run_distill(cfg: AntidistillConfig, console=None) -> list[dict]:
     for temperature, lam, traces in inputs:
         name = pipe.setting_name(temperature, lam)
         out = pipe.student_dir(workdir, temperature, lam)
-        if out.exists():  # a stage re-run replaces its outputs; the SFT recipe refuses a used run dir
+        if out.exists() and ctx.is_main:  # a stage re-run replaces its outputs; the SFT recipe refuses a used run dir
             shutil.rmtree(out)
+        ctx.barrier()
         metrics = run_sft(_sft_config(cfg, traces, out), console=console, name=f"distill {name}")
         result = {"name": name, "temperature": temperature, "lam": lam, "val_loss": metrics.get("val_loss"),
                   "model_dir": str(out / "final")}
-        pipe.write_json(out / "distill.json", result)
+        if ctx.is_main:
+            pipe.write_json(out / "distill.json", result)
         results.append(result)
     return results
 
@@ -345,7 +352,7 @@ def _accuracy(model_cfg: ModelConfig, cfg: AntidistillConfig, task, problems, de
 
 def run_eval(cfg: AntidistillConfig, console=None) -> dict:
     """Greedy test accuracy of the teacher, the undistilled student and each student: eval/results.json."""
-    console, device = _start(cfg, console, "eval")
+    console, device, ctx = _start(cfg, console, "eval")
     workdir = Path(cfg.run.workdir)
     students = [(t, lam, pipe.require(pipe.student_dir(workdir, t, lam) / "final", "distill"))
                 for t, lam in _settings(cfg)]
@@ -364,7 +371,8 @@ def run_eval(cfg: AntidistillConfig, console=None) -> dict:
                                         "lam": lam, "student_accuracy": _accuracy(spec, cfg, task, problems,
                                                                                   device, "student")})
             advance()
-    pipe.write_json(pipe.results_path(workdir), {**results, "config": to_dict(cfg)})
+    if ctx.is_main:  # every rank evaluated the same greedy generations; rank 0 writes
+        pipe.write_json(pipe.results_path(workdir), {**results, "config": to_dict(cfg)})
     console.print(f"[antidistill eval] teacher {100 * results['teacher_accuracy']:.1f}%, undistilled student "
                   f"{100 * results['student_baseline_accuracy']:.1f}% on {len(problems)} {cfg.data.test_split} "
                   f"prompts", markup=False)
@@ -374,7 +382,10 @@ def run_eval(cfg: AntidistillConfig, console=None) -> dict:
 
 
 def run_report(cfg: AntidistillConfig, console=None) -> dict:
-    """report/report.md, report/report.json and report/student_vs_teacher.png from the eval results."""
+    """report/report.md, report/report.json and report/student_vs_teacher.png from the eval results
+    (written by rank 0 alone under torchrun)."""
+    if torchrun_world()[0] != 0:
+        return {}
     console = console or make_console()
     workdir = Path(cfg.run.workdir)
     results = pipe.read_json(pipe.require(pipe.results_path(workdir), "eval"))

@@ -77,11 +77,12 @@ def advantages_of(rewards: torch.Tensor, algo: GRPOAlgoConfig, group_size: int):
     return compute_advantages(algo.advantage, rewards, group_size, **options)
 
 
-def micro_loss(state: rl.RLState, batch: rl.RLBatch, algo: GRPOAlgoConfig, temperature: float, counts: dict,
-               precision) -> tuple[torch.Tensor, dict]:
-    """Policy loss of one micro-batch, normalised by its update's global ``counts``."""
-    logprobs, entropy = rl.policy_logprobs(state.model, batch, temperature, precision,
-                                           entropy_grad=algo.entropy_coef != 0, wrapped=state.train.wrapped)
+def micro_loss(model, batch: rl.RLBatch, algo: GRPOAlgoConfig, temperature: float, counts: dict,
+               precision, wrapped=None) -> tuple[torch.Tensor, dict]:
+    """Policy loss of one micro-batch, normalised by its update's global ``counts`` (forward through
+    ``wrapped``, the parallel root, when given)."""
+    logprobs, entropy = rl.policy_logprobs(model, batch, temperature, precision,
+                                           entropy_grad=algo.entropy_coef != 0, wrapped=wrapped)
     # On-policy (one pass, one update, batch.old_logprobs None): the weights have not moved since
     # sampling, so pi_old is this forward pass itself. Detached, it gives ratio 1 and the plain
     # policy gradient, and saves a second forward over the batch.
@@ -107,9 +108,10 @@ def grpo_step(state: rl.RLState, algo: GRPOAlgoConfig, step: int) -> dict:
     if algo.num_iterations > 1 or algo.num_mini_batches > 1:  # the weights move before the last update
         batch.old_logprobs = rl.batch_logprobs(state.model, batch, state.micro_batch_size, temperature, precision,
                                                wrapped=state.train.wrapped)
-    train_metrics = rl.update(
-        batch, algo, state.train, cfg.rollout.max_new_tokens,
-        lambda micro, counts: micro_loss(state, micro, algo, temperature, counts, precision), step)
+    train_metrics = rl.update_state(
+        batch, algo, state,
+        lambda micro, counts: micro_loss(state.model, micro, algo, temperature, counts, precision, state.train.wrapped),
+        step)
     return {**metrics, **adv_metrics, **train_metrics, "time_training": time.perf_counter() - start,
             "num_tokens": int(batch.attention_mask.sum()) * algo.num_iterations,
             "num_flops": rl.step_flops(state.model, batch, state.micro_batch_size, algo.num_iterations,

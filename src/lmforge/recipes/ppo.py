@@ -162,11 +162,11 @@ def whiten_over_ranks(advantages: torch.Tensor, mask: torch.Tensor, ctx: Paralle
     return torch.where(valid, centred / (std + std_eps), 0.0)
 
 
-def micro_loss(state: rl.RLState, value_head: ValueHead, batch: rl.RLBatch, algo: PPOAlgoConfig, temperature: float,
-               counts: dict, precision) -> tuple[torch.Tensor, dict]:
+def micro_loss(model, value_head: ValueHead, batch: rl.RLBatch, algo: PPOAlgoConfig, temperature: float,
+               counts: dict, precision, wrapped=None) -> tuple[torch.Tensor, dict]:
     """Clipped policy loss + value_coef x clipped value loss of one micro-batch (global counts)."""
-    logprobs, entropy, values = policy_and_values(state.model, value_head, batch, temperature, precision,
-                                                  entropy_grad=algo.entropy_coef != 0, wrapped=state.train.wrapped)
+    logprobs, entropy, values = policy_and_values(model, value_head, batch, temperature, precision,
+                                                  entropy_grad=algo.entropy_coef != 0, wrapped=wrapped)
     # The KL to the reference is already in the reward; it is not also a loss term here.
     kwargs = {**rl_config.policy_kwargs(algo), "kl_coef": 0.0}
     pg_loss, metrics = policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.completion_mask,
@@ -187,9 +187,10 @@ def ppo_step(state: rl.RLState, value_head: ValueHead, algo: PPOAlgoConfig, step
     target_metrics = add_targets(state.model, value_head, state.ref_model, algo, batch, rewards.total, temperature,
                                  state.micro_batch_size, precision, wrapped=state.train.wrapped, ctx=state.run.ctx)
     metrics.update(rl.reduce_rollout_metrics(target_metrics, state.run.ctx))
-    train_metrics = rl.update(
-        batch, algo, state.train, cfg.rollout.max_new_tokens,
-        lambda micro, counts: micro_loss(state, value_head, micro, algo, temperature, counts, precision),
+    train_metrics = rl.update_state(
+        batch, algo, state,
+        lambda micro, counts: micro_loss(state.model, value_head, micro, algo, temperature, counts, precision,
+                                         state.train.wrapped),
         step)
     return {**metrics, **train_metrics, "time_training": time.perf_counter() - start,
             "num_tokens": int(batch.attention_mask.sum()) * algo.num_iterations,
