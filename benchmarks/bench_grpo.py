@@ -92,8 +92,8 @@ def lmforge_state(model, tokenizer, args, out_dir: str, total_steps: int):
         overrides.append("algo.is_level=token")
     cfg = load_config(GRPOConfig, None, overrides)
     algo = cfg.algo.resolved()
-    state, _ = rl.prepare(cfg, "bench_grpo", algo, model=model, tokenizer=tokenizer)
-    state.tokenizer = NoStopTokenizer(tokenizer)
+    state = rl.prepare(cfg, "bench_grpo", algo, model=model, tokenizer=tokenizer)
+    state.train.tokenizer = NoStopTokenizer(tokenizer)
     return state, algo
 
 
@@ -107,7 +107,7 @@ def trl_trainer(model, tokenizer, state, args, out_dir: str, callback, total_ste
 
     hf_logging.set_verbosity_error()
     prompts = state.prompts
-    order = copy.deepcopy(state.order)  # the rows lmforge's steps will take, before it takes any
+    order = copy.deepcopy(state.train.order)  # the rows lmforge's steps will take, before it takes any
     rows = [i for _ in range(total_steps) for i in order.next()]
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": prompts.problems[i].prompt}],
                                   "answer": prompts.problems[i].answer} for i in rows])

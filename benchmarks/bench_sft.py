@@ -31,10 +31,10 @@ step; also the FLOPs lmforge actually executes (LM head on the loss positions on
 Optional contestants (not part of the headline): ``plain`` (``model(**batch).loss``, full logits,
 default AdamW), ``lmforge_bf16`` (the same lmforge step with ``train.dtype=bf16`` autocast).
 
-The lmforge step is the body of ``recipes/supervised.py: train_supervised`` (grad_accum = 1):
-``count_loss_tokens`` -> ``micro_loss`` -> ``Precision.backward`` -> ``check_finite`` ->
-``optimizer_step`` (global-norm clip 1.0, fused AdamW, LR schedule), with the optimizer, schedule,
-precision and thread count that ``train_supervised`` / ``start_run`` build.
+The lmforge step is the recipe's own step, ``recipes/supervised.py: supervised_step`` (one
+micro-batch per step), on the state that ``runtime.run.start_run`` / ``runtime.loop.build_state``
+build for ``lmforge sft`` (Root module, fused AdamW, LR schedule, global-norm clip 1.0, precision,
+threads); only the row order is the benchmark's (consecutive, as TRL's sequential sampler).
 """
 from __future__ import annotations
 
@@ -49,13 +49,14 @@ import warnings
 import torch
 
 from lmforge import hardware
-from lmforge.config import ModelConfig, OptimConfig
+from lmforge.config import ModelConfig, OptimConfig, TrainConfig
 from lmforge.data.sft import CHAT_SMALL, SFTExample, collate_sft, load_sft_rows, tokenize_sft
 from lmforge.models import count_parameters, load_model
-from lmforge.recipes.common import Run
-from lmforge.recipes.supervised import micro_loss
-from lmforge.train import (Precision, build_optimizer, build_scheduler, check_finite, count_loss_tokens,
-                           optimizer_step)
+from lmforge.recipes.sft import SFTConfig
+from lmforge.recipes.supervised import SupervisedData, supervised_step
+from lmforge.runtime.loop import build_state
+from lmforge.runtime.run import Run, start_run
+from lmforge.train import count_loss_tokens
 
 LR, MAX_GRAD_NORM = 2e-5, 1.0
 
@@ -81,29 +82,43 @@ def batch_rows(rows: list, step: int, batch: int) -> list:
     return rows[start:start + batch]
 
 
-class LmforgeStep:
-    """One optimizer step exactly as ``train_supervised`` runs it (one micro-batch per step)."""
+class SequentialOrder:
+    """The benchmark's row order for lmforge's step: consecutive batches (``batch_rows``)."""
 
-    def __init__(self, model, rows, batch: int, pad_id: int, max_steps: int,
-                 dtype: torch.dtype = torch.float32):
-        self.model = model.train()
-        self.optim_cfg = OptimConfig(lr=LR, weight_decay=0.0, warmup_steps=0, schedule="linear",
-                                     max_grad_norm=MAX_GRAD_NORM)
-        self.optimizer = build_optimizer(model, self.optim_cfg)
-        self.scheduler = build_scheduler(self.optimizer, self.optim_cfg, max_steps)
-        self.precision = Precision(torch.device("cpu"), dtype)
-        self.rows, self.batch, self.pad_id, self.step = rows, batch, pad_id, 0
+    def __init__(self, num_rows: int, batch: int):
+        self.num_rows, self.batch, self.step = num_rows, batch, 0
+
+    def next(self) -> list[int]:
+        start = (self.step % (self.num_rows // self.batch)) * self.batch
+        self.step += 1
+        return list(range(start, start + self.batch))
+
+
+class Quiet:
+    def print(self, *args, **kwargs):
+        pass
+
+
+class LmforgeStep:
+    """One optimizer step of ``lmforge sft``: ``supervised_step`` on the recipe's own training state."""
+
+    def __init__(self, model, tokenizer, rows, batch: int, pad_id: int, max_steps: int, out_dir: str,
+                 dtype: str = "fp32"):
+        cfg = SFTConfig(optim=OptimConfig(lr=LR, weight_decay=0.0, warmup_steps=0, schedule="linear",
+                                          max_grad_norm=MAX_GRAD_NORM),
+                        train=TrainConfig(output_dir=out_dir, max_steps=max_steps, batch_size=batch,
+                                          micro_batch_size=batch, dtype=dtype, threads=torch.get_num_threads(),
+                                          gradient_checkpointing="off", device="cpu"))
+        run = start_run(cfg, "bench", model, seq_len=len(rows[0].input_ids), console=Quiet())
+        self.state = build_state(run, model, tokenizer, SequentialOrder(len(rows), batch), max_steps)
+        self.data = SupervisedData(rows, [], lambda part: collate_sft(part, pad_id))
+        self.step = 0
 
     def __call__(self) -> tuple[int, int, float]:
         """-> (tokens, loss tokens, loss)."""
-        batch = collate_sft(batch_rows(self.rows, self.step, self.batch), self.pad_id)
-        num_loss_tokens = count_loss_tokens(batch["labels"])
-        loss, _ = micro_loss(self.model, batch, max(num_loss_tokens, 1), self.precision)
-        self.precision.backward(loss)
-        check_finite(loss, self.step + 1)
-        optimizer_step(self.model, self.optimizer, self.scheduler, self.precision, MAX_GRAD_NORM)
         self.step += 1
-        return int(batch["attention_mask"].sum()), num_loss_tokens, float(loss)
+        metrics = supervised_step(self.state, self.data, self.step)
+        return metrics["num_tokens"], metrics["loss_tokens"], float(metrics["loss"])
 
 
 class PlainStep:
@@ -291,7 +306,7 @@ def report(times, base: str, args, model, peaks: list[float]) -> None:
         print(f"  {name:13s} {wall[name]:9.2f} {best[name]:7.2f} {rate[name]:9.1f} {wall[base] / wall[name]:9.2f} "
               f"{best[base] / best[name]:7.2f} {paired[name]:9.2f} {cpu[name]:6.1f} {cpu[base] / cpu[name]:6.2f}  "
               + " ".join(f"{t[0]:.3g}" for t in steps))
-    # MFU, the convention of recipes/common.py: 6 x matmul params per token; lmforge runs the tied
+    # MFU, the convention of runtime/run.py: 6 x matmul params per token; lmforge runs the tied
     # LM head only on loss positions, so also the FLOPs it executes (attention scores included).
     cfg = model.config
     head = model.get_output_embeddings().weight.numel()
@@ -299,7 +314,7 @@ def report(times, base: str, args, model, peaks: list[float]) -> None:
     attention = 12 * cfg.num_hidden_layers * cfg.hidden_size * args.seq_len * tokens / 2  # causal half
     executed = 6 * (flops_per_token / 6 - head) * tokens + 6 * head * loss_positions + attention
     achieved = flops_per_token * rate["lmforge"] / 1e9
-    print(f"lmforge MFU (6 x {flops_per_token / 6 / 1e6:.1f}M params x tokens/s, recipes/common.py): "
+    print(f"lmforge MFU (6 x {flops_per_token / 6 / 1e6:.1f}M params x tokens/s, runtime/run.py): "
           f"{achieved:.1f} GFLOP/s / {peak:.1f} GFLOP/s fp32 matmul peak (median of {len(peaks)} measured "
           f"before each lmforge step) = {achieved / peak:.1%}; FLOPs actually executed "
           f"({executed / 1e12:.2f} TFLOP/step: head on {loss_positions:.0f} loss positions only) / peak = "
@@ -361,15 +376,16 @@ def main() -> None:
           f"seq_len={args.seq_len} packed_rows={len(rows)} completion_tokens={mask_frac:.1%} "
           f"steps={args.warmup}+{args.steps}", flush=True)
 
-    contestants = {"lmforge": LmforgeStep(copy.deepcopy(model), rows, args.batch, pad_id, 2 * total)}
-    if args.plain:
-        contestants["plain"] = PlainStep(copy.deepcopy(model), rows, args.batch, pad_id)
-    if args.bf16:
-        contestants["lmforge_bf16"] = LmforgeStep(copy.deepcopy(model), rows, args.batch, pad_id, 2 * total,
-                                                  torch.bfloat16)
     trl_model = copy.deepcopy(model)
     trl_defaults_model = copy.deepcopy(model) if args.trl_defaults else None
     with tempfile.TemporaryDirectory() as out_dir:
+        contestants = {"lmforge": LmforgeStep(copy.deepcopy(model), tokenizer, rows, args.batch, pad_id, 2 * total,
+                                              f"{out_dir}/lmforge")}
+        if args.plain:
+            contestants["plain"] = PlainStep(copy.deepcopy(model), rows, args.batch, pad_id)
+        if args.bf16:
+            contestants["lmforge_bf16"] = LmforgeStep(copy.deepcopy(model), tokenizer, rows, args.batch, pad_id,
+                                                      2 * total, f"{out_dir}/lmforge_bf16", "bf16")
         times, peaks = alternate(
             lambda cb: trl_trainer(trl_model, tokenizer, rows, args, out_dir, cb, total), contestants, args, "trl")
         report(times, "trl", args, model, peaks)

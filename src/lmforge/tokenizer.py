@@ -13,9 +13,12 @@ import hashlib
 import json
 from pathlib import Path
 
-from .data.tasks import DEFAULT_ALPHABET
 from .errors import ConfigError, DataError
 
+# Characters a char-level model sees on the built-in char-level tasks, plus room for simple extensions
+# (``-``, ``*``, space) and the newline the default chat template uses. ``load_tokenizer("char")``
+# builds its vocabulary from this string.
+DEFAULT_ALPHABET = "0123456789+-*= \n"
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 

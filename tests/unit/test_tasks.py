@@ -1,7 +1,8 @@
 """Synthetic tasks: problem format, determinism, disjoint splits, exact scoring, spec parsing."""
 import pytest
 
-from lmforge.data.tasks import DEFAULT_ALPHABET, Addition, ArithChat, Problem, get_task, split_of
+from lmforge.data.tasks import Addition, ArithChat, Problem, get_task, split_of
+from lmforge.tokenizer import DEFAULT_ALPHABET
 
 
 # ----------------------------------------------------------------------------- addition

@@ -23,14 +23,10 @@ import re
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Protocol
 
+
 SPLITS = ("train", "val", "test")
 _SPLIT_SHARES = (0.8, 0.1, 0.1)  # train, val, test
 _ENUMERATE_LIMIT = 100_000  # problem spaces up to this size are enumerated, larger ones sampled
-
-# Characters a char-level model sees on the built-in char-level tasks, plus room for simple extensions
-# (``-``, ``*``, space) and the newline the default chat template uses. ``load_tokenizer("char")``
-# builds its vocabulary from this string.
-DEFAULT_ALPHABET = "0123456789+-*= \n"
 
 
 @dataclass(frozen=True)
