@@ -60,6 +60,8 @@ def collate_blocks(blocks: list[torch.Tensor]) -> dict:
 def make_sampler(cfg: PretrainConfig, tokenizer, val_blocks: torch.Tensor, run):
     """Greedy continuations of the first tokens of a few validation blocks."""
     prompts = [row[:16].tolist() for row in val_blocks[: cfg.train.num_samples]]
+    if not prompts:  # train.num_samples=0 (or no validation blocks): validation loss only
+        return None
 
     def evaluate(model, step: int) -> dict:
         params = SamplingParams(temperature=0.0, max_new_tokens=cfg.train.max_new_tokens)
