@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, TrainingError
 from .models import save_model, save_model_config
 from .parallel.wrap import full_state_dict, is_sharded
 
@@ -86,11 +86,27 @@ def _on_main(ctx, work) -> None:
     ctx.check_all_ok(error)
 
 
+def parameters_finite(state) -> bool:
+    """Whether every parameter of the trained modules is finite, on every rank (one flag all-reduced)."""
+    norms = [torch.linalg.vector_norm(p.detach().to_local() if hasattr(p, "to_local") else p.detach())
+             for p in state.wrapped.parameters()]
+    bad = torch.tensor([0 if not norms or bool(torch.isfinite(torch.stack(norms)).all()) else 1])
+    return int(state.run.ctx.all_reduce(bad)) == 0
+
+
+def _refuse_nonfinite(state, what: Path) -> None:
+    if not parameters_finite(state):
+        raise TrainingError(f"the parameters are not finite after step {state.step}: {what} was not written. "
+                            "Lower optim.lr or set train.on_nonfinite; the last checkpoint is intact.")
+
+
 def save_model_dir(final: Path, state) -> Path:
     """Atomically write a plain HF model directory (best / final) of ``state.model``.
 
     Under FSDP2 the parameters are first gathered (a collective: every rank calls this); rank 0 writes.
+    Non-finite parameters are never written (TrainingError).
     """
+    _refuse_nonfinite(state, final)
     weights = full_state_dict(state.wrapped) if is_sharded(state.wrapped) else None
     _on_main(state.run.ctx, lambda: _write_dir(final, lambda tmp: save_model(state.model, state.tokenizer, tmp,
                                                                            state_dict=weights)))
@@ -109,6 +125,7 @@ def save_checkpoint(state, extra: dict, keep_last: int) -> Path:
     run, ctx = state.run, state.run.ctx
     root = Path(run.dir) / "checkpoints"
     final = root / f"step-{state.step:06d}"
+    _refuse_nonfinite(state, final)
     rngs = ctx.gather_objects(rng_state())
     trainer_state = {"data": state.order.state_dict(), **extra, "step": state.step, "rng": rngs[0],
                      "rng_ranks": rngs, "world_size": ctx.world_size, "strategy": ctx.strategy}
@@ -128,7 +145,9 @@ def save_checkpoint(state, extra: dict, keep_last: int) -> Path:
         model_state, optim_state = get_state_dict(state.wrapped, state.updater.optimizer)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / "dcp"))
         trainer_state.update({"scheduler": state.updater.scheduler.state_dict(),
-                              "precision": state.updater.precision.state_dict()})
+                              "precision": state.updater.precision.state_dict(),
+                              "nonfinite": {"num_skipped": state.updater.num_skipped,
+                                            "skipped_in_a_row": state.updater.skipped_in_a_row}})
     else:
         trainer_state.update(state.updater.state_dict())
 
@@ -139,16 +158,54 @@ def save_checkpoint(state, extra: dict, keep_last: int) -> Path:
             save_model(state.model, state.tokenizer, tmp / "model")
         torch.save(trainer_state, tmp / "trainer_state.pt")
         _commit(tmp, final)
-        for stale in root.glob(".step-*.tmp-*"):  # left by a process that died mid-save
-            if stale != tmp:
-                shutil.rmtree(stale, ignore_errors=True)
+        clean_checkpoints(root)
         if keep_last > 0:
             for old in list_checkpoints(run.dir)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+                remove_checkpoint(old)
 
     ctx.barrier()  # every rank's shards are written
     _on_main(ctx, write)
     return final
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Rename first, then delete: a kill mid-delete leaves a ``.deleting`` directory (removed by the
+    next :func:`clean_checkpoints`), never a half-deleted one under a checkpoint's name."""
+    doomed = path.with_name(f".{path.name}.deleting-{os.getpid()}")
+    path.rename(doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _pid_of(name: str) -> int | None:
+    match = re.search(r"\.(?:tmp|deleting|old)-(\d+)$", name)
+    return int(match.group(1)) if match else None
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_checkpoints(root: Path) -> None:
+    """Remove what interrupted saves and deletions left in ``checkpoints/``: temporary and
+    half-deleted directories of processes that are gone, and step directories without a trainer
+    state (only a deletion interrupted before checkpoints were renamed first leaves those).
+    The run directory's lock guarantees that no other live run writes here."""
+    if not root.is_dir():
+        return
+    for path in root.iterdir():
+        pid = _pid_of(path.name)
+        if pid is not None and path.name.startswith(".") and not _alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+        elif STEP_DIR.match(path.name) and not (path / "trainer_state.pt").is_file():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -160,16 +217,60 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found) if (p / "trainer_state.pt").is_file()]
 
 
-def resolve_resume(resume: str, run_dir: Path) -> Path | None:
-    """``''`` -> None; ``'auto'`` -> newest checkpoint of ``run_dir`` (or None); else that path."""
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be resumed (incomplete, unreadable or non-finite), or None if it can."""
+    try:
+        saved = load_trainer_state(path)
+    except Exception as exc:  # truncated / corrupt file: reported, never resumed
+        return f"trainer_state.pt unreadable ({type(exc).__name__})"
+    if not isinstance(saved, dict) or "step" not in saved or "data" not in saved:
+        return "trainer_state.pt incomplete"
+    if (path / "dcp").is_dir():
+        return None if (path / "dcp" / ".metadata").is_file() else "dcp/ has no .metadata (incomplete)"
+    files = sorted((path / "model").glob("*.safetensors"))
+    if not files:
+        return "no model weights"
+    from safetensors import safe_open
+
+    try:
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():
+                    if not bool(torch.isfinite(handle.get_tensor(key)).all()):
+                        return f"non-finite weights ({key})"
+    except Exception as exc:
+        return f"model weights unreadable ({type(exc).__name__})"
+    return None
+
+
+def resolve_resume(resume: str, run_dir: Path, printer=print) -> Path | None:
+    """``''`` -> None; ``'auto'`` -> the newest checkpoint of ``run_dir`` that is complete and finite
+    (naming the ones skipped; an error if there are checkpoints but none is usable); else that path."""
     if not resume:
         return None
     if resume == "auto":
-        found = list_checkpoints(run_dir)
-        return found[-1] if found else None
+        root = Path(run_dir) / "checkpoints"
+        candidates = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))),
+                            reverse=True) if root.is_dir() else []
+        skipped = []
+        for _, path in candidates:
+            problem = checkpoint_problem(path)
+            if problem is None:
+                for name, why in skipped:
+                    printer(f"[resume] skipping {name}: {why}")
+                return path
+            skipped.append((path.name, problem))
+        if skipped:
+            raise ConfigError(f"train.resume=auto: no usable checkpoint in {root} ("
+                              + "; ".join(f"{name}: {why}" for name, why in skipped)
+                              + "); nothing was overwritten. Resume one explicitly, or start a new train.output_dir")
+        return None
     path = Path(resume)
     if not (path / "trainer_state.pt").is_file():
         raise ConfigError(f"train.resume={resume!r}: no checkpoint there (expected {path}/trainer_state.pt)")
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise ConfigError(f"train.resume={resume!r}: cannot resume this checkpoint: {problem}")
     return path
 
 
@@ -182,15 +283,23 @@ def resume_training(resume: str, run_dir: Path, state, printer) -> dict:
     replicated); the RNG streams then restart from the seed, the rank and the step (docs/distributed.md).
     Returns the saved trainer state (its ``step`` and what the recipe stored), or {} for a fresh run.
     """
-    path = resolve_resume(resume, run_dir)
+    ctx = state.run.ctx
+    path, error = None, None
+    if ctx.is_main:  # rank 0 validates; every rank resumes the checkpoint it chose
+        try:
+            path = resolve_resume(resume, run_dir, printer)
+        except ConfigError as exc:
+            error = exc
+    ctx.check_all_ok(error)
+    path = ctx.broadcast_object(path)
     if path is None:
         return {}
-    ctx = state.run.ctx
     saved = load_trainer_state(path)
     if (path / "dcp").is_dir():
         _load_sharded(path, state)
         state.updater.scheduler.load_state_dict(saved["scheduler"])
         state.updater.precision.load_state_dict(saved["precision"])
+        state.updater.load_counters(saved)
     elif is_sharded(state.wrapped):
         raise ConfigError(f"checkpoint {path} was written without FSDP2 (no dcp/ directory): resume it with "
                           "parallel.strategy=ddp, or start a new run from its weights (model.name={path}/model)")

@@ -280,6 +280,9 @@ class TrainConfig:
     keep_last: int = opt(2, "periodic checkpoints kept on disk")
     resume: str = opt("", "'' = fresh run, 'auto' = latest checkpoint in output_dir, or a checkpoint path")
     log_every: int = opt(10, "print a metrics line every N steps")
+    on_nonfinite: Literal["stop", "skip"] = opt("stop", "a nan / inf loss or gradient norm: stop before the update, "
+                                                "or skip that update (counted as skipped_updates)")
+    max_nonfinite_skips: int = opt(3, "on_nonfinite=skip: stop after this many skipped updates in a row")
     num_samples: int = opt(3, "generations printed and saved at each evaluation")
     max_new_tokens: int = opt(32, "tokens generated per sample at evaluation")
 

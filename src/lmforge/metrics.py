@@ -128,6 +128,32 @@ class StepTimer:
         self.flops += flops
         self.train_time += step_time
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps, so that a resumed run's summary covers the whole run."""
+        return {"step_times": list(self.step_times), "data_times": list(self.data_times), "tokens": self.tokens,
+                "flops": self.flops, "train_time": self.train_time, "elapsed": time.perf_counter() - self.start}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_times, self.data_times = list(state["step_times"]), list(state["data_times"])
+        self.tokens, self.flops, self.train_time = state["tokens"], state["flops"], state["train_time"]
+        self.start = time.perf_counter() - state["elapsed"]
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the records of steps <= ``step`` (a resumed run logs the later ones again; a fresh run
+    keeps nothing), dropping a partial last line left by a crash."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step and step > 0:
+            kept.append(line)
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
 
 def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":

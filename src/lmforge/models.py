@@ -253,5 +253,15 @@ def save_model_config(model, tokenizer, out_dir: str | Path) -> Path:
     return out_dir
 
 
+def context_length(model) -> int | None:
+    """The longest sequence ``model`` accepts (its position-embedding size), or None if unknown."""
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())

@@ -31,14 +31,14 @@ from .data.sft import encode_prompt, uses_chat_format
 from .data.tasks import get_task
 from .errors import ConfigError, DataError, TrainingError
 from .evaluation import completion_texts, save_samples, task_accuracy
-from .models import load_model
+from .models import context_length, load_model
 from .parallel.context import ParallelContext
 from .parallel.wrap import gradient_sync, run_forward
 from .rl_config import RLDataConfig, RolloutConfig, check_rl_config
 from .rollout import CastEngine, RewardOutput, RewardSet, RolloutBatch, generate
 from .runtime.loop import Trainer, TrainState, build_state, full_model, train_loop
 from .runtime.run import Run, start_run
-from .train import PLAIN_HEAD_MODELS, BatchOrder, Precision, check_finite, decoder_of, logits_at
+from .train import PLAIN_HEAD_MODELS, BatchOrder, Precision, decoder_of, logits_at
 
 Tensor = torch.Tensor
 
@@ -54,6 +54,8 @@ class PromptSet:
     task: Any  # the Task (passed to rewards as task=...), or None for a prompts file
     eval_problems: list
     chat: bool
+    num_dropped: int = 0  # prompts longer than data.max_prompt_len, dropped
+    num_truncated: int = 0  # ... or cut to their last max_prompt_len tokens
 
 
 def load_prompt_rows(path: str | Path) -> list[dict]:
@@ -78,7 +80,9 @@ def load_prompt_rows(path: str | Path) -> list[dict]:
     return rows
 
 
-def build_prompts(data: RLDataConfig, tokenizer, seed: int) -> PromptSet:
+def build_prompts(data: RLDataConfig, tokenizer, seed: int, max_prompt_len: int = 0) -> PromptSet:
+    """Prompts of the task or file, tokenized; those longer than ``max_prompt_len`` (0 = no limit)
+    dropped or left-truncated as ``data.prompt_truncation`` says, and counted."""
     chat = uses_chat_format(tokenizer, data.use_chat_template)
     if data.task:
         task = get_task(data.task)
@@ -90,7 +94,35 @@ def build_prompts(data: RLDataConfig, tokenizer, seed: int) -> PromptSet:
         problems = load_prompt_rows(data.path)
         texts = [row["prompt"] for row in problems]
     prompt_ids = [encode_prompt(tokenizer, text, chat) for text in texts]
-    return PromptSet(prompt_ids, problems, task, eval_problems, chat)
+    dropped = truncated = 0
+    if max_prompt_len:
+        long = [len(ids) > max_prompt_len for ids in prompt_ids]
+        if data.prompt_truncation == "left":
+            truncated = sum(long)
+            prompt_ids = [ids[-max_prompt_len:] for ids in prompt_ids]
+        else:
+            dropped = sum(long)
+            problems = [p for p, too_long in zip(problems, long) if not too_long]
+            prompt_ids = [ids for ids, too_long in zip(prompt_ids, long) if not too_long]
+        if not prompt_ids:
+            raise DataError(f"every one of the {len(long)} prompts is longer than data.max_prompt_len="
+                            f"{max_prompt_len} tokens; raise it (with a longer-context model) or use "
+                            "data.prompt_truncation=left")
+    return PromptSet(prompt_ids, problems, task, eval_problems, chat, dropped, truncated)
+
+
+def prompt_budget(cfg, model) -> int:
+    """``data.max_prompt_len`` resolved against the model's context: prompt + rollout.max_new_tokens must fit."""
+    context, new = context_length(model), cfg.rollout.max_new_tokens
+    if context is None:
+        return cfg.data.max_prompt_len
+    if new >= context:
+        raise ConfigError(f"rollout.max_new_tokens={new} leaves no room for a prompt in the model's context of "
+                          f"{context} tokens")
+    if cfg.data.max_prompt_len and cfg.data.max_prompt_len + new > context:
+        raise ConfigError(f"data.max_prompt_len={cfg.data.max_prompt_len} + rollout.max_new_tokens={new} exceeds the "
+                          f"model's context of {context} tokens; lower one of them")
+    return cfg.data.max_prompt_len or context - new
 
 
 # ----------------------------------------------------------------------------- sample and score
@@ -410,12 +442,12 @@ def update(batch: RLBatch, algo, updater, micro_batch_size: int, max_new_tokens:
                 loss_sum = loss_sum + loss.detach()
                 records.append((metrics, int(micro.completion_mask.sum())))
             ctx.all_reduce(loss_sum)  # each rank's part is over the global counts: the sum is the loss
-            check_finite(loss_sum, step)  # once per update (a host sync on GPUs), on every rank, before it
-            grad_norms.append(updater.step())
+            updater.check_loss(loss_sum, step)  # once per update (a host sync on GPUs), on every rank, before it
+            grad_norms.append(updater.step(step))  # non-finite: stop, or skip this update (train.on_nonfinite)
             losses.append(loss_sum)
     grad_norms = torch.stack(grad_norms)
     return {**reduce_metrics(records, ctx), "loss": torch.stack(losses).mean(), "grad_norm": grad_norms.mean(),
-            "grad_norm_max": grad_norms.max(), "lr": lr}
+            "grad_norm_max": grad_norms.max(), "lr": lr, "skipped_updates": updater.num_skipped}
 
 
 def reduce_rollout_metrics(metrics: dict, ctx: ParallelContext) -> dict:
@@ -525,7 +557,8 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
     check_rl_config(cfg, algo)
     if model is None:
         model, tokenizer = load_model(cfg.model)
-    prompts = build_prompts(cfg.data, tokenizer, cfg.train.seed)
+    cfg.data.max_prompt_len = prompt_budget(cfg, model)  # resolved: saved in config.yaml
+    prompts = build_prompts(cfg.data, tokenizer, cfg.train.seed, cfg.data.max_prompt_len)
     seq_len = max(len(p) for p in prompts.prompt_ids) + cfg.rollout.max_new_tokens
     cfg.algo = algo  # the saved config holds the resolved algo (presets applied)
     rows = cfg.rollout.num_prompts * cfg.rollout.group_size
@@ -555,7 +588,11 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
 
         state.rollout_engine = VLLMEngine(model, tokenizer, cfg.rollout.vllm_gpu_memory_utilization,
                                           seed=cfg.train.seed, max_model_len=seq_len)
-    run.print(f"[data] {len(prompts.prompt_ids)} training prompts, {len(prompts.eval_problems)} held-out problems")
+    run.print(f"[data] {len(prompts.prompt_ids)} training prompts, {len(prompts.eval_problems)} held-out problems"
+              + (f"; {prompts.num_dropped} longer than data.max_prompt_len={cfg.data.max_prompt_len} dropped"
+                 if prompts.num_dropped else "")
+              + (f"; {prompts.num_truncated} left-truncated to {cfg.data.max_prompt_len} tokens"
+                 if prompts.num_truncated else ""))
     return state
 
 
@@ -586,6 +623,8 @@ def rollout(state: RLState, step: int) -> tuple[RolloutBatch, RewardOutput, dict
         error = exc
     ctx.check_all_ok(error)
     batch, rewards, metrics = result
+    if state.prompts.num_dropped or state.prompts.num_truncated:  # the run's over-long prompts (data.max_prompt_len)
+        metrics.update(prompts_dropped=state.prompts.num_dropped, prompts_truncated=state.prompts.num_truncated)
     return batch, rewards, reduce_rollout_metrics(metrics, ctx)
 
 

@@ -96,8 +96,13 @@ class RLDataConfig:
     num_eval: int = opt(200, "task: held-out problems for greedy accuracy (0 = none)")
     use_chat_template: Literal["auto", "on", "off"] = opt("auto", "wrap prompts in the chat template (auto: "
                                                           "when the tokenizer has its own)")
+    max_prompt_len: int = opt(0, "longest prompt in tokens (0 = the model's context minus rollout.max_new_tokens)")
+    prompt_truncation: Literal["drop", "left"] = opt("drop", "longer prompts: drop them, or keep their last "
+                                                     "max_prompt_len tokens; counted either way")
 
     def validate(self) -> None:
+        if self.max_prompt_len < 0:
+            raise ConfigError(f"data.max_prompt_len must be >= 0 (0 = automatic), got {self.max_prompt_len}")
         if bool(self.path) == bool(self.task):
             raise ConfigError("set exactly one of data.task (e.g. addition) and data.path (a JSONL of prompts)")
         if self.task:

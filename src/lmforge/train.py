@@ -87,8 +87,13 @@ class Precision:
             self.scaler.load_state_dict(state)
 
 
-def optimizer_step(model, optimizer, scheduler, precision: Precision, max_grad_norm: float) -> torch.Tensor:
-    """Unscale, clip by global norm, step, zero grads. Returns the pre-clip global grad norm."""
+def optimizer_step(model, optimizer, scheduler, precision: Precision, max_grad_norm: float,
+                   skip_nonfinite: bool = False) -> torch.Tensor:
+    """Unscale, clip by global norm, step, zero grads. Returns the pre-clip global grad norm.
+
+    ``skip_nonfinite``: when the norm is nan / inf (and no fp16 grad scaler handles it), drop the
+    gradients without touching the weights, the optimizer state or the schedule (a host sync).
+    """
     if precision.scaler:
         precision.scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
@@ -100,6 +105,9 @@ def optimizer_step(model, optimizer, scheduler, precision: Precision, max_grad_n
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
+    if skip_nonfinite and not precision.scaler and not torch.isfinite(norm):
+        optimizer.zero_grad(set_to_none=True)
+        return norm.detach()
     if precision.scaler:
         precision.scaler.step(optimizer)
         precision.scaler.update()
@@ -112,32 +120,70 @@ def optimizer_step(model, optimizer, scheduler, precision: Precision, max_grad_n
 
 @dataclasses.dataclass
 class Updater:
-    """Optimizer, LR schedule and precision of the trained module; ``step`` is one update."""
+    """Optimizer, LR schedule and precision of the trained module; ``step`` is one update.
+
+    A non-finite loss or gradient norm never reaches the weights: ``on_nonfinite="stop"`` raises a
+    TrainingError before the update, ``"skip"`` drops that update, counts it (``num_skipped``) and
+    stops after ``max_skips`` in a row.
+    """
 
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     precision: Precision
     max_grad_norm: float
+    on_nonfinite: str = "stop"
+    max_skips: int = 3
+    num_skipped: int = 0
+    skipped_in_a_row: int = 0
 
     @classmethod
-    def build(cls, module, optim_cfg, num_updates: int, precision: Precision) -> "Updater":
+    def build(cls, module, optim_cfg, num_updates: int, precision: Precision, on_nonfinite: str = "stop",
+              max_skips: int = 3) -> "Updater":
         """``module``: what the optimizer trains (the wrapped root, so DDP / FSDP2 parameters)."""
         optimizer = build_optimizer(module, optim_cfg)
         return cls(module, optimizer, build_scheduler(optimizer, optim_cfg, num_updates), precision,
-                   optim_cfg.max_grad_norm)
+                   optim_cfg.max_grad_norm, on_nonfinite, max_skips)
 
-    def step(self) -> torch.Tensor:
-        return optimizer_step(self.module, self.optimizer, self.scheduler, self.precision, self.max_grad_norm)
+    def check_loss(self, loss: torch.Tensor, step: int) -> None:
+        """Before the update: a non-finite loss stops the run under ``stop`` (under ``skip`` its
+        gradient norm is non-finite too, and :meth:`step` skips the update)."""
+        if self.on_nonfinite == "stop":
+            check_finite(loss, step)
+
+    def step(self, step: int = 0) -> torch.Tensor:
+        norm = optimizer_step(self.module, self.optimizer, self.scheduler, self.precision, self.max_grad_norm,
+                              skip_nonfinite=True)
+        if self.precision.scaler or torch.isfinite(norm):  # (fp16: the grad scaler skips overflows itself)
+            self.skipped_in_a_row = 0
+            return norm
+        if self.on_nonfinite == "stop":
+            raise TrainingError(f"non-finite gradient norm ({norm.item()}) at step {step}: the update was not "
+                                "applied. Lower optim.lr, or set train.on_nonfinite=skip to skip such updates; "
+                                "the last checkpoint is intact.")
+        self.num_skipped += 1
+        self.skipped_in_a_row += 1
+        if self.skipped_in_a_row > self.max_skips:
+            raise TrainingError(f"{self.skipped_in_a_row} updates in a row had a non-finite gradient norm (last at "
+                                f"step {step}; train.max_nonfinite_skips={self.max_skips}); stopping. Lower "
+                                "optim.lr; the last checkpoint is intact.")
+        return norm
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "precision": self.precision.state_dict()}
+                "precision": self.precision.state_dict(),
+                "nonfinite": {"num_skipped": self.num_skipped, "skipped_in_a_row": self.skipped_in_a_row}}
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.precision.load_state_dict(state["precision"])
+        self.load_counters(state)
+
+    def load_counters(self, state: dict) -> None:
+        counters = state.get("nonfinite", {})
+        self.num_skipped = counters.get("num_skipped", 0)
+        self.skipped_in_a_row = counters.get("skipped_in_a_row", 0)
 
 
 # ----------------------------------------------------------------------------- forward

@@ -14,7 +14,7 @@ from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, Tr
 from ..data.text import load_text_files, pack_documents
 from ..errors import ConfigError
 from ..evaluation import save_samples
-from ..models import cache_dir, load_model
+from ..models import cache_dir, context_length, load_model
 from ..rollout.engine import SamplingParams, generate
 from ..tokenizer import train_bpe_tokenizer
 from ..runtime.run import start_run
@@ -85,6 +85,11 @@ def run_pretrain(cfg: PretrainConfig, console=None) -> dict:
         txt_files = [p for f in files for p in ([f] if f.is_file() else sorted(f.rglob("*.txt")))]
         tokenizer = train_bpe_tokenizer(txt_files, cfg.tokenizer.vocab_size, tok_dir, cfg.tokenizer.min_frequency)
     model, tokenizer = load_model(cfg.model, tokenizer)
+    context = context_length(model)
+    if context is not None and cfg.data.seq_len + 1 > context:  # a block is seq_len + 1 tokens (inputs + last target)
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len}: a training block of {cfg.data.seq_len + 1} tokens does not "
+                          f"fit the model's context of {context} (model.max_position_embeddings); set "
+                          f"data.seq_len <= {context - 1}")
     run = start_run(cfg, "pretrain", model, seq_len=cfg.data.seq_len, console=console)
     packed = pack_documents(docs, tokenizer, cfg.data.seq_len, cfg.data.val_fraction, cfg.train.seed,
                             cache_dir() / "text" if cfg.data.cache else None)

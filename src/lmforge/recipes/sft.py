@@ -15,7 +15,7 @@ from ..data.sft import (CHAT_SMALL, collate_sft, encode_prompt, load_sft_rows, s
 from ..data.tasks import get_task
 from ..errors import ConfigError
 from ..evaluation import complete_ids, save_samples, task_accuracy
-from ..models import load_model
+from ..models import context_length, load_model
 from ..runtime.run import start_run
 from .supervised import SupervisedData, train_supervised
 
@@ -79,6 +79,16 @@ def build_data(cfg: SFTConfig, tokenizer, printer=print) -> tuple[SupervisedData
     return SupervisedData(parts[0], parts[1], lambda rows: collate_sft(rows, pad_id)), val_rows
 
 
+def check_fits_context(model, data: SupervisedData) -> None:
+    """Every tokenized row must fit the model's context: an error naming both numbers otherwise."""
+    context = context_length(model)
+    longest = max((len(row.input_ids) for row in data.train_rows + data.val_rows), default=0)
+    if context is not None and longest > context:
+        raise ConfigError(f"the longest SFT row has {longest} tokens but the model's context is {context} "
+                          f"(model.max_position_embeddings); set data.max_len <= {context} (longer rows are then "
+                          "cut or dropped per data.truncation)")
+
+
 def prompt_ids_of(row: dict, tokenizer, chat: bool) -> list[int]:
     """The prompt part of an SFT row as token ids (everything before the last assistant turn)."""
     if "messages" in row:
@@ -124,5 +134,6 @@ def run_sft(cfg: SFTConfig, model=None, tokenizer=None, console=None, name: str 
         model, tokenizer = load_model(cfg.model)
     run = start_run(cfg, name, model, seq_len=cfg.data.max_len, console=console)
     data, val_rows = build_data(cfg, tokenizer, run.print)
+    check_fits_context(model, data)
     run.print(f"[data] {len(data.train_rows)} training rows, {len(data.val_rows)} validation rows")
     return train_supervised(run, model, tokenizer, data, make_eval(cfg, tokenizer, run, val_rows))

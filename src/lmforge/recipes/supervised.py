@@ -19,7 +19,7 @@ from ..losses import sft_loss
 from ..parallel.wrap import gradient_sync, run_forward
 from ..runtime.loop import Trainer, TrainState, build_state, full_model, train_loop
 from ..runtime.run import Run
-from ..train import BatchOrder, Precision, check_finite, count_loss_tokens, logits_at, shifted_targets
+from ..train import BatchOrder, Precision, count_loss_tokens, logits_at, shifted_targets
 
 
 @dataclasses.dataclass
@@ -68,10 +68,11 @@ def supervised_step(state: TrainState, data: SupervisedData, step: int) -> dict:
             updater.precision.backward(loss)
         loss_sum += loss.detach()
     ctx.all_reduce(loss_sum)  # each rank's part is already over the global count: the sum is the loss
-    check_finite(loss_sum, step)  # once per step (a host sync on GPUs), before the update, on every rank
+    updater.check_loss(loss_sum, step)  # once per step (a host sync on GPUs), before the update, on every rank
     lr = updater.scheduler.get_last_lr()[0]
-    grad_norm = updater.step()
-    return {"loss": loss_sum, "lr": lr, "grad_norm": grad_norm, "loss_tokens": num_loss_tokens_global,
+    grad_norm = updater.step(step)  # a non-finite norm stops the run or skips this update (train.on_nonfinite)
+    return {"loss": loss_sum, "lr": lr, "grad_norm": grad_norm, "skipped_updates": updater.num_skipped,
+            "loss_tokens": num_loss_tokens_global,
             "num_tokens": sum(int(b["attention_mask"].sum()) for b in batches), "data_time": data_time}
 
 

@@ -16,10 +16,10 @@ from typing import Any, Callable
 import torch
 
 from .. import checkpoint as ckpt
-from ..metrics import RunLogger, StepTimer, plot_run, print_summary, summary
+from ..metrics import RunLogger, StepTimer, plot_run, print_summary, summary, truncate_metrics
 from ..parallel.wrap import Root, full_state_dict, is_sharded, unwrap, wrap
 from ..train import BatchOrder, Precision, Updater
-from .run import Run
+from .run import Run, release_run_lock
 
 
 @dataclasses.dataclass
@@ -78,7 +78,9 @@ def build_state(run: Run, model, tokenizer, order: BatchOrder, num_updates: int,
     pcfg = getattr(run.cfg, "parallel", None)
     wrapped = wrap(Root(policy=model, **(extra_modules or {})), run.ctx, run.device, run.choices.dtype,
                    getattr(pcfg, "grad_sync", "native"))
-    updater = Updater.build(wrapped, run.cfg.optim, num_updates, Precision(run.device, run.choices.dtype))
+    tcfg = run.cfg.train
+    updater = Updater.build(wrapped, run.cfg.optim, num_updates, Precision(run.device, run.choices.dtype),
+                            tcfg.on_nonfinite, tcfg.max_nonfinite_skips)
     state = TrainState(run, wrapped, model, tokenizer, updater, order)
     state.saved = ckpt.resume_training(run.cfg.train.resume, run.dir, state, run.print)
     state.step = state.saved.get("step", 0)
@@ -124,55 +126,63 @@ def train_loop(state: TrainState, trainer: Trainer) -> dict:
     """Steps ``state.step + 1 .. train.max_steps``; then the final model, the summary and the curves.
     Returns the last evaluation's metrics (plus ``<key>_before`` from a start evaluation) and ``run_dir``."""
     run, tcfg = state.run, state.run.cfg.train
+    if run.ctx.is_main:  # each step logged once: a resumed run drops what came after its checkpoint
+        truncate_metrics(run.dir / "metrics.jsonl", state.step)
     logger = make_logger(run)
     timer, totals = StepTimer(), dict.fromkeys(trainer.time_keys, 0.0)
+    if "timer" in state.saved:  # the summary covers the whole run, not just since the resume
+        timer.load_state_dict(state.saved["timer"])
+        totals.update({k: v for k, v in state.saved.get("time_totals", {}).items() if k in totals})
     best = state.saved.get("best_metric", state.saved.get("best_val_loss", float("inf")))
     final: dict = {}
-    logger.start_progress(run.name, completed=state.step)
-    try:
-        if trainer.evaluate is not None and trainer.evaluate_at_start and state.step == 0:
-            before = trainer.evaluate(0)
-            logger.log(0, before, kind="eval")
-            final = {f"{key}_before": value for key, value in before.items()}
-        for step in range(state.step, tcfg.max_steps):
-            done, start = step + 1, time.perf_counter()
-            metrics = trainer.step(done)
-            step_time = time.perf_counter() - start
-            num_tokens, = run.ctx.sum_counts(metrics.pop("num_tokens"))
-            timer.record(step_time, metrics.pop("data_time", 0.0), num_tokens, metrics.pop("num_flops", 0.0))
-            totals = {key: totals[key] + metrics[key] for key in trainer.time_keys}
-            logger.log(done, {**metrics, "tokens_per_s": num_tokens / step_time, "step_time": step_time},
-                       echo=done % tcfg.log_every == 0 or done == 1)
-            logger.advance(done)
-            state.step = done
-            last = done == tcfg.max_steps
-            if trainer.evaluate is not None and due(tcfg.eval_every, done, last):
-                evaluation = trainer.evaluate(done)
-                logger.log(done, evaluation, kind="eval")
-                final.update(evaluation)
-                if trainer.best_metric and evaluation[trainer.best_metric] < best:
-                    best = evaluation[trainer.best_metric]
-                    ckpt.save_model_dir(run.dir / "best", state)
-            if due(tcfg.save_every, done, last):
-                ckpt.save_checkpoint(state, {**trainer.extra_state(), "best_metric": best}, tcfg.keep_last)
-        ckpt.save_model_dir(run.dir / "final", state)
-        if trainer.save_final_extra is not None and run.ctx.is_main:
-            trainer.save_final_extra(run.dir / "final")
+    try:  # the run directory's lock is released however the run ends
+        logger.start_progress(run.name, completed=state.step)
+        try:
+            if trainer.evaluate is not None and trainer.evaluate_at_start and state.step == 0:
+                before = trainer.evaluate(0)
+                logger.log(0, before, kind="eval")
+                final = {f"{key}_before": value for key, value in before.items()}
+            for step in range(state.step, tcfg.max_steps):
+                done, start = step + 1, time.perf_counter()
+                metrics = trainer.step(done)
+                step_time = time.perf_counter() - start
+                work = run.ctx.all_reduce(torch.tensor([metrics.pop("num_tokens"), metrics.pop("num_flops", 0.0)],
+                                                       dtype=torch.float64))  # over all ranks
+                num_tokens = int(work[0])
+                timer.record(step_time, metrics.pop("data_time", 0.0), num_tokens, float(work[1]))
+                totals = {key: totals[key] + metrics[key] for key in trainer.time_keys}
+                logger.log(done, {**metrics, "tokens_per_s": num_tokens / step_time, "step_time": step_time},
+                           echo=done % tcfg.log_every == 0 or done == 1)
+                logger.advance(done)
+                state.step = done
+                last = done == tcfg.max_steps
+                if trainer.evaluate is not None and due(tcfg.eval_every, done, last):
+                    evaluation = trainer.evaluate(done)
+                    logger.log(done, evaluation, kind="eval")
+                    final.update(evaluation)
+                    if trainer.best_metric and evaluation[trainer.best_metric] < best:
+                        best = evaluation[trainer.best_metric]
+                        ckpt.save_model_dir(run.dir / "best", state)
+                if due(tcfg.save_every, done, last):
+                    ckpt.save_checkpoint(state, {**trainer.extra_state(), "best_metric": best, "timer": timer.state_dict(),
+                                                 "time_totals": dict(totals)}, tcfg.keep_last)
+            ckpt.save_model_dir(run.dir / "final", state)
+            if trainer.save_final_extra is not None and run.ctx.is_main:
+                trainer.save_final_extra(run.dir / "final")
+        finally:
+            logger.close()
+        finish(state, timer, totals, logger)
     finally:
-        logger.close()
-    finish(state, timer, totals, logger)
+        release_run_lock(run)
     return {**final, "run_dir": str(run.dir)}
 
 
 def finish(state: TrainState, timer: StepTimer, totals: dict, logger) -> None:
     """End-of-run summary (rank 0): time, throughput over all ranks, MFU, memory; the curves."""
     run = state.run
-    flops, = run.ctx.all_reduce(torch.tensor([timer.flops], dtype=torch.float64)).tolist()
-    timer.flops = flops
-    figures = summary(timer, run.flops_per_token(state.model) if not timer.flops else 0.0,
-                      run.peak_gflops() * run.ctx.world_size if run.ctx.is_main else 0.0, run.device)
     if not run.ctx.is_main:
         return
+    figures = summary(timer, run.flops_per_token(state.model), run.peak_gflops() * run.ctx.world_size, run.device)
     figures.update({f"{key}_s": value for key, value in totals.items()})
     print_summary(logger, figures)
     if totals:

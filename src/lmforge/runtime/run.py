@@ -2,9 +2,12 @@
 batch, make the run directory, write the resolved config, seed every rank's RNG."""
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import json
 import os
 import random
+import socket
 from pathlib import Path
 
 import torch
@@ -140,8 +143,15 @@ def start_run(cfg, name: str, model=None, seq_len: int = 256, console=None, upda
     tcfg.gradient_checkpointing = "on" if choices.gradient_checkpointing else "off"
     run = Run(name, cfg, run_dir, hw, choices, console, ctx, micro, accum)
     ctx.check_same_config(yaml.safe_dump({k: v for k, v in to_dict(cfg).items()}, sort_keys=True))
+    error = None
     if ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            acquire_run_lock(run_dir, run.print)
+        except (ConfigError, OSError) as exc:
+            error = exc if isinstance(exc, ConfigError) else ConfigError(
+                f"train.output_dir={run_dir}: cannot be used as a run directory ({exc})")
+    ctx.check_all_ok(error)
+    if ctx.is_main:
         console.print(f"[hardware] {hardware.describe(hw)}", markup=False)
         choices.report(lambda text: console.print(text, markup=False))
         if ctx.distributed:
@@ -151,6 +161,69 @@ def start_run(cfg, name: str, model=None, seq_len: int = 256, console=None, upda
     ctx.barrier()
     seed_everything(tcfg.seed, ctx.rank)
     return run
+
+
+LOCK_NAME = ".lmforge.lock"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def acquire_run_lock(run_dir: Path, printer=print) -> Path:
+    """One run per directory: ``run_dir/.lmforge.lock`` holds the PID and host of the run that owns it.
+
+    A live lock of another process is an error naming it; a stale one (its process is gone, on this
+    host) is taken over with a note; this process's own lock (a second recipe in one process) is reused.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = run_dir / LOCK_NAME
+    me = {"pid": os.getpid(), "host": socket.gethostname()}
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                owner = json.loads(lock.read_text())
+                pid, host = int(owner["pid"]), str(owner["host"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pid, host = -1, me["host"]  # unreadable: a crash while writing it
+            if pid == me["pid"] and host == me["host"]:
+                return lock
+            if host != me["host"]:
+                raise ConfigError(f"{run_dir} is locked by process {pid} on host {host} ({lock}); if that run is "
+                                  f"over, delete {lock}, or choose another train.output_dir")
+            if _pid_alive(pid):
+                raise ConfigError(f"{run_dir} is in use by a running lmforge process (PID {pid}, lock {lock}); "
+                                  "wait for it to finish or choose another train.output_dir")
+            printer(f"[run] taking over the stale lock of process {pid} (no longer running): {lock}")
+            lock.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as handle:
+            json.dump(me, handle)
+        atexit.register(_release_lock_file, lock)  # also when the run fails before its loop
+        return lock
+    raise ConfigError(f"could not lock {run_dir}: {lock} keeps reappearing (another run starting at the same time?)")
+
+
+def release_run_lock(run: "Run") -> None:
+    """Remove the run directory's lock if this process holds it."""
+    if run.ctx.is_main:
+        _release_lock_file(Path(run.dir) / LOCK_NAME)
+
+
+def _release_lock_file(lock: Path) -> None:
+    try:
+        if json.loads(lock.read_text()).get("pid") == os.getpid():
+            lock.unlink()
+    except (OSError, ValueError):
+        pass
 
 
 def local_world_size() -> int:
