@@ -13,6 +13,8 @@ what makes a resumed run reproduce the uninterrupted one exactly on CPU.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import random
 import re
@@ -62,10 +64,26 @@ def _commit(tmp: Path, final: Path) -> Path:
 def _write_dir(final: Path, write) -> Path:
     """Run ``write(tmp_dir)`` then atomically move ``tmp_dir`` to ``final`` (replacing it)."""
     tmp = _tmp_dir(final)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    write(tmp)
-    return _commit(tmp, final)
+    with _cleaned_on_failure(tmp, final):
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        write(tmp)
+        return _commit(tmp, final)
+
+
+@contextlib.contextmanager
+def _cleaned_on_failure(tmp: Path, final: Path):
+    """A write that fails (disk full, permissions) removes its temporary directory and says what
+    happened; whatever was under ``final`` before is untouched."""
+    try:
+        yield
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if exc.errno == errno.ENOSPC:
+            raise TrainingError(f"disk full while writing {final}: nothing was written there and the last "
+                                f"checkpoint is intact; free space on {final.parent} and resume "
+                                "(train.resume=auto)") from exc
+        raise TrainingError(f"could not write {final}: {exc}; the last checkpoint is intact") from exc
 
 
 def _fsync_tree(root: Path) -> None:
@@ -143,7 +161,13 @@ def save_checkpoint(state, extra: dict, keep_last: int) -> Path:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(state.wrapped, state.updater.optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / "dcp"))
+        error = None
+        try:
+            with _cleaned_on_failure(tmp, final):
+                dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / "dcp"))
+        except TrainingError as exc:  # every rank learns that a rank's shard could not be written
+            error = exc
+        ctx.check_all_ok(error)
         trainer_state.update({"scheduler": state.updater.scheduler.state_dict(),
                               "precision": state.updater.precision.state_dict(),
                               "nonfinite": {"num_skipped": state.updater.num_skipped,
@@ -152,16 +176,20 @@ def save_checkpoint(state, extra: dict, keep_last: int) -> Path:
         trainer_state.update(state.updater.state_dict())
 
     def write() -> None:
+        with _cleaned_on_failure(tmp, final):
+            write_files()
+        clean_checkpoints(root)
+        if keep_last > 0:
+            for old in list_checkpoints(run.dir)[:-keep_last]:
+                remove_checkpoint(old)
+
+    def write_files() -> None:
         if sharded:
             save_model_config(state.model, state.tokenizer, tmp / "model")
         else:
             save_model(state.model, state.tokenizer, tmp / "model")
         torch.save(trainer_state, tmp / "trainer_state.pt")
         _commit(tmp, final)
-        clean_checkpoints(root)
-        if keep_last > 0:
-            for old in list_checkpoints(run.dir)[:-keep_last]:
-                remove_checkpoint(old)
 
     ctx.barrier()  # every rank's shards are written
     _on_main(ctx, write)

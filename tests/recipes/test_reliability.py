@@ -229,3 +229,54 @@ def test_leftovers_of_interrupted_saves_and_deletions_are_cleaned(tmp_path):
     (root / f".step-000003.tmp-{int(dead.stdout)}").mkdir()
     sft(out, "train.max_steps=4", "train.save_every=2", "train.resume=auto")
     assert sorted(p.name for p in root.iterdir()) == ["step-000002", "step-000004"]
+
+
+def test_disk_full_during_a_save_says_so_and_leaves_no_temporary_directory(tmp_path, monkeypatch):
+    import errno
+
+    real = ckpt.save_model
+
+    def full_disk(model, tokenizer, path, **kwargs):
+        if "step-000004" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(model, tokenizer, path, **kwargs)
+
+    monkeypatch.setattr(ckpt, "save_model", full_disk)
+    out = tmp_path / "run"
+    with pytest.raises(TrainingError, match="disk full while writing .*step-000004.*last checkpoint is intact"):
+        sft(out, "train.max_steps=6", "train.save_every=2", "train.keep_last=5")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002"]
+
+
+FAULT_POINTS = ("lmforge.train:optimizer_step", "lmforge.checkpoint:save_model", "lmforge.checkpoint:_commit",
+                "lmforge.checkpoint:remove_checkpoint", "torch:save", "shutil:rmtree")
+
+
+@pytest.mark.slow
+def test_kills_at_random_points_then_resume_stay_bit_exact(tmp_path):
+    """10 runs killed (os._exit) at a random call of a random fault point -- an update, a save, the
+    rename into place, a checkpoint deletion, a trainer-state write, a cleanup -- each resumed until
+    it finishes; every step's loss equals the uninterrupted run's, bit for bit."""
+    import random
+
+    args = ["train.max_steps=8", "train.save_every=1", "train.keep_last=2"]
+    reference = tmp_path / "reference"
+    sft(reference, *args)
+    want = {r["step"]: r["loss"] for r in train_records(reference)}
+    rng = random.Random(1234)
+    for trial in range(10):
+        out = tmp_path / f"trial{trial}"
+        point, nth = rng.choice(FAULT_POINTS), rng.randint(1, 12)
+        module, name = point.split(":")
+        script = (f"import importlib, os, sys\nfrom lmforge.cli import main\nmod = importlib.import_module({module!r})\n"
+                  f"real, calls = getattr(mod, {name!r}), [0]\n"
+                  "def dying(*a, **k):\n    calls[0] += 1\n"
+                  f"    if calls[0] == {nth}:\n        os._exit(17)\n    return real(*a, **k)\n"
+                  f"setattr(mod, {name!r}, dying)\n"
+                  f"sys.exit(main(['sft', *{SFT!r}, *{args!r}, 'train.output_dir={out}']))\n")
+        killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert killed.returncode in (0, 17), killed.stderr[-2000:]
+        resume = ["train.resume=auto"] if ckpt.list_checkpoints(out) else []
+        sft(out, *args, *resume)
+        got = {r["step"]: r["loss"] for r in train_records(out)}
+        assert got == want, f"trial {trial} (killed at call {nth} of {point})"
