@@ -209,7 +209,8 @@ def _pid_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (this process included)."""
     if pid == os.getpid():
         return True
     try:
@@ -230,7 +231,7 @@ def clean_checkpoints(root: Path) -> None:
         return
     for path in root.iterdir():
         pid = _pid_of(path.name)
-        if pid is not None and path.name.startswith(".") and not _alive(pid):
+        if pid is not None and path.name.startswith(".") and not pid_alive(pid):
             shutil.rmtree(path, ignore_errors=True)
         elif STEP_DIR.match(path.name) and not (path / "trainer_state.pt").is_file():
             shutil.rmtree(path, ignore_errors=True)

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from .. import hardware
-from ..checkpoint import list_checkpoints
+from ..checkpoint import list_checkpoints, pid_alive
 from ..config import save_config, to_dict
 from ..errors import ConfigError
 from ..metrics import make_console
@@ -166,16 +166,6 @@ def start_run(cfg, name: str, model=None, seq_len: int = 256, console=None, upda
 LOCK_NAME = ".lmforge.lock"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def acquire_run_lock(run_dir: Path, printer=print) -> Path:
     """One run per directory: ``run_dir/.lmforge.lock`` holds the PID and host of the run that owns it.
 
@@ -199,7 +189,7 @@ def acquire_run_lock(run_dir: Path, printer=print) -> Path:
             if host != me["host"]:
                 raise ConfigError(f"{run_dir} is locked by process {pid} on host {host} ({lock}); if that run is "
                                   f"over, delete {lock}, or choose another train.output_dir")
-            if _pid_alive(pid):
+            if pid_alive(pid):
                 raise ConfigError(f"{run_dir} is in use by a running lmforge process (PID {pid}, lock {lock}); "
                                   "wait for it to finish or choose another train.output_dir")
             printer(f"[run] taking over the stale lock of process {pid} (no longer running): {lock}")
