@@ -13,7 +13,7 @@ tensor of ``n`` elements; afterwards every rank holds the elementwise sum of all
    step ``W - 2`` rank ``r`` holds the full sum of chunk ``(r + 1) mod W``.
 3. **All-gather, ``W - 1`` steps.** At step ``s`` rank ``r`` sends chunk ``(r + 1 - s) mod W`` (which
    is complete) to ``r + 1`` and receives the complete chunk ``(r - s) mod W`` from ``r - 1``,
-   overwriting its copy. After step ``W - 2`` every rank holds all ``W`` summed chunks.
+   straight into its copy (no staging buffer). After step ``W - 2`` every rank holds all ``W`` summed chunks.
 4. **Unpad**: copy the first ``n`` elements back into the caller's tensor.
 
 Each rank sends ``2 (W - 1)`` messages of ``c`` elements: ``2 (W - 1) / W * M`` bytes for a padded
@@ -93,8 +93,8 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
         _exchange(chunks[(rank - s) % world], recv, right, left, group)
         chunks[(rank - s - 1) % world].add_(recv)
     for s in range(world - 1):  # all-gather: chunk (rank + 1) % W is complete here
-        _exchange(chunks[(rank + 1 - s) % world], recv, right, left, group)
-        chunks[(rank - s) % world].copy_(recv)
+        # The received chunk replaces ours whole, so it lands in place (no staging buffer).
+        _exchange(chunks[(rank + 1 - s) % world], chunks[(rank - s) % world], right, left, group)
 
     if stats is not None:
         stats.bytes_sent += 2 * (world - 1) * c * tensor.element_size()
