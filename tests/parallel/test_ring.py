@@ -8,7 +8,7 @@ in fp64 (exact for the integer-valued inputs, within gamma64_{W-1} S of exact fo
 An all-reduce of W floating point values per element, in any order, is a sum of W terms with W - 1
 roundings, so its error is at most gamma_{W-1} * S, with S = sum_r |x_r| (the elementwise sum of
 absolute values) and gamma_k = k u / (1 - k u), u = 2^-24 (fp32) or 2^-53 (fp64) [Higham,
-Accuracy and Stability of Numerical Algorithms, eq. 4.4]. The ring and the native collective sum in
+Accuracy and Stability of Numerical Algorithms, ch. 4]. The ring and the native collective sum in
 different orders, so they may differ by up to 2 gamma_{W-1} S. At W = 2 both compute one rounded
 a + b (addition commutes), so there they must agree bit for bit, as must every integer-valued input.
 A bug that drops or doubles one rank's chunk is off by about |x_r|, far outside these bounds.
@@ -43,7 +43,8 @@ def _inputs(kind: str, n: int, rank: int) -> torch.Tensor:
         return torch.randint(-(1 << 40), 1 << 40, (n,), generator=g)
     dtype = torch.float32 if kind == "rand_f32" else torch.float64
     # Magnitudes spread over ~6 decades so that the summation order matters.
-    return (torch.randn(n, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(-3, 4, (n,), generator=g)).to(dtype)
+    scale = 10.0 ** torch.randint(-3, 4, (n,), generator=g)
+    return (torch.randn(n, generator=g, dtype=torch.float64) * scale).to(dtype)
 
 
 def _model() -> nn.Module:

@@ -9,15 +9,17 @@ tensor of ``n`` elements; afterwards every rank holds the elementwise sum of all
 2. **Reduce-scatter, ``W - 1`` steps.** At step ``s = 0 .. W-2`` rank ``r`` sends chunk
    ``(r - s) mod W`` (``c`` elements) to its right neighbour ``r + 1`` and receives chunk
    ``(r - s - 1) mod W`` from its left neighbour ``r - 1``, which it adds into its own copy of that
-   chunk (messages go in segments of at most ``SEGMENT_BYTES``, so adding one segment overlaps with
-   receiving the next; this changes neither the result nor the bytes). A chunk travels once round the ring, picking up one rank's contribution per hop, so after
-   step ``W - 2`` rank ``r`` holds the full sum of chunk ``(r + 1) mod W``.
+   chunk. A chunk travels once round the ring, picking up one rank's contribution per hop, so after
+   step ``W - 2`` rank ``r`` holds the full sum of chunk ``(r + 1) mod W``. (Each chunk goes in
+   segments of at most ``SEGMENT_BYTES``, so adding one segment overlaps with receiving the next;
+   this changes neither the result nor the bytes.)
 3. **All-gather, ``W - 1`` steps.** At step ``s`` rank ``r`` sends chunk ``(r + 1 - s) mod W`` (which
    is complete) to ``r + 1`` and receives the complete chunk ``(r - s) mod W`` from ``r - 1``,
-   straight into its copy (no staging buffer). After step ``W - 2`` every rank holds all ``W`` summed chunks.
+   straight into its copy (no staging buffer). After step ``W - 2`` every rank holds all ``W``
+   summed chunks.
 4. **Unpad**: copy the first ``n`` elements back into the caller's tensor.
 
-Each rank sends ``2 (W - 1)`` messages of ``c`` elements: ``2 (W - 1) / W * M`` bytes for a padded
+Each rank sends ``2 (W - 1)`` chunks of ``c`` elements: ``2 (W - 1) / W * M`` bytes for a padded
 message of ``M = W * c * element_size`` bytes, the lower bound for any all-reduce (see the doc).
 The sends and receives of one step are posted together with ``batch_isend_irecv``, so a rank never
 waits on its right neighbour's receive before posting its own receive from the left.
@@ -140,7 +142,8 @@ def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     return fut
 
 
-def ring_hook(state: dist.ProcessGroup | RingStats | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def ring_hook(state: dist.ProcessGroup | RingStats | None,
+              bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: SUM the bucket's flat gradient buffer ``(bucket_numel,)`` across the
     ranks with ``ring_all_reduce``; no division by the world size (lmforge divides the loss by the
     global token count, so the gradients must be summed, not averaged).
