@@ -376,10 +376,17 @@ def load_model_weights(model, path: Path) -> None:
     state = {}
     for file in files:
         state.update(load_file(str(file)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    # Checked before loading: load_state_dict copies the matching tensors before it complains, and
+    # reports a shape mismatch as a bare RuntimeError.
+    own = model.state_dict()
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    if set(missing) - tied or unexpected:
-        raise ConfigError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
+    missing, unexpected = sorted(set(own) - set(state) - tied), sorted(set(state) - set(own))
+    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in sorted(set(own) & set(state))
+              if state[k].shape != own[k].shape]
+    if missing or unexpected or shapes:
+        raise ConfigError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}, "
+                          f"shapes (checkpoint vs model) {shapes}; resume with the model config it was saved with")
+    model.load_state_dict(state, strict=False)
     if tied:
         model.tie_weights()
 

@@ -11,6 +11,7 @@ from lmforge.antidistill import load_gradient
 from lmforge.antidistill_pipeline import StageInputMissing, interpolate, read_jsonl
 from lmforge.cli import main
 from lmforge.config import load_config
+from lmforge.data.tasks import get_task
 from lmforge.errors import ConfigError
 from lmforge.models import load_model
 from lmforge.recipes.antidistill import AntidistillConfig, run_grad, run_traces
@@ -45,7 +46,11 @@ def test_traces_stage_writes_scored_heldout_traces(workdir):
     rows = read_jsonl(workdir / "traces" / "heldout.jsonl")
     summary = json.loads((workdir / "traces" / "summary.json").read_text())
     assert len(rows) == 8 and all({"prompt", "completion", "correct"} <= set(r) for r in rows)
-    assert summary["teacher_accuracy"] == sum(r["correct"] for r in rows) / 8
+    # scored against each row's own problem: the addition answer, written least-significant digit first
+    cfg = load_config(AntidistillConfig, None, ARGS)
+    problems = {p.prompt: p for p in get_task(cfg.data.task).make_problems(cfg.data.num_heldout, cfg.data.seed, cfg.data.heldout_split)}
+    for row in rows:
+        assert row["correct"] == (row["completion"].strip() == problems[row["prompt"]].completion), row
     assert summary["temperature"] == 0.0 and summary["config"]["data"]["num_heldout"] == 8
 
 
@@ -62,28 +67,42 @@ def test_sample_stage_writes_every_setting(workdir):
         rows = read_jsonl(workdir / "samples" / name / "traces.jsonl")
         summary = json.loads((workdir / "samples" / name / "summary.json").read_text())
         assert len(rows) == 16  # 8 prompts x 2 samples
-        assert summary["teacher_accuracy"] == sum(r["correct"] for r in rows) / 16
-        assert summary["lam_reference"] == summary["lam"] * summary["temperature"]
-        if summary["lam"] == 0:
-            assert summary["kl_per_token"] == 0.0  # plain temperature sampling
-        else:
-            assert summary["kl_per_token"] != 0.0
+        assert summary["num_traces"] == 16 and summary["num_completion_tokens"] > 0
+        if summary["lam"] != 0:
+            # a Monte-Carlo estimate of KL(ADS sampler || tempered teacher): positive for a real shift
+            # (this seed's estimate; 0 would mean the proxy term never reached the logits)
+            assert summary["kl_per_token"] > 0.0
 
 
+@pytest.mark.real_plots
 def test_distill_eval_report_outputs(workdir):
     for name in SETTINGS:
         assert (workdir / "students" / name / "final" / "config.json").is_file()
     results = json.loads((workdir / "eval" / "results.json").read_text())
-    assert [s["name"] for s in results["students"]] == SETTINGS
-    assert all(0 <= s["student_accuracy"] <= 1 for s in results["students"])
-    assert 0 <= results["teacher_accuracy"] <= 1 and 0 <= results["student_baseline_accuracy"] <= 1
+    assert [s["name"] for s in results["students"]] == SETTINGS and results["num_test"] == 8
+    report = json.loads((workdir / "report" / "report.json").read_text())
+    # the report carries eval's accuracies and sample's KL for each setting, not values of its own
+    by_name = {s["name"]: s for s in report["settings"]}
+    for student in results["students"]:
+        assert by_name[student["name"]]["student_accuracy"] == student["student_accuracy"]
+    for name in SETTINGS:
+        sampled = json.loads((workdir / "samples" / name / "summary.json").read_text())
+        assert by_name[name]["kl_per_token"] == sampled["kl_per_token"]
+        assert by_name[name]["teacher_accuracy"] == sampled["teacher_accuracy"]
     table = (workdir / "report" / "report.md").read_text()
     assert all(f"| {name} |" in table for name in SETTINGS)
     assert (workdir / "report" / "student_vs_teacher.png").stat().st_size > 1000
 
 
+@pytest.mark.e2e
 def test_rerunning_distill_replaces_students(workdir):
-    assert cli("distill", workdir) == 0  # the SFT recipe refuses a used run dir; the stage replaces it
+    # the SFT recipe refuses a used run dir; the stage replaces it: new students, new files
+    finals = [workdir / "students" / name / "final" / "model.safetensors" for name in SETTINGS]
+    before = [path.stat().st_mtime_ns for path in finals]
+    (workdir / "students" / SETTINGS[0] / "marker").write_text("from the first run")
+    assert cli("distill", workdir) == 0
+    assert all(path.stat().st_mtime_ns != old for path, old in zip(finals, before))
+    assert not (workdir / "students" / SETTINGS[0] / "marker").exists()
 
 
 def test_tokenizer_mismatch_between_teacher_and_proxy_fails_clearly(tmp_path, capsys):

@@ -1,27 +1,37 @@
 """The command line: help texts, clear errors, and tiny pretrain / plot runs end to end."""
 import json
+import re
 import subprocess
 import sys
 
+import pytest
 
 from lmforge.cli import main
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "lmforge.cli", *args], capture_output=True, text=True, timeout=300)
+def help_text(capsys, *args) -> str:
+    """``lmforge ARGS --help`` in this process: argparse prints the help and exits with 0."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--help"])
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
 
 
-def test_help_lists_commands_and_options():
-    top = run_cli("--help")
-    assert top.returncode == 0
-    for command in ("quickstart", "pretrain", "sft", "hardware", "plot"):
-        assert command in top.stdout
-    for command in ("quickstart", "pretrain", "sft"):
-        sub = run_cli(command, "--help")
-        assert sub.returncode == 0, sub.stderr
-        assert "[default:" in sub.stdout
-    assert "optim.lr" in run_cli("sft", "--help").stdout
-    assert "tokenizer.vocab_size" in run_cli("pretrain", "--help").stdout
+def test_help_lists_commands_and_options(capsys):
+    top = help_text(capsys)
+    for command in ("quickstart", "pretrain", "sft", "grpo", "ppo", "antidistill", "hardware", "plot"):
+        assert re.search(rf"^    {command}\b", top, re.MULTILINE), command  # listed as a subcommand
+    for command, option in (("quickstart", "sft_steps"), ("pretrain", "tokenizer.vocab_size"), ("sft", "optim.lr"),
+                            ("grpo", "algo.preset"), ("ppo", "algo.value_coef"), (("antidistill", "sample"), "sample.lams")):
+        text = help_text(capsys, *([command] if isinstance(command, str) else command))
+        assert f"  {option} " in text and "[default:" in text, (command, option)
+    assert main([]) == 0 and "usage: lmforge" in capsys.readouterr().out  # no command: the help, exit 0
+
+
+def test_console_script_entry_point_runs():
+    # one subprocess: `python -m lmforge.cli` as the installed `lmforge` script runs it
+    proc = subprocess.run([sys.executable, "-m", "lmforge.cli", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "lmforge" in proc.stdout, proc.stderr
 
 
 def test_unknown_key_exits_with_suggestion(capsys):
@@ -37,6 +47,7 @@ def test_missing_data_file_is_clear(capsys, tmp_path):
     assert "nope.jsonl" in capsys.readouterr().err
 
 
+@pytest.mark.real_plots
 def test_pretrain_with_own_bpe_then_plot(tmp_path):
     corpus = tmp_path / "corpus"
     (corpus / "sub").mkdir(parents=True)

@@ -110,25 +110,56 @@ def test_on_policy_shortcut_equals_recomputed_old_logprobs():
         torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
 
 
-def test_step_flops_count_what_sampling_and_training_run():
-    model, batch = tiny_batch()
+MATMUL_OPS = ("aten.mm", "aten.addmm", "aten.bmm")
+
+
+def measured_matmul_flops(fn) -> int:
+    """Matmul FLOPs torch actually dispatched while ``fn`` ran (attention-score kernels left out, as
+    ``step_flops`` leaves them out); an independent count, not a restatement of the formula."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return sum(v for op, v in counter.get_flop_counts()["Global"].items() if str(op) in MATMUL_OPS)
+
+
+def test_step_flops_partition_the_parameters():
+    model, _ = tiny_batch()
     body, head = Run.matmul_params(model)
     embedding = model.get_input_embeddings().weight
     untied = 0 if model.get_output_embeddings().weight is embedding else embedding.numel()
     assert body + head + untied == sum(p.numel() for p in model.parameters())
-    rows, width = batch.completion_mask.shape
-    completion = int(batch.completion_mask.sum())
-    lens = {int(g): int(n) for g, n in zip(batch.group_index, batch.prompt_lens)}
-    assert len(lens) == 2  # 2 prompts x 4 samples
-    sampling = 2 * body * sum(lens.values()) + 2 * (body + head) * rows * width
-    shared = 2 * (body * (sum(lens.values()) + completion - rows) + head * completion)
-    packed = 2 * (body * int(batch.attention_mask.sum()) + head * completion)
-    # one forward + backward (3 forwards) and one forward-only pass
-    assert rl.step_flops(model, batch, 8, 1, 1) == sampling + 4 * shared
-    assert rl.step_flops(model, batch, 4, 1, 1) == sampling + 4 * shared  # a group per micro-batch
-    assert rl.step_flops(model, batch, 1, 1, 1) == sampling + 4 * packed  # nothing shared in a row
-    assert rl.step_flops(model, batch, 8, 2, 0, share_prompts=False) == sampling + 6 * packed
-    assert packed > shared
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "rl.step_flops miscounts what runs (measured here with torch's FlopCounterMode): RMSNorm weights "
+    "are counted as matmul parameters (Run.matmul_params); sampling is counted as B x C decode "
+    "forwards, while the engine runs one prefill of the distinct prompts, left-padded, with the LM "
+    "head on their last position, then C - 1 decode forwards of all B rows; the shared-prompt "
+    "training forward runs completion_ids[:, :-1] of every row (padding included), not "
+    "sum(completion_mask) - rows tokens. Strict: this test passes, and so flags, once step_flops is fixed."))
+@pytest.mark.parametrize("micro_batch_size", [8, 1], ids=["shared-prompts", "packed-rows"])
+def test_step_flops_equal_the_matmul_flops_torch_runs(micro_batch_size):
+    model, tokenizer = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2,
+                                              num_heads=2, max_position_embeddings=32))
+    prompts = rl.build_prompts(rl_config.RLDataConfig(task="addition", num_train=8, num_eval=0), tokenizer, seed=0)
+    cfg = rl_config.RolloutConfig(num_prompts=2, group_size=4, max_new_tokens=4)
+    rollouts = []
+    sampling = measured_matmul_flops(lambda: rollouts.append(rl.sample_and_score(
+        model, tokenizer, prompts, [0, 1], cfg, RewardSet([("exact", 1.0)]), 0)[0]))
+    batch = rl.pack_rollout(rollouts[0], tokenizer.pad_token_id, need_rollout_logprobs=False)
+    assert len(set(batch.completion_mask.sum(1).tolist())) > 1  # completions of different lengths
+    precision = Precision(torch.device("cpu"), torch.float32)
+
+    def train_pass():  # forward + backward of every micro-batch, as rl.update runs them
+        for rows in torch.arange(batch.num_rows).split(micro_batch_size):
+            logprobs, _ = rl.policy_logprobs(model, batch.select(rows), 1.0, precision)
+            logprobs.sum().backward()
+
+    training = measured_matmul_flops(train_pass)
+    forward_only = measured_matmul_flops(lambda: rl.batch_logprobs(model, batch, micro_batch_size, 1.0, precision))
+    want = sampling + training + forward_only
+    assert rl.step_flops(model, batch, micro_batch_size, 1, 1) == pytest.approx(want, rel=0.01)
 
 
 def test_shared_prompt_forward_equals_the_packed_forward():

@@ -20,6 +20,8 @@ ARGS = [
     "train.max_steps=4", "train.micro_batch_size=4", "train.save_every=2", "train.keep_last=10",
     "train.eval_every=0", "train.max_new_tokens=4", "train.threads=1", "optim.lr=1e-2", "logging.progress=false",
     "algo.kl_coef=0.05", "algo.num_iterations=2", "algo.num_mini_batches=2",
+    # T != 1: training logprobs of softmax(logits) instead of softmax(logits / T) would show below
+    "rollout.temperature=0.7",
 ]
 
 
@@ -42,6 +44,8 @@ def test_ppo_runs_and_saves_the_value_head(reference):
         assert {"value_loss", "value_mean", "value_clip_frac", "kl", "pg_loss", "entropy", "reward",
                 "ratio_mean", "clip_frac_low", "clip_frac_high", "rollout_diff_abs_max", "grad_norm"} <= set(record)
     assert any(r["value_loss"] > 0 for r in train.values())
+    # the trainer's rollout-time logprobs reproduce the sampler's at T = 0.7: numerical noise only
+    assert all(r["rollout_diff_abs_max"] < 1e-4 for r in train.values()), [r["rollout_diff_abs_max"] for r in train.values()]
     head = torch.load(reference / "final" / "value_head.pt")
     assert head["linear.weight"].abs().sum() > 0, "the value head never trained"
     saved = torch.load(reference / "checkpoints" / "step-000002" / "trainer_state.pt", weights_only=False)

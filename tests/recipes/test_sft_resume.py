@@ -55,6 +55,7 @@ def reference(tmp_path_factory):
     return losses(out)
 
 
+@pytest.mark.e2e  # a fresh interpreter that dies mid-run, then a resume: ~4 s
 def test_kill_between_steps_then_resume_is_bit_exact(tmp_path, reference):
     out = tmp_path / "run"
     # die right after the 5th optimizer step: checkpoints exist for steps 2 and 4
@@ -77,6 +78,7 @@ def test_kill_between_steps_then_resume_is_bit_exact(tmp_path, reference):
         assert got[step] == reference[step], f"step {step}: {got[step]!r} != {reference[step]!r}"
 
 
+@pytest.mark.e2e  # a fresh interpreter that dies mid-run, then a resume: ~4 s
 def test_kill_during_save_keeps_last_good_checkpoint(tmp_path, reference):
     out = tmp_path / "run"
     # die half-way through writing the step-4 checkpoint (model written, trainer state not)

@@ -264,6 +264,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.e2e  # two spawned processes with a gloo group: ~5-10 s
 def test_two_gloo_ranks_equal_one_rank_on_all_data(tmp_path):
     import torch.multiprocessing as mp
 

@@ -1,4 +1,6 @@
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 
@@ -65,3 +67,34 @@ def test_describe_lists_every_leaf_with_help():
     assert all(text for _, _, text in rows), "every option needs a one-line help text"
     cfg = SFTConfig()  # direct construction does not validate
     assert len(rows) == sum(len(dataclasses.fields(getattr(cfg, f.name))) for f in dataclasses.fields(cfg))
+
+
+EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
+
+
+def example_command(path: Path) -> str:
+    """The command a shipped example says it runs with (``lmforge <command> examples/<file>``)."""
+    match = re.search(rf"lmforge ((?:antidistill )?\w+) examples/{re.escape(path.name)}", path.read_text())
+    assert match, f"{path.name} does not say how to run it (`lmforge <command> examples/{path.name}`)"
+    return match.group(1)
+
+
+def test_examples_exist():
+    assert len(EXAMPLES) >= 6
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_loads_with_its_command(path):
+    from lmforge.recipes.antidistill import AntidistillConfig
+    from lmforge.recipes.grpo import GRPOConfig
+    from lmforge.recipes.ppo import PPOConfig
+    from lmforge.recipes.pretrain import PretrainConfig
+
+    command = example_command(path)
+    config_cls = {"sft": SFTConfig, "grpo": GRPOConfig, "ppo": PPOConfig, "pretrain": PretrainConfig}.get(
+        command.split()[0], AntidistillConfig)
+    cfg = load_config(config_cls, str(path), [])  # unknown keys, wrong types and bad values are errors
+    algo = getattr(cfg, "algo", None)
+    if algo is not None:
+        algo.resolved()  # presets and the algorithm's own checks
+    assert dataclasses.asdict(cfg)  # a complete, resolved config

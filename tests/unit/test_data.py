@@ -341,6 +341,51 @@ def test_collate_sft_hand_checked():
     assert all(t.dtype == torch.long for t in batch.values())
 
 
+# ----------------------------------------------------------------------------- ChatML (SmolLM2's format)
+
+# The ChatML format SmolLM2-Instruct uses: a default system turn when the conversation has none, each
+# turn "<|im_start|>role\n content <|im_end|>\n", and the generation prompt "<|im_start|>assistant\n".
+# Here on a character tokenizer, so that the default run checks the masking without the real model.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chatml_tok():
+    tok = char_tokenizer("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,?!'+-=\n")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+def test_chatml_mask_is_exactly_the_assistant_turns(chatml_tok):
+    tok = chatml_tok
+    rows = [CONVERSATION, {"prompt": "What is 3 + 4? Answer with just the number.", "completion": "7"}]
+    data = tokenize_sft(rows, tok, max_len=512)
+    assert uses_chat_format(tok, "auto") and data.num_truncated == data.num_dropped == 0
+    # written out by hand from the format: each reply plus its <|im_end|>, never the newline after it,
+    # the role header before it, or the system / user turns
+    for ex, replies in zip(data.examples, [["7 x 8 = 56.", " r-i-v-e-r"], ["7"]]):
+        assert [tok.decode(run) for run in masked_runs(ex)] == [r + "<|im_end|>" for r in replies]
+    second = data.examples[1]
+    want = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+            "<|im_start|>user\nWhat is 3 + 4? Answer with just the number.<|im_end|>\n"
+            "<|im_start|>assistant\n7<|im_end|>\n")
+    assert tok.decode(second.input_ids) == want
+    masked = [i for i, m in enumerate(second.loss_mask) if m]
+    assert masked == [len(second.input_ids) - 3, len(second.input_ids) - 2]  # "7", "<|im_end|>"; not "\n"
+    prompt_ids = encode_prompt(tok, rows[1]["prompt"], chat=True)
+    assert second.input_ids[: len(prompt_ids)] == prompt_ids
+    assert tok.decode(prompt_ids).endswith("<|im_start|>assistant\n") and not any(second.loss_mask[: len(prompt_ids)])
+
+
 # ----------------------------------------------------------------------------- SmolLM2's real template
 
 
@@ -355,9 +400,8 @@ def _smollm2_gguf():
     return directory, ggufs[0].name
 
 
-@pytest.mark.slow
 @pytest.mark.smollm2
-def test_chat_mask_smollm2_template():
+def test_chat_mask_smollm2_template():  # ~4 s: the tokenizer is read from the 270 MB GGUF
     from transformers import AutoTokenizer
 
     directory, name = _smollm2_gguf()

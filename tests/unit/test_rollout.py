@@ -272,21 +272,39 @@ def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     return stat, int(keep.sum()) - 1
 
 
-@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.6, 0), (1.0, 4)])
-def test_first_token_frequencies_match_the_sampling_distribution(model, temperature, top_k):
+def reference_distribution(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0):
+    """softmax(logits / T), cut to the k likeliest tokens and then to the smallest set of likeliest
+    tokens whose mass reaches top_p, renormalised; written out here, independently of process_logits."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    order = torch.argsort(probs, descending=True).tolist()
+    keep = order[:top_k] if top_k else order
+    kept = probs[keep] / probs[keep].sum()
+    mass, chosen = 0.0, []
+    for token, p in zip(keep, kept.tolist()):
+        chosen.append(token)
+        mass += p
+        if mass >= top_p:
+            break
+    out = torch.zeros_like(probs)
+    out[chosen] = probs[chosen] / probs[chosen].sum()
+    return out
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.6, 0, 1.0), (1.0, 4, 1.0), (0.8, 0, 0.7)])
+def test_first_token_frequencies_match_the_sampling_distribution(model, temperature, top_k, top_p):
     num = 6000
     prompt = [1, 5, 6]
-    batch = generate(model, [prompt], SamplingParams(temperature=temperature, top_k=top_k, max_new_tokens=1,
-                                                     seed=0), num_samples=num, pad_token_id=PAD)
+    batch = generate(model, [prompt], SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                                                     max_new_tokens=1, seed=0), num_samples=num, pad_token_id=PAD)
     counts = torch.bincount(batch.completion_ids[:, 0], minlength=VOCAB)
     with torch.no_grad():
         logits = model(torch.tensor([prompt])).logits[0, -1]
-    probs = process_logits(logits[None], SamplingParams(temperature=temperature, top_k=top_k)).exp()[0]
+    probs = reference_distribution(logits, temperature, top_k, top_p)
     assert (probs > 0.01).sum() >= 3  # a distribution with several likely tokens, not a point mass
     stat, df = _chi2(counts, probs)
     assert stat < _chi2_critical(df), f"chi2 {stat:.1f} with {df} dof"
     # The test has power: the same counts reject a slightly different temperature.
-    wrong = process_logits(logits[None], SamplingParams(temperature=temperature * 1.25, top_k=top_k)).exp()[0]
+    wrong = reference_distribution(logits, temperature * 1.25, top_k, top_p)
     wrong_stat, wrong_df = _chi2(counts, wrong)
     assert wrong_stat > _chi2_critical(wrong_df)
 

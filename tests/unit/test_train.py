@@ -145,3 +145,65 @@ def test_batch_order_resumes_exactly():
 def test_non_finite_loss_is_a_clear_error():
     with pytest.raises(TrainingError, match="non-finite loss .* step 7"):
         check_finite(torch.tensor(float("nan")), 7)
+
+
+# ----------------------------------------------------------------------------- mixed precision on CPU
+# The CUDA paths (bf16 / fp16 autocast, the grad scaler) run their logic on CPU as well: torch's
+# GradScaler and autocast accept the CPU device, so the scaler's unscale-before-clip, its skip of
+# non-finite steps and its state on resume are checked here; tests/gpu covers the CUDA kernels.
+
+
+def linear_model(weights):
+    model = torch.nn.Linear(len(weights), 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([weights]))
+    return model
+
+
+def sgd_step(model, precision, x, max_grad_norm):
+    """loss = w . x, so dloss/dw = x; one optimizer_step with plain SGD (lr 1): w <- w - clip(x)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    loss = model(torch.tensor([x])).sum()
+    precision.backward(loss)
+    return optimizer_step(model, optimizer, scheduler, precision, max_grad_norm)
+
+
+def test_fp16_scaler_unscales_before_clipping():
+    precision = Precision(torch.device("cpu"), torch.float16)
+    scale = precision.scaler.get_scale()
+    assert scale == 2.0**16  # torch's initial scale: the gradients below are 65536x too large until unscaled
+    model = linear_model([1.0, 2.0])
+    norm = sgd_step(model, precision, [3.0, 4.0], max_grad_norm=1.0)
+    # by hand: the gradient is (3, 4), norm 5; clipped to norm 1 it is (0.6, 0.8)
+    assert norm.item() == pytest.approx(5.0, rel=1e-6)  # the pre-clip norm of the *unscaled* gradient
+    torch.testing.assert_close(model.weight.detach(), torch.tensor([[1.0 - 0.6, 2.0 - 0.8]]), rtol=0, atol=1e-6)
+    # clipping the scaled gradient (norm 5 * 65536) and unscaling after would move w by (0.6, 0.8) / 65536
+
+
+def test_fp16_scaler_skips_a_non_finite_step_and_resumes_with_its_scale():
+    precision = Precision(torch.device("cpu"), torch.float16)
+    model = linear_model([1.0, 2.0])
+    sgd_step(model, precision, [float("inf"), 1.0], max_grad_norm=0.0)
+    # an inf gradient: the step is skipped (weights unchanged) and the scale halves (backoff 0.5)
+    torch.testing.assert_close(model.weight.detach(), torch.tensor([[1.0, 2.0]]), rtol=0, atol=0)
+    assert precision.scaler.get_scale() == 2.0**15
+    state = precision.state_dict()
+    resumed = Precision(torch.device("cpu"), torch.float16)
+    resumed.load_state_dict(state)
+    assert resumed.scaler.get_scale() == 2.0**15  # not the fresh 2**16
+    # and the resumed scaler keeps counting towards its growth interval where the first one was
+    assert resumed.scaler.state_dict()["_growth_tracker"] == precision.scaler.state_dict()["_growth_tracker"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_on_cpu_runs_the_matmuls_in_the_chosen_dtype(dtype):
+    precision = Precision(torch.device("cpu"), dtype)
+    assert (precision.scaler is not None) == (dtype == torch.float16)  # a scaler for fp16 only
+    model = tiny_model()
+    ids = torch.tensor([[1, 5, 7, 9]])
+    with precision.autocast():
+        logits = model(input_ids=ids).logits
+    assert logits.dtype == dtype
+    with Precision(torch.device("cpu"), torch.float32).autocast():
+        assert model(input_ids=ids).logits.dtype == torch.float32

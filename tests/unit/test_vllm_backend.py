@@ -428,3 +428,31 @@ def test_vllm_without_logprobs_mode_is_refused(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", make_fake_vllm(engine_args=OldEngineArgs))
     with pytest.raises(ImportError, match="0.10.2"):
         import_vllm()
+
+
+# ----------------------------------------------------------------------------- the recipe selects it
+
+
+def test_grpo_with_rollout_backend_vllm_samples_through_the_engine(fake_vllm, tmp_path, monkeypatch):
+    # rollout.backend=vllm: the run builds a VLLMEngine (fake LLM), syncs the policy into it before
+    # each rollout, and trains on what it returned (its logprobs, -0.5 / -0.25, are the rollout's)
+    from lmforge.config import load_config
+    from lmforge.recipes.grpo import GRPOConfig, run_grpo
+
+    built = []
+    monkeypatch.setattr(fake_vllm, "LLM", lambda model, **kw: built.append(FakeLLM(model, **kw)) or built[-1])
+    run_grpo(load_config(GRPOConfig, None, [
+        "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
+        "model.max_position_embeddings=32", "data.task=addition", "data.num_train=8", "data.num_eval=0",
+        "rollout.num_prompts=2", "rollout.group_size=2", "rollout.max_new_tokens=4", "rollout.backend=vllm",
+        "rollout.vllm_gpu_memory_utilization=0.2", "algo.is_level=token", "train.device=cpu",
+        "train.max_steps=2", "train.save_every=0", "train.threads=1", "logging.progress=false",
+        f"train.output_dir={tmp_path}"]))
+    assert len(built) == 1
+    llm = built[0]
+    assert llm.kwargs["gpu_memory_utilization"] == 0.2 and llm.kwargs["load_format"] == "dummy"
+    assert len(llm.requests) == 2 and all(len(prompts) == 4 for prompts, _ in llm.requests)  # 2 x 2 rows per step
+    assert llm.calls.count("rpc") == 3  # the weights: at build, then before each of the 2 rollouts
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert len(train) == 2 and all(r["rollout_diff_abs_max"] > 0.01 for r in train)  # the fake's logprobs, not the policy's

@@ -1,0 +1,83 @@
+"""RL learns: GRPO raises a reward it can reach within seconds (default run), and on the quickstart
+task a short GRPO run from a short SFT raises held-out accuracy (``slow``). Each margin comes from
+runs with several seeds, whose numbers the test's docstring records."""
+import dataclasses
+import json
+
+import pytest
+
+from lmforge.config import load_config
+from lmforge.data.tasks import get_task
+from lmforge.models import load_model
+from lmforge.recipes.grpo import GRPOConfig, run_grpo
+from lmforge.recipes.quickstart import QuickstartConfig, grpo_config, sft_config
+from lmforge.recipes.sft import run_sft
+from lmforge.rollout import BUILTIN_REWARDS
+from lmforge.tokenizer import char_tokenizer
+
+
+def sevens(completion: str, problem) -> float:
+    """The fraction of a 4-token completion that is the character 7: ~1/20 for a random model."""
+    return completion.count("7") / 4
+
+
+def rewards_by_step(run_dir) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["reward"] for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+def grpo_on_sevens(out, lr: float, seed: int = 0) -> list[float]:
+    run_grpo(load_config(GRPOConfig, None, [
+        "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
+        "model.max_position_embeddings=32", f"model.init_seed={seed}", "data.task=addition", "data.num_train=64",
+        "data.num_eval=0", "rollout.num_prompts=4", "rollout.group_size=8", "rollout.max_new_tokens=4",
+        "rewards.functions=[sevens]", "train.max_steps=15", "train.micro_batch_size=32", "train.save_every=0",
+        "train.threads=1", f"train.seed={seed}", f"optim.lr={lr}", "optim.schedule=constant",
+        "logging.progress=false", f"train.output_dir={out}"]))
+    return rewards_by_step(out)
+
+
+def test_grpo_raises_a_reachable_reward(tmp_path, monkeypatch):
+    """15 GRPO steps (4 prompts x 8 samples, lr 1e-2) on a random tiny Llama, rewarded for writing 7s.
+
+    Measured with seeds 0-4 (model init and sampling), reward at step 1 -> mean of steps 13-15:
+    0.031 -> 0.781, 0.062 -> 0.826, 0.016 -> 0.854, 0.055 -> 0.784, 0.031 -> 0.807; the control at
+    lr 1e-8 (the same samples at step 1, weights that do not move) ends at 0.028, 0.029, 0.034,
+    0.034, 0.036 (its first and last three steps all <= 0.062). The test asks for a rise of 0.5 and a control below 0.2,
+    far from both. ~1.5 s per run on an idle core.
+    """
+    monkeypatch.setitem(BUILTIN_REWARDS, "sevens", sevens)
+    learned = grpo_on_sevens(tmp_path / "lr", lr=1e-2)
+    frozen = grpo_on_sevens(tmp_path / "frozen", lr=1e-8)  # the control: same start, weights that barely move
+    assert len(learned) == len(frozen) == 15
+    assert learned[0] == frozen[0] < 0.2  # the same random start
+    late = sum(learned[-3:]) / 3
+    assert late - learned[0] > 0.5, learned
+    assert max(frozen) < 0.2, frozen  # without updates the reward does not rise by itself
+
+
+def addition_accuracy_gain(root, seed: int) -> tuple[float, float]:
+    """The quickstart's SFT (tiny Llama 128 x 4, 400 steps) then 100 GRPO steps at lr 1e-4 (the
+    quickstart's GRPO settings, fewer steps, twice its lr); held-out accuracy on 200 problems."""
+    cfg = QuickstartConfig(output_dir=str(root), seed=seed, grpo_steps=100, grpo_lr=1e-4, progress=False)
+    sft = sft_config(cfg, root)
+    sft = dataclasses.replace(sft, train=dataclasses.replace(sft.train, threads=1, eval_every=0, save_every=0))
+    model, tokenizer = load_model(sft.model, char_tokenizer(get_task(cfg.task).alphabet))
+    run_sft(sft, model, tokenizer)
+    grpo = grpo_config(cfg, root)
+    grpo = dataclasses.replace(grpo, train=dataclasses.replace(grpo.train, threads=1, eval_every=0, save_every=0))
+    result = run_grpo(grpo, model, tokenizer)
+    return result["accuracy_before"], result["accuracy"]
+
+
+@pytest.mark.slow
+def test_grpo_after_sft_raises_heldout_addition_accuracy(tmp_path):
+    """Measured with seeds 0, 1, 2 (held-out accuracy on 200 problems, after SFT -> after GRPO):
+    69.0% -> 85.5% (+16.5), 79.5% -> 92.5% (+13.0), 37.5% -> 59.5% (+22.0). The test asks for
+    +6.5 points, half the smallest gain; the evaluation's own noise (binomial, 200 problems, p ~ 0.7)
+    is ~3 points. At lr 2e-4 for 60 steps the same runs collapsed (-37, -37, -5.5 points): the
+    test would catch a policy gradient with the wrong sign or scale. ~1 min on an idle core
+    (measured 1.5-2 min on a busy machine)."""
+    before, after = addition_accuracy_gain(tmp_path, seed=0)
+    assert before > 0.2, f"SFT reached only {before:.1%}: no basis for the RL stage"
+    assert after - before > 0.065, (before, after)
