@@ -300,6 +300,8 @@ class TrainConfig:
     def validate(self) -> None:
         if self.max_steps < 1:
             raise ConfigError(f"train.max_steps must be >= 1, got {self.max_steps}")
+        if Path(self.output_dir).exists() and not Path(self.output_dir).is_dir():
+            raise ConfigError(f"train.output_dir {self.output_dir!r} is a file; it must be a directory (or not exist)")
         for name in ("batch_size", "micro_batch_size"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0 (0 = automatic), got {getattr(self, name)}")

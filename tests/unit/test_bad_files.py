@@ -144,6 +144,34 @@ def _checkpoint_weights(tmp_path, content, model_dir):
     return weights, lambda: load_model_weights(model, ckpt)
 
 
+def _stage_jsonl(tmp_path, content):
+    from lmforge.antidistill_pipeline import read_jsonl
+
+    path = tmp_path / "heldout.jsonl"
+    path.write_bytes(content)
+    return path, lambda: read_jsonl(path)
+
+
+def _stage_json(tmp_path, content):
+    from lmforge.antidistill_pipeline import read_json
+
+    path = tmp_path / "results.json"
+    path.write_bytes(content)
+    return path, lambda: read_json(path)
+
+
+def _gradient(tmp_path, content):
+    from lmforge.antidistill import load_gradient, save_gradient
+
+    path = tmp_path / "grad.safetensors"
+    if callable(content):
+        save_gradient({"w": torch.ones(64, 64)}, {"num_traces": 3}, path)
+        path.write_bytes(content(path.read_bytes()))
+    else:
+        path.write_bytes(content)
+    return path, lambda: load_gradient(path)
+
+
 def _half(data: bytes) -> bytes:
     return data[: len(data) // 2]
 
@@ -205,6 +233,15 @@ CASES = {  # id: (reader, content, expected line number in the message or None, 
     "ckpt-weights-empty": (_checkpoint_weights, b"", None, "truncated or corrupt"),
     "ckpt-weights-binary": (_checkpoint_weights, BINARY, None, "truncated or corrupt"),
     "ckpt-weights-truncated": (_checkpoint_weights, _half, None, "truncated or corrupt"),
+    "stage-jsonl-binary": (_stage_jsonl, BINARY, 1, "a binary file"),
+    "stage-jsonl-truncated": (_stage_jsonl, GOOD_ROW + b'{"prompt": "1', 2, "invalid JSON"),
+    "stage-jsonl-schema": (_stage_jsonl, GOOD_ROW + b'"just a string"\n', 2, "expected a JSON object"),
+    "stage-json-empty": (_stage_json, b"", None, "invalid JSON"),
+    "stage-json-latin1": (_stage_json, LATIN1, 1, "not UTF-8 text"),
+    "stage-json-schema": (_stage_json, b"[1, 2]", None, "expected a JSON object"),
+    "gradient-empty": (_gradient, b"", None, "truncated or corrupt"),
+    "gradient-binary": (_gradient, BINARY, None, "truncated or corrupt"),
+    "gradient-truncated": (_gradient, _half, None, "truncated or corrupt"),
 }
 NEEDS_MODEL_DIR = (_model_config_json, _model_dir_config, _model_weights, _tokenizer_json, _checkpoint_weights)
 
@@ -397,3 +434,26 @@ def test_cli_bad_data_file_is_a_user_error(tmp_path, capsys):
 def test_cli_nan_learning_rate_is_a_user_error(capsys):
     assert cli.main(["sft", "data.task=addition", "optim.lr=nan"]) == 2
     assert "config key 'optim.lr': expected a finite number, got 'nan'" in capsys.readouterr().err
+
+
+def test_cli_disk_full_is_a_user_error_that_says_so(tmp_path, monkeypatch, capsys):
+    import errno
+
+    _fail_in_recipe(monkeypatch, OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x.pt")))
+    assert cli.main(["sft", "data.task=addition", f"train.output_dir={tmp_path}"]) == 2
+    assert f"No space left on device: '{tmp_path / 'x.pt'}'" in capsys.readouterr().err
+    assert not list(tmp_path.glob("lmforge-error-*"))
+
+
+def test_cli_other_os_error_is_internal(tmp_path, monkeypatch, capsys):
+    _fail_in_recipe(monkeypatch, OSError("socket closed"))
+    assert cli.main(["sft", "data.task=addition", f"train.output_dir={tmp_path}"]) == 1
+    assert "internal error: OSError: socket closed" in capsys.readouterr().err
+    assert len(list(tmp_path.glob("lmforge-error-*.log"))) == 1
+
+
+def test_cli_output_dir_that_is_a_file(tmp_path, capsys):
+    target = tmp_path / "run"
+    target.write_text("not a directory")
+    assert cli.main(["sft", "data.task=addition", f"train.output_dir={target}"]) == 2
+    assert f"train.output_dir '{target}' is a file" in capsys.readouterr().err
