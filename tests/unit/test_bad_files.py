@@ -172,6 +172,14 @@ def _gradient(tmp_path, content):
     return path, lambda: load_gradient(path)
 
 
+def _metrics(tmp_path, content):
+    from lmforge.metrics import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(content)
+    return path, lambda: read_metrics(tmp_path)
+
+
 def _half(data: bytes) -> bytes:
     return data[: len(data) // 2]
 
@@ -242,6 +250,9 @@ CASES = {  # id: (reader, content, expected line number in the message or None, 
     "gradient-empty": (_gradient, b"", None, "truncated or corrupt"),
     "gradient-binary": (_gradient, BINARY, None, "truncated or corrupt"),
     "gradient-truncated": (_gradient, _half, None, "truncated or corrupt"),
+    "metrics-binary": (_metrics, BINARY, 1, "a binary file"),
+    "metrics-bad-middle-line": (_metrics, b'{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n', 2, "invalid JSON"),
+    "metrics-schema": (_metrics, b'{"step": 1}\n[2]\n', 2, "expected a JSON object"),
 }
 NEEDS_MODEL_DIR = (_model_config_json, _model_dir_config, _model_weights, _tokenizer_json, _checkpoint_weights)
 
@@ -281,6 +292,14 @@ def test_good_files_still_read(tmp_path, model_dir):
     model, tok = load_model(ModelConfig(name=str(model_dir)))
     assert len(tok) == model.get_input_embeddings().num_embeddings
     assert len(load_tokenizer(str(model_dir))) == len(tok)
+
+
+def test_metrics_log_cut_short_by_a_kill_is_read_without_its_last_line(tmp_path, capsys):
+    from lmforge.metrics import read_metrics
+
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.25}\n{"step": 3, "lo')
+    assert read_metrics(tmp_path) == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.25}]
+    assert f"{tmp_path / 'metrics.jsonl'}:3: leaving out the last line" in capsys.readouterr().out
 
 
 def test_a_directory_where_a_file_is_expected(tmp_path):
