@@ -400,12 +400,15 @@ def test_optional_float_rejects_non_finite_but_accepts_null():
 # ----------------------------------------------------------------------------- the CLI
 
 def _fail_in_recipe(monkeypatch, exc):
-    import lmforge.recipes.sft as sft_recipe
+    """`lmforge sft` runs a recipe that raises ``exc`` (patched in the CLI's table, so that no recipe
+    module keeps the broken function after the test)."""
+    real = cli._recipes
 
     def broken(cfg):
         raise exc
 
-    monkeypatch.setattr(sft_recipe, "run_sft", broken)
+    monkeypatch.setattr(cli, "_recipes", lambda: [(name, text, cls, broken if name == "sft" else runner)
+                                                   for name, text, cls, runner in real()])
 
 
 def test_cli_internal_error_exit_1_with_a_traceback_log(tmp_path, monkeypatch, capsys):
