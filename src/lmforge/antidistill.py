@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from .errors import DataError
 from .ops import selective_log_softmax
 from .rollout.engine import (
     RolloutBatch,
@@ -234,10 +235,14 @@ def load_gradient(path: str | os.PathLike, device: str | torch.device = "cpu"
     from safetensors import safe_open
 
     grads = {}
-    with safe_open(os.fspath(path), framework="pt", device=str(device)) as f:
-        metadata = dict(f.metadata() or {})
-        for name in f.keys():
-            grads[name] = f.get_tensor(name)
+    try:
+        with safe_open(os.fspath(path), framework="pt", device=str(device)) as f:
+            metadata = dict(f.metadata() or {})
+            for name in f.keys():
+                grads[name] = f.get_tensor(name)
+    except Exception as exc:  # safetensors raises SafetensorsError (and OSError) on a bad file
+        raise DataError(f"{path}: cannot read the proxy gradient ({type(exc).__name__}: {exc}); the file is "
+                        "truncated or corrupt: run `lmforge antidistill grad` again") from exc
     meta: dict[str, Any] = dict(metadata)
     for key in _INT_META:
         if key in meta:

@@ -19,7 +19,8 @@ from typing import Iterator, Sequence
 import torch
 
 from .data.sft import SFTExample
-from .errors import LmforgeError
+from .errors import DataError, LmforgeError
+from .fileio import read_text, text_lines
 from .rollout.engine import RolloutBatch
 
 
@@ -73,8 +74,21 @@ def write_jsonl(path: Path, rows: Sequence[dict]) -> None:
     tmp.replace(path)
 
 
+def _json_value(text: str, where: str, what: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{where}: invalid JSON in the {what} ({err.msg}); the file is truncated or was "
+                        "edited: run its stage again") from None
+    if not isinstance(value, dict):
+        raise DataError(f"{where}: expected a JSON object in the {what}, got {type(value).__name__}")
+    return value
+
+
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    """The rows of a stage's JSONL file; a bad file is a DataError naming ``path:line``."""
+    return [_json_value(line, f"{path}:{number}", "stage file") for number, line in text_lines(path, "stage file")
+            if line.strip()]
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -85,7 +99,8 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def read_json(path: Path) -> dict:
-    return json.loads(Path(path).read_text())
+    """A stage's JSON object; a bad file is a DataError naming ``path``."""
+    return _json_value(read_text(path, "stage file"), str(path), "stage file")
 
 
 # ----------------------------------------------------------------------------- traces

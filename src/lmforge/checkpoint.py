@@ -363,7 +363,18 @@ def _load_sharded(path: Path, state) -> None:
 
 
 def load_trainer_state(path: Path) -> dict:
-    return torch.load(Path(path) / "trainer_state.pt", map_location="cpu", weights_only=False)
+    """The trainer state of checkpoint ``path``; a missing, truncated or corrupt file is a ConfigError."""
+    file = Path(path) / "trainer_state.pt"
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise ConfigError(f"{file}: checkpoint has no trainer state (not a complete checkpoint)") from None
+    except Exception as exc:  # torch.load raises RuntimeError, EOFError, UnpicklingError, ... on bad files
+        raise ConfigError(f"{file}: cannot read the trainer state ({type(exc).__name__}: {exc}); the file is "
+                          "truncated or corrupt: resume from another checkpoint") from exc
+    if not isinstance(state, dict):
+        raise ConfigError(f"{file}: expected a dict of trainer state, found a {type(state).__name__}")
+    return state
 
 
 def load_model_weights(model, path: Path) -> None:
@@ -375,7 +386,11 @@ def load_model_weights(model, path: Path) -> None:
         raise ConfigError(f"checkpoint {path} has no model weights")
     state = {}
     for file in files:
-        state.update(load_file(str(file)))
+        try:
+            state.update(load_file(str(file)))
+        except Exception as exc:  # safetensors raises SafetensorsError (and OSError) on a bad file
+            raise ConfigError(f"{file}: cannot read the checkpoint weights ({type(exc).__name__}: {exc}); the "
+                              "file is truncated or corrupt: resume from another checkpoint") from exc
     # Checked before loading: load_state_dict copies the matching tensors before it complains, and
     # reports a shape mismatch as a bare RuntimeError.
     own = model.state_dict()

@@ -13,12 +13,25 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
+import tempfile
 import textwrap
+import time
+import traceback
+from pathlib import Path
 from typing import Callable
 
 from .config import describe, load_config
 from .errors import LmforgeError
+
+EXIT_USER_ERROR = 2  # bad config, data, model or paths: LmforgeError, FileNotFoundError, a missing extra
+EXIT_INTERNAL_ERROR = 1  # anything else: a bug, reported with a traceback log
+EXIT_INTERRUPTED = 130
+# OSErrors that are about the machine, not lmforge: reported as user errors (exit 2), without a log
+ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR,
+                      errno.EISDIR, errno.EEXIST}
 
 
 def _options_epilog(config_cls) -> str:
@@ -41,7 +54,10 @@ def _config_command(sub, name: str, help_text: str, config_cls, runner: Callable
         config, overrides = args.config, list(args.overrides)
         if config and "=" in config and not config.endswith((".yaml", ".yml")):
             config, overrides = None, [config] + overrides
-        runner(load_config(config_cls, config, overrides))
+        cfg = load_config(config_cls, config, overrides)
+        train = getattr(cfg, "train", None)
+        args.run_dir = getattr(train, "output_dir", None) or getattr(cfg, "output_dir", None)  # for an error log
+        runner(cfg)
 
     parser.set_defaults(func=run)
 
@@ -136,14 +152,61 @@ def main(argv: list[str] | None = None) -> int:
     except (LmforgeError, FileNotFoundError, ImportError) as exc:
         if should_report(exc):  # under torchrun: once, not once per rank
             print(f"lmforge {args.command}: error: {rank_prefix()}{exc}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     except KeyboardInterrupt:
         if should_report(KeyboardInterrupt()):
             print(f"lmforge {args.command}: interrupted; completed checkpoints are intact", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except OSError as exc:
+        if exc.errno not in ENVIRONMENT_ERRNOS:
+            return _internal_error(args, argv, exc)
+        if should_report(exc):  # disk full, permissions, read-only: the machine, not lmforge
+            print(f"lmforge {args.command}: error: {rank_prefix()}{exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except Exception as exc:  # a bug in lmforge (or a library): keep the traceback, print one line
+        return _internal_error(args, argv, exc)
     finally:
         end_process_group()
     return 0
+
+
+def _internal_error(args, argv: list[str] | None, exc: Exception) -> int:
+    from .parallel.context import rank_prefix, should_report
+
+    command = "lmforge " + " ".join(sys.argv[1:] if argv is None else argv)
+    log = write_error_log(getattr(args, "run_dir", None), command, exc)
+    if should_report(exc):
+        summary = (str(exc).strip().splitlines() or [""])[0]
+        print(f"lmforge {args.command}: internal error: {rank_prefix()}{type(exc).__name__}: {summary}\n"
+              f"  full traceback: {log}\n  this is a bug in lmforge: please report it to the maintainers, "
+              "with that file attached", file=sys.stderr)
+    return EXIT_INTERNAL_ERROR
+
+
+def write_error_log(run_dir: str | None, command: str, exc: BaseException) -> str:
+    """Write ``command`` and ``exc``'s full traceback to ``run_dir/lmforge-error-<time>.log`` (a
+    temporary file when ``run_dir`` is unknown, not a directory or not writable); return its path, or
+    a note that no file could be written (then the traceback goes to stderr)."""
+    from .parallel.context import torchrun_world
+
+    rank, world, _ = torchrun_world()
+    name = f"lmforge-error-{time.strftime('%Y%m%d-%H%M%S')}{f'-rank{rank}' if world > 1 else ''}"
+    text = f"{command}\n\n{''.join(traceback.format_exception(exc))}"
+    if run_dir and Path(run_dir).is_dir():
+        try:
+            path = Path(run_dir) / f"{name}.log"
+            path.write_text(text)
+            return str(path)
+        except OSError:
+            pass  # e.g. the disk is full or read-only: try a temporary file
+    try:
+        handle, temp = tempfile.mkstemp(prefix=name + "-", suffix=".log")
+        with os.fdopen(handle, "w") as f:
+            f.write(text)
+        return temp
+    except OSError as exc:
+        print(text, file=sys.stderr)
+        return f"(none: cannot write a log file: {exc}; the traceback is printed above)"
 
 
 if __name__ == "__main__":

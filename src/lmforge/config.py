@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 
 from .errors import ConfigError
+from .fileio import read_text
 
 
 def opt(default: Any, help: str) -> Any:  # noqa: A002 - "help" reads best at call sites
@@ -51,6 +53,10 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+class _NonFinite(ConfigError):
+    """A float setting given nan or inf (no setting means anything by them)."""
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Return ``value`` converted to ``tp`` or raise ConfigError naming ``key``."""
     origin = get_origin(tp)
@@ -65,6 +71,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 continue
             try:
                 return _coerce(value, arg, key)
+            except _NonFinite:
+                raise  # a float given nan/inf: say so, rather than "expected float or ..."
             except ConfigError:
                 continue
         raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
@@ -97,13 +105,18 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             if number is not None and number.is_integer():
                 return int(number)
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):
+                raise _NonFinite(f"config key '{key}': expected a finite number, got {value!r}")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -179,13 +192,14 @@ def read_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(read_text(path, "config file (YAML)", ConfigError))
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        raise ConfigError(f"config file {path} must hold a mapping (key: value lines) at the top level, "
+                          f"not a {type(data).__name__}")
     return data
 
 
@@ -289,6 +303,8 @@ class TrainConfig:
     def validate(self) -> None:
         if self.max_steps < 1:
             raise ConfigError(f"train.max_steps must be >= 1, got {self.max_steps}")
+        if Path(self.output_dir).exists() and not Path(self.output_dir).is_dir():
+            raise ConfigError(f"train.output_dir {self.output_dir!r} is a file; it must be a directory (or not exist)")
         for name in ("batch_size", "micro_batch_size"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0 (0 = automatic), got {getattr(self, name)}")

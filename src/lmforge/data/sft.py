@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import DataError
+from ..fileio import text_lines
 from ..tokenizer import DEFAULT_CHAT_TEMPLATE
 
 _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -83,7 +84,13 @@ def _read_parquet(path: Path) -> list[object]:
         import pyarrow.parquet as pq
     except ImportError:
         raise DataError(f"{path}: reading Parquet needs pyarrow: pip install 'lmforge[parquet]'") from None
-    return pq.read_table(path).to_pylist()
+    import pyarrow
+
+    try:
+        return pq.read_table(path).to_pylist()
+    except (pyarrow.ArrowException, OSError) as exc:
+        raise DataError(f"{path}: not a readable Parquet file ({exc}); expected a Parquet table with "
+                        "'messages' or 'prompt'/'completion' columns") from None
 
 
 def load_sft_rows(path: str | Path) -> list[dict]:
@@ -102,16 +109,15 @@ def load_sft_rows(path: str | Path) -> list[dict]:
                 row = {k: v for k, v in row.items() if v is not None}
             rows.append(_check_row(row, f"{path}:row {number}"))
     elif path.suffix in _JSONL_SUFFIXES:
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DataError(f"{path}:{number}: invalid JSON ({err.msg} at column {err.colno}); "
-                                    "each line must hold one JSON object") from None
-                rows.append(_check_row(row, f"{path}:{number}"))
+        for number, line in text_lines(path, "SFT data file (JSON Lines)"):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{number}: invalid JSON ({err.msg} at column {err.colno}); "
+                                "each line must hold one JSON object") from None
+            rows.append(_check_row(row, f"{path}:{number}"))
     else:
         raise DataError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl (JSON Lines) or .parquet")
     if not rows:

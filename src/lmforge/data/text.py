@@ -18,6 +18,7 @@ says so.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import random
 from dataclasses import dataclass
@@ -26,8 +27,10 @@ from pathlib import Path
 import torch
 
 from ..errors import DataError
+from ..fileio import read_text
 from ..tokenizer import tokenizer_fingerprint
 
+logger = logging.getLogger(__name__)
 _CACHE_VERSION = 1  # bump when the packing rule changes so that old cache files are not reused
 
 
@@ -51,12 +54,7 @@ def load_text_files(paths: list[str]) -> list[str]:
             files.append(path)
         else:
             raise DataError(f"{path}: text file or directory not found")
-    docs = []
-    for path in files:
-        try:
-            docs.append(path.read_text(encoding="utf-8"))
-        except UnicodeDecodeError as err:
-            raise DataError(f"{path}: not UTF-8 text ({err})") from None
+    docs = [read_text(path, "text file") for path in files]
     docs = [d for d in docs if d.strip()]
     if not docs:
         raise DataError(f"no text found in {', '.join(map(str, files))} (all files are empty)")
@@ -132,6 +130,19 @@ def _pack(
     return train, val, overlap
 
 
+def _load_cache(cache_file: Path) -> dict | None:
+    """A packed-data cache file, or None (with a warning) when it is unreadable: it is rebuilt."""
+    try:
+        saved = torch.load(cache_file, weights_only=True)
+        if isinstance(saved, dict) and {"train", "val", "val_overlaps_train"} <= saved.keys():
+            return saved
+        problem = "it does not hold packed data"
+    except Exception as exc:  # truncated or corrupt: torch raises several types (RuntimeError, EOFError, ...)
+        problem = f"{type(exc).__name__}: {exc}"
+    logger.warning("ignoring the unreadable data cache %s (%s); packing the text again", cache_file, problem)
+    return None
+
+
 def pack_documents(
     docs: list[str],
     tokenizer,
@@ -156,8 +167,8 @@ def pack_documents(
     if cache_dir is not None:
         key = _cache_key(docs, tokenizer, seq_len, val_fraction, seed)
         cache_file = Path(cache_dir) / f"packed-{key[:32]}.pt"
-        if cache_file.is_file():
-            saved = torch.load(cache_file, weights_only=True)
+        saved = _load_cache(cache_file) if cache_file.is_file() else None
+        if saved is not None:
             overlap = saved["val_overlaps_train"]
             return PackedData(saved["train"], saved["val"], seq_len, overlap, from_cache=True)
     train, val, overlap = _pack(docs, tokenizer, seq_len, val_fraction, seed)

@@ -22,6 +22,7 @@ import inspect
 import logging
 import math
 import re
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -110,16 +111,30 @@ def resolve_reward(name: str) -> RewardFn:
             f"unknown reward {name!r}: use one of {sorted(BUILTIN_REWARDS)} or 'package.module:function'"
         )
     module_name, _, attr = name.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"reward {name!r}: expected 'package.module:function' with both parts non-empty")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigError(
             f"reward {name!r}: cannot import module {module_name!r} ({exc}); is it installed or on PYTHONPATH?"
         ) from exc
+    except Exception as exc:  # the module itself is broken: a syntax error, or code that raises on import
+        raise ConfigError(f"reward {name!r}: importing module {module_name!r} failed at "
+                          f"{_where_raised(exc)}: {type(exc).__name__}: {exc}") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ConfigError(f"reward {name!r}: module {module_name!r} has no callable {attr!r}")
+        where = getattr(module, "__file__", None) or module_name
+        raise ConfigError(f"reward {name!r}: module {module_name!r} ({where}) has no callable {attr!r}")
     return fn
+
+
+def _where_raised(exc: BaseException) -> str:
+    """``file:line`` of a syntax error, else of the innermost frame of ``exc``'s traceback."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{exc.filename}:{exc.lineno}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "(unknown place)"
 
 
 # ----------------------------------------------------------------------------- combining
