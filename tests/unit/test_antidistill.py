@@ -21,7 +21,9 @@ from lmforge.antidistill import (
     ads_logits,
     check_same_tokenizer,
     clean_param_name,
+    eps_from_reference,
     lam_from_reference,
+    random_direction,
     load_gradient,
     perturbed_copies,
     proxy_gradient,
@@ -279,7 +281,6 @@ def test_two_gloo_ranks_equal_one_rank_on_all_data(tmp_path):
             torch.testing.assert_close(grads[name], expected[name], rtol=1e-12, atol=1e-15)
         assert meta["world_size"] == 2 and meta["num_sequences"] == 8
         assert meta["num_tokens"] == expected_meta["num_tokens"]
-        assert meta["grad_norm"] == pytest.approx(expected_meta["grad_norm"], rel=1e-12)
 
 
 # ----------------------------------------------------------------------------- perturbed copies
@@ -455,15 +456,81 @@ def test_ads_logits_hand_value_and_lam_zero():
         ads_logits(teacher, plus[:, :2], minus[:, :2], temperature=1.0, lam=0.1, eps=1e-2)
 
 
-def test_reference_lam_conversion():
-    """Reference: softmax((z + lam_ref * d / 2eps) / T) == ours with lam = lam_ref / T."""
-    gen = torch.Generator().manual_seed(0)
-    z, zp, zm = (torch.randn(3, 40, generator=gen, dtype=torch.float64) for _ in range(3))
-    temperature, lam_ref, eps = 0.6, 3e-3, 1e-2
-    reference = (z + lam_ref / (2 * eps) * (zp - zm)) / temperature
-    ours = ads_logits(z, zp, zm, temperature, lam_from_reference(lam_ref, temperature), eps)
-    torch.testing.assert_close(ours, reference, rtol=0, atol=1e-12)
-    assert lam_from_reference(lam_ref, temperature) == pytest.approx(5e-3, rel=1e-12)
+def test_reference_conversion_hand_values_and_checks():
+    # lam = lam_ref / (W T): 3e-3 / (8 * 0.6) = 6.25e-4; eps = eps_ref / W: 1e-2 / 8 = 1.25e-3
+    assert lam_from_reference(3e-3, 0.6, 8) == pytest.approx(6.25e-4, rel=1e-12)
+    assert eps_from_reference(1e-2, 8) == pytest.approx(1.25e-3, rel=1e-12)
+    assert lam_from_reference(0.15, 1.0, 1) == pytest.approx(0.15, rel=1e-12)
+    for bad in (0, -2, 2.0, True):
+        with pytest.raises(ValueError, match="reference_world_size"):
+            lam_from_reference(0.1, 1.0, bad)
+    with pytest.raises(ValueError, match="temperature"):
+        lam_from_reference(0.1, 0.0, 8)
+    with pytest.raises(ValueError, match="eps_reference"):
+        eps_from_reference(0.0, 8)
+
+
+def _reference_ddp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """What the reference save_grad.py does on each rank: batch size 1, loss = token-mean NLL x batch
+    size, backward through DDP (which averages over ranks on every backward), accumulate .grad, divide
+    by the global number of sequences, and save rank 0's tensors (the cross-rank sum was discarded)."""
+    import torch.distributed as dist
+
+    from lmforge.antidistill import sequence_mean_nll
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    try:
+        model = nn.parallel.DistributedDataParallel(TinyLM().double())
+        traces = make_traces(8)[rank::world_size]  # 4 each: DDP needs the same number of backwards per rank
+        accumulated = {n: torch.zeros_like(p) for n, p in model.module.named_parameters()}
+        for trace in traces:
+            batch = collate([trace])
+            nll, _ = sequence_mean_nll(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+            (nll.sum()).backward()  # the DDP hooks average .grad over the ranks here
+            for n, p in model.module.named_parameters():
+                accumulated[n] += p.grad
+            model.zero_grad()
+        total = torch.tensor([len(traces)])
+        dist.all_reduce(total)
+        if rank == 0:
+            torch.save({n: g / int(total) for n, g in accumulated.items()}, os.path.join(out_dir, "reference.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reference_conversion_against_two_rank_ddp_averaged_gradient(tmp_path):
+    """The reference's saved gradient is g / W; converting (lam_ref, eps_ref) with W reproduces its logits."""
+    import torch.multiprocessing as mp
+
+    world = 2
+    mp.start_processes(_reference_ddp_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True,
+                       start_method="spawn")
+    reference_grads = torch.load(tmp_path / "reference.pt")
+    proxy = TinyLM().double()
+    true_grads, _ = proxy_gradient(proxy, [collate(make_traces(8))])
+    for name, g in true_grads.items():
+        torch.testing.assert_close(reference_grads[name], g / world, rtol=1e-10, atol=1e-14)
+    # Reference sampling: proxies at theta +- eps_ref * g_ref, term added before dividing by T.
+    temperature, lam_ref, eps_ref = 0.7, 0.05, 1e-2
+    inputs = make_traces(2, seed=9)[1][0][None]  # (1, T)
+    teacher = TinyLM(seed=3).double()
+    with torch.no_grad():
+        z = teacher(inputs)[0]
+        zp, zm = (m(inputs)[0] for m in perturbed_copies(proxy, reference_grads, eps_ref))
+        reference_logits = (z + lam_ref * (zp - zm) / (2 * eps_ref)) / temperature
+        eps = eps_from_reference(eps_ref, world)
+        ours_plus, ours_minus = (m(inputs)[0] for m in perturbed_copies(proxy, true_grads, eps))
+        ours = ads_logits(z, ours_plus, ours_minus, temperature, lam_from_reference(lam_ref, temperature, world), eps)
+        unscaled = ads_logits(z, ours_plus, ours_minus, temperature, lam_from_reference(lam_ref, temperature, 1), eps)
+    torch.testing.assert_close(torch.log_softmax(ours, -1), torch.log_softmax(reference_logits, -1),
+                               rtol=0, atol=1e-9)
+    # Without the world-size factor the ADS term is twice the reference's: a visible difference.
+    term = (reference_logits - z / temperature).abs().max()
+    assert float(term) > 1e-3
+    torch.testing.assert_close(unscaled - z / temperature, 2 * (reference_logits - z / temperature),
+                               rtol=1e-6, atol=1e-9)
 
 
 def test_logits_and_logprobs_give_same_sampling_distribution():
