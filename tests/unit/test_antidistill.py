@@ -109,13 +109,15 @@ def collate(traces, left: bool = False):
     return {"input_ids": out[0], "attention_mask": out[1], "loss_mask": out[2]}
 
 
-def tiny_llama(seed: int = 0, vocab: int = 64, dtype=torch.float32, init: float = 0.02, tie: bool = False):
+def tiny_llama(seed: int = 0, vocab: int = 64, dtype=torch.float32, init: float = 0.02, tie: bool = False,
+               dropout: float = 0.0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      initializer_range=init, tie_word_embeddings=tie, attn_implementation="eager")
+                      initializer_range=init, tie_word_embeddings=tie, attn_implementation="eager",
+                      attention_dropout=dropout)
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
@@ -496,6 +498,7 @@ def _reference_ddp_worker(rank: int, world_size: int, port: int, out_dir: str) -
         dist.all_reduce(total)
         if rank == 0:
             torch.save({n: g / int(total) for n, g in accumulated.items()}, os.path.join(out_dir, "reference.pt"))
+        dist.barrier()  # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
 
@@ -571,30 +574,88 @@ def test_lam_zero_reproduces_engine_generate_token_for_token(llamas):
     assert not torch.equal(strong.completion_ids, plain.completion_ids)
 
 
-def test_lockstep_caches_match_full_recompute(llamas):
-    """All three KV caches are fed the sampled tokens: same tokens as recomputing every prefix."""
+@pytest.mark.parametrize("num_samples", [1, 3])
+def test_lockstep_caches_match_full_recompute(llamas, num_samples):
+    """All three KV caches are fed the sampled tokens, also when num_samples rows share one prompt's
+    prefill: same tokens, teacher logprobs and per-step KL as recomputing every prefix from scratch."""
     teacher, plus, minus = llamas
     temperature, lam, eps = 0.9, 0.5, 1e-2
     params = SamplingParams(temperature=temperature, max_new_tokens=6, seed=7)
-    ads = ads_generate(teacher, plus, minus, PROMPTS, params, lam=lam, eps=eps)
+    ads = ads_generate(teacher, plus, minus, PROMPTS, params, lam=lam, eps=eps, num_samples=num_samples)
 
-    width = max(map(len, PROMPTS))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
+    rows = [p for p in PROMPTS for _ in range(num_samples)]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in rows])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
     gen = torch.Generator().manual_seed(7)
-    teacher_logprobs = []
+    teacher_logprobs, kls = [], []
     for _ in range(6):
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         with torch.no_grad():
-            zt, zp, zm = (m(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits[:, -1].float()
+            zt, zp, zm = (m(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits[:, -1].double()
                           for m in (teacher, plus, minus))
         adjusted = zt / temperature + lam * (zp - zm) / (2 * eps)
-        tokens, _ = sample_token(adjusted, dataclasses.replace(params, temperature=1.0), gen)
+        tokens, _ = sample_token(adjusted.float(), dataclasses.replace(params, temperature=1.0), gen)
+        p_ads, p_plain = torch.softmax(adjusted, -1), torch.softmax(zt / temperature, -1)
+        kls.append((p_ads * (p_ads.log() - p_plain.log())).sum(-1, keepdim=True))
         teacher_logprobs.append(torch.log_softmax(zt / temperature, -1).gather(-1, tokens[:, None]))
         ids, mask = torch.cat([ids, tokens[:, None]], 1), torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
     assert torch.equal(ads.completion_ids, ids[:, width:])
-    torch.testing.assert_close(ads.teacher_logprobs, torch.cat(teacher_logprobs, 1), rtol=0, atol=1e-5)
-    assert torch.all(ads.logprobs <= 0)
+    if num_samples > 1:  # rows of one prompt share its prefill but must not share their samples
+        groups = ads.completion_ids.view(len(PROMPTS), num_samples, -1)
+        assert any(len({tuple(row.tolist()) for row in group}) > 1 for group in groups)
+    torch.testing.assert_close(ads.teacher_logprobs.double(), torch.cat(teacher_logprobs, 1), rtol=0, atol=1e-5)
+    expected_kl = torch.cat(kls, 1)
+    assert float(expected_kl.min()) > 1e-3  # lam = 0.5 tilts every step visibly
+    torch.testing.assert_close(ads.kl.double(), expected_kl, rtol=1e-3, atol=1e-6)
+
+
+def test_kl_is_zero_at_lam_zero_and_grows_with_lam(llamas):
+    teacher, plus, minus = llamas
+    params = SamplingParams(temperature=1.0, max_new_tokens=5, seed=3)
+    kl = [float(ads_generate(teacher, plus, minus, PROMPTS, params, lam=lam, eps=1e-2).kl.mean())
+          for lam in (0.0, 0.1, 0.5)]
+    assert kl[0] == 0.0
+    assert 0 < kl[1] < kl[2]
+
+
+def test_ads_generate_runs_in_eval_mode_and_restores_modes():
+    """With attention dropout 0.5, a model left in train mode would sample from noisy logits."""
+    teacher, plus, minus = (tiny_llama(seed=s, init=0.1, dropout=0.5) for s in (0, 1, 2))
+    teacher.train()
+    minus.train()
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=11)
+    plain = generate(teacher, PROMPTS, params, pad_token_id=0)  # eval mode inside, restored after
+    assert teacher.training
+    ads = ads_generate(teacher, plus, minus, PROMPTS, params, lam=0.0, eps=1e-2)
+    assert torch.equal(ads.completion_ids, plain.completion_ids)
+    assert torch.equal(ads.logprobs, plain.logprobs)
+    assert (teacher.training, plus.training, minus.training) == (True, False, True)
+    # The dropout is real: a train-mode forward of the same input differs from an eval-mode one.
+    inputs = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        noisy = teacher(inputs).logits
+        clean = teacher.eval()(inputs).logits
+    assert not torch.allclose(noisy, clean)
+
+
+def test_random_direction_norm_matched_seeded_and_unrelated_to_g():
+    grads = {"b": torch.tensor([3.0, 4.0]), "a": torch.zeros(2, 3, dtype=torch.float64)}  # norm 5
+    rand = random_direction(grads, seed=0)
+    assert {n: (t.shape, t.dtype) for n, t in rand.items()} == {n: (t.shape, t.dtype) for n, t in grads.items()}
+    norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in rand.values()))
+    assert norm == pytest.approx(5.0, rel=1e-6)
+    again, other = random_direction(grads, seed=0), random_direction(grads, seed=1)
+    assert all(torch.equal(rand[n], again[n]) for n in grads)
+    assert not torch.equal(rand["b"], other["b"])
+    model = TinyLM().double()
+    g, _ = proxy_gradient(model, [collate(make_traces(4))])
+    r = random_direction(g, seed=0)
+    flat_g, flat_r = (torch.cat([d[n].flatten() for n in sorted(d)]) for d in (g, r))
+    assert float(flat_r.norm()) == pytest.approx(float(flat_g.norm()), rel=1e-12)
+    assert 80 < angle_deg(flat_g, flat_r) < 100  # thousands of dimensions: nearly orthogonal
+    with pytest.raises(ValueError, match="zero"):
+        random_direction({"a": torch.zeros(3)}, seed=0)
 
 
 def test_ads_generate_vocab_size_and_argument_checks(llamas):
