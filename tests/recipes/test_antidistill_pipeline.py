@@ -137,6 +137,15 @@ def test_random_direction_control_writes_its_own_settings(workdir, tmp_path):
     assert random_kl != proxy_kl  # another direction, another tilt
 
 
+def test_sample_seed_changes_the_samples_not_the_prompts(workdir, tmp_path):
+    root = _copy_inputs(workdir, tmp_path)
+    assert cli("sample", root, "sample.seed=7", "sample.lams=[0.0]", "sample.temperatures=[2.0]") == 0
+    base = read_jsonl(workdir / "samples" / "T2-lam0" / "traces.jsonl")  # sample.seed=-1: data.seed 0
+    other = read_jsonl(root / "samples" / "T2-lam0" / "traces.jsonl")
+    assert [r["prompt"] for r in other] == [r["prompt"] for r in base]
+    assert [r["completion"] for r in other] != [r["completion"] for r in base]
+
+
 def test_top_k_one_makes_every_sample_of_a_prompt_the_same(workdir, tmp_path):
     root = _copy_inputs(workdir, tmp_path)
     assert cli("sample", root, "sample.top_k=1", "sample.temperatures=[2.0]", "run.dtype=bf16") == 0

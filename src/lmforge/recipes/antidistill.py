@@ -94,6 +94,8 @@ class SampleConfig:
     direction_seed: int = opt(0, "seed of the random direction (sample.direction=random)")
     top_k: int = opt(0, "sample only among the k most likely tokens of the (adjusted) distribution (0 = off)")
     top_p: float = opt(1.0, "nucleus sampling on the (adjusted) distribution (1 = off; the reference used 0.95)")
+    seed: int = opt(-1, "seed of the sampling (traces and sample stages); -1 = data.seed. Changes the random "
+                    "numbers only, not the prompts, so seeds can be repeated on the same problems")
     batch_size: int = opt(64, "prompts per generation batch")
 
     def validate(self) -> None:
@@ -119,6 +121,7 @@ class DistillConfig:
     batch_size: int = opt(32, "rows per optimizer step")
     micro_batch_size: int = opt(32, "rows per forward pass (splits the batch; 0 = chosen by hardware tier)")
     val_fraction: float = opt(0.05, "fraction of each trace set held out for the student's validation loss")
+    seed: int = opt(-1, "seed of the student's training (data order); -1 = data.seed")
 
 
 @dataclasses.dataclass
@@ -148,6 +151,11 @@ class AntidistillConfig:
 # ----------------------------------------------------------------------------- shared pieces
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _seed(seed: int, cfg: AntidistillConfig) -> int:
+    """A stage's own seed, or data.seed when it is -1."""
+    return cfg.data.seed if seed == -1 else seed
 
 
 def _settings(cfg: AntidistillConfig) -> list[tuple[float, float]]:
@@ -225,7 +233,7 @@ def _sample_traces(cfg, ctx, teacher, tokenizer, task, problems, temperature: fl
             params = SamplingParams(temperature=temperature, max_new_tokens=cfg.data.max_new_tokens,
                                     top_k=top_k, top_p=top_p,
                                     stop_token_ids=[tokenizer.eos_token_id],
-                                    seed=cfg.data.seed + index + 1_000_003 * ctx.rank)
+                                    seed=_seed(cfg.sample.seed, cfg) + index + 1_000_003 * ctx.rank)
             if lam == 0:
                 batch = generate(teacher, prompts, params, num_samples=num_samples, pad_token_id=tokenizer.pad_token_id)
             else:
@@ -343,7 +351,7 @@ def _sft_config(cfg: AntidistillConfig, traces: Path, out: Path) -> SFTConfig:
     data = SFTDataConfig(path=str(traces), max_len=cfg.data.max_len, use_chat_template=cfg.data.use_chat_template,
                          val_fraction=d.val_fraction)
     train = TrainConfig(output_dir=str(out), max_steps=d.max_steps, batch_size=d.batch_size,
-                        micro_batch_size=d.micro_batch_size, seed=cfg.data.seed, device=cfg.run.device, threads=cfg.run.threads,
+                        micro_batch_size=d.micro_batch_size, seed=_seed(d.seed, cfg), device=cfg.run.device, threads=cfg.run.threads,
                         eval_every=0, save_every=0, keep_last=1, log_every=max(d.max_steps // 5, 1),
                         max_new_tokens=cfg.data.max_new_tokens)
     return SFTConfig(model=cfg.student, data=data, optim=d.optim, train=train,
