@@ -50,7 +50,7 @@ SCALES = {
                 ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=2", "model.init_seed=1",
                  "train.max_steps=400", "train.batch_size=64", "train.micro_batch_size=64", "optim.lr=3e-3",
                  "optim.warmup_steps=50"],
-                ["data.num_heldout=128", "data.num_prompts=512", "data.num_test=200", "sample.temperatures=[1.0,2.0]",
+                ["data.num_heldout=128", "data.num_prompts=512", "data.num_test=200", "sample.temperatures=[1.0,2.0,3.0]",
                  "sample.lams=[0.0,0.05]", "distill.max_steps=600", "distill.optim.warmup_steps=50"]),
     "smoke": (["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "train.max_steps=30",
                "train.batch_size=16", "train.micro_batch_size=16", "optim.lr=3e-3"],
