@@ -298,7 +298,7 @@ def ads_logits(teacher_logits: torch.Tensor, plus_logits: torch.Tensor, minus_lo
 
     All inputs (..., V) of the same shape; returns fp32 (fp64 if any input is fp64). The term is
     added *after* temperature scaling, so lam means the same at every T; the reference code adds it
-    before (see ``lam_from_reference``). ``z_plus`` / ``z_minus`` may be proxy logits or proxy
+    before and on a gradient divided by its world size (see ``lam_from_reference``). ``z_plus`` / ``z_minus`` may be proxy logits or proxy
     log-softmax outputs: they differ by a per-row constant, which softmax ignores. lam = 0 returns
     ``z_teacher / T`` exactly (for finite proxy logits).
     """
@@ -315,15 +315,58 @@ def ads_logits(teacher_logits: torch.Tensor, plus_logits: torch.Tensor, minus_lo
     return scaled + lam * (plus_logits.to(dtype) - minus_logits.to(dtype)) / (2 * eps)
 
 
-def lam_from_reference(lam_reference: float, temperature: float) -> float:
-    """Paper-convention lam from the reference code's lam.
+def lam_from_reference(lam_reference: float, temperature: float, reference_world_size: int) -> float:
+    """Paper-convention lam from the reference code's lam, for a gradient saved by ``W`` processes.
 
-    The reference adds ``lam_ref/(2 eps) * diff`` to the logits *before* dividing by T, i.e. it samples
-    softmax(z/T + (lam_ref/T) * diff/(2 eps)); so ``lam = lam_ref / T`` (and ``lam_ref = lam * T``).
+    Two factors. (1) The reference adds ``lam_ref/(2 eps_ref) * diff`` to the logits *before* dividing
+    by T, i.e. it samples softmax(z/T + (lam_ref/T) * diff/(2 eps_ref)). (2) Its ``save_grad.py`` ran
+    under DDP (accelerate): every backward averaged the gradient over the ``W`` ranks, and the later
+    cross-rank sum was returned in a new tensor and discarded, so the saved gradient is
+    ``g_ref = g / W`` (g: the mean gradient over all traces). Perturbing by ``eps_ref * g_ref`` is
+    perturbing by ``(eps_ref / W) * g``, and ``diff/(2 eps_ref)`` is ``1/W`` of the directional
+    derivative along g. Together: ``lam = lam_ref / (W * T)``, with ``eps = eps_ref / W``
+    (``eps_from_reference``); both are exact, not first-order. The reference runs used W = 8.
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    return lam_reference / temperature
+    _check_world_size(reference_world_size)
+    return lam_reference / (reference_world_size * temperature)
+
+
+def eps_from_reference(eps_reference: float, reference_world_size: int) -> float:
+    """The eps on the true mean gradient that moves the proxies as far as the reference's ``eps_ref``
+    did on its DDP-averaged gradient (``g / W``, see ``lam_from_reference``): ``eps = eps_ref / W``."""
+    if not eps_reference > 0:
+        raise ValueError(f"eps_reference must be > 0, got {eps_reference}")
+    _check_world_size(reference_world_size)
+    return eps_reference / reference_world_size
+
+
+def _check_world_size(world_size: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"reference_world_size must be the number of processes save_grad.py ran on "
+                         f"(an int >= 1; the paper's runs used 8), got {world_size!r}")
+
+
+# ----------------------------------------------------------------------------- control direction
+
+def random_direction(grads: Mapping[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """A random direction with the same names, shapes, dtypes and global L2 norm as ``grads``.
+
+    Gaussian entries from a CPU generator seeded with ``seed`` (same seed, same direction on any
+    device), drawn in the sorted order of the names, then scaled so that the norm over all tensors
+    equals ``grads``' norm. The control for ADS: proxies perturbed along it tilt the teacher as much
+    (per unit of eps) but in a direction unrelated to the proxy's held-out loss.
+    """
+    if not grads:
+        raise ValueError("random_direction needs a non-empty gradient")
+    generator = torch.Generator().manual_seed(seed)
+    target = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
+    if not target > 0:
+        raise ValueError("the gradient is zero; a norm-matched random direction would be zero too")
+    draws = {name: torch.randn(grads[name].shape, generator=generator, dtype=torch.float64) for name in sorted(grads)}
+    scale = target / math.sqrt(sum(float(d.pow(2).sum()) for d in draws.values()))
+    return {name: (draws[name] * scale).to(device=g.device, dtype=g.dtype) for name, g in grads.items()}
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -363,6 +406,7 @@ class AdsRolloutBatch(RolloutBatch):
     top-k / top-p), plus the tempered teacher's log-probabilities of the same tokens."""
 
     teacher_logprobs: torch.Tensor  # (B, C) float32, log_softmax(z_teacher / T)[token], no truncation; 0 off-mask
+    kl: torch.Tensor  # (B, C) float32, KL(ADS || tempered teacher) of each step's full distributions; 0 off-mask
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -390,13 +434,27 @@ def ads_generate(teacher: nn.Module, proxy_plus: nn.Module, proxy_minus: nn.Modu
     its own KV cache; each step's sampled tokens are fed to all three. Token t is drawn with the rollout
     engine's ``sample_token`` from ``ads_logits(...)`` with ``params``' top-k / top-p applied to the
     adjusted logits, using ``params.seed``. With lam = 0 the tokens equal ``rollout.generate(teacher,
-    ...)`` token for token. ``vocab_size`` keeps only the first ``vocab_size`` logits of every model
+    ...)`` token for token. All three models run in eval mode (no dropout; ``generate`` does the same)
+    and get their previous modes back afterwards. ``vocab_size`` keeps only the first ``vocab_size`` logits of every model
     (for models whose embedding matrices are padded to different sizes).
     """
     _check_ads_params(params, eps)
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     models = (teacher, proxy_plus, proxy_minus)
+    modes = [model.training for model in models]
+    try:
+        for model in models:
+            model.eval()  # no dropout: lam = 0 must be rollout.generate, which samples in eval mode
+        return _ads_generate(models, prompts, params, lam, eps, num_samples, pad_token_id, vocab_size)
+    finally:
+        for model, mode in zip(models, modes):
+            model.train(mode)
+
+
+def _ads_generate(models, prompts, params: SamplingParams, lam: float, eps: float, num_samples: int,
+                  pad_token_id: int, vocab_size: int | None) -> AdsRolloutBatch:
+    teacher = models[0]
     device = _model_device(teacher)
     prompt_ids, prompt_mask = left_pad(prompts, pad_token_id)  # (N, P)
     generator = None if params.seed is None else torch.Generator(device=device).manual_seed(params.seed)
@@ -409,13 +467,13 @@ def ads_generate(teacher: nn.Module, proxy_plus: nn.Module, proxy_minus: nn.Modu
         logits.append(last.repeat_interleave(num_samples, dim=0).to(device))  # (B, V)
     prompt_ids = prompt_ids.repeat_interleave(num_samples, dim=0)
     prompt_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
-    ids, mask, logprobs, teacher_logprobs, finished = _ads_decode_loop(
+    ids, mask, logprobs, teacher_logprobs, kl, finished = _ads_decode_loop(
         models, caches, logits, prompt_mask.to(device), params, lam, eps, pad_token_id, generator, vocab_size)
     return AdsRolloutBatch(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=ids.cpu(), completion_mask=mask.cpu(),
         logprobs=logprobs.cpu(), group_index=torch.arange(len(prompts)).repeat_interleave(num_samples),
         prompt_lens=prompt_mask.sum(1), completion_lens=mask.sum(1).cpu(), truncated=~finished.cpu(),
-        teacher_logprobs=teacher_logprobs.cpu(),
+        teacher_logprobs=teacher_logprobs.cpu(), kl=kl.cpu(),
     )
 
 
@@ -423,7 +481,9 @@ def _ads_decode_loop(models, caches, logits, prompt_mask, params: SamplingParams
                      pad_token_id: int, generator, vocab_size: int | None, check_every: int = 4):
     """Lockstep sampling of [teacher, plus, minus]. logits: their (B, V) logits; prompt_mask (B, P).
 
-    Returns (ids, mask, logprobs, teacher_logprobs) each (B, C) and finished (B,). The rollout
+    Returns (ids, mask, logprobs, teacher_logprobs, kl) each (B, C) and finished (B,). ``kl`` is the
+    exact KL(softmax(adjusted) || softmax(z_teacher / T)) of each step, over the whole vocabulary
+    (before top-k / top-p), so it does not depend on the token drawn. The rollout
     engine's loop (``rollout.engine.lockstep_decode``: same RNG use, same stop rule) with the ADS
     logits in place of the teacher's, so that lam = 0 reproduces the engine exactly.
     """
@@ -434,8 +494,10 @@ def _ads_decode_loop(models, caches, logits, prompt_mask, params: SamplingParams
         z_teacher, z_plus, z_minus = (z[:, :vocab_size] for z in logits)
         adjusted = ads_logits(z_teacher, z_plus, z_minus, params.temperature, lam, eps)  # (B, V)
         tokens, token_logprobs = sample_token(adjusted, adjusted_params, generator)  # (B,), (B,)
-        teacher_all = torch.log_softmax(z_teacher / params.temperature, dim=-1)  # (B, V), finite everywhere
-        return tokens, token_logprobs, (teacher_all.gather(-1, tokens[:, None]).squeeze(-1),)
+        teacher_all = torch.log_softmax(z_teacher.to(adjusted.dtype) / params.temperature, dim=-1)  # (B, V)
+        ads_all = torch.log_softmax(adjusted, dim=-1)  # (B, V)
+        kl = (ads_all.exp() * (ads_all - teacher_all)).sum(-1)  # (B,)
+        return tokens, token_logprobs, (teacher_all.gather(-1, tokens[:, None]).squeeze(-1), kl)
 
     def advance(tokens, attention_mask, positions):
         for i, model in enumerate(models):
@@ -444,6 +506,6 @@ def _ads_decode_loop(models, caches, logits, prompt_mask, params: SamplingParams
                                                  attention_mask.to(model_device), positions.to(model_device))
             logits[i] = step_logits.to(device)
 
-    ids, mask, logprobs, (teacher_logprobs,), finished = lockstep_decode(
-        pick, advance, prompt_mask, params, pad_token_id, check_every=check_every, num_extras=1)
-    return ids, mask, logprobs, teacher_logprobs, finished
+    ids, mask, logprobs, (teacher_logprobs, kl), finished = lockstep_decode(
+        pick, advance, prompt_mask, params, pad_token_id, check_every=check_every, num_extras=2)
+    return ids, mask, logprobs, teacher_logprobs, kl, finished

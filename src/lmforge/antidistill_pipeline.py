@@ -5,7 +5,7 @@ Work directory (``run.workdir``); each stage reads what the stage before it wrot
 
     traces/heldout.jsonl  traces/summary.json         lmforge antidistill traces
     grad/proxy_grad.safetensors  grad/summary.json    lmforge antidistill grad
-    samples/<setting>/traces.jsonl  .../summary.json  lmforge antidistill sample   (one per (T, lam))
+    samples/<setting>/traces.jsonl  .../summary.json  lmforge antidistill sample   (one per (T, lam[, direction]))
     students/<setting>/final/                         lmforge antidistill distill  (an SFT run dir each)
     eval/results.json                                 lmforge antidistill eval
     report/report.md  report/student_vs_teacher.png   lmforge antidistill report
@@ -38,17 +38,20 @@ def grad_path(workdir: Path) -> Path:
     return Path(workdir) / "grad" / "proxy_grad.safetensors"
 
 
-def setting_name(temperature: float, lam: float) -> str:
-    """Directory name of one sweep setting, e.g. ``T1-lam0.5`` (lam in the paper's convention)."""
-    return f"T{temperature:g}-lam{lam:g}"
+def setting_name(temperature: float, lam: float, direction: str = "proxy") -> str:
+    """Directory name of one sweep setting, e.g. ``T1-lam0.5`` (lam in the paper's convention), or
+    ``T1-lam0.5-random`` for the random-direction control. lam = 0 is plain sampling whatever the
+    direction, so its name carries none."""
+    name = f"T{temperature:g}-lam{lam:g}"
+    return name if lam == 0 or direction == "proxy" else f"{name}-{direction}"
 
 
-def sample_dir(workdir: Path, temperature: float, lam: float) -> Path:
-    return Path(workdir) / "samples" / setting_name(temperature, lam)
+def sample_dir(workdir: Path, temperature: float, lam: float, direction: str = "proxy") -> Path:
+    return Path(workdir) / "samples" / setting_name(temperature, lam, direction)
 
 
-def student_dir(workdir: Path, temperature: float, lam: float) -> Path:
-    return Path(workdir) / "students" / setting_name(temperature, lam)
+def student_dir(workdir: Path, temperature: float, lam: float, direction: str = "proxy") -> Path:
+    return Path(workdir) / "students" / setting_name(temperature, lam, direction)
 
 
 def results_path(workdir: Path) -> Path:
@@ -127,15 +130,18 @@ def accuracy(rows: Sequence[dict]) -> float:
 
 
 def kl_sums(batch) -> tuple[float, int]:
-    """(sum over completion tokens of log p_sampled - log p_teacher(T), number of tokens).
+    """(sum over completion tokens of the per-step KL(sampling distribution || tempered teacher),
+    number of completion tokens).
 
-    Their ratio estimates the per-token KL(sampling distribution || tempered teacher); a plain
-    ``RolloutBatch`` (temperature sampling) contributes 0.
+    Their ratio is the per-token KL between the ADS distribution and the plain temperature-T
+    distribution at the sampled prefixes: exact at each step (``AdsRolloutBatch.kl``, summed over the
+    whole vocabulary before top-k / top-p), averaged over the sampled tokens. A plain ``RolloutBatch``
+    (temperature sampling) contributes 0.
     """
     mask = batch.completion_mask.bool()
-    if not hasattr(batch, "teacher_logprobs"):
+    if not hasattr(batch, "kl"):
         return 0.0, int(mask.sum())
-    return float((batch.logprobs - batch.teacher_logprobs)[mask].sum()), int(mask.sum())
+    return float(batch.kl[mask].sum()), int(mask.sum())
 
 
 def gradient_batches(examples: Sequence[SFTExample], pad_id: int, batch_size: int) -> Iterator[dict]:
@@ -188,7 +194,7 @@ def report_markdown(settings: Sequence[dict], teacher_greedy: float, student_bas
              "| temperature-sampling student at same teacher acc. (%) |",
              "|---|---|---|---|---|---|---|---|"]
     for s in settings:
-        kind = "temperature" if s["lam"] == 0 else "ADS"
+        kind = "temperature" if s["lam"] == 0 else "ADS" if s.get("direction", "proxy") == "proxy" else "random dir."
         lines.append(f"| {s['name']} | {kind} | {s['temperature']:g} | {s['lam']:g} | {_pct(s['teacher_accuracy'])} "
                      f"| {s['kl_per_token']:.3f} | {_pct(s['student_accuracy'])} "
                      f"| {_pct(s.get('temperature_student_at_same_teacher'))} |")
@@ -213,7 +219,9 @@ def plot_report(settings: Sequence[dict], teacher_greedy: float, student_baselin
     ads = [s for s in settings if s["lam"] != 0]
     if ads:
         ax.scatter([100 * s["teacher_accuracy"] for s in ads], [100 * s["student_accuracy"] for s in ads],
-                   marker="s", color="tab:red", label="antidistillation sampling", zorder=3)
+                   marker="s", color="tab:red" if ads[0].get("direction", "proxy") == "proxy" else "tab:green",
+                   label="antidistillation sampling" if ads[0].get("direction", "proxy") == "proxy"
+                   else "random direction (control)", zorder=3)
         for s in ads:
             ax.annotate(f"T={s['temperature']:g} lam={s['lam']:g}",
                         (100 * s["teacher_accuracy"], 100 * s["student_accuracy"]),

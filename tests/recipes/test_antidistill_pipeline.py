@@ -4,8 +4,14 @@ input is missing names the command to run first."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from lmforge.antidistill import load_gradient
 from lmforge.antidistill_pipeline import StageInputMissing, interpolate, read_jsonl
@@ -68,10 +74,10 @@ def test_sample_stage_writes_every_setting(workdir):
         summary = json.loads((workdir / "samples" / name / "summary.json").read_text())
         assert len(rows) == 16  # 8 prompts x 2 samples
         assert summary["num_traces"] == 16 and summary["num_completion_tokens"] > 0
-        if summary["lam"] != 0:
-            # a Monte-Carlo estimate of KL(ADS sampler || tempered teacher): positive for a real shift
-            # (this seed's estimate; 0 would mean the proxy term never reached the logits)
-            assert summary["kl_per_token"] > 0.0
+        if summary["lam"] == 0:
+            assert summary["direction"] == "none"  # plain sampling
+        else:  # the exact KL(ADS || tempered teacher): > 0 only if the proxy term reached the logits
+            assert summary["kl_per_token"] > 0.0 and summary["direction"] == "proxy"
 
 
 @pytest.mark.real_plots
@@ -129,11 +135,85 @@ def test_missing_input_raises_project_error(tmp_path):
         run_grad(cfg)
 
 
+def _copy_inputs(workdir, dest):
+    """traces/ and grad/ of the module's run, so a stage can be re-run with other options."""
+    for part in ("traces", "grad"):
+        shutil.copytree(workdir / part, dest / part)
+    return dest
+
+
+def test_random_direction_control_writes_its_own_settings(workdir, tmp_path):
+    root = _copy_inputs(workdir, tmp_path)
+    assert cli("sample", root, "sample.direction=random", "sample.direction_seed=5") == 0
+    for name in ["T1-lam0", "T1-lam0.5-random", "T2-lam0", "T2-lam0.5-random"]:
+        summary = json.loads((root / "samples" / name / "summary.json").read_text())
+        assert summary["direction"] == ("none" if summary["lam"] == 0 else "random")
+        assert (summary["kl_per_token"] > 0) == (summary["lam"] != 0)
+    # lam = 0 does not depend on the direction: same seeds, same traces as the proxy run
+    assert (read_jsonl(root / "samples" / "T1-lam0" / "traces.jsonl")
+            == read_jsonl(workdir / "samples" / "T1-lam0" / "traces.jsonl"))
+    proxy_kl = json.loads((workdir / "samples" / "T1-lam0.5" / "summary.json").read_text())["kl_per_token"]
+    random_kl = json.loads((root / "samples" / "T1-lam0.5-random" / "summary.json").read_text())["kl_per_token"]
+    assert random_kl != proxy_kl  # another direction, another tilt
+
+
+def test_sample_seed_changes_the_samples_not_the_prompts(workdir, tmp_path):
+    root = _copy_inputs(workdir, tmp_path)
+    assert cli("sample", root, "sample.seed=7", "sample.lams=[0.0]", "sample.temperatures=[2.0]") == 0
+    base = read_jsonl(workdir / "samples" / "T2-lam0" / "traces.jsonl")  # sample.seed=-1: data.seed 0
+    other = read_jsonl(root / "samples" / "T2-lam0" / "traces.jsonl")
+    assert [r["prompt"] for r in other] == [r["prompt"] for r in base]
+    assert [r["completion"] for r in other] != [r["completion"] for r in base]
+
+
+def test_top_k_one_makes_every_sample_of_a_prompt_the_same(workdir, tmp_path):
+    root = _copy_inputs(workdir, tmp_path)
+    assert cli("sample", root, "sample.top_k=1", "sample.temperatures=[2.0]", "run.dtype=bf16") == 0
+    for name in ["T2-lam0", "T2-lam0.5"]:
+        rows = read_jsonl(root / "samples" / name / "traces.jsonl")
+        summary = json.loads((root / "samples" / name / "summary.json").read_text())
+        assert summary["top_k"] == 1 and summary["dtype"] == "bf16"
+        pairs = list(zip(rows[0::2], rows[1::2]))  # 2 samples per prompt, in prompt order
+        assert all(a["prompt"] == b["prompt"] and a["completion"] == b["completion"] for a, b in pairs)
+    plain = read_jsonl(workdir / "samples" / "T2-lam0" / "traces.jsonl")  # same seeds, no top-k, fp32
+    assert [r["completion"] for r in plain[0::2]] != [r["completion"] for r in plain[1::2]]
+
+
 def test_bad_sweep_is_a_config_error():
     with pytest.raises(ConfigError, match="sample.temperatures must all be > 0"):
         load_config(AntidistillConfig, None, ["sample.temperatures=[0.0]"])
     with pytest.raises(ConfigError, match="three different splits"):
         load_config(AntidistillConfig, None, ["data.test_split=train"])
+    with pytest.raises(ConfigError, match=r"sample.top_p must be in \(0, 1\]"):
+        load_config(AntidistillConfig, None, ["sample.top_p=1.5"])
+    with pytest.raises(ConfigError, match="sample.direction"):
+        load_config(AntidistillConfig, None, ["sample.direction=sideways"])
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.e2e
+def test_grad_under_torchrun_equals_one_process(workdir, tmp_path):
+    """`torchrun --nproc_per_node=2 -m lmforge antidistill grad`: the traces are sharded over two gloo
+    ranks, the sums all-reduced, rank 0 writes; the file equals the one-process gradient."""
+    shutil.copytree(workdir / "traces", tmp_path / "traces")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           "-m", "lmforge", "antidistill", "grad", *ARGS, f"run.workdir={tmp_path}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("[antidistill grad] 8 traces") == 1  # rank 0 alone reports
+    two, meta = load_gradient(tmp_path / "grad" / "proxy_grad.safetensors")
+    one, one_meta = load_gradient(workdir / "grad" / "proxy_grad.safetensors")
+    assert meta["world_size"] == 2 and one_meta["world_size"] == 1
+    assert (meta["num_sequences"], meta["num_tokens"]) == (one_meta["num_sequences"], one_meta["num_tokens"])
+    assert set(two) == set(one)
+    for name in one:  # fp32, summed in another order: rounding only
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-7)
 
 
 def test_interpolate_reads_the_temperature_curve():

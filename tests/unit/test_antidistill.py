@@ -21,7 +21,9 @@ from lmforge.antidistill import (
     ads_logits,
     check_same_tokenizer,
     clean_param_name,
+    eps_from_reference,
     lam_from_reference,
+    random_direction,
     load_gradient,
     perturbed_copies,
     proxy_gradient,
@@ -107,13 +109,15 @@ def collate(traces, left: bool = False):
     return {"input_ids": out[0], "attention_mask": out[1], "loss_mask": out[2]}
 
 
-def tiny_llama(seed: int = 0, vocab: int = 64, dtype=torch.float32, init: float = 0.02, tie: bool = False):
+def tiny_llama(seed: int = 0, vocab: int = 64, dtype=torch.float32, init: float = 0.02, tie: bool = False,
+               dropout: float = 0.0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      initializer_range=init, tie_word_embeddings=tie, attn_implementation="eager")
+                      initializer_range=init, tie_word_embeddings=tie, attn_implementation="eager",
+                      attention_dropout=dropout)
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
@@ -280,7 +284,6 @@ def test_two_gloo_ranks_equal_one_rank_on_all_data(tmp_path):
             torch.testing.assert_close(grads[name], expected[name], rtol=1e-12, atol=1e-15)
         assert meta["world_size"] == 2 and meta["num_sequences"] == 8
         assert meta["num_tokens"] == expected_meta["num_tokens"]
-        assert meta["grad_norm"] == pytest.approx(expected_meta["grad_norm"], rel=1e-12)
 
 
 # ----------------------------------------------------------------------------- perturbed copies
@@ -456,15 +459,82 @@ def test_ads_logits_hand_value_and_lam_zero():
         ads_logits(teacher, plus[:, :2], minus[:, :2], temperature=1.0, lam=0.1, eps=1e-2)
 
 
-def test_reference_lam_conversion():
-    """Reference: softmax((z + lam_ref * d / 2eps) / T) == ours with lam = lam_ref / T."""
-    gen = torch.Generator().manual_seed(0)
-    z, zp, zm = (torch.randn(3, 40, generator=gen, dtype=torch.float64) for _ in range(3))
-    temperature, lam_ref, eps = 0.6, 3e-3, 1e-2
-    reference = (z + lam_ref / (2 * eps) * (zp - zm)) / temperature
-    ours = ads_logits(z, zp, zm, temperature, lam_from_reference(lam_ref, temperature), eps)
-    torch.testing.assert_close(ours, reference, rtol=0, atol=1e-12)
-    assert lam_from_reference(lam_ref, temperature) == pytest.approx(5e-3, rel=1e-12)
+def test_reference_conversion_hand_values_and_checks():
+    # lam = lam_ref / (W T): 3e-3 / (8 * 0.6) = 6.25e-4; eps = eps_ref / W: 1e-2 / 8 = 1.25e-3
+    assert lam_from_reference(3e-3, 0.6, 8) == pytest.approx(6.25e-4, rel=1e-12)
+    assert eps_from_reference(1e-2, 8) == pytest.approx(1.25e-3, rel=1e-12)
+    assert lam_from_reference(0.15, 1.0, 1) == pytest.approx(0.15, rel=1e-12)
+    for bad in (0, -2, 2.0, True):
+        with pytest.raises(ValueError, match="reference_world_size"):
+            lam_from_reference(0.1, 1.0, bad)
+    with pytest.raises(ValueError, match="temperature"):
+        lam_from_reference(0.1, 0.0, 8)
+    with pytest.raises(ValueError, match="eps_reference"):
+        eps_from_reference(0.0, 8)
+
+
+def _reference_ddp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """What the reference save_grad.py does on each rank: batch size 1, loss = token-mean NLL x batch
+    size, backward through DDP (which averages over ranks on every backward), accumulate .grad, divide
+    by the global number of sequences, and save rank 0's tensors (the cross-rank sum was discarded)."""
+    import torch.distributed as dist
+
+    from lmforge.antidistill import sequence_mean_nll
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    try:
+        model = nn.parallel.DistributedDataParallel(TinyLM().double())
+        traces = make_traces(8)[rank::world_size]  # 4 each: DDP needs the same number of backwards per rank
+        accumulated = {n: torch.zeros_like(p) for n, p in model.module.named_parameters()}
+        for trace in traces:
+            batch = collate([trace])
+            nll, _ = sequence_mean_nll(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+            (nll.sum()).backward()  # the DDP hooks average .grad over the ranks here
+            for n, p in model.module.named_parameters():
+                accumulated[n] += p.grad
+            model.zero_grad()
+        total = torch.tensor([len(traces)])
+        dist.all_reduce(total)
+        if rank == 0:
+            torch.save({n: g / int(total) for n, g in accumulated.items()}, os.path.join(out_dir, "reference.pt"))
+        dist.barrier()  # no rank tears the group down while another still uses it
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reference_conversion_against_two_rank_ddp_averaged_gradient(tmp_path):
+    """The reference's saved gradient is g / W; converting (lam_ref, eps_ref) with W reproduces its logits."""
+    import torch.multiprocessing as mp
+
+    world = 2
+    mp.start_processes(_reference_ddp_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True,
+                       start_method="spawn")
+    reference_grads = torch.load(tmp_path / "reference.pt")
+    proxy = TinyLM().double()
+    true_grads, _ = proxy_gradient(proxy, [collate(make_traces(8))])
+    for name, g in true_grads.items():
+        torch.testing.assert_close(reference_grads[name], g / world, rtol=1e-10, atol=1e-14)
+    # Reference sampling: proxies at theta +- eps_ref * g_ref, term added before dividing by T.
+    temperature, lam_ref, eps_ref = 0.7, 0.05, 1e-2
+    inputs = make_traces(2, seed=9)[1][0][None]  # (1, T)
+    teacher = TinyLM(seed=3).double()
+    with torch.no_grad():
+        z = teacher(inputs)[0]
+        zp, zm = (m(inputs)[0] for m in perturbed_copies(proxy, reference_grads, eps_ref))
+        reference_logits = (z + lam_ref * (zp - zm) / (2 * eps_ref)) / temperature
+        eps = eps_from_reference(eps_ref, world)
+        ours_plus, ours_minus = (m(inputs)[0] for m in perturbed_copies(proxy, true_grads, eps))
+        ours = ads_logits(z, ours_plus, ours_minus, temperature, lam_from_reference(lam_ref, temperature, world), eps)
+        unscaled = ads_logits(z, ours_plus, ours_minus, temperature, lam_from_reference(lam_ref, temperature, 1), eps)
+    torch.testing.assert_close(torch.log_softmax(ours, -1), torch.log_softmax(reference_logits, -1),
+                               rtol=0, atol=1e-9)
+    # Without the world-size factor the ADS term is twice the reference's: a visible difference.
+    term = (reference_logits - z / temperature).abs().max()
+    assert float(term) > 1e-3
+    torch.testing.assert_close(unscaled - z / temperature, 2 * (reference_logits - z / temperature),
+                               rtol=1e-6, atol=1e-9)
 
 
 def test_logits_and_logprobs_give_same_sampling_distribution():
@@ -505,30 +575,88 @@ def test_lam_zero_reproduces_engine_generate_token_for_token(llamas):
     assert not torch.equal(strong.completion_ids, plain.completion_ids)
 
 
-def test_lockstep_caches_match_full_recompute(llamas):
-    """All three KV caches are fed the sampled tokens: same tokens as recomputing every prefix."""
+@pytest.mark.parametrize("num_samples", [1, 3])
+def test_lockstep_caches_match_full_recompute(llamas, num_samples):
+    """All three KV caches are fed the sampled tokens, also when num_samples rows share one prompt's
+    prefill: same tokens, teacher logprobs and per-step KL as recomputing every prefix from scratch."""
     teacher, plus, minus = llamas
     temperature, lam, eps = 0.9, 0.5, 1e-2
     params = SamplingParams(temperature=temperature, max_new_tokens=6, seed=7)
-    ads = ads_generate(teacher, plus, minus, PROMPTS, params, lam=lam, eps=eps)
+    ads = ads_generate(teacher, plus, minus, PROMPTS, params, lam=lam, eps=eps, num_samples=num_samples)
 
-    width = max(map(len, PROMPTS))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
+    rows = [p for p in PROMPTS for _ in range(num_samples)]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in rows])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
     gen = torch.Generator().manual_seed(7)
-    teacher_logprobs = []
+    teacher_logprobs, kls = [], []
     for _ in range(6):
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         with torch.no_grad():
-            zt, zp, zm = (m(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits[:, -1].float()
+            zt, zp, zm = (m(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits[:, -1].double()
                           for m in (teacher, plus, minus))
         adjusted = zt / temperature + lam * (zp - zm) / (2 * eps)
-        tokens, _ = sample_token(adjusted, dataclasses.replace(params, temperature=1.0), gen)
+        tokens, _ = sample_token(adjusted.float(), dataclasses.replace(params, temperature=1.0), gen)
+        p_ads, p_plain = torch.softmax(adjusted, -1), torch.softmax(zt / temperature, -1)
+        kls.append((p_ads * (p_ads.log() - p_plain.log())).sum(-1, keepdim=True))
         teacher_logprobs.append(torch.log_softmax(zt / temperature, -1).gather(-1, tokens[:, None]))
         ids, mask = torch.cat([ids, tokens[:, None]], 1), torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
     assert torch.equal(ads.completion_ids, ids[:, width:])
-    torch.testing.assert_close(ads.teacher_logprobs, torch.cat(teacher_logprobs, 1), rtol=0, atol=1e-5)
-    assert torch.all(ads.logprobs <= 0)
+    if num_samples > 1:  # rows of one prompt share its prefill but must not share their samples
+        groups = ads.completion_ids.view(len(PROMPTS), num_samples, -1)
+        assert any(len({tuple(row.tolist()) for row in group}) > 1 for group in groups)
+    torch.testing.assert_close(ads.teacher_logprobs.double(), torch.cat(teacher_logprobs, 1), rtol=0, atol=1e-5)
+    expected_kl = torch.cat(kls, 1)
+    assert float(expected_kl.min()) > 1e-3  # lam = 0.5 tilts every step visibly
+    torch.testing.assert_close(ads.kl.double(), expected_kl, rtol=1e-3, atol=1e-6)
+
+
+def test_kl_is_zero_at_lam_zero_and_grows_with_lam(llamas):
+    teacher, plus, minus = llamas
+    params = SamplingParams(temperature=1.0, max_new_tokens=5, seed=3)
+    kl = [float(ads_generate(teacher, plus, minus, PROMPTS, params, lam=lam, eps=1e-2).kl.mean())
+          for lam in (0.0, 0.1, 0.5)]
+    assert kl[0] == 0.0
+    assert 0 < kl[1] < kl[2]
+
+
+def test_ads_generate_runs_in_eval_mode_and_restores_modes():
+    """With attention dropout 0.5, a model left in train mode would sample from noisy logits."""
+    teacher, plus, minus = (tiny_llama(seed=s, init=0.1, dropout=0.5) for s in (0, 1, 2))
+    teacher.train()
+    minus.train()
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=11)
+    plain = generate(teacher, PROMPTS, params, pad_token_id=0)  # eval mode inside, restored after
+    assert teacher.training
+    ads = ads_generate(teacher, plus, minus, PROMPTS, params, lam=0.0, eps=1e-2)
+    assert torch.equal(ads.completion_ids, plain.completion_ids)
+    assert torch.equal(ads.logprobs, plain.logprobs)
+    assert (teacher.training, plus.training, minus.training) == (True, False, True)
+    # The dropout is real: a train-mode forward of the same input differs from an eval-mode one.
+    inputs = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        noisy = teacher(inputs).logits
+        clean = teacher.eval()(inputs).logits
+    assert not torch.allclose(noisy, clean)
+
+
+def test_random_direction_norm_matched_seeded_and_unrelated_to_g():
+    grads = {"b": torch.tensor([3.0, 4.0]), "a": torch.zeros(2, 3, dtype=torch.float64)}  # norm 5
+    rand = random_direction(grads, seed=0)
+    assert {n: (t.shape, t.dtype) for n, t in rand.items()} == {n: (t.shape, t.dtype) for n, t in grads.items()}
+    norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in rand.values()))
+    assert norm == pytest.approx(5.0, rel=1e-6)
+    again, other = random_direction(grads, seed=0), random_direction(grads, seed=1)
+    assert all(torch.equal(rand[n], again[n]) for n in grads)
+    assert not torch.equal(rand["b"], other["b"])
+    model = TinyLM().double()
+    g, _ = proxy_gradient(model, [collate(make_traces(4))])
+    r = random_direction(g, seed=0)
+    flat_g, flat_r = (torch.cat([d[n].flatten() for n in sorted(d)]) for d in (g, r))
+    assert float(flat_r.norm()) == pytest.approx(float(flat_g.norm()), rel=1e-12)
+    assert 80 < angle_deg(flat_g, flat_r) < 100  # thousands of dimensions: nearly orthogonal
+    with pytest.raises(ValueError, match="zero"):
+        random_direction({"a": torch.zeros(3)}, seed=0)
 
 
 def test_ads_generate_vocab_size_and_argument_checks(llamas):

@@ -148,7 +148,7 @@ def test_get_task_params():
 
 
 def test_unknown_task_lists_valid_ones():
-    with pytest.raises(ValueError, match=r"unknown task 'substraction'.*addition, arith_chat"):
+    with pytest.raises(ValueError, match=r"unknown task 'substraction'.*addition, addition_trace, arith_chat"):
         get_task("substraction")
 
 
@@ -175,3 +175,35 @@ def test_unknown_split_and_negative_n():
         task.make_problems(3, 0, "dev")
     with pytest.raises(ValueError, match=">= 0"):
         task.make_problems(-1, 0, "train")
+
+
+# ----------------------------------------------------------------------------- addition_trace
+
+def test_addition_trace_hand_values():
+    task = get_task("addition_trace:digits=3")
+    # 372 + 459: 2+9+0 = 11 (carry 1), 7+5+1 = 13 (carry 1), 3+4+1 = 08 -> 831
+    assert task.worked_trace(372, 459) == "2+9+0=11 7+5+1=13 3+4+1=08"
+    # 999 + 999: every column carries, the answer gains a digit
+    assert task.worked_trace(999, 999) == "9+9+0=18 9+9+1=19 9+9+1=19"
+    first = task._problem_at(0)
+    assert (first.prompt, first.completion, first.answer) == ("100+100=", "0+0+0=00 0+0+0=00 1+1+0=02\n200", "200")
+
+
+def test_addition_trace_answers_only_shares_prompts_and_splits():
+    traced = get_task("addition_trace:digits=3,trace=1").make_problems(20, 4, "val")
+    plain = get_task("addition_trace:digits=3,trace=0").make_problems(20, 4, "val")
+    assert [p.prompt for p in traced] == [p.prompt for p in plain]
+    assert all(p.completion == p.answer == str(eval(p.prompt[:-1])) for p in plain)
+    assert all(t.completion.endswith("\n" + t.answer) for t in traced)
+
+
+def test_addition_trace_scores_the_last_line_only():
+    task = get_task("addition_trace:digits=2")
+    problem = task._problem_at(0)  # 10+10=, answer 20
+    assert task.score("1+1+0=02 0+0+0=00\n20", problem) == 1.0
+    assert task.score("9+9+9=99 9+9+9=99\n20<eos>", problem) == 1.0  # the trace is not checked
+    assert task.score("0+0+0=00 1+1+0=02\n200", problem) == 0.0  # longer digit run
+    assert task.score("0+0+0=00 1+1+0=20", problem) == 0.0  # no answer line: the whole text is read
+    assert task.score("20", problem) == 1.0
+    with pytest.raises(ValueError, match="trace must be 0"):
+        get_task("addition_trace:trace=2")

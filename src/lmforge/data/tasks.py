@@ -157,6 +157,81 @@ class Addition:
         return self.score(completion_text, problem) == 1.0
 
 
+# ----------------------------------------------------------------------------- addition with a scratchpad
+
+
+@dataclass(frozen=True)
+class AdditionTrace:
+    """``digits``-digit addition whose completion is a column-by-column worked trace, then the answer.
+
+    Prompt ``"372+459="``; with ``trace=1`` the completion adds the columns from the right, each as
+    ``a+b+carry=ss`` (two-digit column sum), then a newline and the sum in the normal order::
+
+        2+9+0=11 7+5+1=13 3+4+1=08
+        831
+
+    With ``trace=0`` the completion is only ``"831"``. The answer is ``"831"`` either way. The trace
+    carries the knowledge: every step is a one-column lookup, and the answer is the last digits of the
+    column sums read backwards (with a leading 1 when the last column carries). A tiny char-level model
+    learns the traced form but stays far below it on the answers alone, whose first digit depends on every
+    column. This is the task of the antidistillation reproduction (docs/antidistillation-reproduction.md).
+
+    Score: the text after the last newline (the whole text when there is none), leading whitespace
+    skipped; 1.0 if its maximal leading digit run equals the answer, else 0.0. The trace itself is not
+    checked: a wrong trace with the right answer counts as correct.
+    """
+
+    digits: int = 3
+    trace: int = 1
+    name: ClassVar[str] = "addition_trace"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.digits <= 9:
+            raise ValueError(f"addition_trace: digits must be between 1 and 9, got {self.digits}")
+        if self.trace not in (0, 1):
+            raise ValueError(f"addition_trace: trace must be 0 (answers only) or 1 (worked trace), got {self.trace}")
+
+    @property
+    def spec(self) -> str:
+        return f"{self.name}:digits={self.digits},trace={self.trace}"
+
+    @property
+    def alphabet(self) -> str:
+        return "0123456789+= \n"
+
+    def worked_trace(self, a: int, b: int) -> str:
+        """The column-by-column lines, e.g. ``"2+9+0=11 7+5+1=13 3+4+1=08"`` for 372 + 459."""
+        steps, carry = [], 0
+        for column in range(self.digits):
+            x, y = a // 10**column % 10, b // 10**column % 10
+            total = x + y + carry
+            steps.append(f"{x}+{y}+{carry}={total:02d}")
+            carry = total // 10
+        return " ".join(steps)
+
+    def _problem_at(self, index: int) -> Problem:
+        low = 0 if self.digits == 1 else 10 ** (self.digits - 1)
+        count = 10**self.digits - low
+        a, b = divmod(index, count)
+        a, b = a + low, b + low
+        answer = str(a + b)
+        completion = f"{self.worked_trace(a, b)}\n{answer}" if self.trace else answer
+        return Problem(prompt=f"{a}+{b}=", completion=completion, answer=answer)
+
+    def make_problems(self, n: int, seed: int, split: str) -> list[Problem]:
+        low = 0 if self.digits == 1 else 10 ** (self.digits - 1)
+        space_size = (10**self.digits - low) ** 2
+        # the split of a prompt is a function of its text, so trace=0 and trace=1 share the splits
+        return _sample_split(self._problem_at, space_size, n, seed, split, f"{self.name}:digits={self.digits}")
+
+    def score(self, completion_text: str, problem: Problem) -> float:
+        match = re.match(r"\s*(\d*)", completion_text.rsplit("\n", 1)[-1])
+        return 1.0 if match and match.group(1) == problem.answer else 0.0
+
+    def is_correct(self, completion_text: str, problem: Problem) -> bool:
+        return self.score(completion_text, problem) == 1.0
+
+
 # ----------------------------------------------------------------------------- arith_chat
 
 _FIRST_INTEGER = re.compile(r"-?\d+")
@@ -230,7 +305,7 @@ class ArithChat:
 
 # ----------------------------------------------------------------------------- registry
 
-TASKS: dict[str, type] = {Addition.name: Addition, ArithChat.name: ArithChat}
+TASKS: dict[str, type] = {Addition.name: Addition, AdditionTrace.name: AdditionTrace, ArithChat.name: ArithChat}
 
 
 def get_task(spec: str) -> Task:

@@ -28,7 +28,7 @@ import torch
 from .. import hardware
 from .. import antidistill_pipeline as pipe
 from ..antidistill import (ads_generate, check_same_tokenizer, load_gradient, perturbed_copies, proxy_gradient,
-                           save_gradient)
+                           random_direction, save_gradient)
 from ..config import LoggingConfig, ModelConfig, OptimConfig, TrainConfig, opt, section, to_dict
 from ..data.sft import encode_prompt, tokenize_sft, uses_chat_format
 from ..data.tasks import SPLITS, get_task
@@ -88,6 +88,14 @@ class SampleConfig:
                             "the teacher logits by T (reference-code lam_ref = lam * T); lam = 0 is plain "
                             "temperature sampling")
     eps: float = opt(1e-2, "finite-difference step: proxies at theta +- eps * g (keep eps * |g| ~ 1e-2)")
+    direction: Literal["proxy", "random"] = opt(
+        "proxy", "proxy: perturb the proxies along the proxy gradient g (ADS); random: along a seeded random "
+        "direction with g's norm (the control; settings are named T<T>-lam<lam>-random)")
+    direction_seed: int = opt(0, "seed of the random direction (sample.direction=random)")
+    top_k: int = opt(0, "sample only among the k most likely tokens of the (adjusted) distribution (0 = off)")
+    top_p: float = opt(1.0, "nucleus sampling on the (adjusted) distribution (1 = off; the reference used 0.95)")
+    seed: int = opt(-1, "seed of the sampling (traces and sample stages); -1 = data.seed. Changes the random "
+                    "numbers only, not the prompts, so seeds can be repeated on the same problems")
     batch_size: int = opt(64, "prompts per generation batch")
 
     def validate(self) -> None:
@@ -100,6 +108,10 @@ class SampleConfig:
             raise ConfigError("sample.temperatures and sample.lams must not repeat values")
         if not self.eps > 0:
             raise ConfigError(f"sample.eps must be > 0 (the paper uses 1e-2), got {self.eps}")
+        if self.top_k < 0:
+            raise ConfigError(f"sample.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"sample.top_p must be in (0, 1] (1 = off), got {self.top_p}")
 
 
 @dataclasses.dataclass
@@ -109,6 +121,7 @@ class DistillConfig:
     batch_size: int = opt(32, "rows per optimizer step")
     micro_batch_size: int = opt(32, "rows per forward pass (splits the batch; 0 = chosen by hardware tier)")
     val_fraction: float = opt(0.05, "fraction of each trace set held out for the student's validation loss")
+    seed: int = opt(-1, "seed of the student's training (data order); -1 = data.seed")
 
 
 @dataclasses.dataclass
@@ -116,6 +129,9 @@ class RunConfig:
     workdir: str = opt("runs/antidistill", "directory every stage writes its outputs to and reads its inputs from")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps")
     threads: int = opt(0, "CPU threads for torch (0 = all usable cores)")
+    dtype: Literal["fp32", "bf16"] = opt(
+        "fp32", "dtype of the teacher and the perturbed proxies while sampling (traces and sample stages); "
+        "the proxy gradient is always computed in fp32 and the proxies perturbed in fp32 before the cast")
     progress: bool = opt(True, "show progress bars")
 
 
@@ -133,6 +149,14 @@ class AntidistillConfig:
 
 
 # ----------------------------------------------------------------------------- shared pieces
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _seed(seed: int, cfg: AntidistillConfig) -> int:
+    """A stage's own seed, or data.seed when it is -1."""
+    return cfg.data.seed if seed == -1 else seed
+
 
 def _settings(cfg: AntidistillConfig) -> list[tuple[float, float]]:
     """(T, lam) for every sweep setting, temperature-major."""
@@ -155,14 +179,14 @@ def _start(cfg: AntidistillConfig, console, stage: str):
     return console, device, ctx
 
 
-def _load(model_cfg: ModelConfig, device, role: str):
+def _load(model_cfg: ModelConfig, device, role: str, dtype: torch.dtype = torch.float32):
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per model is noise
     model, tokenizer = load_model(model_cfg)
     if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
         raise ConfigError(f"the {role} tokenizer needs eos and pad tokens")
-    return model.to(device).eval(), tokenizer
+    return model.to(device=device, dtype=dtype).eval(), tokenizer
 
 
 def _check_tokenizers(teacher_tok, proxy_tok) -> None:
@@ -187,8 +211,12 @@ def _progress(console, enabled: bool, description: str, total: int):
 
 
 def _sample_traces(cfg, ctx, teacher, tokenizer, task, problems, temperature: float, lam: float, proxies,
-                   num_samples: int, batch_size: int, console, description: str) -> tuple[list[dict], dict]:
+                   num_samples: int, batch_size: int, console, description: str, top_k: int = 0,
+                   top_p: float = 1.0) -> tuple[list[dict], dict]:
     """Sample the teacher (ADS when lam != 0, else plain) on ``problems``; returns (rows, stats).
+
+    ``stats["kl_per_token"]`` is the mean over sampled tokens of KL(ADS || tempered teacher) of each
+    step's full distributions (0 for plain sampling), so settings can be compared at matched KL.
 
     Under torchrun each rank samples a contiguous share of the problems with its own seeds; every
     rank gets all rows back in problem order (rank 0 writes them).
@@ -203,8 +231,9 @@ def _sample_traces(cfg, ctx, teacher, tokenizer, task, problems, temperature: fl
             chunk = problems[first:first + batch_size]
             prompts = [encode_prompt(tokenizer, p.prompt, chat) for p in chunk]
             params = SamplingParams(temperature=temperature, max_new_tokens=cfg.data.max_new_tokens,
+                                    top_k=top_k, top_p=top_p,
                                     stop_token_ids=[tokenizer.eos_token_id],
-                                    seed=cfg.data.seed + index + 1_000_003 * ctx.rank)
+                                    seed=_seed(cfg.sample.seed, cfg) + index + 1_000_003 * ctx.rank)
             if lam == 0:
                 batch = generate(teacher, prompts, params, num_samples=num_samples, pad_token_id=tokenizer.pad_token_id)
             else:
@@ -232,10 +261,11 @@ def run_traces(cfg: AntidistillConfig, console=None) -> dict:
     """Teacher traces on the held-out split, scored: traces/heldout.jsonl + traces/summary.json."""
     console, device, ctx = _start(cfg, console, "traces")
     task = get_task(cfg.data.task)
-    teacher, tokenizer = _load(cfg.teacher, device, "teacher")
+    teacher, tokenizer = _load(cfg.teacher, device, "teacher", _DTYPES[cfg.run.dtype])
     problems = task.make_problems(cfg.data.num_heldout, cfg.data.seed, cfg.data.heldout_split)
     rows, stats = _sample_traces(cfg, ctx, teacher, tokenizer, task, problems, cfg.traces.temperature, 0.0, None,
-                                 1, cfg.traces.batch_size, console, "held-out traces")
+                                 1, cfg.traces.batch_size, console, "held-out traces",
+                                 cfg.sample.top_k, cfg.sample.top_p)
     path = pipe.heldout_path(Path(cfg.run.workdir))
     summary = {"split": cfg.data.heldout_split, "temperature": cfg.traces.temperature, **stats, "config": to_dict(cfg)}
     if ctx.is_main:
@@ -281,30 +311,37 @@ def run_sample(cfg: AntidistillConfig, console=None) -> list[dict]:
     console, device, ctx = _start(cfg, console, "sample")
     workdir = Path(cfg.run.workdir)
     grads, meta = load_gradient(pipe.require(pipe.grad_path(workdir), "grad"))
-    teacher, tokenizer = _load(cfg.teacher, device, "teacher")
+    direction = cfg.sample.direction
+    if direction == "random":
+        grads = random_direction(grads, cfg.sample.direction_seed)
+    dtype = _DTYPES[cfg.run.dtype]
+    teacher, tokenizer = _load(cfg.teacher, device, "teacher", dtype)
     proxies = None
     if any(lam != 0 for lam in cfg.sample.lams):
-        proxy, proxy_tok = _load(cfg.proxy, device, "proxy")
+        proxy, proxy_tok = _load(cfg.proxy, device, "proxy")  # fp32: perturbed in fp32, then cast once
         _check_tokenizers(tokenizer, proxy_tok)
-        proxies = perturbed_copies(proxy, grads, cfg.sample.eps)
+        proxies = tuple(copy.to(dtype) for copy in perturbed_copies(proxy, grads, cfg.sample.eps))
         del proxy
     task = get_task(cfg.data.task)
     problems = task.make_problems(cfg.data.num_prompts, cfg.data.seed, cfg.data.prompt_split)
     summaries = []
     for temperature, lam in _settings(cfg):
-        name = pipe.setting_name(temperature, lam)
+        name = pipe.setting_name(temperature, lam, direction)
         rows, stats = _sample_traces(cfg, ctx, teacher, tokenizer, task, problems, temperature, lam, proxies,
-                                     cfg.data.samples_per_prompt, cfg.sample.batch_size, console, f"sample {name}")
-        out = pipe.sample_dir(workdir, temperature, lam)
-        summary = {"name": name, "temperature": temperature, "lam": lam, "lam_reference": lam * temperature,
-                   "eps": cfg.sample.eps, "grad_norm": meta.get("grad_norm"), **stats, "config": to_dict(cfg)}
+                                     cfg.data.samples_per_prompt, cfg.sample.batch_size, console, f"sample {name}",
+                                     cfg.sample.top_k, cfg.sample.top_p)
+        out = pipe.sample_dir(workdir, temperature, lam, direction)
+        summary = {"name": name, "temperature": temperature, "lam": lam,
+                   "direction": "none" if lam == 0 else direction, "eps": cfg.sample.eps,
+                   "top_k": cfg.sample.top_k, "top_p": cfg.sample.top_p, "dtype": cfg.run.dtype,
+                   "grad_norm": meta.get("grad_norm"), **stats, "config": to_dict(cfg)}
         if ctx.is_main:
             pipe.write_jsonl(out / "traces.jsonl", rows)
             pipe.write_json(out / "summary.json", summary)
         ctx.barrier()
         summaries.append(summary)
         console.print(f"[antidistill sample] {name}: teacher accuracy {100 * stats['teacher_accuracy']:.1f}%, "
-                      f"KL/token {stats['kl_per_token']:.3f}, {stats['tokens_per_s']:.0f} tok/s -> {out}",
+                      f"KL/token {stats['kl_per_token']:.4f}, {stats['tokens_per_s']:.0f} tok/s -> {out}",
                       markup=False)
     return summaries
 
@@ -314,7 +351,7 @@ def _sft_config(cfg: AntidistillConfig, traces: Path, out: Path) -> SFTConfig:
     data = SFTDataConfig(path=str(traces), max_len=cfg.data.max_len, use_chat_template=cfg.data.use_chat_template,
                          val_fraction=d.val_fraction)
     train = TrainConfig(output_dir=str(out), max_steps=d.max_steps, batch_size=d.batch_size,
-                        micro_batch_size=d.micro_batch_size, seed=cfg.data.seed, device=cfg.run.device, threads=cfg.run.threads,
+                        micro_batch_size=d.micro_batch_size, seed=_seed(d.seed, cfg), device=cfg.run.device, threads=cfg.run.threads,
                         eval_every=0, save_every=0, keep_last=1, log_every=max(d.max_steps // 5, 1),
                         max_new_tokens=cfg.data.max_new_tokens)
     return SFTConfig(model=cfg.student, data=data, optim=d.optim, train=train,
@@ -325,12 +362,13 @@ def run_distill(cfg: AntidistillConfig, console=None) -> list[dict]:
     """A fresh student fine-tuned on each setting's traces: students/<setting>/final (replaced if present)."""
     console, _, ctx = _start(cfg, console, "distill")
     workdir = Path(cfg.run.workdir)
-    inputs = [(t, lam, pipe.require(pipe.sample_dir(workdir, t, lam) / "traces.jsonl", "sample"))
+    direction = cfg.sample.direction
+    inputs = [(t, lam, pipe.require(pipe.sample_dir(workdir, t, lam, direction) / "traces.jsonl", "sample"))
               for t, lam in _settings(cfg)]
     results = []
     for temperature, lam, traces in inputs:
-        name = pipe.setting_name(temperature, lam)
-        out = pipe.student_dir(workdir, temperature, lam)
+        name = pipe.setting_name(temperature, lam, direction)
+        out = pipe.student_dir(workdir, temperature, lam, direction)
         if out.exists() and ctx.is_main:  # a stage re-run replaces its outputs; the SFT recipe refuses a used run dir
             shutil.rmtree(out)
         ctx.barrier()
@@ -354,7 +392,8 @@ def run_eval(cfg: AntidistillConfig, console=None) -> dict:
     """Greedy test accuracy of the teacher, the undistilled student and each student: eval/results.json."""
     console, device, ctx = _start(cfg, console, "eval")
     workdir = Path(cfg.run.workdir)
-    students = [(t, lam, pipe.require(pipe.student_dir(workdir, t, lam) / "final", "distill"))
+    direction = cfg.sample.direction
+    students = [(t, lam, pipe.require(pipe.student_dir(workdir, t, lam, direction) / "final", "distill"))
                 for t, lam in _settings(cfg)]
     task = get_task(cfg.data.task)
     problems = task.make_problems(cfg.data.num_test, cfg.data.seed, cfg.data.test_split)
@@ -367,7 +406,7 @@ def run_eval(cfg: AntidistillConfig, console=None) -> dict:
         results["students"] = []
         for temperature, lam, model_dir in students:
             spec = dataclasses.replace(cfg.student, name=str(model_dir), tokenizer="")
-            results["students"].append({"name": pipe.setting_name(temperature, lam), "temperature": temperature,
+            results["students"].append({"name": pipe.setting_name(temperature, lam, direction), "temperature": temperature,
                                         "lam": lam, "student_accuracy": _accuracy(spec, cfg, task, problems,
                                                                                   device, "student")})
             advance()
@@ -391,13 +430,15 @@ def run_report(cfg: AntidistillConfig, console=None) -> dict:
     results = pipe.read_json(pipe.require(pipe.results_path(workdir), "eval"))
     by_name = {s["name"]: s for s in results["students"]}
     settings = []
+    direction = cfg.sample.direction
     for temperature, lam in _settings(cfg):
-        name = pipe.setting_name(temperature, lam)
-        sampled = pipe.read_json(pipe.require(pipe.sample_dir(workdir, temperature, lam) / "summary.json", "sample"))
+        name = pipe.setting_name(temperature, lam, direction)
+        sampled = pipe.read_json(pipe.require(pipe.sample_dir(workdir, temperature, lam, direction) / "summary.json",
+                                              "sample"))
         if name not in by_name:
             raise pipe.StageInputMissing(f"{pipe.results_path(workdir)} has no student {name}: run "
                                          "`lmforge antidistill distill` and `eval` with this config first")
-        settings.append({"name": name, "temperature": temperature, "lam": lam,
+        settings.append({"name": name, "temperature": temperature, "lam": lam, "direction": direction,
                          "teacher_accuracy": sampled["teacher_accuracy"], "kl_per_token": sampled["kl_per_token"],
                          "student_accuracy": by_name[name]["student_accuracy"]})
     temperature_curve = [(s["teacher_accuracy"], s["student_accuracy"]) for s in settings if s["lam"] == 0]
