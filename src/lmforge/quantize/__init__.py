@@ -1,0 +1,127 @@
+"""Quantized checkpoints: ``quantize(model, format, out_dir)`` and ``dequantize(dir, out_dir)``.
+
+Formats are a registry (:data:`FORMATS`), one module per family:
+  ct_formats        int8, int4-g32/64/128, fp8   safetensors in the compressed-tensors format
+  gguf_format       gguf-f16, -bf16, -q8_0, -q4_0, -tq1_0, -tq2_0   for llama.cpp / Ollama
+  ternary_format    ternary, ternary-5trit        lmforge's packed BitNet b1.58 absmean checkpoint
+Quantization-aware training lives in :mod:`.qat` (``apply_qat``, ``apply_ternary_qat``, ``bake_qat``).
+"""
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import ct_formats, gguf_format, ternary_format
+from .common import Format, QuantizeError, load_source, read_config, save_plain
+from .qat import apply_qat, apply_ternary_qat, bake_qat
+
+FORMATS: dict[str, Format] = {f.name: f for mod in (ct_formats, gguf_format, ternary_format)
+                              for f in mod.formats()}
+
+__all__ = ["FORMATS", "Format", "QuantizeError", "QuantizeResult", "apply_qat", "apply_ternary_qat",
+           "bake_qat", "dequantize", "quantize", "quantize_model"]
+
+
+@dataclass(frozen=True)
+class QuantizeResult:
+    files: list[Path]
+    num_bytes: int
+    seconds: float
+
+
+def _fresh_dir(out_dir: Path) -> Path:
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise QuantizeError(f"output directory {out_dir} exists and is not empty; choose a new one")
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _finish(tmp: Path, out_dir: Path) -> None:
+    if out_dir.exists():
+        out_dir.rmdir()
+    tmp.rename(out_dir)  # atomic: a failed export leaves no half-written directory
+
+
+def get_format(name: str) -> Format:
+    if name not in FORMATS:
+        raise QuantizeError(f"unknown format {name!r}; valid formats: {', '.join(FORMATS)}")
+    return FORMATS[name]
+
+
+def quantize_model(model, tokenizer, fmt: str, out_dir: str | Path) -> QuantizeResult:
+    """Write ``model`` (fp32, modified in place by some formats) in format ``fmt`` to ``out_dir``."""
+    spec = get_format(fmt)
+    out_dir = Path(out_dir)
+    tmp = _fresh_dir(out_dir)
+    start = time.perf_counter()
+    try:
+        files = spec.write(model, tokenizer, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    seconds = time.perf_counter() - start
+    _finish(tmp, out_dir)
+    files = [out_dir / f.name for f in files]
+    return QuantizeResult(files, sum(f.stat().st_size for f in files), seconds)
+
+
+def quantize(model_spec: str, fmt: str, out_dir: str | Path) -> QuantizeResult:
+    """``lmforge quantize``: load ``model_spec`` (HF dir, run's final/, .gguf, alias) and write ``fmt``."""
+    get_format(fmt)  # an unknown format fails before the model loads
+    model, tokenizer = load_source(model_spec)
+    return quantize_model(model, tokenizer, fmt, out_dir)
+
+
+def _detect(source: Path) -> str:
+    if source.suffix == ".gguf" or (source.is_dir() and list(source.glob("*.gguf"))):
+        return "gguf"
+    method = read_config(source).get("quantization_config", {}).get("quant_method")
+    if method in ("compressed-tensors", ternary_format.FORMAT_NAME):
+        return method
+    raise QuantizeError(f"{source} is not a quantized checkpoint lmforge knows (quantization_config.quant_method = "
+                        f"{method!r}; expected compressed-tensors, {ternary_format.FORMAT_NAME} or a .gguf file)")
+
+
+def dequantize(source: str | Path, out_dir: str | Path) -> Path:
+    """``lmforge dequantize``: any format above -> a plain fp32 HF directory at ``out_dir``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    source, out_dir = Path(source), Path(out_dir)
+    if not source.exists():
+        raise QuantizeError(f"{source}: no such file or directory")
+    kind = _detect(source)
+    tmp = _fresh_dir(out_dir)
+    try:
+        if kind == "compressed-tensors":
+            model = ct_formats.load_compressed(source)
+            tokenizer = AutoTokenizer.from_pretrained(source) if (source / "tokenizer_config.json").is_file() else None
+            save_plain(model, tokenizer, tmp)
+        else:
+            if kind == "gguf":
+                state, config, tokenizer = gguf_format.read_gguf(gguf_format.find_gguf(source))
+            else:
+                state, config_dict = ternary_format.read_ternary(source)
+                config = AutoConfig.for_model(**config_dict)
+                has_tok = (source / "tokenizer_config.json").is_file()
+                tokenizer = AutoTokenizer.from_pretrained(source) if has_tok else None
+            model = AutoModelForCausalLM.from_config(config)
+            save_plain(_with_state(model, state), tokenizer, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _finish(tmp, out_dir)
+    return out_dir
+
+
+def _with_state(model, state):
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if set(missing) - tied or unexpected:
+        raise QuantizeError(f"checkpoint does not match its config: missing {sorted(missing)[:5]}, "
+                            f"unexpected {sorted(unexpected)[:5]}")
+    return model
