@@ -240,5 +240,7 @@ def formats() -> list[Format]:
     def make(qtype):
         return lambda model, tok, out: write_gguf(model, tok, out, qtype)
 
-    return [Format(f"gguf-{t.lower()}", "gguf", bits[t], f"GGUF {t} (llama.cpp, Ollama, transformers)", make(t))
-            for t in _TYPES]
+    readers = {t: "llama.cpp, Ollama, transformers" for t in _TYPES}
+    readers.update(TQ1_0="llama.cpp; transformers cannot load TQ types", TQ2_0="llama.cpp; transformers "
+                   "cannot load TQ types")
+    return [Format(f"gguf-{t.lower()}", "gguf", bits[t], f"GGUF {t} ({readers[t]})", make(t)) for t in _TYPES]

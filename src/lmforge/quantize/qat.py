@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .ternary import ternary_fake_quant
+from .ternary import StraightThrough, ternary_fake_quant
 
 INT4_GROUP = 32
 
@@ -38,7 +38,7 @@ def int4_fake_quant(weight: torch.Tensor, group_size: int = INT4_GROUP) -> torch
     w = weight.detach().reshape(out_features, in_features // group_size, group_size)
     scale = w.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / 7
     w_hat = (torch.clamp(torch.round(w / scale), -8, 7) * scale).reshape_as(weight)
-    return weight + (w_hat - weight.detach())
+    return StraightThrough.apply(weight, w_hat)
 
 
 QAT_SCHEMES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

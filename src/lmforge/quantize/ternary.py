@@ -29,15 +29,40 @@ def absmean_ternary(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def stored_scale(weight: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The scale a checkpoint stores for trits ``q``: mean |W| over the non-zero trits (fp32 scalar).
+
+    This is the least-squares scale for fixed ``q`` and, unlike mean |W|, it is idempotent: for a
+    weight that is already ``s * q`` (a model trained with ternary QAT and baked) it returns ``s``
+    exactly, so the exported checkpoint computes what the training forward computed. (Re-applying
+    absmean to ``s * q`` would give ``s * fraction_nonzero``.)
+    """
+    nonzero = q.abs().float()
+    return (weight.detach().float().abs() * nonzero).sum() / nonzero.sum().clamp_min(1.0)
+
+
+class StraightThrough(torch.autograd.Function):
+    """Forward: ``quantized`` exactly (no ``W + (W_hat - W)`` rounding); backward: identity to ``weight``."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
+        return quantized
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
 def ternary_fake_quant(weight: torch.Tensor) -> torch.Tensor:
-    """``W_hat = q * scale`` in ``weight``'s dtype, with a straight-through gradient (dW_hat/dW = 1).
+    """``W_hat = q * mean|W|`` in ``weight``'s dtype, with a straight-through gradient (dW_hat/dW = 1).
 
     The forward value is exactly the ternary weight; the backward passes the gradient to the
-    full-precision master weight unchanged (``W + (W_hat - W).detach()``).
+    full-precision master weight unchanged.
     """
-    scale = weight.detach().abs().mean()
-    w_hat = torch.clamp(torch.round(weight.detach() / (scale + EPS)), -1, 1) * scale
-    return weight + (w_hat - weight.detach())
+    w = weight.detach()
+    scale = w.abs().mean()
+    w_hat = torch.clamp(torch.round(w / (scale + EPS)), -1, 1) * scale
+    return StraightThrough.apply(weight, w_hat)
 
 
 def pack_2bit(q: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 
 from .common import Format, QuantizeError, read_config
 from .qat import decoder_layers
-from .ternary import PACKINGS, absmean_ternary
+from .ternary import PACKINGS, absmean_ternary, stored_scale
 
 FORMAT_NAME, VERSION = "lmforge-ternary", "1"
 
@@ -42,7 +42,8 @@ def write_ternary(model, tokenizer, out_dir: Path, packing: str) -> list[Path]:
     metadata = {"format": FORMAT_NAME, "version": VERSION, "packing": packing}
     for name in _linear_weight_names(model):
         weight = state.pop(name)
-        q, scale = absmean_ternary(weight)
+        q, _ = absmean_ternary(weight)
+        scale = stored_scale(weight, q)
         stem = name[: -len(".weight")]
         state[f"{stem}.weight_packed"] = pack(q)
         state[f"{stem}.weight_scale"] = scale.reshape(1)
