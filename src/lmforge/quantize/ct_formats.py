@@ -82,10 +82,14 @@ def write_compressed(model, tokenizer, out_dir: Path, scheme: str) -> list[Path]
 def load_compressed(model_dir: Path):
     """A compressed-tensors directory loaded by plain transformers, weights dequantized to fp32 at load."""
     require("compressed_tensors", _HINT, "loading a compressed-tensors checkpoint")
+    import warnings
+
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                quantization_config=CompressedTensorsConfig(dequantize=True))
+    with warnings.catch_warnings():  # "loading attributes will be overwritten": that is the point here
+        warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                    quantization_config=CompressedTensorsConfig(dequantize=True))
 
 
 def formats() -> list[Format]:

@@ -109,11 +109,9 @@ def _add_tokenizer(gguf, writer, tokenizer, vocab_size: int) -> None:
     tokens, merges, pre_name = _bytelevel_tokens(tokenizer)
     if len(tokens) > vocab_size:
         raise QuantizeError(f"GGUF export: tokenizer has {len(tokens)} tokens, the model embeds {vocab_size}")
-    special_ids = set(tokenizer.all_special_ids)
-    types = [gguf.TokenType.CONTROL if i in special_ids else gguf.TokenType.NORMAL for i in range(len(tokens))]
-    for added_id, added in tokenizer.added_tokens_decoder.items():
-        if not added.special:
-            types[added_id] = gguf.TokenType.USER_DEFINED
+    types = [gguf.TokenType.NORMAL] * len(tokens)
+    for added_id, added in tokenizer.added_tokens_decoder.items():  # special -> CONTROL, else USER_DEFINED
+        types[added_id] = gguf.TokenType.CONTROL if added.special else gguf.TokenType.USER_DEFINED
     tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]  # as llama.cpp's converter pads
     types += [gguf.TokenType.UNUSED] * (vocab_size - len(types))
     writer.add_tokenizer_model("gpt2")

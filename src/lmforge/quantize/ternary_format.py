@@ -1,8 +1,9 @@
 """lmforge's packed ternary checkpoint: BitNet b1.58 absmean weights, 2 bits or 1.6 bits per weight.
 
-A directory with ``config.json`` (whose ``quantization_config`` names ``quant_method:
-lmforge-ternary``, so that plain transformers refuses it with a clear message instead of loading
-garbage), the tokenizer files, and ``model.safetensors`` holding:
+A directory with ``config.json`` (its ``quantization_config`` names ``quant_method: lmforge-ternary``),
+the tokenizer files, and ``ternary.safetensors`` (not ``model.safetensors``: transformers would
+ignore the unknown quant_method and fill the missing matrices with random weights; without a
+``model.safetensors`` it refuses the directory instead) holding:
   * for every ``nn.Linear`` in the decoder layers: ``<name>.weight_packed`` (uint8, see
     :mod:`.ternary` for the packing) and ``<name>.weight_scale`` (fp32, shape (1,));
   * every other tensor (embeddings, norms, an untied lm_head) unchanged;
@@ -22,7 +23,7 @@ from .common import Format, QuantizeError, read_config
 from .qat import decoder_layers
 from .ternary import PACKINGS, absmean_ternary, stored_scale
 
-FORMAT_NAME, VERSION = "lmforge-ternary", "1"
+FORMAT_NAME, VERSION, WEIGHTS = "lmforge-ternary", "1", "ternary.safetensors"
 
 
 def _linear_weight_names(model) -> list[str]:
@@ -48,7 +49,7 @@ def write_ternary(model, tokenizer, out_dir: Path, packing: str) -> list[Path]:
         state[f"{stem}.weight_packed"] = pack(q)
         state[f"{stem}.weight_scale"] = scale.reshape(1)
         metadata[f"shape.{stem}"] = json.dumps(list(weight.shape))
-    path = out_dir / "model.safetensors"
+    path = out_dir / WEIGHTS
     save_file(state, str(path), metadata=metadata)
     config = model.config.to_dict()
     config["quantization_config"] = {"quant_method": FORMAT_NAME, "packing": packing, "version": VERSION,
@@ -64,9 +65,9 @@ def read_ternary(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
     from safetensors import SafetensorError, safe_open
 
     config = read_config(model_dir)
-    path = model_dir / "model.safetensors"
+    path = model_dir / WEIGHTS
     if not path.is_file():
-        raise QuantizeError(f"{model_dir}: no model.safetensors")
+        raise QuantizeError(f"{model_dir}: no {WEIGHTS}")
     try:
         with safe_open(str(path), "pt") as f:
             metadata = f.metadata() or {}
