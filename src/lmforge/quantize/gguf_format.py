@@ -10,8 +10,8 @@ q = round(W / d) in {-1, 0, 1}). What lmforge adds is the llama layout:
     and output matrix are F16 (as llama.cpp's converter does); a matrix whose rows are not a multiple
     of the type's block size falls back to F16, and the writer prints which ones;
   * the tokenizer: byte-level BPE (``tokenizer.ggml.model = gpt2``) with its merges, token types and
-    special ids, and the chat template. lmforge's char tokenizer is written as a byte-level BPE
-    without merges, which splits text into the same single characters.
+    special ids, and the chat template. lmforge's char tokenizer (no merges) cannot be written: the
+    ``gguf`` writer refuses an empty merges list and llama.cpp requires one.
 Only the llama architecture is exported; others raise an error naming the model type.
 """
 from __future__ import annotations
@@ -70,31 +70,25 @@ def _tensor_type(gguf, name: str, array: np.ndarray, qtype_name: str):
 
 def _bytelevel_tokens(tokenizer) -> tuple[list[str], list[str], str]:
     """``(tokens by id, merges, pre-tokenizer name)`` from a fast tokenizer, in byte-level spelling."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
     state = json.loads(tokenizer.backend_tokenizer.to_str())
     model = state["model"]
     if model.get("type") != "BPE":
         raise QuantizeError(f"GGUF export: tokenizer model {model.get('type')!r} is not supported (BPE only)")
     pre = state.get("pre_tokenizer") or {}
     kinds = [p["type"] for p in pre.get("pretokenizers", [pre])] if pre else []
-    specials = {t["content"] for t in state.get("added_tokens", [])}
     vocab = dict(model["vocab"])
     for added in state.get("added_tokens", []):
         vocab[added["content"]] = added["id"]
+    if not model.get("merges"):
+        # gguf cannot store an empty merges list and llama.cpp requires the key (lmforge's char tokenizer)
+        raise QuantizeError("GGUF export: the tokenizer has no BPE merges (a character tokenizer?); GGUF's "
+                            "byte-level BPE needs them. Train a BPE tokenizer (model.tokenizer / pretrain) or "
+                            "use a safetensors format (int8, int4-g32, fp8, ternary)")
     if kinds and kinds[-1] == "ByteLevel":
         key = "bytelevel" if kinds == ["ByteLevel"] else "digits+bytelevel" if kinds == ["Digits", "ByteLevel"] else None
         if key is None:
             raise QuantizeError(f"GGUF export: pre-tokenizer sequence {kinds} has no llama.cpp name")
-        pre_name, spell = _PRE_TOKENIZERS[key], lambda t: t
-    elif not kinds and not model.get("merges"):
-        # a char tokenizer: every ordinary token is one ASCII character; respell it as its byte symbol
-        byte_symbol = bytes_to_unicode()
-        bad = [t for t in vocab if t not in specials and (len(t) != 1 or ord(t) > 127)]
-        if bad:
-            raise QuantizeError(f"GGUF export: char tokenizer with non-ASCII tokens {bad[:5]} cannot be "
-                                f"written as byte-level BPE")
-        pre_name, spell = "gpt2", lambda t: t if t in specials else byte_symbol[ord(t)]
+        pre_name = _PRE_TOKENIZERS[key]
     else:
         raise QuantizeError(f"GGUF export: tokenizer with pre-tokenizer {kinds or 'none'} is not byte-level "
                             f"BPE; llama.cpp could not reproduce its tokenization")
@@ -102,7 +96,7 @@ def _bytelevel_tokens(tokenizer) -> tuple[list[str], list[str], str]:
     if [i for _, i in by_id] != list(range(len(by_id))):
         raise QuantizeError("GGUF export: the tokenizer's ids are not contiguous from 0")
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    return [spell(t) for t, _ in by_id], merges, pre_name
+    return [t for t, _ in by_id], merges, pre_name
 
 
 def _add_tokenizer(gguf, writer, tokenizer, vocab_size: int) -> None:
