@@ -62,3 +62,13 @@ def test_stored_scale_is_idempotent_on_ternary_weights():
     assert q2.tolist() == [[0, -1], [1, 0]]
     torch.testing.assert_close(absmean, torch.tensor(0.15), rtol=0, atol=1e-7)
     torch.testing.assert_close(stored_scale(baked, q2), torch.tensor(0.3), rtol=0, atol=1e-7)
+
+
+def test_memory_plan_hand_values():
+    from lmforge.quantize.tiers import memory_plan
+
+    rows = {(use, name): (gib, fits) for use, name, gib, fits in memory_plan(2**30, 3 * 2**30)}
+    assert rows[("inference", "fp32")] == (4.0, False) and rows[("inference", "bf16")] == (2.0, True)
+    assert rows[("inference", "gguf-q4_0")] == (4.5 / 8, True)  # 18 bytes per block of 32 weights
+    assert rows[("training", "fp32 AdamW")] == (16.0, False)
+    assert rows[("training", "LoRA on a bf16 base")] == (2.0, True)
