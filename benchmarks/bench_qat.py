@@ -7,7 +7,8 @@ Rows (held-out exact-match accuracy, greedy, the quickstart's 200 test problems)
   * ternary QAT continued from the SFT model for --steps SFT steps (the quickstart's SFT settings):
     the accuracy of the fake-quantized model at the end of training, and of its exported ternary
     checkpoint read back through ``lmforge dequantize`` (the two must agree);
-  * the same from scratch (a fresh tiny model with QAT from step 0).
+  * a control: the SFT model trained --steps more steps the same way without QAT;
+  * the same from scratch (a fresh tiny model with QAT from step 0, --scratch-steps steps).
 QAT here is ``apply_ternary_qat(model)`` before ``run_sft``: the recipe itself is unchanged.
 """
 from __future__ import annotations
@@ -43,13 +44,17 @@ def exported_accuracy(model, tokenizer, problems, task, out: Path) -> float:
                     tokenizer, problems, task)
 
 
-def qat_run(model, tokenizer, steps: int, lr: float, out: Path, problems, task) -> tuple[float, float, float]:
+def qat_run(model, tokenizer, steps: int, lr: float, out: Path, problems, task, qat: bool = True):
+    """``(accuracy of the trained model, accuracy of its ternary export, seconds)``; qat=False: control."""
     cfg = sft_config(QuickstartConfig(sft_steps=steps, sft_lr=lr, progress=False), out)
-    apply_ternary_qat(model)
+    if qat:
+        apply_ternary_qat(model)
     start = time.perf_counter()
     run_sft(cfg, model, tokenizer, name=f"qat {out.name}")
     seconds = time.perf_counter() - start
     fake = accuracy(model, tokenizer, problems, task)
+    if not qat:
+        return fake, float("nan"), seconds
     return fake, exported_accuracy(model, tokenizer, problems, task, out), seconds
 
 
@@ -57,6 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sft-model", required=True, help="the quickstart's sft/final directory")
     parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--scratch-steps", type=int, default=None, help="steps from scratch (default --steps)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--out", default="runs/bench_qat")
     args = parser.parse_args()
@@ -74,6 +80,12 @@ def main() -> None:
         print(f"| {line[0]} | {line[1]:.1%} |", flush=True)
 
     sft, tokenizer = load_source(args.sft_model)
+    control, _, seconds = qat_run(sft, tokenizer, args.steps, args.lr, out / "control-from-sft", problems, task,
+                                  qat=False)
+    print(f"| control: SFT continued {args.steps} steps without QAT, fp32 | {control:.1%} | ({seconds:.0f} s)",
+          flush=True)
+
+    sft, tokenizer = load_source(args.sft_model)
     fake, exported, seconds = qat_run(sft, tokenizer, args.steps, args.lr, out / "qat-from-sft", problems, task)
     print(f"| ternary QAT from SFT, {args.steps} steps: fake-quantized | {fake:.1%} |")
     print(f"| ternary QAT from SFT, {args.steps} steps: exported ternary | {exported:.1%} | ({seconds:.0f} s)",
@@ -82,9 +94,10 @@ def main() -> None:
     tokenizer = char_tokenizer(task.alphabet)
     scratch_cfg = sft_config(QuickstartConfig(), out)
     scratch, tokenizer = load_model(scratch_cfg.model, tokenizer)
-    fake, exported, seconds = qat_run(scratch, tokenizer, args.steps, args.lr, out / "qat-scratch", problems, task)
-    print(f"| ternary QAT from scratch, {args.steps} steps: fake-quantized | {fake:.1%} |")
-    print(f"| ternary QAT from scratch, {args.steps} steps: exported ternary | {exported:.1%} | ({seconds:.0f} s)",
+    steps = args.scratch_steps or args.steps
+    fake, exported, seconds = qat_run(scratch, tokenizer, steps, args.lr, out / "qat-scratch", problems, task)
+    print(f"| ternary QAT from scratch, {steps} steps: fake-quantized | {fake:.1%} |")
+    print(f"| ternary QAT from scratch, {steps} steps: exported ternary | {exported:.1%} | ({seconds:.0f} s)",
           flush=True)
 
 
