@@ -97,3 +97,23 @@ def test_int4_fake_quant_hand_values_and_bad_group():
 def test_unknown_scheme_lists_valid(model_and_tok):
     with pytest.raises(ValueError, match="valid: ternary, int4"):
         apply_qat(model_and_tok[0], "int3")
+
+
+def test_saved_qat_checkpoint_exports_what_training_computed(model_and_tok, tmp_path):
+    """A run saves master weights + config.lmforge_qat; quantize bakes them, so the export is exact."""
+    import json
+
+    from lmforge.quantize import quantize
+
+    model, tok = model_and_tok
+    apply_ternary_qat(model)
+    qat_logits = logits_of(model, tok)
+    model.save_pretrained(tmp_path / "final")
+    tok.save_pretrained(tmp_path / "final")
+    assert json.loads((tmp_path / "final" / "config.json").read_text())["lmforge_qat"] == "ternary"
+    master_logits = logits_of(load_plain(tmp_path / "final"), tok)  # plain transformers: unquantized
+    assert (master_logits - qat_logits).abs().max() > 1e-2
+    quantize(str(tmp_path / "final"), "ternary", tmp_path / "t")
+    dequantize(tmp_path / "t", tmp_path / "hf")
+    assert "lmforge_qat" not in json.loads((tmp_path / "hf" / "config.json").read_text())
+    torch.testing.assert_close(logits_of(load_plain(tmp_path / "hf"), tok), qat_logits, rtol=0, atol=1e-5)

@@ -51,7 +51,9 @@ def load_source(spec: str):
     """``(model, tokenizer or None)`` in fp32 from an HF directory, a run's ``final/``, a .gguf or an alias.
 
     A model that is already quantized (its config.json has a ``quantization_config``) is refused:
-    quantizing twice compounds the errors; dequantize it first.
+    quantizing twice compounds the errors; dequantize it first. A checkpoint of a QAT run (its
+    config.json has ``lmforge_qat``) holds master weights: they are fake-quantized ("baked") here, so
+    the export computes what the training forward computed.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -67,6 +69,13 @@ def load_source(spec: str):
         raise QuantizeError(f"{source} is already quantized (quantization_config.quant_method = {method!r}); "
                             f"run `lmforge dequantize {source} --out DIR` and quantize DIR instead")
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    scheme = getattr(model.config, "lmforge_qat", None)
+    if scheme:
+        from .qat import apply_qat, bake_qat
+
+        apply_qat(model, scheme)
+        bake_qat(model)
+        print(f"[lmforge] {source}: trained with {scheme} QAT; exporting its fake-quantized weights")
     has_tokenizer = any((source / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
     tokenizer = AutoTokenizer.from_pretrained(source) if has_tokenizer else None
     return model, tokenizer

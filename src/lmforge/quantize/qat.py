@@ -10,7 +10,10 @@ Contract (what a training loop needs to know):
     fake-quantized weight is passed to the full-precision master weight unchanged). The master
     weights stay in their dtype; the optimizer state is unchanged.
   * The state dict keys are unchanged (``...q_proj.weight``), so checkpoints save and resume as
-    usual; a checkpoint holds the *master* weights.
+    usual; a checkpoint holds the *master* weights, and ``config.json`` records ``"lmforge_qat":
+    "<scheme>"`` (``apply_qat`` sets ``model.config.lmforge_qat``). Plain transformers runs such a
+    checkpoint unquantized; ``lmforge quantize`` sees the key and bakes before exporting. To resume
+    QAT, call ``apply_qat`` again after loading.
   * ``bake_qat(model)`` turns the QAT linears back into ``nn.Linear`` holding the fake-quantized
     weights, so that a plain HF save (and any later export, e.g. ``lmforge quantize --format
     ternary`` or ``gguf-tq2_0``) computes exactly what the training forward computed.
@@ -99,6 +102,8 @@ def apply_qat(model: nn.Module, scheme: str) -> list[str]:
     replaced = _swap(decoder_layers(model), make, nn.Linear)
     if not replaced:
         raise ValueError("apply_qat: no nn.Linear found in the decoder layers (already applied?)")
+    if getattr(model, "config", None) is not None:
+        model.config.lmforge_qat = scheme  # saved in config.json: the checkpoint holds master weights
     return replaced
 
 
@@ -116,4 +121,7 @@ def bake_qat(model: nn.Module) -> list[str]:
         linear.bias = qat.bias
         return linear
 
-    return _swap(decoder_layers(model), make, QATLinear)
+    baked = _swap(decoder_layers(model), make, QATLinear)
+    if hasattr(getattr(model, "config", None), "lmforge_qat"):
+        del model.config.lmforge_qat  # the weights are quantized now; baking twice would rescale ternary
+    return baked

@@ -1,0 +1,41 @@
+"""llama.cpp itself reads the exported GGUF files: same tokens, close logits (skipped without the binding).
+
+The binding is ``llama-cpp-python`` (only an sdist on PyPI: it compiles llama.cpp, minutes of CPU).
+"""
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from lmforge.quantize import dequantize, quantize
+
+from quant_helpers import PROMPT, load_plain, needs_gguf
+
+pytestmark = [needs_gguf, pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                                             reason="needs llama-cpp-python (pip install llama-cpp-python)")]
+
+
+def _llama_logits(path, ids):
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=1)
+    llm.eval(ids)
+    return llm, torch.tensor(np.array(llm.scores[: len(ids)]), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("fmt,tol", [("gguf-f16", 0.01), ("gguf-q8_0", 0.05), ("gguf-q4_0", 0.1),
+                                     ("gguf-tq2_0", 0.1)])
+def test_llama_cpp_tokenizes_and_computes_like_the_dequantized_model(wide_dir, tmp_path, fmt, tol):
+    tok = AutoTokenizer.from_pretrained(wide_dir)
+    path = quantize(str(wide_dir), fmt, tmp_path / "g").files[0]
+    text = PROMPT + " <|user|>"
+    ids = tok.encode(text, add_special_tokens=False)
+    llm, logits = _llama_logits(path, ids)
+    assert llm.tokenize(text.encode(), add_bos=False, special=True) == ids
+    dequantize(path, tmp_path / "hf")  # the same quantized weights, computed by transformers in fp32
+    with torch.no_grad():
+        ref = load_plain(tmp_path / "hf")(torch.tensor([ids])).logits[0]
+    err = ((logits - ref).abs().max() / ref.abs().max()).item()
+    assert err < tol, err  # llama.cpp quantizes activations to 8 bits for Q8_0 / Q4_0 / TQ matmuls
