@@ -117,3 +117,19 @@ def test_saved_qat_checkpoint_exports_what_training_computed(model_and_tok, tmp_
     dequantize(tmp_path / "t", tmp_path / "hf")
     assert "lmforge_qat" not in json.loads((tmp_path / "hf" / "config.json").read_text())
     torch.testing.assert_close(logits_of(load_plain(tmp_path / "hf"), tok), qat_logits, rtol=0, atol=1e-5)
+
+
+def test_quantized_copies_next_to_a_checkpoint_leave_the_live_model_alone(model_and_tok, tmp_path):
+    from lmforge.quantize import QuantizeError, save_quantized_copies
+
+    model, tok = model_and_tok
+    apply_ternary_qat(model)
+    qat_logits = logits_of(model, tok)
+    with pytest.raises(QuantizeError, match="unknown format 'q3'"):
+        save_quantized_copies(model, tok, tmp_path / "final", ["ternary", "q3"])
+    assert not (tmp_path / "final").exists()
+    results = save_quantized_copies(model, tok, tmp_path / "final", ["ternary", "ternary-5trit"])
+    assert [r.files[0].parent.name for r in results] == ["quantized-ternary", "quantized-ternary-5trit"]
+    assert isinstance(model.get_submodule("model.layers.0.mlp.up_proj"), QATLinear)  # still training
+    dequantize(tmp_path / "final" / "quantized-ternary", tmp_path / "hf")
+    torch.testing.assert_close(logits_of(load_plain(tmp_path / "hf"), tok), qat_logits, rtol=0, atol=1e-5)

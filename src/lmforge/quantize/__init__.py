@@ -21,7 +21,7 @@ FORMATS: dict[str, Format] = {f.name: f for mod in (ct_formats, gguf_format, ter
                               for f in mod.formats()}
 
 __all__ = ["FORMATS", "Format", "QuantizeError", "QuantizeResult", "apply_qat", "apply_ternary_qat",
-           "bake_qat", "dequantize", "quantize", "quantize_model"]
+           "bake_qat", "dequantize", "quantize", "quantize_model", "save_quantized_copies"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,28 @@ def quantize(model_spec: str, fmt: str, out_dir: str | Path) -> QuantizeResult:
     get_format(fmt)  # an unknown format fails before the model loads
     model, tokenizer = load_source(model_spec)
     return quantize_model(model, tokenizer, fmt, out_dir)
+
+
+def save_quantized_copies(model, tokenizer, checkpoint_dir: str | Path, formats: list[str]) -> list[QuantizeResult]:
+    """Write ``checkpoint_dir/quantized-<format>/`` for each format, from the in-memory model.
+
+    For ``train.save_quantized`` next to the best and final checkpoints. The live model is not
+    touched: each format quantizes an fp32 copy; a model under QAT is baked in the copy first, so the
+    copies compute what the training forward computes. Unknown formats fail before anything is written.
+    """
+    import copy
+
+    for fmt in formats:
+        get_format(fmt)
+    unwrapped = getattr(model, "module", model)
+    unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)
+    results = []
+    for fmt in formats:
+        clone = copy.deepcopy(unwrapped).float().eval()
+        if getattr(clone.config, "lmforge_qat", None):
+            bake_qat(clone)
+        results.append(quantize_model(clone, tokenizer, fmt, Path(checkpoint_dir) / f"quantized-{fmt}"))
+    return results
 
 
 def _detect(source: Path) -> str:
