@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import ct_formats, gguf_format, ternary_format
-from .common import Format, QuantizeError, load_source, read_config, save_plain
+from .common import Format, QuantizeError, load_source, read_config, save_plain, tokenizer_of
 from .qat import apply_qat, apply_ternary_qat, bake_qat
 
 FORMATS: dict[str, Format] = {f.name: f for mod in (ct_formats, gguf_format, ternary_format)
@@ -99,51 +99,47 @@ def save_quantized_copies(model, tokenizer, checkpoint_dir: str | Path, formats:
     return results
 
 
+def _read_compressed(source: Path):
+    model = ct_formats.load_compressed(source)
+    return model.state_dict(), model.config, tokenizer_of(source)
+
+
+def _read_gguf(source: Path):
+    return gguf_format.read_gguf(gguf_format.find_gguf(source))
+
+
+def _read_ternary(source: Path):
+    from transformers import AutoConfig
+
+    state, config = ternary_format.read_ternary(source)
+    return state, AutoConfig.for_model(**config), tokenizer_of(source)
+
+
+# quantization_config.quant_method (or "gguf") -> reader: (fp32 state dict, config, tokenizer or None)
+READERS = {"compressed-tensors": _read_compressed, "gguf": _read_gguf, ternary_format.FORMAT_NAME: _read_ternary}
+
+
 def _detect(source: Path) -> str:
     if source.suffix == ".gguf" or (source.is_dir() and list(source.glob("*.gguf"))):
         return "gguf"
     method = read_config(source).get("quantization_config", {}).get("quant_method")
-    if method in ("compressed-tensors", ternary_format.FORMAT_NAME):
+    if method in READERS:
         return method
     raise QuantizeError(f"{source} is not a quantized checkpoint lmforge knows (quantization_config.quant_method = "
-                        f"{method!r}; expected compressed-tensors, {ternary_format.FORMAT_NAME} or a .gguf file)")
+                        f"{method!r}; expected one of {', '.join(m for m in READERS if m != 'gguf')} or a .gguf file)")
 
 
 def dequantize(source: str | Path, out_dir: str | Path) -> Path:
     """``lmforge dequantize``: any format above -> a plain fp32 HF directory at ``out_dir``."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     source, out_dir = Path(source), Path(out_dir)
     if not source.exists():
         raise QuantizeError(f"{source}: no such file or directory")
-    kind = _detect(source)
+    reader = READERS[_detect(source)]
     tmp = _fresh_dir(out_dir)
     try:
-        if kind == "compressed-tensors":
-            model = ct_formats.load_compressed(source)
-            tokenizer = AutoTokenizer.from_pretrained(source) if (source / "tokenizer_config.json").is_file() else None
-            save_plain(model, tokenizer, tmp)
-        else:
-            if kind == "gguf":
-                state, config, tokenizer = gguf_format.read_gguf(gguf_format.find_gguf(source))
-            else:
-                state, config_dict = ternary_format.read_ternary(source)
-                config = AutoConfig.for_model(**config_dict)
-                has_tok = (source / "tokenizer_config.json").is_file()
-                tokenizer = AutoTokenizer.from_pretrained(source) if has_tok else None
-            model = AutoModelForCausalLM.from_config(config)
-            save_plain(_with_state(model, state), tokenizer, tmp)
+        save_plain(*reader(source), tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _finish(tmp, out_dir)
     return out_dir
-
-
-def _with_state(model, state):
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if set(missing) - tied or unexpected:
-        raise QuantizeError(f"checkpoint does not match its config: missing {sorted(missing)[:5]}, "
-                            f"unexpected {sorted(unexpected)[:5]}")
-    return model

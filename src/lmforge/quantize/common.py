@@ -81,23 +81,28 @@ def load_source(spec: str):
     return model, tokenizer
 
 
-def save_plain(model, tokenizer, out_dir: Path) -> Path:
-    """Save ``model`` as a plain (unquantized) HF directory, rebuilt from a config without quantization."""
+def save_plain(state: dict, config, tokenizer, out_dir: Path) -> Path:
+    """Save fp32 weights ``state`` as a plain HF directory built from ``config`` (minus any quantization)."""
     from transformers import AutoModelForCausalLM
 
-    config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = {k: v for k, v in model.state_dict().items()}
-    missing, unexpected = plain.load_state_dict(state, strict=False)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
-        raise QuantizeError(f"dequantized weights do not fit the architecture: missing {sorted(missing)}, "
-                            f"unexpected {sorted(unexpected)}")
-    plain.tie_weights()
+        raise QuantizeError(f"dequantized weights do not fit the architecture: missing {sorted(missing)[:5]}, "
+                            f"unexpected {sorted(unexpected)[:5]}")
+    model.tie_weights()
     out_dir.mkdir(parents=True, exist_ok=True)
-    plain.save_pretrained(out_dir, safe_serialization=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def tokenizer_of(model_dir: Path):
+    """The HF tokenizer saved in ``model_dir``, or None if there is none."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir) if (model_dir / "tokenizer_config.json").is_file() else None
