@@ -90,7 +90,7 @@ def test_gguf_metadata_and_every_tensor(tiny_dir, bpe_tokenizer, tmp_path, fmt, 
                 "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2, "llama.vocab_size": 320,
                 "llama.rope.dimension_count": 16, "llama.context_length": 128,
                 "general.file_type": int(gguf.LlamaFileType[f"MOSTLY_{qtype}"]),
-                "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2", "tokenizer.ggml.bos_token_id": 1,
+                "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.bos_token_id": 1,
                 "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.padding_token_id": 0}
     assert {k: fields[k] for k in expected} == expected
     tokens = fields["tokenizer.ggml.tokens"]

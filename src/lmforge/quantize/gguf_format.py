@@ -28,7 +28,7 @@ SUPPORTED_ARCHS = ("llama",)
 _TYPES = ("F16", "BF16", "Q8_0", "Q4_0", "TQ1_0", "TQ2_0")
 _FILE_TYPES = {"F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0",
                "TQ1_0": "MOSTLY_TQ1_0", "TQ2_0": "MOSTLY_TQ2_0"}
-_PRE_TOKENIZERS = {"bytelevel": "gpt2", "digits+bytelevel": "smollm"}
+_PRE_TOKENIZERS = {"bytelevel": "gpt-2", "digits+bytelevel": "smollm"}  # llama.cpp's names (llama-vocab.cpp)
 
 
 def _permute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
