@@ -7,8 +7,8 @@ q = round(W / d) in {-1, 0, 1}). What lmforge adds is the llama layout:
     ``blk.0.attn_q``); the q and k projections are permuted to llama.cpp's rotary layout (the same
     permutation as llama.cpp's ``convert_hf_to_gguf.py``; transformers' loader undoes it);
   * which tensor gets which type: 1-D tensors (norms) stay F32; for TQ1_0 / TQ2_0 the token embedding
-    and output matrix are F16 (as llama.cpp's converter does); a matrix whose rows are not a multiple
-    of the type's block size falls back to F16, and the writer prints which ones;
+    and output matrix are F16 (ternary models keep those in higher precision); a matrix whose rows
+    are not a multiple of the type's block size falls back to F16, and the writer prints which ones;
   * the tokenizer: byte-level BPE (``tokenizer.ggml.model = gpt2``) with its merges, token types and
     special ids, and the chat template. lmforge's char tokenizer (no merges) cannot be written: the
     ``gguf`` writer refuses an empty merges list and llama.cpp requires one.
