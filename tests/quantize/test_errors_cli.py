@@ -76,14 +76,12 @@ def test_truncated_gguf_names_the_file(tiny_dir, tmp_path):
 
 @needs_gguf
 def test_gguf_of_an_architecture_it_cannot_describe(bpe_tokenizer, tmp_path):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel
 
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2))
-    model.save_pretrained(tmp_path / "qwen")
-    bpe_tokenizer.save_pretrained(tmp_path / "qwen")
-    with pytest.raises(QuantizeError, match="GGUF export supports the model types llama; this model is 'qwen2'"):
-        quantize(str(tmp_path / "qwen"), "gguf-q8_0", tmp_path / "g")
+    GPT2LMHeadModel(GPT2Config(vocab_size=320, n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path / "gpt2")
+    bpe_tokenizer.save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(QuantizeError, match="GGUF export supports the model types llama, qwen2; this model is 'gpt2'"):
+        quantize(str(tmp_path / "gpt2"), "gguf-q8_0", tmp_path / "g")
 
 
 def test_dequantize_of_a_plain_model_is_an_error(tiny_dir, tmp_path):

@@ -185,3 +185,30 @@ def test_every_registered_format_is_tested():
     tested = {f for f, _ in CT_CASES} | {"gguf-f16", "gguf-bf16", "gguf-q8_0", "gguf-q4_0", "gguf-tq1_0",
                                          "gguf-tq2_0", "ternary", "ternary-5trit"}
     assert set(FORMATS) - tested == {"int4-g128"}  # g128 needs rows of >= 128: covered in test_errors
+
+
+@needs_gguf
+def test_qwen2_gguf_with_biases_loads_in_transformers(bpe_tokenizer, tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                         max_position_embeddings=128)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)  # non-zero q/k/v biases, so that losing them would show
+    model.save_pretrained(tmp_path / "qwen")
+    bpe_tokenizer.save_pretrained(tmp_path / "qwen")
+    path = quantize(str(tmp_path / "qwen"), "gguf-f16", tmp_path / "g").files[0]
+    gguf, reader = _gguf(path)
+    assert reader.fields["general.architecture"].contents() == "qwen2"
+    assert "blk.0.attn_q.bias" in {t.name for t in reader.tensors}
+    ref = logits_of(model, bpe_tokenizer)
+    loaded = load_plain(path.parent, gguf_file=path.name)
+    assert loaded.config.model_type == "qwen2"
+    assert rel_err(logits_of(loaded, bpe_tokenizer), ref) < 2e-3
+    dequantize(path, tmp_path / "hf")
+    torch.testing.assert_close(logits_of(load_plain(tmp_path / "hf"), bpe_tokenizer), logits_of(loaded, bpe_tokenizer),
+                               rtol=0, atol=1e-5)

@@ -42,3 +42,27 @@ def test_llama_cpp_tokenizes_and_computes_like_the_dequantized_model(wide_dir, t
         ref = load_plain(tmp_path / "hf")(torch.tensor([ids])).logits[0]
     err = ((logits - ref).abs().max() / ref.abs().max()).item()
     assert err < tol, err  # llama.cpp quantizes activations to 8 bits for Q8_0 / Q4_0 / TQ matmuls
+
+
+def test_llama_cpp_runs_a_qwen2_export_with_biases(bpe_tokenizer, tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                         max_position_embeddings=128)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(tmp_path / "qwen")
+    bpe_tokenizer.save_pretrained(tmp_path / "qwen")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "qwen")  # transformers' Qwen2 tokenizer: qwen2 split regex
+    path = quantize(str(tmp_path / "qwen"), "gguf-f16", tmp_path / "g").files[0]
+    text = PROMPT + " 12345 <|user|>"
+    ids = tok.encode(text, add_special_tokens=False)
+    llm, logits = _llama_logits(path, ids)
+    assert llm.tokenize(text.encode(), add_bos=False, special=True) == ids
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    assert ((logits - ref).abs().max() / ref.abs().max()).item() < 0.005

@@ -4,7 +4,7 @@ Written with the ``gguf`` package, whose Python quantizers do the math (per bloc
 Q8_0 / Q4_0: d = absmax / 127 or absmax / -8; per block of 256 for TQ1_0 / TQ2_0: d = absmax,
 q = round(W / d) in {-1, 0, 1}). What lmforge adds is the llama layout:
   * tensor names through ``gguf.get_tensor_name_map`` (``model.layers.0.self_attn.q_proj`` ->
-    ``blk.0.attn_q``); the q and k projections are permuted to llama.cpp's rotary layout (the same
+    ``blk.0.attn_q``); for llama the q and k projections are permuted to llama.cpp's rotary layout (the same
     permutation as llama.cpp's ``convert_hf_to_gguf.py``; transformers' loader undoes it);
   * which tensor gets which type: 1-D tensors (norms) stay F32; for TQ1_0 / TQ2_0 the token embedding
     and output matrix are F16 (ternary models keep those in higher precision); a matrix whose rows
@@ -12,7 +12,9 @@ q = round(W / d) in {-1, 0, 1}). What lmforge adds is the llama layout:
   * the tokenizer: byte-level BPE (``tokenizer.ggml.model = gpt2``) with its merges, token types and
     special ids, and the chat template. lmforge's char tokenizer (no merges) cannot be written: the
     ``gguf`` writer refuses an empty merges list and llama.cpp requires one.
-Only the llama architecture is exported; others raise an error naming the model type.
+Architectures: llama and qwen2 (no q/k permutation: llama.cpp runs qwen2 with the NeoX rotary
+layout, as transformers does; q/k/v biases are written as ``blk.N.attn_q.bias`` ...). Others raise
+an error naming the model type.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ import torch
 
 from .common import Format, QuantizeError, require
 
-SUPPORTED_ARCHS = ("llama",)
+# transformers model_type -> (gguf.MODEL_ARCH member, permute q/k to llama.cpp's interleaved rotary layout)
+ARCHS = {"llama": ("LLAMA", True), "qwen2": ("QWEN2", False)}
 _TYPES = ("F16", "BF16", "Q8_0", "Q4_0", "TQ1_0", "TQ2_0")
 _FILE_TYPES = {"F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0",
                "TQ1_0": "MOSTLY_TQ1_0", "TQ2_0": "MOSTLY_TQ2_0"}
@@ -44,13 +47,15 @@ def _unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _check_arch(config) -> None:
-    if config.model_type not in SUPPORTED_ARCHS:
-        raise QuantizeError(f"GGUF export supports the model types {', '.join(SUPPORTED_ARCHS)}; this model is "
+    if config.model_type not in ARCHS:
+        raise QuantizeError(f"GGUF export supports the model types {', '.join(ARCHS)}; this model is "
                             f"{config.model_type!r}, whose layout lmforge cannot describe in GGUF")
+    if getattr(config, "use_sliding_window", False):
+        raise QuantizeError("GGUF export: sliding-window attention is not described by this exporter")
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
         raise QuantizeError(f"GGUF export: rope scaling {rope.get('rope_type')!r} is not described by this exporter")
-    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+    if config.model_type == "llama" and (config.attention_bias or config.mlp_bias):
         raise QuantizeError("GGUF export: llama models with attention or MLP biases are not supported")
 
 
@@ -66,6 +71,24 @@ def _tensor_type(gguf, name: str, array: np.ndarray, qtype_name: str):
     if array.shape[-1] % block:
         return T.F16, True
     return wanted, False
+
+
+def _pre_tokenizer_name(pre: dict, kinds: list[str]) -> str:
+    """llama.cpp's ``tokenizer.ggml.pre`` for a byte-level pre-tokenizer (tokenizer.json's dict)."""
+    if kinds == ["ByteLevel"]:
+        return _PRE_TOKENIZERS["bytelevel"]
+    if kinds == ["Digits", "ByteLevel"]:
+        return _PRE_TOKENIZERS["digits+bytelevel"]
+    if kinds == ["Split", "ByteLevel"]:
+        # the split regexes transformers' GGUF loader knows by llama.cpp name (qwen2, llama3, ...)
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+        regex = pre["pretokenizers"][0].get("pattern", {}).get("Regex")
+        for name, split in GGUF_PRE_TOKENIZER_SPLITS.items():
+            if split == regex:
+                return name
+    raise QuantizeError(f"GGUF export: the pre-tokenizer {kinds or 'none'} has no llama.cpp name that lmforge "
+                        f"knows; llama.cpp could not reproduce this tokenization")
 
 
 def _bytelevel_tokens(tokenizer) -> tuple[list[str], list[str], str]:
@@ -84,14 +107,7 @@ def _bytelevel_tokens(tokenizer) -> tuple[list[str], list[str], str]:
         raise QuantizeError("GGUF export: the tokenizer has no BPE merges (a character tokenizer?); GGUF's "
                             "byte-level BPE needs them. Train a BPE tokenizer (model.tokenizer / pretrain) or "
                             "use a safetensors format (int8, int4-g32, fp8, ternary)")
-    if kinds and kinds[-1] == "ByteLevel":
-        key = "bytelevel" if kinds == ["ByteLevel"] else "digits+bytelevel" if kinds == ["Digits", "ByteLevel"] else None
-        if key is None:
-            raise QuantizeError(f"GGUF export: pre-tokenizer sequence {kinds} has no llama.cpp name")
-        pre_name = _PRE_TOKENIZERS[key]
-    else:
-        raise QuantizeError(f"GGUF export: tokenizer with pre-tokenizer {kinds or 'none'} is not byte-level "
-                            f"BPE; llama.cpp could not reproduce its tokenization")
+    pre_name = _pre_tokenizer_name(pre, kinds)
     by_id = sorted(vocab.items(), key=lambda kv: kv[1])
     if [i for _, i in by_id] != list(range(len(by_id))):
         raise QuantizeError("GGUF export: the tokenizer's ids are not contiguous from 0")
@@ -134,7 +150,8 @@ def write_gguf(model, tokenizer, out_dir: Path, qtype_name: str) -> list[Path]:
     if tokenizer is None:
         raise QuantizeError("GGUF export needs the model's tokenizer (no tokenizer files in the model directory)")
     path = out_dir / f"model-{qtype_name}.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
+    arch, permute = ARCHS[config.model_type]
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[arch]])
     writer.add_name(Path(str(getattr(config, "_name_or_path", "") or "model")).name or "model")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_context_length(config.max_position_embeddings)
@@ -151,7 +168,7 @@ def write_gguf(model, tokenizer, out_dir: Path, qtype_name: str) -> list[Path]:
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_tokenizer(gguf, writer, tokenizer, config.vocab_size)
 
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch], config.num_hidden_layers)
     fallbacks = []
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
@@ -160,9 +177,9 @@ def write_gguf(model, tokenizer, out_dir: Path, qtype_name: str) -> list[Path]:
         if name is None:
             raise QuantizeError(f"GGUF export: no GGUF name for tensor {hf_name!r}")
         array = tensor.detach().float().numpy()
-        if name.endswith("attn_q.weight"):
+        if permute and name.endswith("attn_q.weight"):
             array = _permute_qk(array, config.num_attention_heads)
-        elif name.endswith("attn_k.weight"):
+        elif permute and name.endswith("attn_k.weight"):
             array = _permute_qk(array, config.num_key_value_heads)
         ttype, fell_back = _tensor_type(gguf, name, array, qtype_name)
         if fell_back:
@@ -189,10 +206,10 @@ def find_gguf(source: Path) -> Path:
 
 
 def read_gguf(path: Path):
-    """``(state_dict in HF names, config, tokenizer)`` from a llama GGUF, weights dequantized to fp32."""
+    """``(state_dict in HF names, config, tokenizer)`` from a llama / qwen2 GGUF, weights in fp32."""
     require("gguf", "gguf", "reading GGUF")
     import gguf
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     try:
         reader = gguf.GGUFReader(str(path))
@@ -200,27 +217,23 @@ def read_gguf(path: Path):
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except (ValueError, OSError, KeyError, IndexError) as exc:
         raise QuantizeError(f"{path}: not a readable GGUF file (corrupt or truncated?): {exc}") from exc
-    if config.model_type not in SUPPORTED_ARCHS:
+    if config.model_type not in ARCHS:
         raise QuantizeError(f"{path}: architecture {config.model_type!r}; lmforge dequantizes "
-                            f"{', '.join(SUPPORTED_ARCHS)} GGUF files")
-    to_hf = {}
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
-    probe = {"lm_head.weight": None, "model.embed_tokens.weight": None, "model.norm.weight": None}
-    for i in range(config.num_hidden_layers):
-        for part in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
-                     "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
-            probe[f"model.layers.{i}.{part}.weight"] = None
-    for hf_name in probe:
-        to_hf[name_map.get_name(hf_name, try_suffixes=(".weight",))] = hf_name
+                            f"{', '.join(ARCHS)} GGUF files")
+    arch, permute = ARCHS[config.model_type]
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch], config.num_hidden_layers)
+    with torch.device("meta"):  # the HF names this architecture has, without allocating it
+        hf_names = list(AutoModelForCausalLM.from_config(config).state_dict())
+    to_hf = {name_map.get_name(n, try_suffixes=(".weight", ".bias")): n for n in hf_names}
     state = {}
     for tensor in reader.tensors:
         if tensor.name not in to_hf:
-            raise QuantizeError(f"{path}: unexpected tensor {tensor.name!r} for a llama model")
+            raise QuantizeError(f"{path}: unexpected tensor {tensor.name!r} for a {config.model_type} model")
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(
             [int(d) for d in reversed(tensor.shape)])
-        if tensor.name.endswith("attn_q.weight"):
+        if permute and tensor.name.endswith("attn_q.weight"):
             array = _unpermute_qk(array, config.num_attention_heads)
-        elif tensor.name.endswith("attn_k.weight"):
+        elif permute and tensor.name.endswith("attn_k.weight"):
             array = _unpermute_qk(array, config.num_key_value_heads)
         state[to_hf[tensor.name]] = torch.tensor(np.asarray(array, dtype=np.float32))  # a copy: reader memory is read-only
     return state, config, tokenizer
