@@ -9,6 +9,8 @@
     lmforge export RUN_DIR --out DIR           a checkpoint as an HF directory (gathers FSDP2 shards)
     lmforge hardware                           what was detected and what would be chosen
     lmforge plot RUN_DIR                       PNG of the run's curves
+    lmforge quantize MODEL --format F --out DIR   quantized checkpoint (compressed-tensors, GGUF, ternary)
+    lmforge dequantize DIR --out HF_DIR        a quantized checkpoint back to a plain HF directory
 """
 from __future__ import annotations
 
@@ -115,6 +117,28 @@ def _plot(args) -> None:
     print(plot_run(args.run_dir, args.out))
 
 
+def _quant_commands(sub) -> None:
+    """``lmforge quantize`` and ``lmforge dequantize`` (see lmforge.quantize)."""
+    from .quantize import FORMATS, dequantize, quantize
+
+    def run_quantize(args) -> None:
+        result = quantize(args.model, args.format, args.out)
+        print(f"wrote {args.format} to {args.out}: {result.num_bytes / 2**20:.2f} MiB in "
+              f"{result.seconds:.1f} s ({', '.join(f.name for f in result.files)})")
+
+    formats = "\n".join(f"  {f.name:<14} {f.description}" for f in FORMATS.values())
+    q = sub.add_parser("quantize", help="write a quantized checkpoint (compressed-tensors, GGUF, ternary)",
+                       epilog="formats:\n" + formats, formatter_class=argparse.RawDescriptionHelpFormatter)
+    q.add_argument("model", help="HF directory, a run's final/ directory, a .gguf file or smollm2-135m-instruct")
+    q.add_argument("--format", required=True, metavar="F", help="one of the formats listed below")
+    q.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    q.set_defaults(func=run_quantize)
+    d = sub.add_parser("dequantize", help="turn a quantized checkpoint back into a plain HF directory")
+    d.add_argument("source", help="a directory written by `lmforge quantize`, or a .gguf file")
+    d.add_argument("--out", required=True, help="output HF directory (must not exist or be empty)")
+    d.set_defaults(func=lambda args: print(f"wrote {dequantize(args.source, args.out)}"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lmforge", description=textwrap.dedent(__doc__ or ""),
@@ -136,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", help="run directory holding metrics.jsonl")
     plot.add_argument("--out", default=None, help="output PNG (default RUN_DIR/curves.png)")
     plot.set_defaults(func=_plot)
+    _quant_commands(sub)
     return parser
 
 
