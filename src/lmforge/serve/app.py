@@ -11,8 +11,8 @@ when the server is shutting down. Handlers never run the model: they tokenise, c
 scheduler thread and await its future, so the event loop keeps accepting requests that join the
 running batch.
 """
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: FastAPI reads the route signatures at runtime, and
+# ``Request``, imported lazily inside ``build_app``, could not be resolved from a string annotation.
 import asyncio
 import contextlib
 from typing import Any
@@ -154,7 +154,8 @@ def build_app(served: ServedModel):
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "weight_version": served.scheduler.weight_version}
+        return {"status": "ok", "weight_version": served.scheduler.weight_version,
+                "running_rows": served.scheduler.num_running}
 
     @app.get("/v1/models")
     async def models():

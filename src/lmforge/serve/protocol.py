@@ -35,6 +35,7 @@ class _Sampling(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     stop: Union[str, list[str], None] = Field(default_factory=list)  # validated into a list
     seed: int | None = None
+    ignore_eos: bool = False  # vLLM's extension: decode max_tokens tokens (benchmarks, fixed-length tests)
     stream: bool = False
     user: str | None = None  # accepted (clients send it), unused
 
@@ -92,8 +93,9 @@ def prompts_of(request: CompletionRequest, encode) -> list[list[int]]:
 
 
 def sampling_params(request: _Sampling, max_tokens: int, stop_token_ids: list[int]) -> SamplingParams:
+    stop_token_ids = [] if request.ignore_eos else list(stop_token_ids)
     return SamplingParams(temperature=request.temperature, top_p=request.top_p, max_new_tokens=max_tokens,
-                          stop_token_ids=list(stop_token_ids), stop_strings=list(request.stop), seed=request.seed)
+                          stop_token_ids=stop_token_ids, stop_strings=list(request.stop), seed=request.seed)
 
 
 def cut_at_stop(text: str, stops: list[str]) -> str:

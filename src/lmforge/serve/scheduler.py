@@ -132,6 +132,11 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------ public, any thread
 
+    @property
+    def num_running(self) -> int:
+        """Rows decoding now (a snapshot read from another thread)."""
+        return len(self._rows)
+
     def submit(self, request: GenerationRequest) -> concurrent.futures.Future:
         if self._stopping.is_set():
             raise ServeError("the server is shutting down")
