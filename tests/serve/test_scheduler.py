@@ -135,3 +135,20 @@ def test_shutdown_fails_unfinished_requests(make_tiny):
             future.result(10)
     with pytest.raises(ServeError, match="shutting down"):
         scheduler.submit(GenerationRequest(PROMPTS[0], SamplingParams()))
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread re-raises, for the log
+def test_a_failing_model_fails_its_requests_and_refuses_new_ones(make_tiny):
+    model, tokenizer = make_tiny()
+    scheduler = _scheduler(model, tokenizer, gather_s=0.0)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    model.forward = broken
+    future = scheduler.submit(GenerationRequest(PROMPTS[0], SamplingParams(max_new_tokens=5)))
+    with pytest.raises(ServeError, match="generation thread stopped: RuntimeError: out of memory"):
+        future.result(30)
+    scheduler._thread.join(30)
+    with pytest.raises(ServeError, match="generation thread stopped"):
+        scheduler.submit(GenerationRequest(PROMPTS[0], SamplingParams()))

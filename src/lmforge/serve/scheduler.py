@@ -122,6 +122,7 @@ class BatchScheduler:
         self._waiting: list[GenerationRequest] = []
         self._updates: list[_WeightUpdate] = []
         self._rows: list[_Row] = []
+        self._admitting: list[GenerationRequest] = []  # taken from _waiting, not yet rows (prefill running)
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None  # (B, L) long, 1 on real cached positions
         self._logits: torch.Tensor | None = None  # (B, V) float32, next-token logits
@@ -139,7 +140,7 @@ class BatchScheduler:
 
     def submit(self, request: GenerationRequest) -> concurrent.futures.Future:
         if self._stopping.is_set():
-            raise ServeError("the server is shutting down")
+            raise ServeError("the server is shutting down (or its generation thread stopped: see the server log)")
         if request.n < 1 or request.n > self.max_batch_rows:
             raise ValueError(f"n must be in [1, {self.max_batch_rows}] (the server's max batch rows), got {request.n}")
         self._inbox.put(request)
@@ -149,7 +150,7 @@ class BatchScheduler:
                        ) -> concurrent.futures.Future:
         """Queue a weight update; the future gives the new version once no row of the old weights runs."""
         if self._stopping.is_set():
-            raise ServeError("the server is shutting down")
+            raise ServeError("the server is shutting down (or its generation thread stopped: see the server log)")
         update = _WeightUpdate(load, version)
         self._inbox.put(update)
         return update.future
@@ -176,6 +177,7 @@ class BatchScheduler:
                 if self._rows:
                     self._step()
         except BaseException as exc:  # the model failed: fail everything instead of hanging clients
+            self._stopping.set()  # and refuse new requests (submit raises) rather than queue them forever
             self._fail_all(ServeError(f"the generation thread stopped: {type(exc).__name__}: {exc}"))
             raise
         self._fail_all(ServeError("the server shut down before this request finished"))
@@ -204,11 +206,11 @@ class BatchScheduler:
 
     def _fail_all(self, exc: Exception) -> None:
         self._collect(block=False)
-        pending = [r.request for r in self._rows] + self._waiting
+        pending = [r.request for r in self._rows] + self._admitting + self._waiting
         for item in pending + [u for u in self._updates]:
             if not item.future.done():
                 item.future.set_exception(exc)
-        self._rows, self._waiting, self._updates = [], [], []
+        self._rows, self._admitting, self._waiting, self._updates = [], [], [], []
 
     def _apply_update(self, update: _WeightUpdate) -> None:
         if not update.future.set_running_or_notify_cancel():
@@ -235,6 +237,7 @@ class BatchScheduler:
                 room -= request.n
         if not batch:
             return
+        self._admitting = batch
         ids, mask = left_pad([r.prompt_ids for r in batch], self.pad_token_id)  # (N, P)
         cache = DynamicCache(config=self.model.config)
         logits, cache = prefill(self.model, ids.to(self.device), mask.to(self.device), cache)  # (N, V)
@@ -266,6 +269,7 @@ class BatchScheduler:
             self._logits = torch.cat([self._logits, logits], 0)
             self._positions = torch.cat([self._positions, mask.sum(1)], 0)
         self._rows += new_rows
+        self._admitting = []
 
     def _sample(self) -> torch.Tensor:
         """One token per running row, each from its request's settings. Returns tokens (B,) long."""
