@@ -147,3 +147,39 @@ def test_environment_samples_from_lmforge_serve_and_trainer_pushes_weights(regis
     new_model, _ = make_tiny(seed=1)
     assert push_weights(server.url, new_model, version=1) == 1
     assert environment_step([1, 5, 6])["weight_version"] == 1
+
+
+def _rank_worker(rank: int, port: int, urls: list[str], out_dir: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        rollout, rewards, _ = pull_batch(urls[rank], pad_token_id=PAD, poll_s=0.05, timeout_s=60, retries=0)
+        torch.save({"ids": rollout.completion_ids, "logprobs": rollout.logprobs, "rewards": rewards},
+                   f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rank_zero_fetches_and_broadcasts(registered, tmp_path):
+    """Two gloo ranks: only rank 0 can reach the API (rank 1 is given a dead URL, so it would fail if it
+    called it); both get the same batch."""
+    import torch.multiprocessing as mp
+
+    _post_group(registered, [([1, 5], [7, 2], [-0.5, -0.25])] * 2, [1.0, 0.0])
+    _post_group(registered, [([1, 4], [8], [-0.75])] * 2, [0.0, 1.0])
+    ports = []
+    for _ in range(2):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    mp.start_processes(_rank_worker, args=(ports[0], [registered, f"http://127.0.0.1:{ports[1]}"], str(tmp_path)),
+                       nprocs=2, join=True, start_method="spawn")
+    zero, one = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert zero["ids"].tolist() == one["ids"].tolist() == [[7, 2], [7, 2], [8, 0], [8, 0]]
+    assert zero["rewards"].tolist() == one["rewards"].tolist() == [1.0, 0.0, 0.0, 1.0]
+    torch.testing.assert_close(one["logprobs"], zero["logprobs"], rtol=0, atol=0)
