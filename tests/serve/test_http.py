@@ -75,6 +75,7 @@ def test_concurrent_requests_share_model_steps(server):
     ({"prompt": [1, 2], "stream": True}, 400, "streaming is not supported"),
     ({"prompt": [1, 2], "temperature": -1}, 400, "temperature"),
     ({"prompt": [1, 2], "n": 0}, 400, "n: "),
+    ({"prompt": [1, 2], "n": 33}, 400, "n must be in [1, 32] (the server's max batch rows), got 33"),
     ({"prompt": [1, 999]}, 400, "outside the vocabulary [0, 23)"),
     ({"prompt": [], "max_tokens": 3}, 400, "prompt is empty"),
     ({"prompt": [1] * 60, "max_tokens": 10}, 400,

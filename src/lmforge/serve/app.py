@@ -95,7 +95,10 @@ class ServedModel:
 
     async def generate(self, prompt: list[int], request, max_tokens: int):
         params = sampling_params(request, max_tokens, self.stop_token_ids)
-        future = self.scheduler.submit(GenerationRequest(prompt, params, n=request.n))
+        try:
+            future = self.scheduler.submit(GenerationRequest(prompt, params, n=request.n))
+        except ValueError as exc:  # n larger than the batch
+            raise RequestError(str(exc), param="n") from exc
         return await asyncio.wrap_future(future)
 
 
