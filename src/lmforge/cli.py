@@ -7,6 +7,7 @@
     lmforge ppo CONFIG [key=value ...]         RL: PPO with a value head and GAE
     lmforge antidistill STAGE CONFIG [...]     antidistillation pipeline (traces, grad, sample, distill, eval, report, all)
     lmforge export RUN_DIR --out DIR           a checkpoint as an HF directory (gathers FSDP2 shards)
+    lmforge serve MODEL [--port N ...]         OpenAI-compatible HTTP server with batching and weight updates
     lmforge hardware                           what was detected and what would be chosen
     lmforge plot RUN_DIR                       PNG of the run's curves
     lmforge quantize MODEL --format F --out DIR   quantized checkpoint (compressed-tensors, GGUF, ternary)
@@ -147,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text, config_cls, runner in _recipes():
         _config_command(sub, name, help_text, config_cls, runner)
     _antidistill(sub)
+    from .serve.command import add_parser as add_serve_parser
+
+    add_serve_parser(sub)
     hw = sub.add_parser("hardware", help="print detected hardware and the automatic choices")
     hw.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | mps")
     hw.set_defaults(func=_hardware)

@@ -1,0 +1,245 @@
+"""The HTTP layer of ``lmforge serve`` (FastAPI): routes, request checks, error bodies, lifecycle.
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``GET /v1/weights`` (current version), ``POST /v1/weights`` (load a checkpoint directory),
+``POST /v1/weights/tensors`` (safetensors body), ``GET /health``. The wire format is in
+``protocol.py``, the batching in ``scheduler.py``, the weight loading in ``weights.py``.
+
+Every error is JSON in OpenAI's shape with a 4xx status for a bad request (400: malformed body,
+unknown field, prompt over the context length, weights that do not fit; 404: unknown path) and 503
+when the server is shutting down. Handlers never run the model: they tokenise, check, submit to the
+scheduler thread and await its future, so the event loop keeps accepting requests that join the
+running batch.
+"""
+# No ``from __future__ import annotations`` here: FastAPI reads the route signatures at runtime, and
+# ``Request``, imported lazily inside ``build_app``, could not be resolved from a string annotation.
+import asyncio
+import contextlib
+from typing import Any
+
+from .protocol import (
+    ChatRequest,
+    CompletionRequest,
+    chat_body,
+    completion_body,
+    error_body,
+    prompts_of,
+    sampling_params,
+)
+from .scheduler import BatchScheduler, GenerationRequest, ServeError
+from .weights import WeightsError, check_state, copy_state, read_checkpoint_dir, read_tensor_bytes
+
+INSTALL_HINT = "lmforge serve needs FastAPI and uvicorn: pip install 'lmforge[serve]' (or: pip install fastapi uvicorn)"
+MAX_RETRIES = 3  # attempts at a multi-prompt request whose prompts straddle a weight update
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
+class RequestError(ValueError):
+    """A request the server refuses with 400; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def _require_fastapi():
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(INSTALL_HINT) from exc
+
+
+class ServedModel:
+    """The model, its tokenizer and the scheduler, plus the checks that need the model's limits."""
+
+    def __init__(self, model, tokenizer, name: str, max_batch_rows: int = 64, gather_s: float = 0.005):
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.max_model_len = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self.stop_token_ids = sorted({*eos, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])})
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.scheduler = BatchScheduler(model, pad, self.decode_text, max_batch_rows=max_batch_rows, gather_s=gather_s)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode_text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def check_prompt(self, prompt: list[int], max_tokens: int | None, default_max_tokens: int | None,
+                     index: int = 0) -> int:
+        """Validate one prompt; return its max_tokens (the default filled in)."""
+        where = "" if index == 0 else f" (prompt {index})"
+        if not prompt:
+            raise RequestError(f"the prompt{where} is empty", param="prompt")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"prompt{where} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
+                               param="prompt")
+        room = self.max_model_len - len(prompt)
+        if max_tokens is None:
+            max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+        if len(prompt) + max_tokens > self.max_model_len or max_tokens < 1:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(prompt) + max(max_tokens, 1)} tokens ({len(prompt)} in the prompt{where}, {max(max_tokens, 1)} "
+                f"for the completion). Shorten the prompt or lower max_tokens.",
+                param="max_tokens" if room > 0 else "prompt", code="context_length_exceeded")
+        return max_tokens
+
+    async def generate(self, prompt: list[int], request, max_tokens: int):
+        params = sampling_params(request, max_tokens, self.stop_token_ids)
+        try:
+            future = self.scheduler.submit(GenerationRequest(prompt, params, n=request.n))
+        except ValueError as exc:  # n larger than the batch
+            raise RequestError(str(exc), param="n") from exc
+        return await asyncio.wrap_future(future)
+
+
+def build_app(served: ServedModel):
+    """The FastAPI application serving ``served``; the scheduler thread stops when the app shuts down."""
+    _require_fastapi()
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        # uvicorn has already let the open requests finish: stop the thread that served them
+        await run_in_threadpool(served.scheduler.shutdown)
+
+    app = FastAPI(title="lmforge serve", lifespan=lifespan)
+
+    def reply(body: dict[str, Any]) -> JSONResponse:
+        return JSONResponse(body, headers={"x-weight-version": str(body["weight_version"])})
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            return JSONResponse(error_body(f"the request body is not valid JSON ({message}, at character "
+                                           f"{loc[0] if loc else '?'})"), status_code=400)
+        if first.get("type") == "extra_forbidden":
+            message = f"unknown or unsupported field '{param}'"
+        elif param:
+            message = f"{param}: {message}"
+        return JSONResponse(error_body(message, param=param), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException):
+        return JSONResponse(error_body(str(exc.detail), kind="not_found_error" if exc.status_code == 404
+                                       else "invalid_request_error"), status_code=exc.status_code)
+
+    @app.exception_handler(RequestError)
+    async def _bad_request(request: Request, exc: RequestError):
+        return JSONResponse(error_body(str(exc), param=exc.param, code=exc.code), status_code=400)
+
+    @app.exception_handler(ServeError)
+    async def _unavailable(request: Request, exc: ServeError):
+        return JSONResponse(error_body(str(exc), kind="server_error"), status_code=503)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):  # still JSON, and the server log has the traceback
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", kind="server_error"),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "weight_version": served.scheduler.weight_version,
+                "running_rows": served.scheduler.num_running}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "owned_by": "lmforge",
+                                            "max_model_len": served.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        try:
+            prompts = prompts_of(body, served.encode)
+        except ValueError as exc:
+            raise RequestError(str(exc), param="prompt") from exc
+        budgets = [served.check_prompt(p, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, i)
+                   for i, p in enumerate(prompts)]
+        for _ in range(MAX_RETRIES):  # the prompts of one request run as separate rows; if a weight update
+            # fell between them, the whole request is sampled again so that one version answers it
+            results = await asyncio.gather(*(served.generate(p, body, m) for p, m in zip(prompts, budgets)))
+            if len({r.weight_version for r in results}) == 1:
+                break
+        else:
+            raise ServeError(f"weights changed during each of {MAX_RETRIES} attempts at this request; retry it")
+        return reply(completion_body(served.name, prompts, list(results), body, served.decode_text,
+                                     served.decode_token))
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest):
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            text = served.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a template error is about the request's messages
+            raise RequestError(f"the chat template could not render these messages: {exc}", param="messages") from exc
+        prompt = served.encode(text)
+        max_tokens = served.check_prompt(prompt, body.max_completion_tokens or body.max_tokens, None)
+        result = await served.generate(prompt, body, max_tokens)
+        return reply(chat_body(served.name, prompt, result, body, served.decode_text, served.decode_token))
+
+    @app.get("/v1/weights")
+    async def weights_version():
+        return {"weight_version": served.scheduler.weight_version}
+
+    async def _update(state: dict, version: int | None) -> JSONResponse:
+        try:
+            check_state(served.model, state)
+            new_version = await asyncio.wrap_future(
+                served.scheduler.update_weights(lambda model: copy_state(model, state), version))
+        except (WeightsError, ValueError) as exc:
+            raise RequestError(str(exc), param="weights") from exc
+        return reply({"weight_version": new_version})
+
+    @app.post("/v1/weights")
+    async def load_checkpoint(request: Request):
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            raise RequestError(f"the body must be JSON {{\"checkpoint_dir\": ..., \"version\": ...}}: {exc}") from exc
+        if not isinstance(body, dict) or not isinstance(body.get("checkpoint_dir"), str):
+            raise RequestError("the body must be a JSON object with a string 'checkpoint_dir'", param="checkpoint_dir")
+        version = body.get("version")
+        if version is not None and not isinstance(version, int):
+            raise RequestError(f"version must be an integer, got {version!r}", param="version")
+        try:
+            state = await run_in_threadpool(read_checkpoint_dir, body["checkpoint_dir"])
+        except WeightsError as exc:
+            raise RequestError(str(exc), param="checkpoint_dir") from exc
+        return await _update(state, version)
+
+    @app.post("/v1/weights/tensors")
+    async def load_tensors(request: Request, version: int | None = None):
+        payload = await request.body()
+        try:
+            state = await run_in_threadpool(read_tensor_bytes, payload)
+        except WeightsError as exc:
+            raise RequestError(str(exc), param="body") from exc
+        return await _update(state, version)
+
+    return app
+
+
+def run_server(served: ServedModel, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve until SIGINT / SIGTERM; open requests finish first, then the scheduler thread stops."""
+    _require_fastapi()
+    import uvicorn
+
+    uvicorn.run(build_app(served), host=host, port=port, log_level=log_level)

@@ -1,0 +1,337 @@
+"""Continuous batching for ``lmforge serve``: one thread owns the model and runs every request's rows
+in shared decode steps.
+
+Between two decode steps the scheduler admits the requests that arrived meanwhile: it prefills their
+prompts (each prompt once; its KV cache rows are repeated for its ``n`` samples) and merges them into
+the running batch by left-padding the shorter KV cache, exactly as the rollout engine left-pads
+prompts (attention mask 0 on padding, position ids counting real tokens). Finished rows leave the
+batch at once, and columns that are padding in every remaining row are cut from the cache. So a
+request never waits for a whole batch to drain, and a long request never holds short ones back.
+
+Sampling reuses the engine's ``sample_token`` and stores the same logprobs (``rollout/engine.py``,
+module doc): ``log p(token)`` of the processed distribution (temperature, then top-p) the token was
+drawn from; for temperature 0 the untempered model logprob. Rows with different sampling settings
+share the model call and are sampled in groups of equal settings.
+
+Weight updates are never mixed into a sequence: an update waits until the running rows have finished
+(no new request is admitted meanwhile), is applied between steps, and raises the version. Every
+result carries the version of the weights that produced all of its tokens.
+
+Shapes: B = running rows, L = cached positions (left-padded), V = vocabulary size.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import queue
+import threading
+import time
+from typing import Callable
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from ..rollout.engine import SamplingParams, decode_step, left_pad, prefill, sample_token
+
+
+class ServeError(RuntimeError):
+    """The scheduler cannot serve a request (shut down, model failure); the HTTP layer maps it to 5xx."""
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    """``n`` samples for one prompt. ``params.max_new_tokens`` is the per-sample token budget."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int = 1
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+
+
+@dataclasses.dataclass
+class Sample:
+    token_ids: list[int]  # generated tokens, the stop token (if any) included
+    logprobs: list[float]  # one per token, of the sampling distribution (module doc)
+    finish_reason: str  # "stop" (stop token or string) or "length" (max_new_tokens)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    samples: list[Sample]
+    weight_version: int  # the weights that produced every token of every sample
+
+
+@dataclasses.dataclass
+class _Row:
+    request: GenerationRequest
+    generator: torch.Generator | None
+    siblings: list["_Row"] = dataclasses.field(repr=False, compare=False)  # the request's rows, in order
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclasses.dataclass
+class _WeightUpdate:
+    load: Callable[[torch.nn.Module], None]  # copies new weights into the model
+    version: int | None  # requested version (None: current + 1)
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+
+
+def _left_pad_cache(cache: DynamicCache, width: int) -> None:
+    """Prepend zero key/value columns so the cache holds ``width`` positions (padding is masked out)."""
+    for layer in cache.layers:
+        missing = width - layer.keys.shape[-2]
+        if missing > 0:
+            pad = layer.keys.new_zeros((*layer.keys.shape[:2], missing, layer.keys.shape[-1]))
+            layer.keys = torch.cat([pad, layer.keys], dim=-2)
+            layer.values = torch.cat([pad.new_zeros((*pad.shape[:3], layer.values.shape[-1])), layer.values], -2)
+
+
+def _concat_cache(first: DynamicCache, second: DynamicCache) -> None:
+    """Append ``second``'s rows to ``first`` (both already the same width)."""
+    for a, b in zip(first.layers, second.layers):
+        a.keys, a.values = torch.cat([a.keys, b.keys], 0), torch.cat([a.values, b.values], 0)
+
+
+def _trim_cache(cache: DynamicCache, start: int) -> None:
+    """Drop the first ``start`` positions of every row (padding in every remaining row)."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
+
+
+class BatchScheduler:
+    """Owns ``model``; ``submit`` requests from any thread, get a future of a ``GenerationResult``.
+
+    ``max_batch_rows`` bounds the running rows (prompt rows x n); ``gather_s`` is how long an idle
+    scheduler waits after the first request for others to arrive, so that a burst of clients starts
+    in one prefill. ``decode_fn(ids) -> str`` is needed for stop strings.
+    """
+
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, decode_fn: Callable[[list[int]], str],
+                 max_batch_rows: int = 64, gather_s: float = 0.005, weight_version: int = 0):
+        if max_batch_rows < 1:
+            raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
+        self.model = model.eval().requires_grad_(False)
+        self.device = next(model.parameters()).device
+        self.pad_token_id, self.decode_fn = pad_token_id, decode_fn
+        self.max_batch_rows, self.gather_s = max_batch_rows, gather_s
+        self.weight_version = weight_version
+        self.num_steps = 0  # decode steps run (shared by all rows of a step)
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiting: list[GenerationRequest] = []
+        self._updates: list[_WeightUpdate] = []
+        self._rows: list[_Row] = []
+        self._admitting: list[GenerationRequest] = []  # taken from _waiting, not yet rows (prefill running)
+        self._cache: DynamicCache | None = None
+        self._mask: torch.Tensor | None = None  # (B, L) long, 1 on real cached positions
+        self._logits: torch.Tensor | None = None  # (B, V) float32, next-token logits
+        self._positions: torch.Tensor | None = None  # (B,) long, position of each row's next token
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lmforge-serve-scheduler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public, any thread
+
+    @property
+    def num_running(self) -> int:
+        """Rows decoding now (a snapshot read from another thread)."""
+        return len(self._rows)
+
+    def submit(self, request: GenerationRequest) -> concurrent.futures.Future:
+        if self._stopping.is_set():
+            raise ServeError("the server is shutting down (or its generation thread stopped: see the server log)")
+        if request.n < 1 or request.n > self.max_batch_rows:
+            raise ValueError(f"n must be in [1, {self.max_batch_rows}] (the server's max batch rows), got {request.n}")
+        self._inbox.put(request)
+        return request.future
+
+    def update_weights(self, load: Callable[[torch.nn.Module], None], version: int | None = None
+                       ) -> concurrent.futures.Future:
+        """Queue a weight update; the future gives the new version once no row of the old weights runs."""
+        if self._stopping.is_set():
+            raise ServeError("the server is shutting down (or its generation thread stopped: see the server log)")
+        update = _WeightUpdate(load, version)
+        self._inbox.put(update)
+        return update.future
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the thread; requests not yet finished fail with ``ServeError``."""
+        self._stopping.set()
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ scheduler thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._collect(block=not self._rows and not self._waiting and not self._updates)
+                if self._stopping.is_set():
+                    break
+                if self._updates and not self._rows:
+                    self._apply_update(self._updates.pop(0))
+                    continue
+                if not self._updates:
+                    self._admit()
+                if self._rows:
+                    self._step()
+        except BaseException as exc:  # the model failed: fail everything instead of hanging clients
+            self._stopping.set()  # and refuse new requests (submit raises) rather than queue them forever
+            self._fail_all(ServeError(f"the generation thread stopped: {type(exc).__name__}: {exc}"))
+            raise
+        self._fail_all(ServeError("the server shut down before this request finished"))
+
+    def _collect(self, block: bool) -> None:
+        """Move what arrived into the waiting lists; when idle, block for one item, then gather briefly."""
+        items = []
+        if block:
+            items.append(self._inbox.get())
+            deadline = time.monotonic() + self.gather_s
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    items.append(self._inbox.get(timeout=left))
+                except queue.Empty:
+                    break
+        while True:
+            try:
+                items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        for item in items:
+            if isinstance(item, GenerationRequest):
+                self._waiting.append(item)
+            elif isinstance(item, _WeightUpdate):
+                self._updates.append(item)
+
+    def _fail_all(self, exc: Exception) -> None:
+        self._collect(block=False)
+        pending = [r.request for r in self._rows] + self._admitting + self._waiting
+        for item in pending + [u for u in self._updates]:
+            if not item.future.done():
+                item.future.set_exception(exc)
+        self._rows, self._admitting, self._waiting, self._updates = [], [], [], []
+
+    def _apply_update(self, update: _WeightUpdate) -> None:
+        if not update.future.set_running_or_notify_cancel():
+            return
+        try:
+            if update.version is not None and update.version <= self.weight_version:
+                raise ValueError(f"weight version must increase: the server is at {self.weight_version}, "
+                                 f"the update asks for {update.version}")
+            update.load(self.model)
+            self.weight_version = self.weight_version + 1 if update.version is None else update.version
+            update.future.set_result(self.weight_version)
+        except Exception as exc:  # a bad checkpoint leaves the old weights serving; the caller sees why
+            update.future.set_exception(exc)
+
+    @torch.inference_mode()
+    def _admit(self) -> None:
+        """Prefill waiting requests that fit and merge their rows into the running batch."""
+        room = self.max_batch_rows - len(self._rows)
+        batch = []
+        while self._waiting and self._waiting[0].n <= room:
+            request = self._waiting.pop(0)
+            if request.future.set_running_or_notify_cancel():
+                batch.append(request)
+                room -= request.n
+        if not batch:
+            return
+        self._admitting = batch
+        ids, mask = left_pad([r.prompt_ids for r in batch], self.pad_token_id)  # (N, P)
+        cache = DynamicCache(config=self.model.config)
+        logits, cache = prefill(self.model, ids.to(self.device), mask.to(self.device), cache)  # (N, V)
+        if any(type(layer) is not DynamicLayer for layer in cache.layers):
+            raise ServeError("lmforge serve batches requests by merging full-attention KV caches; this model "
+                             "has sliding-window or other special cache layers, which are not supported")
+        repeat = torch.arange(len(batch), device=self.device).repeat_interleave(
+            torch.tensor([r.n for r in batch], device=self.device))  # (rows,)
+        cache.batch_select_indices(repeat)
+        mask, logits = mask.to(self.device)[repeat], logits[repeat]
+        new_rows = []
+        for request in batch:
+            generator = None
+            if request.params.seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(request.params.seed)
+            siblings: list[_Row] = []
+            siblings += [_Row(request, generator, siblings) for _ in range(request.n)]
+            new_rows += siblings
+        if not self._rows:
+            self._cache, self._mask, self._logits = cache, mask, logits
+            self._positions = mask.sum(1)
+        else:
+            width = max(self._mask.shape[1], mask.shape[1])
+            for c in (self._cache, cache):
+                _left_pad_cache(c, width)
+            pad = lambda m: torch.cat([m.new_zeros((m.shape[0], width - m.shape[1])), m], 1)  # noqa: E731
+            _concat_cache(self._cache, cache)
+            self._mask = torch.cat([pad(self._mask), pad(mask)], 0)
+            self._logits = torch.cat([self._logits, logits], 0)
+            self._positions = torch.cat([self._positions, mask.sum(1)], 0)
+        self._rows += new_rows
+        self._admitting = []
+
+    def _sample(self) -> torch.Tensor:
+        """One token per running row, each from its request's settings. Returns tokens (B,) long."""
+        tokens = torch.empty(len(self._rows), dtype=torch.long, device=self.device)
+        groups: dict[tuple, list[int]] = {}
+        for b, row in enumerate(self._rows):
+            p = row.request.params
+            key = (p.temperature, p.top_k, p.top_p, id(row.generator) if row.generator else None)
+            groups.setdefault(key, []).append(b)
+        for rows in groups.values():
+            first = self._rows[rows[0]]
+            index = torch.tensor(rows, device=self.device)
+            picked, logprobs = sample_token(self._logits[index], first.request.params, first.generator)
+            tokens[index] = picked
+            for b, token, logprob in zip(rows, picked.tolist(), logprobs.tolist()):
+                self._rows[b].tokens.append(token)
+                self._rows[b].logprobs.append(logprob)
+        return tokens
+
+    def _finish_reason(self, row: _Row) -> str | None:
+        params = row.request.params
+        if row.tokens[-1] in params.stop_token_ids:
+            return "stop"
+        if params.stop_strings:
+            window = max(map(len, params.stop_strings)) + 8
+            tail = self.decode_fn(row.tokens[-window:])
+            if any(s in tail for s in params.stop_strings):
+                return "stop"
+        if len(row.tokens) >= params.max_new_tokens:
+            return "length"
+        return None
+
+    @torch.inference_mode()
+    def _step(self) -> None:
+        """Sample a token for every row, retire finished rows, run the model once on the rest."""
+        tokens = self._sample()
+        keep = []
+        for b, row in enumerate(self._rows):
+            row.finish_reason = self._finish_reason(row)
+            if row.finish_reason is None:
+                keep.append(b)
+        if len(keep) < len(self._rows):
+            self._retire([row for row in self._rows if row.finish_reason is not None])
+            index = torch.tensor(keep, dtype=torch.long, device=self.device)
+            self._rows = [self._rows[b] for b in keep]
+            if not keep:
+                self._cache = self._mask = self._logits = self._positions = None
+                return
+            self._cache.batch_select_indices(index)
+            self._mask, tokens, self._positions = self._mask[index], tokens[index], self._positions[index]
+            start = int((self._mask.cumsum(1) == 0).sum(1).min())  # leading padding common to every row
+            if start:
+                _trim_cache(self._cache, start)
+                self._mask = self._mask[:, start:]
+        self._mask = torch.cat([self._mask, self._mask.new_ones((len(self._rows), 1))], 1)  # (B, L + 1)
+        self._logits, self._cache = decode_step(self.model, tokens, self._cache, self._mask, self._positions)
+        self._positions = self._positions + 1
+        self.num_steps += 1
+
+    def _retire(self, finished: list[_Row]) -> None:
+        """Resolve the requests whose every sample has now finished."""
+        for row in finished:
+            if all(r.finish_reason is not None for r in row.siblings) and not row.request.future.done():
+                samples = [Sample(r.tokens, r.logprobs, r.finish_reason) for r in row.siblings]
+                row.request.future.set_result(GenerationResult(samples, self.weight_version))

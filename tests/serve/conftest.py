@@ -1,0 +1,76 @@
+"""Fixtures for the serving tests: a tiny model with the char tokenizer, and a real server on a free port."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from lmforge.config import ModelConfig
+from lmforge.models import load_model
+
+CONTEXT = 64  # max_position_embeddings of the test model: small, so the context-limit error is cheap to hit
+
+
+def tiny_model(seed: int = 0, sharpness: float = 3.0):
+    """(model, tokenizer): a 2-layer tiny Llama on the char tokenizer, output made far from uniform so that
+    greedy decoding has no near-ties (batched and unbatched runs then pick the same tokens)."""
+    cfg = ModelConfig(name="tiny:llama", hidden_size=32, num_layers=2, num_heads=2,
+                      max_position_embeddings=CONTEXT, init_seed=seed)
+    model, tokenizer = load_model(cfg)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(sharpness)
+    return model.eval(), tokenizer
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ThreadServer:
+    """``build_app(served)`` under uvicorn in a background thread, on 127.0.0.1 and a free port."""
+
+    def __init__(self, served):
+        import uvicorn
+
+        from lmforge.serve.app import build_app
+
+        self.served = served
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(build_app(served), host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start within 60 s")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+        assert not self.thread.is_alive(), "the server thread did not stop"
+
+
+@pytest.fixture
+def make_tiny():
+    """The ``tiny_model`` factory, for tests that need several models or a fresh one."""
+    return tiny_model
+
+
+@pytest.fixture
+def server():
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from lmforge.serve.app import ServedModel
+
+    model, tokenizer = tiny_model()
+    running = ThreadServer(ServedModel(model, tokenizer, "tiny-test", max_batch_rows=32, gather_s=0.005))
+    yield running
+    running.stop()
