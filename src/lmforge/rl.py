@@ -324,35 +324,50 @@ def policy_logprobs(model, batch: RLBatch, temperature: float, precision: Precis
     return completion_logprobs(logits, batch, temperature, entropy_grad)
 
 
+def matmul_weights(model) -> tuple[int, int]:
+    """(body, head): weights of the linear layers a token goes through in the transformer body, and
+    the LM head's. Norm weights and the embedding lookup do no matmul and are not counted."""
+    head_weight = model.get_output_embeddings().weight
+    body = sum(m.weight.numel() for m in model.modules()
+               if isinstance(m, torch.nn.Linear) and m.weight is not head_weight)
+    return body, head_weight.numel()
+
+
 def step_flops(model, batch: RLBatch, micro_batch_size: int, train_passes: int, forward_passes: int,
                share_prompts: bool = True) -> float:
-    """Matmul FLOPs of one RL step as lmforge runs it (an estimate: attention scores are left out).
+    """Matmul FLOPs of one RL step as lmforge runs it (attention scores are left out).
 
-    Sampling: each distinct prompt prefilled once, then one decode forward (body + LM head) per row and
-    completion position. Training: each pass runs the body over the tokens its micro-batches actually
-    feed (a shared prompt once per micro-batch, see :func:`shares_prompts`) and the LM head over the
-    completion positions; ``train_passes`` forward + backward (3x a forward), ``forward_passes``
-    forward-only (old logprobs, reference model, values); ``share_prompts=False`` for trainers that
-    always run the packed rows (PPO). Unlike 6N x tokens, this does not count a
-    prompt once per row, which made a "utilisation" above 100% possible.
+    Sampling (the engine): one prefill of the distinct prompts, left-padded to the longest, with the
+    LM head on their last position, then C - 1 decode forwards of all B rows (C: the completion
+    width). Training: each micro-batch either runs its distinct prompts once (left-padded) and then
+    ``completion_ids[:, :-1]`` of every row (:func:`shared_prompt_logits`), or the packed rows with
+    their padding; the LM head runs on the completion positions. ``train_passes`` forward + backward
+    (3x a forward), ``forward_passes`` forward-only (old logprobs, reference model, values);
+    ``share_prompts=False`` for trainers that always run the packed rows (PPO). Checked against the
+    FLOPs torch dispatches: tests/recipes/test_grpo.py::test_step_flops_equal_the_matmul_flops_torch_runs.
     """
-    body, head = Run.matmul_params(model)
+    body, head = matmul_weights(model)
 
-    def prompt_tokens(part: RLBatch) -> int:  # each distinct prompt once
-        if part.group_index is None or part.prompt_lens is None:
-            return int(part.attention_mask.sum()) - int(part.completion_mask.sum())
-        return sum(dict(zip(part.group_index.tolist(), part.prompt_lens.tolist())).values())
+    def prompts(part: RLBatch) -> tuple[int, int]:  # (distinct prompts, longest of them)
+        lens = dict(zip(part.group_index.tolist(), part.prompt_lens.tolist()))
+        return len(lens), max(lens.values())
 
     completion = int(batch.completion_mask.sum())
     forward_tokens = 0
     for rows in torch.arange(batch.num_rows).split(micro_batch_size):
         micro = batch.select(rows)
         if share_prompts and shares_prompts(model, micro):
-            forward_tokens += prompt_tokens(micro) + int(micro.completion_mask.sum()) - micro.num_rows
+            distinct, width = prompts(micro)
+            forward_tokens += distinct * width + micro.num_rows * (micro.completion_ids.shape[1] - 1)
         else:
-            forward_tokens += int(micro.attention_mask.sum())
+            forward_tokens += micro.input_ids.numel()
     forward = 2.0 * (body * forward_tokens + head * completion)
-    sampling = 2.0 * body * prompt_tokens(batch) + 2.0 * (body + head) * batch.completion_mask.numel()
+    num_rows, width = batch.completion_ids.shape
+    if batch.group_index is not None and batch.prompt_lens is not None:
+        distinct, longest = prompts(batch)
+    else:
+        distinct, longest = num_rows, int((batch.attention_mask.sum(1) - batch.completion_mask.sum(1)).max())
+    sampling = 2.0 * (body * distinct * longest + head * distinct) + 2.0 * (body + head) * num_rows * (width - 1)
     return sampling + forward * (3 * train_passes + forward_passes)
 
 

@@ -44,9 +44,10 @@ def train_config(out: Path, micro: int, batch: int) -> TrainConfig:
                        dtype="fp32", device="cpu", gradient_checkpointing="off", save_every=0)
 
 
-def sft_case(out: Path, micro: int, strategy: str) -> dict:
+def sft_case(out: Path, micro: int, strategy: str, grad_sync: str = "native") -> dict:
     cfg = SFTConfig(model=MODEL, data=SFTDataConfig(task="addition", num_train=64, num_val=8, max_len=32),
-                    optim=OPTIM, train=train_config(out, micro, batch=8), parallel=ParallelConfig(strategy=strategy),
+                    optim=OPTIM, train=train_config(out, micro, batch=8),
+                    parallel=ParallelConfig(strategy=strategy, grad_sync=grad_sync),
                     logging=LoggingConfig(progress=False))
     model, tokenizer = load_model(cfg.model)
     run = start_run(cfg, "sft", model, seq_len=32, console=Quiet())
@@ -115,6 +116,8 @@ def rl_case(out: Path, recipe: str, aggregation: str, micro: int, strategy: str,
 
 CASES = {
     "sft": lambda out, micro, strategy: sft_case(out, micro, strategy),
+    # DDP with lmforge's ring all-reduce as the gradient hook (FSDP2 refuses it: the case runs under ddp only)
+    "sft-ring": lambda out, micro, strategy: sft_case(out, micro, strategy, "ring" if strategy == "ddp" else "native"),
     **{f"grpo-{agg}": (lambda agg: lambda out, micro, strategy: rl_case(out, "grpo", agg, micro, strategy))(agg)
        for agg in ("seq_mean_token_mean", "token_mean", "global_token_mean", "seq_sum_max_len")},
     "grpo-minibatches": lambda out, micro, strategy: rl_case(out, "grpo", "global_token_mean", micro, strategy, 2),

@@ -131,13 +131,6 @@ def test_step_flops_partition_the_parameters():
     assert body + head + untied == sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rl.step_flops miscounts what runs (measured here with torch's FlopCounterMode): RMSNorm weights "
-    "are counted as matmul parameters (Run.matmul_params); sampling is counted as B x C decode "
-    "forwards, while the engine runs one prefill of the distinct prompts, left-padded, with the LM "
-    "head on their last position, then C - 1 decode forwards of all B rows; the shared-prompt "
-    "training forward runs completion_ids[:, :-1] of every row (padding included), not "
-    "sum(completion_mask) - rows tokens. Strict: this test passes, and so flags, once step_flops is fixed."))
 @pytest.mark.parametrize("micro_batch_size", [8, 1], ids=["shared-prompts", "packed-rows"])
 def test_step_flops_equal_the_matmul_flops_torch_runs(micro_batch_size):
     model, tokenizer = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2,

@@ -159,7 +159,7 @@ def test_a_stale_lock_is_taken_over_with_a_note(tmp_path, capsys):
 def test_an_output_dir_that_is_a_file_is_a_clear_error(tmp_path):
     path = tmp_path / "file"
     path.write_text("x")
-    with pytest.raises(ConfigError, match="cannot be used as a run directory"):
+    with pytest.raises(ConfigError, match="is a file; it must be a directory"):
         sft(path, "train.max_steps=1")
 
 

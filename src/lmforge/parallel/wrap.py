@@ -12,7 +12,7 @@ wrapper's forward, so DDP and FSDP2 see every call (:func:`run_forward`).
 
 Gradient averaging. lmforge divides each loss by the global count it normalises by (tokens or
 sequences of the whole step, all ranks), so the gradients must be *summed* across ranks, not
-averaged: DDP gets a summing communication hook, FSDP2 a gradient divide factor of 1.
+averaged: DDP gets a summing communication hook (``parallel.ring``), FSDP2 a gradient divide factor of 1.
 """
 from __future__ import annotations
 
@@ -43,12 +43,6 @@ def run_forward(wrapped: torch.nn.Module, fn, *args, **kwargs):
     return wrapped(fn, *args, **kwargs)
 
 
-def sum_hook(group, bucket):  # no annotations: DDP checks them, and this module's are strings
-    """DDP communication hook: the plain sum of the bucket over the group (DDP's default divides)."""
-    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
-
-
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks of an HF causal LM (the units FSDP2 shards one by one)."""
     body = getattr(model, "model", None)
@@ -76,12 +70,9 @@ def wrap(root: Root, ctx: ParallelContext, device: torch.device, dtype: torch.dt
         # Buffers (rotary frequencies) are equal on every rank: synced once at construction, not per forward.
         wrapped = DDP(root, device_ids=[device.index] if device.type == "cuda" else None,
                       process_group=ctx.group, forward_sync_buffers=False)
-        if grad_sync == "ring":
-            from .ring import ring_hook
+        from .ring import ring_hook, sum_hook
 
-            wrapped.register_comm_hook(ctx.group, ring_hook)
-        else:
-            wrapped.register_comm_hook(ctx.group, sum_hook)
+        wrapped.register_comm_hook(ctx.group, ring_hook if grad_sync == "ring" else sum_hook)
         return wrapped
     if grad_sync != "native":
         raise ConfigError("parallel.grad_sync=ring is a DDP communication hook; FSDP2 reduce-scatters natively")
