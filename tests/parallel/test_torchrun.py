@@ -1,8 +1,7 @@
 """Real ``torchrun`` processes (gloo, 2 ranks, tiny models): a recipe end to end with checkpoints,
 exact resume and export; under the ``e2e`` marker the failure behaviour (a rank that fails alone, a
-config that differs between ranks, SIGTERM during training), pretraining (against one process), GRPO /
- PPO under torchrun and a
-2-node x 2-process rendezvous over loopback. (The antidistillation gradient under torchrun:
+config that differs between ranks, SIGTERM during training), pretraining (against one process),
+GRPO / PPO under torchrun and a 2-node x 2-process rendezvous over loopback. (The antidistillation gradient under torchrun:
 tests/recipes/test_antidistill_pipeline.py.)"""
 from __future__ import annotations
 
