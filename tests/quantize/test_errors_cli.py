@@ -51,6 +51,16 @@ def test_truncated_ternary_file_names_the_file(tiny_dir, tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
+@needs_ct
+def test_truncated_compressed_tensors_file_names_the_file(tiny_dir, tmp_path):
+    quantize(str(tiny_dir), "int8", tmp_path / "q")
+    path = tmp_path / "q" / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(QuantizeError, match=f"{path}: cannot read"):
+        dequantize(tmp_path / "q", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_corrupt_trits_name_the_file_and_tensor(tiny_dir, tmp_path):
     from safetensors.torch import load_file, save_file
     from safetensors import safe_open

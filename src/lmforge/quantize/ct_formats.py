@@ -84,12 +84,22 @@ def load_compressed(model_dir: Path):
     require("compressed_tensors", _HINT, "loading a compressed-tensors checkpoint")
     import warnings
 
+    from safetensors import SafetensorError, safe_open
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
+    for path in sorted(Path(model_dir).glob("*.safetensors")):  # a truncated file fails here, named
+        try:
+            with safe_open(str(path), "pt") as f:
+                f.keys()
+        except (SafetensorError, OSError) as exc:
+            raise QuantizeError(f"{path}: cannot read (corrupt or truncated file?): {exc}") from exc
     with warnings.catch_warnings():  # "loading attributes will be overwritten": that is the point here
         warnings.filterwarnings("ignore", message="You passed `quantization_config`")
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                    quantization_config=CompressedTensorsConfig(dequantize=True))
+        try:
+            return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                        quantization_config=CompressedTensorsConfig(dequantize=True))
+        except (SafetensorError, OSError) as exc:
+            raise QuantizeError(f"{model_dir}: cannot load the compressed-tensors checkpoint: {exc}") from exc
 
 
 def formats() -> list[Format]:
