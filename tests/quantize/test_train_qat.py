@@ -123,3 +123,68 @@ def test_training_a_qat_checkpoint_without_qat_drops_the_marker(tmp_path):
     run_sft(cfg, model, tok)
     assert not any(isinstance(m, QATLinear) for m in model.modules())
     assert "lmforge_qat" not in json.loads((tmp_path / "plain" / "final" / "config.json").read_text())
+
+
+def test_qat_resume_reproduces_the_uninterrupted_run(tmp_path):
+    """A QAT run resumed from its step-2 checkpoint logs the uninterrupted run's losses (QAT is
+    re-applied before the optimizer state is loaded; the state-dict keys are unchanged)."""
+    def losses(out):
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+
+    # a constant LR: the schedule of a 2-step run would otherwise differ from a 4-step one
+    common = ["train.qat=ternary", "train.eval_every=0", "train.save_every=2", "train.keep_last=5",
+              "optim.schedule=constant"]
+    sft(tmp_path / "full", *common, "train.max_steps=4")
+    sft(tmp_path / "part", *common, "train.max_steps=2")
+    sft(tmp_path / "part", *common, "train.max_steps=4", "train.resume=auto")
+    full, resumed = losses(tmp_path / "full"), losses(tmp_path / "part")
+    assert sorted(full) == sorted(resumed) == [1, 2, 3, 4]
+    assert all(full[s] == resumed[s] for s in full), (full, resumed)
+
+
+def test_grpo_with_ternary_qat_samples_from_the_fake_quantized_model(tmp_path, monkeypatch):
+    """The rollout engine samples from the policy being trained: its logprobs equal the QAT training
+    forward's (rollout_diff ~ 0), which they would not if rollouts used the master weights."""
+    from lmforge.recipes.grpo import GRPOConfig, run_grpo
+    from lmforge.rollout.rewards import BUILTIN_REWARDS
+
+    monkeypatch.setitem(BUILTIN_REWARDS, "parity", lambda completion, problem: float(len(completion) % 2 == 0))
+    args = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
+            "model.max_position_embeddings=32", "data.task=addition", "data.num_train=32", "data.num_eval=4",
+            "rollout.num_prompts=2", "rollout.group_size=4", "rollout.max_new_tokens=4",
+            "rewards.functions=[parity]", "train.max_steps=2", "train.micro_batch_size=4", "train.save_every=0",
+            "train.eval_every=0", "train.max_new_tokens=4", "train.threads=1", "optim.lr=1e-2",
+            "logging.progress=false", "train.qat=ternary", f"train.output_dir={tmp_path / 'grpo'}"]
+    cfg = load_config(GRPOConfig, None, args)
+    model, tok = load_model(cfg.model)
+    run_grpo(cfg, model, tok)
+    assert {m.scheme for m in model.modules() if isinstance(m, QATLinear)} == {"ternary"}
+    rows = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert len(train) == 2 and all(math.isfinite(r["loss"]) for r in train)
+    assert all(r["rollout_diff_abs_max"] < 1e-4 for r in train)
+    assert json.loads((tmp_path / "grpo" / "final" / "config.json").read_text())["lmforge_qat"] == "ternary"
+    with pytest.raises(ConfigError, match="train.qat needs rollout.backend=engine"):
+        run_grpo(load_config(GRPOConfig, None, args[:-1] + [f"train.output_dir={tmp_path / 'v'}",
+                                                             "rollout.backend=vllm"]))
+
+
+def test_train_qat_is_the_same_run_as_apply_qat_before_the_recipe(tmp_path):
+    """``train.qat=ternary`` and ``apply_ternary_qat(model)`` before ``run_sft`` (how the numbers in
+    docs/quantization.md were first measured) train bit-for-bit the same model."""
+    from lmforge.quantize import apply_ternary_qat
+
+    def losses(out):
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in rows if r["kind"] == "train"]
+
+    _, by_key, tok, _ = sft(tmp_path / "key", "train.qat=ternary", "train.max_steps=3", "train.eval_every=0")
+    cfg = load_config(SFTConfig, None, ARGS + [f"train.output_dir={tmp_path / 'pre'}", "train.max_steps=3",
+                                               "train.eval_every=0"])
+    by_hand, tok = load_model(cfg.model)
+    apply_ternary_qat(by_hand)
+    run_sft(cfg, by_hand, tok)
+    assert losses(tmp_path / "key") == losses(tmp_path / "pre")
+    for (name, a), b in zip(by_key.named_parameters(), by_hand.parameters()):
+        assert torch.equal(a, b), name
