@@ -15,7 +15,7 @@ from lmforge.quantize import bake_qat, dequantize, quantize
 from lmforge.quantize.qat import QATLinear
 from lmforge.recipes.sft import SFTConfig, run_sft
 
-from quant_helpers import load_plain
+from quant_helpers import load_plain, needs_ct
 
 ARGS = ["data.task=addition", "data.num_train=64", "data.num_val=16", "data.num_eval=16", "data.max_len=16",
         "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
@@ -188,3 +188,30 @@ def test_train_qat_is_the_same_run_as_apply_qat_before_the_recipe(tmp_path):
     assert losses(tmp_path / "key") == losses(tmp_path / "pre")
     for (name, a), b in zip(by_key.named_parameters(), by_hand.parameters()):
         assert torch.equal(a, b), name
+
+
+@needs_ct
+def test_pretrain_with_int4_qat_writes_a_readable_int8_copy(tmp_path):
+    from lmforge.recipes.pretrain import PretrainConfig, run_pretrain
+    from lmforge.quantize.qat import int4_fake_quant
+
+    text = tmp_path / "a.txt"
+    text.write_text("12+34=46\n7+5=12\n" * 100)
+    fmt = "int8"
+    out = tmp_path / "run"
+    run_pretrain(load_config(PretrainConfig, None, [
+        "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
+        "model.max_position_embeddings=32", f"data.files=[{text}]", "data.seq_len=16", "data.cache=false",
+        "train.max_steps=2", "train.batch_size=4", "train.micro_batch_size=4", "train.eval_every=0",
+        "train.threads=1", "logging.progress=false", "train.qat=int4", f"train.save_quantized=[{fmt}]",
+        f"train.output_dir={out}"]))
+    assert json.loads((out / "final" / "config.json").read_text())["lmforge_qat"] == "int4"
+    hf = dequantize(out / "final" / f"quantized-{fmt}", tmp_path / "hf")
+    plain = load_plain(hf)
+    # the copy holds the baked int4 weights, quantized again to int8: within int8's step of them
+    master = load_plain(out / "final")
+    w = master.get_submodule("model.layers.0.mlp.up_proj").weight.detach()
+    copy_w = plain.get_submodule("model.layers.0.mlp.up_proj").weight.detach()
+    baked = int4_fake_quant(w)
+    step = baked.abs().amax(dim=1, keepdim=True) / 127
+    assert ((copy_w - baked).abs() <= step).all() and not torch.equal(copy_w, w)
