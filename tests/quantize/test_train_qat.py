@@ -15,7 +15,7 @@ from lmforge.quantize import bake_qat, dequantize, quantize
 from lmforge.quantize.qat import QATLinear
 from lmforge.recipes.sft import SFTConfig, run_sft
 
-from quant_helpers import load_plain, needs_ct
+from quant_helpers import HAS_CT, load_plain, needs_ct
 
 ARGS = ["data.task=addition", "data.num_train=64", "data.num_val=16", "data.num_eval=16", "data.max_len=16",
         "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
@@ -86,14 +86,17 @@ def test_ternary_qat_sft_run_exports_exactly_what_it_trained(tmp_path):
 
 def test_int4_qat_run_and_a_failed_quantized_copy_keeps_the_checkpoint(tmp_path, capsys):
     out = tmp_path / "run"
-    # GGUF needs a byte-level BPE tokenizer: the char tokenizer's copy fails, the int8-free ternary one is written
+    # GGUF needs a byte-level BPE tokenizer: the char tokenizer's copy fails; the int4-g32 one is written
     cfg, model, tok, result = sft(out, "train.qat=int4", "train.max_steps=2", "train.eval_every=0",
-                                  "train.save_quantized=[q4_0,ternary]")
+                                  "train.save_quantized=[q4_0,int4-g32]")
     assert {m.scheme for m in model.modules() if isinstance(m, QATLinear)} == {"int4"}
     printed = capsys.readouterr().out
     assert "could not write the gguf-q4_0 copy" in printed and "the checkpoint itself is complete" in printed
     assert not any(p.name.startswith("quantized-gguf") for p in (out / "final").iterdir())
-    assert (out / "final" / "quantized-ternary" / "config.json").is_file()
+    if HAS_CT:  # int4 QAT's export keeps its grid: the copy computes the training forward
+        exported = load_plain(out / "final" / "quantized-int4-g32")  # plain transformers + compressed-tensors
+        torch.testing.assert_close(batch_logits(exported, tok), batch_logits(model, tok), rtol=0, atol=1e-5)
+        assert held_out(cfg, exported, tok) == held_out(cfg, model, tok)
     final = load_plain(out / "final")  # the checkpoint is intact and loads
     assert json.loads((out / "final" / "config.json").read_text())["lmforge_qat"] == "int4"
     assert final.get_submodule("model.layers.0.mlp.up_proj").weight.dtype == torch.float32
