@@ -257,3 +257,12 @@ def test_datasets_missing_gives_the_install_hint(tmp_path, monkeypatch):
         load_prompt_rows(path)
     # JSONL needs no datasets
     assert load_prompt_rows(jsonl, columns=MAP) == EXPECTED
+
+
+@pytest.mark.real_plots
+def test_held_out_eval_metrics_of_a_prompts_file_are_plotted(tmp_path):
+    from lmforge.metrics import plot_run
+
+    records = [{"kind": "eval", "step": s, "eval_reward": 0.1 * s, "pass_at_k": 0.2 * s} for s in range(3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert plot_run(tmp_path).stat().st_size > 1000  # a PNG with the two panels

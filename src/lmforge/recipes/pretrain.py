@@ -113,7 +113,7 @@ def streaming_data(cfg: PretrainConfig, tokenizer, run) -> SupervisedData:
     val_rows = list(val) if val is not None else []
     run.print(f"[data] streaming {d.path} (split {d.split!r}) in blocks of {d.seq_len} tokens; "
               f"{len(val_rows)} validation blocks")
-    return SupervisedData([], val_rows, collate_blocks, order=blocks)
+    return SupervisedData(blocks, val_rows, collate_blocks, order=blocks)  # indexed by the indices it hands out
 
 
 def run_pretrain(cfg: PretrainConfig, console=None) -> dict:

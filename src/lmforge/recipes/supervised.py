@@ -115,7 +115,7 @@ def train_supervised(run: Run, model, tokenizer, data: SupervisedData,
 
         raise DataError(f"{len(data.train_rows)} training rows are fewer than one batch "
                         f"(train.batch_size={tcfg.batch_size}); lower train.batch_size or add data")
-    order = data.order or BatchOrder(len(data.train_rows), tcfg.batch_size, tcfg.seed)
+    order = data.order if data.order is not None else BatchOrder(len(data.train_rows), tcfg.batch_size, tcfg.seed)
     state = build_state(run, model, tokenizer, order, tcfg.max_steps)
 
     def run_eval(step: int) -> dict:
