@@ -1,4 +1,5 @@
-"""Held-out evaluation: exact-match accuracy on a synthetic task and sampled generations."""
+"""Held-out evaluation: exact-match accuracy on a synthetic task, accuracy / reward / pass@k of held-out
+prompt rows under the configured rewards, and sampled generations."""
 from __future__ import annotations
 
 import json
