@@ -266,3 +266,16 @@ def test_held_out_eval_metrics_of_a_prompts_file_are_plotted(tmp_path):
     records = [{"kind": "eval", "step": s, "eval_reward": 0.1 * s, "pass_at_k": 0.2 * s} for s in range(3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert plot_run(tmp_path).stat().st_size > 1000  # a PNG with the two panels
+
+
+def test_the_columns_setting_takes_a_mapping_and_rejects_anything_else():
+    from lmforge.config import load_config
+    from lmforge.errors import ConfigError
+    from lmforge.recipes.grpo import GRPOConfig
+
+    cfg = load_config(GRPOConfig, None, ["data.path=q.csv", "data.columns={prompt: question}", "data.columns.answer=sol"])
+    assert cfg.data.columns == {"prompt": "question", "answer": "sol"}
+    with pytest.raises(ConfigError, match=r"config key 'data.columns': expected mapping of str to str"):
+        load_config(GRPOConfig, None, ["data.path=q.csv", "data.columns=[question]"])
+    with pytest.raises(ConfigError, match=r"data.eval_fraction must be in \[0, 1\)"):
+        load_config(GRPOConfig, None, ["data.path=q.csv", "data.eval_fraction=1.5"])

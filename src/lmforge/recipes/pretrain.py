@@ -102,15 +102,19 @@ def streaming_data(cfg: PretrainConfig, tokenizer, run) -> SupervisedData:
     """Training blocks packed as they are consumed; validation blocks from the held-out documents
     (``data.val_fraction``, by a hash of their text) or the named ``data.eval_split``."""
     d, fraction = cfg.data, cfg.data.val_fraction
+
+    def train_docs() -> Iterator[str]:  # called again for every pass over the stream
+        docs = dataset_docs(d, d.split, streaming=True)
+        return docs if d.eval_split else (doc for doc in docs if not held_out(doc, fraction))
+
     if d.eval_split:
-        val_docs = lambda: dataset_docs(d, d.eval_split, streaming=True)  # noqa: E731
-        train_docs = lambda: dataset_docs(d, d.split, streaming=True)  # noqa: E731
+        val_docs = dataset_docs(d, d.eval_split, streaming=True)
     else:
-        val_docs = lambda: (doc for doc in dataset_docs(d, d.split, True) if held_out(doc, fraction))  # noqa: E731
-        train_docs = lambda: (doc for doc in dataset_docs(d, d.split, True) if not held_out(doc, fraction))  # noqa: E731
-    val = first_blocks(val_docs(), tokenizer, d.seq_len, d.val_blocks) if (d.eval_split or fraction > 0) else None
+        val_docs = (doc for doc in dataset_docs(d, d.split, streaming=True) if held_out(doc, fraction))
+    val_rows = []
+    if d.eval_split or fraction > 0:
+        val_rows = list(first_blocks(val_docs, tokenizer, d.seq_len, d.val_blocks))
     blocks = StreamingBlocks(train_docs, tokenizer, d.seq_len, cfg.train.batch_size)
-    val_rows = list(val) if val is not None else []
     run.print(f"[data] streaming {d.path} (split {d.split!r}) in blocks of {d.seq_len} tokens; "
               f"{len(val_rows)} validation blocks")
     return SupervisedData(blocks, val_rows, collate_blocks, order=blocks)  # indexed by the indices it hands out
