@@ -279,3 +279,31 @@ def test_the_columns_setting_takes_a_mapping_and_rejects_anything_else():
         load_config(GRPOConfig, None, ["data.path=q.csv", "data.columns=[question]"])
     with pytest.raises(ConfigError, match=r"data.eval_fraction must be in \[0, 1\)"):
         load_config(GRPOConfig, None, ["data.path=q.csv", "data.eval_fraction=1.5"])
+
+
+def test_held_out_evaluator_scores_rows_with_the_first_reward_and_pass_at_k(monkeypatch):
+    """accuracy = first reward at full marks on the greedy texts; eval_reward = weighted sum;
+    pass_at_k = any of the k sampled texts at full marks (scripted completions, no model)."""
+    from lmforge import evaluation
+    from lmforge.rollout import BUILTIN_REWARDS
+
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}, {"prompt": "3+3=", "answer": "6"}]
+    greedy = ["2", "5", "6"]  # right, wrong, right
+    sampled = ["9", "9", "4", "9", "9", "9"]  # k=2 per problem: none, right, none
+    calls = []
+
+    def scripted(model, tokenizer, prompts, max_new_tokens, batch_size=64, temperature=0.0, seed=0):
+        calls.append((len(prompts), temperature, seed))
+        return list(greedy if temperature == 0.0 else sampled)
+
+    monkeypatch.setattr(evaluation, "complete_ids", scripted)
+    monkeypatch.setitem(BUILTIN_REWARDS, "half", lambda completion, problem: 0.5)
+    evaluate = evaluation.held_out_evaluator(char_tokenizer(), rows, chat=False, max_new_tokens=4,
+                                             reward_specs=[("exact", 1.0), ("half", 2.0)], pass_k=2,
+                                             temperature=0.7, seed=5)
+    metrics, prompts, texts = evaluate(None, step=3)
+    assert prompts == ["1+1=", "2+2=", "3+3="] and texts == greedy
+    assert metrics["accuracy"] == pytest.approx(2 / 3)
+    assert metrics["eval_reward"] == pytest.approx((2 * 1.0 + 3 * 2.0 * 0.5) / 3)  # exact + 2 x half
+    assert metrics["pass_at_k"] == pytest.approx(1 / 3)
+    assert calls == [(3, 0.0, 0), (6, 0.7, 8)]  # greedy, then k samples per problem seeded by seed + step
