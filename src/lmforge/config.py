@@ -48,6 +48,9 @@ def _type_name(tp: Any) -> str:
     if origin is list:
         (inner,) = get_args(tp) or (Any,)
         return f"list of {_type_name(inner)}"
+    if origin is dict:
+        key_tp, value_tp = get_args(tp) or (Any, Any)
+        return f"mapping of {_type_name(key_tp)} to {_type_name(value_tp)}"
     if tp is type(None):
         return "null"
     return getattr(tp, "__name__", str(tp))
@@ -87,6 +90,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
         return [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:  # e.g. data.columns: {prompt: question}
+        key_tp, value_tp = get_args(tp) or (Any, Any)
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}': expected {_type_name(tp)} (e.g. {{a: b}}), got {value!r}")
+        return {_coerce(k, key_tp, key): _coerce(v, value_tp, f"{key}.{k}") for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value

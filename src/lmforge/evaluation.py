@@ -1,4 +1,5 @@
-"""Held-out evaluation: exact-match accuracy on a synthetic task and sampled generations."""
+"""Held-out evaluation: exact-match accuracy on a synthetic task, accuracy / reward / pass@k of held-out
+prompt rows under the configured rewards, and sampled generations."""
 from __future__ import annotations
 
 import json
@@ -52,3 +53,48 @@ def save_samples(run_dir: Path, step: int, prompts: list[str], texts: list[str],
         for prompt, text in zip(prompts, texts):
             handle.write(json.dumps({"step": step, "prompt": prompt, "completion": text}) + "\n")
             printer(f"  sample | {prompt!r} -> {text!r}")
+
+
+def held_out_evaluator(tokenizer, problems: list, chat: bool, max_new_tokens: int, task=None,
+                       reward_specs: list[tuple] | None = None, pass_k: int = 0, temperature: float = 1.0,
+                       seed: int = 0, max_prompt_len: int = 0):
+    """``evaluate(model, step) -> (metrics, prompt texts, greedy completions)`` on held-out problems.
+
+    ``problems`` are task Problems (``task`` given: correct = ``task.is_correct``) or data rows with a
+    ``prompt`` (correct = the first of the ``reward_specs`` rewards scores >= 1, i.e. full marks; the
+    rewards run with failures scored 0, never stopping the run). Metrics: ``accuracy`` of the greedy
+    completions; for rows also ``eval_reward``, the mean weighted sum of all the rewards; with
+    ``pass_k`` > 0, ``pass_at_k``: the fraction of problems with at least one correct completion
+    among ``pass_k`` sampled at ``temperature`` (seeded by ``seed`` + step). Prompts longer than
+    ``max_prompt_len`` tokens keep their last ``max_prompt_len`` tokens.
+    """
+    from .rollout.rewards import RewardSet
+
+    texts_in = [p.prompt if task is not None else p["prompt"] for p in problems]
+    prompt_ids = [encode_prompt(tokenizer, text, chat) for text in texts_in]
+    if max_prompt_len:
+        prompt_ids = [ids[-max_prompt_len:] for ids in prompt_ids]
+    rewards = None if task is not None else RewardSet(reward_specs or [("exact", 1.0)], max_failure_fraction=1.0)
+
+    def score(texts: list[str], rows: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(correct (N,) bool, weighted reward (N,) or None)."""
+        if rewards is None:
+            return torch.tensor([bool(task.is_correct(t, p)) for t, p in zip(texts, rows)]), None
+        out = rewards(texts, rows)
+        return out.per_function[:, 0] >= 1.0, out.total
+
+    def evaluate(model, step: int) -> tuple[dict, list[str], list[str]]:
+        texts = complete_ids(model, tokenizer, prompt_ids, max_new_tokens)
+        correct, total = score(texts, problems)
+        metrics = {"accuracy": correct.float().mean().item() if len(problems) else 0.0}
+        if total is not None:
+            metrics["eval_reward"] = total.mean().item()
+        if pass_k > 0:
+            repeated = [ids for ids in prompt_ids for _ in range(pass_k)]
+            samples = complete_ids(model, tokenizer, repeated, max_new_tokens, temperature=temperature,
+                                   seed=seed + step)
+            hits, _ = score(samples, [p for p in problems for _ in range(pass_k)])
+            metrics["pass_at_k"] = hits.view(len(problems), pass_k).any(dim=1).float().mean().item()
+        return metrics, texts_in, texts
+
+    return evaluate

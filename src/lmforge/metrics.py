@@ -221,7 +221,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return records
 
 
-PLOT_KEYS = ("loss", "val_loss", "lr", "accuracy", "reward", "grad_norm")
+PLOT_KEYS = ("loss", "val_loss", "lr", "accuracy", "pass_at_k", "eval_reward", "reward", "grad_norm")
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-import json
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -27,10 +26,11 @@ from typing import Any, Callable
 import torch
 from transformers.cache_utils import DynamicCache
 
+from .data.prompts import held_out_split, load_prompt_rows
 from .data.sft import encode_prompt, uses_chat_format
 from .data.tasks import get_task
 from .errors import ConfigError, DataError, TrainingError
-from .evaluation import completion_texts, save_samples, task_accuracy
+from .evaluation import completion_texts, held_out_evaluator, save_samples
 from .models import context_length, load_model
 from .parallel.context import ParallelContext
 from .parallel.wrap import gradient_sync, run_forward
@@ -56,30 +56,7 @@ class PromptSet:
     chat: bool
     num_dropped: int = 0  # prompts longer than data.max_prompt_len, dropped
     num_truncated: int = 0  # ... or cut to their last max_prompt_len tokens
-
-
-def load_prompt_rows(path: str | Path) -> list[dict]:
-    """JSONL rows, each an object with a 'prompt' string; other keys are for the reward functions."""
-    from .fileio import text_lines  # imported here so that this change stays inside this function
-
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise DataError(f"{path}: prompts file not found")
-    rows = []
-    for number, line in text_lines(path, "prompts file (JSON Lines)"):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{number}: invalid JSON ({err.msg}); one object per line") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise DataError(f"{path}:{number}: each row needs a 'prompt' string (plus what the rewards "
-                            "read, e.g. 'answer')")
-        rows.append(row)
-    if not rows:
-        raise DataError(f"{path}: file has no rows")
-    return rows
+    eval_note: str = ""  # prompts files: what was held out for evaluation, or why nothing was
 
 
 def build_prompts(data: RLDataConfig, tokenizer, seed: int, max_prompt_len: int = 0) -> PromptSet:
@@ -93,7 +70,7 @@ def build_prompts(data: RLDataConfig, tokenizer, seed: int, max_prompt_len: int 
         texts = [p.prompt for p in problems]
     else:
         task, eval_problems = None, []
-        problems = load_prompt_rows(data.path)
+        problems = load_prompt_rows(data.path, data.split, data.subset, data.columns)
         texts = [row["prompt"] for row in problems]
     prompt_ids = [encode_prompt(tokenizer, text, chat) for text in texts]
     dropped = truncated = 0
@@ -110,7 +87,25 @@ def build_prompts(data: RLDataConfig, tokenizer, seed: int, max_prompt_len: int 
             raise DataError(f"every one of the {len(long)} prompts is longer than data.max_prompt_len="
                             f"{max_prompt_len} tokens; raise it (with a longer-context model) or use "
                             "data.prompt_truncation=left")
-    return PromptSet(prompt_ids, problems, task, eval_problems, chat, dropped, truncated)
+    prompts = PromptSet(prompt_ids, problems, task, eval_problems, chat, dropped, truncated)
+    if not data.task:
+        hold_out_rows(prompts, data, seed)
+    return prompts
+
+
+def hold_out_rows(prompts: PromptSet, data: RLDataConfig, seed: int) -> None:
+    """Fill ``prompts.eval_problems`` from a prompts source (``lmforge.data.prompts`` module doc):
+    a named split, or rows moved out of the training prompts."""
+    if data.eval_split:
+        rows = load_prompt_rows(data.path, data.eval_split, data.subset, data.columns)[:data.num_eval]
+        prompts.eval_problems = rows
+        prompts.eval_note = f"{len(rows)} held-out rows from split {data.eval_split!r}"
+        return
+    has_answers = any("answer" in row for row in prompts.problems)
+    train, held, prompts.eval_note = held_out_split(data, len(prompts.problems), has_answers, seed)
+    prompts.eval_problems = [prompts.problems[i] for i in held]
+    prompts.problems = [prompts.problems[i] for i in train]
+    prompts.prompt_ids = [prompts.prompt_ids[i] for i in train]
 
 
 def prompt_budget(cfg, model) -> int:
@@ -605,6 +600,8 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
 
         state.rollout_engine = VLLMEngine(model, tokenizer, cfg.rollout.vllm_gpu_memory_utilization,
                                           seed=cfg.train.seed, max_model_len=seq_len)
+    if prompts.eval_note:
+        run.print(f"[data] {prompts.eval_note}")
     run.print(f"[data] {len(prompts.prompt_ids)} training prompts, {len(prompts.eval_problems)} held-out problems"
               + (f"; {prompts.num_dropped} longer than data.max_prompt_len={cfg.data.max_prompt_len} dropped"
                  if prompts.num_dropped else "")
@@ -646,19 +643,23 @@ def rollout(state: RLState, step: int) -> tuple[RolloutBatch, RewardOutput, dict
 
 
 def make_evaluate(state: RLState) -> Callable[[int], dict] | None:
-    """Greedy held-out accuracy of the policy (task data only), plus a few printed samples."""
+    """Greedy held-out accuracy of the policy (a task's checker, or the configured rewards on held-out
+    rows: :func:`lmforge.evaluation.held_out_evaluator`), plus a few printed samples."""
     prompts, run = state.prompts, state.run
-    if prompts.task is None or not prompts.eval_problems:
+    if not prompts.eval_problems:
         return None
-    tcfg = run.cfg.train
+    cfg = run.cfg
+    evaluator = held_out_evaluator(state.tokenizer, prompts.eval_problems, prompts.chat, cfg.train.max_new_tokens,
+                                   task=prompts.task, reward_specs=cfg.rewards.specs(), pass_k=cfg.data.pass_k,
+                                   temperature=cfg.rollout.temperature, seed=cfg.train.seed,
+                                   max_prompt_len=cfg.data.max_prompt_len)
 
     def evaluate(step: int) -> dict:
-        accuracy, texts = task_accuracy(state.sampler_model(), state.tokenizer, prompts.task, prompts.eval_problems,
-                                        tcfg.max_new_tokens, prompts.chat)
-        k = tcfg.num_samples
+        metrics, prompt_texts, texts = evaluator(state.sampler_model(), step)
+        k = cfg.train.num_samples
         if run.ctx.is_main:
-            save_samples(run.dir, step, [p.prompt for p in prompts.eval_problems[:k]], texts[:k], run.print)
-        return {"accuracy": accuracy}
+            save_samples(run.dir, step, prompt_texts[:k], texts[:k], run.print)
+        return metrics
 
     return evaluate
 

@@ -91,9 +91,18 @@ class RewardsConfig:
 @dataclasses.dataclass
 class RLDataConfig:
     task: str = opt("", "built-in task giving prompts, the 'exact' reward and held-out accuracy, e.g. addition")
-    path: str = opt("", "instead of a task: JSONL of rows with a 'prompt' (each row goes to the reward functions)")
+    path: str = opt("", "instead of a task: rows with a 'prompt' (each row goes to the reward functions): JSONL, "
+                    "Parquet, CSV, Arrow, a save_to_disk dir or a cached hub id (docs/data.md)")
+    split: str = opt("train", "path: the split to train on (a single file is split 'train')")
+    eval_split: str = opt("", "path: a named split for held-out evaluation instead of data.eval_fraction")
+    eval_fraction: float = opt(0.1, "path: fraction of rows held out for evaluation when they have an 'answer' "
+                               "(seeded by train.seed; at most data.num_eval)")
+    subset: str = opt("", "path: the hub dataset's config name (e.g. main)")
+    columns: dict[str, str] = opt({}, "path: lmforge name -> the data's column, e.g. {prompt: question, answer: answer}")
     num_train: int = opt(4000, "task: training prompts")
-    num_eval: int = opt(200, "task: held-out problems for greedy accuracy (0 = none)")
+    num_eval: int = opt(200, "held-out problems for greedy accuracy (task: generated; path: at most this many) "
+                         "(0 = none)")
+    pass_k: int = opt(0, "also held-out pass@k: k completions per problem at rollout.temperature (0 = off)")
     use_chat_template: Literal["auto", "on", "off"] = opt("auto", "wrap prompts in the chat template (auto: "
                                                           "when the tokenizer has its own)")
     max_prompt_len: int = opt(0, "longest prompt in tokens (0 = the model's context minus rollout.max_new_tokens)")
@@ -101,10 +110,14 @@ class RLDataConfig:
                                                      "max_prompt_len tokens; counted either way")
 
     def validate(self) -> None:
+        if not 0 <= self.eval_fraction < 1:
+            raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.pass_k < 0:
+            raise ConfigError(f"data.pass_k must be >= 0 (0 = off), got {self.pass_k}")
         if self.max_prompt_len < 0:
             raise ConfigError(f"data.max_prompt_len must be >= 0 (0 = automatic), got {self.max_prompt_len}")
         if bool(self.path) == bool(self.task):
-            raise ConfigError("set exactly one of data.task (e.g. addition) and data.path (a JSONL of prompts)")
+            raise ConfigError("set exactly one of data.task (e.g. addition) and data.path (prompt rows: docs/data.md)")
         if self.task:
             try:
                 get_task(self.task)

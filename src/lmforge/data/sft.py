@@ -1,6 +1,7 @@
 """SFT data: rows of chat messages or prompt/completion pairs -> (input_ids, loss_mask) examples.
 
-Row formats (JSONL, one object per line, or Parquet with the same columns; other keys are ignored):
+Row formats (JSONL, one object per line, or any table source of docs/data.md with the same columns,
+mapped with ``data.columns`` where they are named otherwise; other keys are ignored):
 
     {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
     {"prompt": "37+48=", "completion": "58"}
@@ -23,7 +24,6 @@ tokenizer's offset mapping. With ``completion_only=False`` every token is traine
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import DataError
-from ..fileio import text_lines
+from .source import read_rows
 from ..tokenizer import DEFAULT_CHAT_TEMPLATE
 
 _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -79,50 +79,20 @@ def _check_row(row: object, where: str) -> dict:
     raise DataError(f"{where}: row has keys {sorted(row)}; {_ROW_FORMATS}")
 
 
-def _read_parquet(path: Path) -> list[object]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{path}: reading Parquet needs pyarrow: pip install 'lmforge[parquet]'") from None
-    import pyarrow
-
-    try:
-        return pq.read_table(path).to_pylist()
-    except (pyarrow.ArrowException, OSError) as exc:
-        raise DataError(f"{path}: not a readable Parquet file ({exc}); expected a Parquet table with "
-                        "'messages' or 'prompt'/'completion' columns") from None
-
-
-def load_sft_rows(path: str | Path) -> list[dict]:
-    """Read and validate SFT rows from a JSONL (``.jsonl``/``.json``/``.ndjson``) or ``.parquet`` file.
+def load_sft_rows(path: str | Path, split: str = "train", subset: str = "",
+                  columns: dict[str, str] | None = None) -> list[dict]:
+    """Read and validate the SFT rows of any source (:func:`lmforge.data.source.read_rows`): JSONL
+    (``.jsonl``/``.json``/``.ndjson``), Parquet, CSV, Arrow, a ``save_to_disk`` directory or a cached
+    hub id; ``columns`` maps ``messages`` / ``prompt`` / ``completion`` to the data's column names.
 
     Blank JSONL lines are skipped. Any malformed row raises DataError with ``file:line`` (JSONL) or
-    ``file:row N`` (Parquet, 1-based) and what is wrong; a file without rows is an error too.
+    ``source:row N`` (1-based) and what is wrong; a source without rows is an error too.
     """
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise DataError(f"{path}: SFT data file not found")
-    rows: list[dict] = []
-    if path.suffix == ".parquet":
-        for number, row in enumerate(_read_parquet(path), start=1):
-            if isinstance(row, dict):  # a column absent from this row reads as None
-                row = {k: v for k, v in row.items() if v is not None}
-            rows.append(_check_row(row, f"{path}:row {number}"))
-    elif path.suffix in _JSONL_SUFFIXES:
-        for number, line in text_lines(path, "SFT data file (JSON Lines)"):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{number}: invalid JSON ({err.msg} at column {err.colno}); "
-                                "each line must hold one JSON object") from None
-            rows.append(_check_row(row, f"{path}:{number}"))
-    else:
-        raise DataError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl (JSON Lines) or .parquet")
-    if not rows:
-        raise DataError(f"{path}: file has no rows")
-    return rows
+    local = Path(path).expanduser()
+    if local.suffix in (*_JSONL_SUFFIXES, ".parquet") and not local.is_file():
+        raise DataError(f"{local}: SFT data file not found")
+    found = read_rows(str(path), split, subset, columns, what="SFT data file")
+    return [_check_row(row, where) for row, where in zip(found.rows, found.where)]
 
 
 def sft_rows_from_task(task, n: int, seed: int, split: str) -> list[dict]:

@@ -1,6 +1,7 @@
 """``lmforge sft CONFIG``: supervised fine-tuning with a completion-only loss.
 
-Data is a JSONL / Parquet file of chat (``messages``) or ``prompt``/``completion`` rows, or a
+Data is any source of docs/data.md (JSONL, Parquet, CSV, Arrow, a ``save_to_disk`` directory, a cached hub
+id) of chat (``messages``) or ``prompt``/``completion`` rows, or a
 built-in synthetic task (``data.task=addition``), whose held-out accuracy is then reported.
 """
 from __future__ import annotations
@@ -22,12 +23,17 @@ from .supervised import SupervisedData, train_supervised
 
 @dataclasses.dataclass
 class SFTDataConfig:
-    path: str = opt("", "JSONL or Parquet file of chat (messages) or prompt/completion rows; builtin:chat_small = the shipped chat set")
+    path: str = opt("", "chat (messages) or prompt/completion rows: JSONL, Parquet, CSV, Arrow, a save_to_disk dir or a "
+                    "cached hub id (docs/data.md); builtin:chat_small = the shipped chat set")
+    split: str = opt("train", "path: the split to train on (a single file is split 'train')")
+    eval_split: str = opt("", "path: a named split for the validation rows instead of data.val_fraction")
+    subset: str = opt("", "path: the hub dataset's config name (e.g. main)")
+    columns: dict[str, str] = opt({}, "path: lmforge name -> the data's column, e.g. {prompt: question, completion: answer}")
     task: str = opt("", "built-in synthetic task instead of a file, e.g. addition or addition:digits=3")
     num_train: int = opt(8000, "task: training problems")
     num_val: int = opt(200, "task: validation problems (loss)")
     num_eval: int = opt(200, "task: held-out problems for exact-match accuracy")
-    val_fraction: float = opt(0.05, "file: fraction of rows held out for validation loss")
+    val_fraction: float = opt(0.05, "path: fraction of rows held out for validation loss (seeded by train.seed)")
     max_len: int = opt(256, "longest tokenized row (prompt + completion)")
     completion_only: bool = opt(True, "loss only on assistant / completion tokens")
     use_chat_template: Literal["auto", "on", "off"] = opt("auto", "prompt/completion rows through the chat template")
@@ -64,7 +70,11 @@ def build_data(cfg: SFTConfig, tokenizer, printer=print) -> tuple[SupervisedData
         val_rows = sft_rows_from_task(task, d.num_val, cfg.train.seed, "val")
     else:
         path = CHAT_SMALL if d.path == "builtin:chat_small" else d.path
-        train_rows, val_rows = split_rows(load_sft_rows(path), d.val_fraction, cfg.train.seed)
+        train_rows = load_sft_rows(path, d.split, d.subset, d.columns)
+        if d.eval_split:
+            val_rows = load_sft_rows(path, d.eval_split, d.subset, d.columns)
+        else:
+            train_rows, val_rows = split_rows(train_rows, d.val_fraction, cfg.train.seed)
     parts = []
     for rows in (train_rows, val_rows):
         data = tokenize_sft(rows, tokenizer, d.max_len, completion_only=d.completion_only,

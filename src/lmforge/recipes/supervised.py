@@ -30,6 +30,7 @@ class SupervisedData:
     train_rows: list
     val_rows: list
     collate: Callable[[list], dict]
+    order: object = None  # a resumable order with its own rows (streaming text); None = BatchOrder over train_rows
 
 
 def micro_loss(state: TrainState, batch: dict, num_loss_tokens_global: int, precision: Precision):
@@ -109,12 +110,12 @@ def train_supervised(run: Run, model, tokenizer, data: SupervisedData,
                      evaluate: Callable[[object, int], dict] | None = None) -> dict:
     """Train ``model`` on ``data`` as configured by ``run``; returns the final evaluation metrics."""
     tcfg = run.cfg.train
-    if len(data.train_rows) < tcfg.batch_size:
+    if data.order is None and len(data.train_rows) < tcfg.batch_size:
         from ..errors import DataError
 
         raise DataError(f"{len(data.train_rows)} training rows are fewer than one batch "
                         f"(train.batch_size={tcfg.batch_size}); lower train.batch_size or add data")
-    order = BatchOrder(len(data.train_rows), tcfg.batch_size, tcfg.seed)
+    order = data.order if data.order is not None else BatchOrder(len(data.train_rows), tcfg.batch_size, tcfg.seed)
     state = build_state(run, model, tokenizer, order, tcfg.max_steps)
 
     def run_eval(step: int) -> dict:
