@@ -504,6 +504,7 @@ class RLState:
     prompts: PromptSet
     reward_set: RewardSet
     rollout_engine: Any = None  # a sampler with its own weights (vLLM, or a CastEngine copy), else the policy
+    atropos: Any = None  # rollout.backend=atropos: the AtroposSource that replaces sampling (rl_atropos.py)
 
     @property
     def run(self) -> Run:
@@ -605,6 +606,10 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
 
         state.rollout_engine = VLLMEngine(model, tokenizer, cfg.rollout.vllm_gpu_memory_utilization,
                                           seed=cfg.train.seed, max_model_len=seq_len)
+    if cfg.rollout.backend == "atropos":
+        from .rl_atropos import AtroposSource
+
+        state.atropos = AtroposSource(cfg, run)
     run.print(f"[data] {len(prompts.prompt_ids)} training prompts, {len(prompts.eval_problems)} held-out problems"
               + (f"; {prompts.num_dropped} longer than data.max_prompt_len={cfg.data.max_prompt_len} dropped"
                  if prompts.num_dropped else "")
@@ -631,6 +636,8 @@ def cast_engine(model, dtype_name: str, algo, run) -> CastEngine:
 def rollout(state: RLState, step: int) -> tuple[RolloutBatch, RewardOutput, dict]:
     """Sample and score this rank's prompts for ``step`` (metrics reduced over ranks)."""
     cfg, ctx = state.run.cfg, state.run.ctx
+    if state.atropos is not None:  # rollout.backend=atropos: pulled from the Atropos API (rl_atropos.py)
+        return state.atropos.rollout(state, step)
     error, result = None, None
     try:
         result = sample_and_score(state.sampler_model(), state.tokenizer, state.prompts, state.next_prompts(),
@@ -678,6 +685,8 @@ def train_rl(state: RLState, step_fn: Callable[[int], dict], extra_state: Callab
     (a baseline evaluation at step 0). Returns the last evaluation (+ ``accuracy_before``) and ``run_dir``."""
     def step(done: int) -> dict:
         metrics = step_fn(done)
+        if state.atropos is not None:  # push the new weights to the inference server every rollout.push_every
+            state.atropos.after_step(state, done)
         metrics["data_time"] = metrics["time_generation"] + metrics["time_scoring"]
         return metrics
 
