@@ -1,0 +1,139 @@
+"""The three programs of an Atropos run, as separate processes on this machine: atroposlib's ``run-api``,
+the example environment ``examples/atropos_addition_env.py`` (a ``BaseEnv``) sampling from ``lmforge
+serve``, and ``lmforge grpo rollout.backend=atropos`` training on what the API hands out and pushing its
+weights back to the server.
+
+The smoke test uses a random tiny model (a few steps; it checks the wiring, not learning). The slow
+test starts from an SFT'd quickstart-size model and checks that the reward rises.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lmforge.config import ModelConfig
+from lmforge.models import load_model, save_model
+
+
+REPO = Path(__file__).resolve().parents[2]
+ENV_SCRIPT = REPO / "examples" / "atropos_addition_env.py"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["WANDB_MODE"] = "disabled"
+    return env
+
+
+class Processes:
+    """Started subprocesses, each logging to its own file; all stopped (by their own pid) at the end."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir, self.started = log_dir, []
+
+    def start(self, name: str, args: list[str]) -> tuple[subprocess.Popen, Path]:
+        log = self.log_dir / f"{name}.log"
+        process = subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT, env=_env(), cwd=REPO)
+        self.started.append(process)
+        return process, log
+
+    def stop(self) -> None:
+        for process in reversed(self.started):
+            if process.poll() is None:
+                process.terminate()
+        for process in self.started:
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)
+
+
+def run_three_programs(tmp_path: Path, model_dir: Path, trainer_args: list[str], env_args: list[str],
+                       timeout: float) -> tuple[Path, str, int]:
+    """run-api, lmforge serve MODEL_DIR, lmforge grpo (the trainer registers first), the environment.
+    Returns the trainer's run directory, its log and the server's final weight version."""
+    run_api = shutil.which("run-api")
+    if run_api is None:
+        pytest.skip("atroposlib's run-api is not on PATH (pip install atroposlib)")
+    api_port, serve_port = free_port(), free_port()
+    api_url, serve_url = f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{serve_port}"
+    procs = Processes(tmp_path)
+    out = tmp_path / "run"
+    try:
+        # All four start at once (imports dominate start-up): the trainer retries /register until run-api
+        # answers, the environment waits until the trainer has registered, then samples from the server.
+        _, api_log = procs.start("api", [run_api, "--host", "127.0.0.1", "--port", str(api_port)])
+        _, server_log = procs.start("serve", [sys.executable, "-m", "lmforge", "serve", str(model_dir), "--port",
+                                              str(serve_port), "--threads", "1", "--log-level", "warning"])
+        trainer, trainer_log = procs.start("trainer", [
+            sys.executable, "-m", "lmforge", "grpo", f"model.name={model_dir}", "rollout.backend=atropos",
+            f"rollout.api_url={api_url}", f"rollout.server_url={serve_url}", f"train.output_dir={out}",
+            "logging.progress=false", "train.threads=1", "rollout.api_poll_s=0.2", "rollout.api_timeout_s=300",
+            "rollout.api_retries=8", "rollout.api_backoff_s=0.25", *trainer_args])
+        _, env_log = procs.start("env", [
+            sys.executable, str(ENV_SCRIPT), "serve", f"--env.tokenizer_name={model_dir}",
+            f"--env.rollout_server_url={api_url}", f"--openai.base_url={serve_url}/v1", "--openai.api_key=none",
+            "--openai.model_name=lmforge", "--openai.health_check=False", "--env.use_wandb=False", *env_args])
+        try:
+            rc = trainer.wait(timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        logs = {p.name: p.read_text()[-4000:] for p in (trainer_log, env_log, server_log, api_log)}
+        assert rc == 0, f"the trainer ended with {rc}:\n" + "\n".join(f"--- {k}\n{v}" for k, v in logs.items())
+        version = httpx.get(f"{serve_url}/v1/weights", timeout=10).json()["weight_version"]
+        return out, logs[trainer_log.name], version
+    finally:
+        procs.stop()
+
+
+def train_records(run_dir: Path) -> dict[int, dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if r["kind"] == "train"}
+
+
+@pytest.mark.e2e  # 47 s wall (17 s CPU) on the busy 2-core machine: imports of four processes, and BaseEnv's
+# fixed 5 s start-up pause; the default suite's fast version is tests/recipes/test_grpo_atropos.py
+def test_run_api_environment_serve_and_trainer_smoke(tmp_path):
+    pytest.importorskip("atroposlib")
+    pytest.importorskip("fastapi")
+    model, tokenizer = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2,
+                                              num_heads=2, max_position_embeddings=64))
+    model_dir = save_model(model, tokenizer, tmp_path / "model")
+    start = time.monotonic()
+    out, log, version = run_three_programs(
+        tmp_path, model_dir,
+        ["data.task=addition", "data.num_train=64", "data.num_eval=0", "rollout.num_prompts=2", "rollout.group_size=4",
+         "rollout.max_new_tokens=4", "rewards.functions=[exact]", "algo.is_level=token", "train.max_steps=3",
+         "train.micro_batch_size=8", "train.save_every=0", "train.log_every=1", "optim.lr=1e-3"],
+        ["--env.group_size=4", "--env.max_new_tokens=4", "--env.num_train=64", "--env.total_steps=50"],
+        timeout=120)
+    records = train_records(out)
+    assert sorted(records) == [1, 2, 3], log
+    for step, record in records.items():
+        # every group carried the version that sampled it; the trainer pushed after every step
+        assert 0 <= record["staleness_max"] <= step, record
+        assert record["atropos_dropped_stale_groups"] == 0
+        # IS against lmforge serve's logprobs: same weights, same temperature, so near-equal logprobs
+        # wherever the batch was sampled with the weights being trained
+        if record["staleness_max"] == 0:
+            assert record["rollout_diff_abs_max"] < 1e-3, record
+    assert version == 3  # pushes after steps 1, 2, 3 (rollout.push_every=1)
+    print(f"three-program smoke run: {time.monotonic() - start:.1f} s")
