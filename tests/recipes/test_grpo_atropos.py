@@ -267,3 +267,66 @@ def test_malformed_batch_names_the_field(tmp_path, services, field, breaks, need
 def test_atropos_backend_needs_an_api_url():
     with pytest.raises(ConfigError, match="rollout.api_url"):
         load_config(GRPOConfig, None, ARGS + ["rollout.backend=atropos"])
+
+
+RANKS_ARGS = ["rollout.backend=atropos", "rewards.functions=[exact]", "algo.preset=", "algo.num_mini_batches=1", "optim.eps=1e-3",
+              "optim.weight_decay=0.0", "optim.schedule=constant", "train.dtype=fp32"] + FAST_API
+
+
+def rank_worker(rank: int, world: int, port: int, api_url: str, out: str) -> None:
+    """A spawned gloo rank under torchrun's environment: the whole ``lmforge grpo`` run."""
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from lmforge import rl_atropos
+
+    converted, real = [], rl_atropos.batch_to_rollout
+
+    def recording(groups, pad_token_id):  # how many groups each conversion on this rank took
+        converted.append(len(groups))
+        return real(groups, pad_token_id)
+
+    rl_atropos.batch_to_rollout = recording
+    run_grpo(load_config(GRPOConfig, None, ARGS + RANKS_ARGS + [f"rollout.api_url={api_url}",
+                                                                f"train.output_dir={out}"]))
+    (Path(out) / f"converted-{rank}.json").write_text(json.dumps(converted))
+
+
+@pytest.mark.slow  # 78 s on the busy 2-core machine: two spawned ranks start torch and transformers
+def test_two_ranks_rank_zero_pulls_and_each_trains_its_share(tmp_path, services):
+    import socket
+
+    import torch.multiprocessing as mp
+    from safetensors.torch import load_file
+
+    _, tokenizer = tiny()
+    script = [synthetic_groups(tokenizer, [None, None], seed) for seed in (0, 1)]
+    single_api, ranks_api = services(script), services([list(s) for s in script])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run(tmp_path, "single", RANKS_ARGS + [f"rollout.api_url={single_api.url}"])
+    finally:
+        torch.set_num_threads(threads)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.start_processes(rank_worker, args=(2, port, ranks_api.url, str(tmp_path / "ranks")), nprocs=2,
+                       start_method="spawn", join=True)
+    # rank 0 alone talked to the API: one registration, one GET /batch per step
+    assert len(ranks_api.registered) == 1 and ranks_api.batch_calls == 2
+    # rank 0 checks each step's 2 groups, then each rank converts its own 1 group to train on
+    assert json.loads((tmp_path / "ranks" / "converted-0.json").read_text()) == [2, 1, 2, 1]
+    assert json.loads((tmp_path / "ranks" / "converted-1.json").read_text()) == [1, 1]
+    want = load_file(str(tmp_path / "single" / "final" / "model.safetensors"))
+    got = load_file(str(tmp_path / "ranks" / "final" / "model.safetensors"))
+    start = tiny()[0].state_dict()
+    assert max(float((want[k] - start[k]).abs().max()) for k in want) > 1e-3  # the runs trained
+    for key in want:  # each rank trained one group of each step: together, the single process's update
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=2e-5, msg=key)
+    a, b = metrics(tmp_path / "single"), metrics(tmp_path / "ranks")
+    for step in (1, 2):
+        assert b[step]["reward"] == a[step]["reward"]  # over the step's whole batch, on every rank
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=2e-5, abs=1e-7)

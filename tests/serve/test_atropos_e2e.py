@@ -137,3 +137,38 @@ def test_run_api_environment_serve_and_trainer_smoke(tmp_path):
             assert record["rollout_diff_abs_max"] < 1e-3, record
     assert version == 3  # pushes after steps 1, 2, 3 (rollout.push_every=1)
     print(f"three-program smoke run: {time.monotonic() - start:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_reward_rises_with_the_quickstart_model(tmp_path):
+    """The quickstart's SFT stage (tiny Llama, 128 hidden, 4 layers, char tokens), then 60 GRPO steps fed
+    by the environment through run-api: the reward of the last 10 steps beats the first 10's, and the
+    held-out greedy accuracy rises."""
+    pytest.importorskip("atroposlib")
+    pytest.importorskip("fastapi")
+    from lmforge.recipes.quickstart import QuickstartConfig, run_quickstart
+
+    sft = run_quickstart(QuickstartConfig(output_dir=str(tmp_path / "quickstart"), grpo_steps=0, progress=False))
+    model_dir = Path(sft["run_dir"]) / "sft" / "final"
+    out, log, version = run_three_programs(
+        tmp_path, model_dir,
+        ["data.task=addition", "data.num_train=4000", "data.num_eval=200", "rollout.num_prompts=8",
+         "rollout.group_size=8", "rollout.max_new_tokens=6", "rewards.functions=[exact]", "algo.is_level=token",
+         "rollout.max_staleness=2", "optim.lr=1e-4", "optim.schedule=constant", "optim.weight_decay=0.0",
+         "train.max_steps=60", "train.micro_batch_size=64", "train.eval_every=30", "train.save_every=0",
+         "train.max_new_tokens=6", "train.log_every=10"],
+        ["--env.group_size=8", "--env.max_new_tokens=6", "--env.num_train=4000", "--env.total_steps=1000"],
+        timeout=1500)
+    records = train_records(out)
+    assert sorted(records) == list(range(1, 61)), log
+    first = sum(records[k]["reward"] for k in range(1, 11)) / 10
+    last = sum(records[k]["reward"] for k in range(51, 61)) / 10
+    evals = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "eval"}
+    print(f"reward first 10 steps {first:.3f}, last 10 {last:.3f}; held-out accuracy "
+          + ", ".join(f"step {s}: {e['accuracy']:.3f}" for s, e in sorted(evals.items()))
+          + f"; dropped stale groups {records[60]['atropos_dropped_stale_total']}, server version {version}")
+    assert last > first + 0.05, (first, last)
+    assert evals[60]["accuracy"] > evals[0]["accuracy"], evals
+    assert version == 60
