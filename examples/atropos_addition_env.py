@@ -35,6 +35,8 @@ class AdditionEnvConfig(BaseEnvConfig):
     temperature: float = Field(default=1.0, description="sampling temperature (the trainer's rollout.temperature)")
     max_new_tokens: int = Field(default=6, description="longest completion (the trainer's rollout.max_new_tokens)")
     use_chat_template: str = Field(default="auto", description="auto | on | off, as data.use_chat_template")
+    vllm: bool = Field(default=False, description="the server is vLLM's OpenAI server: ask for token ids with "
+                       "return_token_ids and send no weight_version (vLLM reports none; unverified here, no GPU)")
 
 
 class AdditionEnv(BaseEnv):
@@ -63,18 +65,21 @@ class AdditionEnv(BaseEnv):
 
     async def collect_trajectories(self, item) -> tuple[ScoredDataGroup | None, list]:
         prompt_ids = encode_prompt(self.tokenizer, item.prompt, self.chat)
-        reply = await self.server.completion(prompt=prompt_ids, n=self.config.group_size, logprobs=0,
+        # lmforge serve refuses fields it does not know; vLLM needs return_token_ids for the sampled ids
+        options = {"extra_body": {"return_token_ids": True}} if self.config.vllm else {}
+        reply = await self.server.completion(prompt=prompt_ids, n=self.config.group_size, logprobs=1,
                                              max_tokens=self.config.max_new_tokens,
-                                             temperature=self.config.temperature)
+                                             temperature=self.config.temperature, **options)
         extra = reply.model_extra or {}
-        if "weight_version" not in extra:
-            raise RuntimeError("the inference server sent no weight_version: is it lmforge serve? (vLLM: see "
-                               "docs/atropos.md)")
+        params: dict[str, Any] = {"temperature": self.config.temperature}
+        if "weight_version" in extra:  # lmforge serve: staleness = trainer step - this
+            params["weight_version"] = int(extra["weight_version"])
+        elif not self.config.vllm:
+            raise RuntimeError("the inference server sent no weight_version: is it lmforge serve? (for vLLM set "
+                               "--env.vllm=True; docs/atropos.md)")
         # ScoredDataGroup is a TypedDict: the keys left out (advantages, ref_logprobs, overrides, ...) are
         # filled in by BaseEnv.handle_send_to_api (advantages must stay unset: lmforge computes them)
-        group = ScoredDataGroup(tokens=[], masks=[], scores=[], inference_logprobs=[],
-                                generation_params={"weight_version": int(extra["weight_version"]),
-                                                   "temperature": self.config.temperature})
+        group = ScoredDataGroup(tokens=[], masks=[], scores=[], inference_logprobs=[], generation_params=params)
         for choice in reply.choices:
             completion = list(choice.model_extra["token_ids"])
             logprobs = list(choice.logprobs.token_logprobs)

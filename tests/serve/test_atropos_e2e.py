@@ -144,13 +144,16 @@ def test_run_api_environment_serve_and_trainer_smoke(tmp_path):
 def test_reward_rises_with_the_quickstart_model(tmp_path):
     """The quickstart's SFT stage (tiny Llama, 128 hidden, 4 layers, char tokens), then 60 GRPO steps fed
     by the environment through run-api: the reward of the last 10 steps beats the first 10's, and the
-    held-out greedy accuracy rises."""
+    held-out greedy accuracy rises. ``LMFORGE_TEST_SFT_MODEL=DIR`` skips the SFT stage and starts from
+    DIR (e.g. a quickstart's ``sft/final``)."""
     pytest.importorskip("atroposlib")
     pytest.importorskip("fastapi")
     from lmforge.recipes.quickstart import QuickstartConfig, run_quickstart
 
-    sft = run_quickstart(QuickstartConfig(output_dir=str(tmp_path / "quickstart"), grpo_steps=0, progress=False))
-    model_dir = Path(sft["run_dir"]) / "sft" / "final"
+    model_dir = Path(os.environ.get("LMFORGE_TEST_SFT_MODEL", ""))
+    if not os.environ.get("LMFORGE_TEST_SFT_MODEL"):
+        sft = run_quickstart(QuickstartConfig(output_dir=str(tmp_path / "quickstart"), grpo_steps=0, progress=False))
+        model_dir = Path(sft["run_dir"]) / "sft" / "final"
     out, log, version = run_three_programs(
         tmp_path, model_dir,
         ["data.task=addition", "data.num_train=4000", "data.num_eval=200", "rollout.num_prompts=8",
