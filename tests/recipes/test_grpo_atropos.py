@@ -178,6 +178,41 @@ def test_pulled_batch_trains_exactly_as_the_same_rollout_in_process(tmp_path, se
         torch.testing.assert_close(api.pushed[-1][1][name], tensor, rtol=0, atol=0)
 
 
+def test_ppo_pulled_batch_trains_as_the_same_rollout_in_process(tmp_path, services, monkeypatch):
+    """``lmforge ppo`` takes the same backend (the rollout hook is shared): the same check, with PPO's
+    value head, GAE and KL penalty in the reward."""
+    from lmforge.recipes.ppo import PPOConfig, run_ppo
+
+    args = [a for a in ARGS if not a.startswith("algo.")] + ["algo.is_level=token", "algo.num_mini_batches=2",
+                                                             "algo.kl_coef=0.05"]
+    sampled, real = [], rl.sample_and_score
+
+    def recording(*a, **k):
+        out = real(*a, **k)
+        sampled.append((out[0], out[1].total.clone()))
+        return out
+
+    def ppo(name, extra):
+        model, tokenizer = tiny()
+        result = run_ppo(load_config(PPOConfig, None, args + [f"train.output_dir={tmp_path / name}"] + extra),
+                         model, tokenizer)
+        return model, result
+
+    monkeypatch.setattr(rl, "sample_and_score", recording)
+    in_process, result_a = ppo("inprocess", [])
+    monkeypatch.setattr(rl, "sample_and_score", real)
+    api = services([to_groups(r, rewards, 4, version=k) for k, (r, rewards) in enumerate(sampled)])
+    pulled, result_b = ppo("atropos", ["rollout.backend=atropos", f"rollout.api_url={api.url}"] + FAST_API)
+    start, _ = tiny()
+    assert max(float((a - s).detach().abs().max()) for a, s in zip(in_process.parameters(), start.parameters())) > 1e-3
+    for (name, a), b in zip(in_process.named_parameters(), pulled.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=f"{name} differs")
+    a, b = metrics(result_a["run_dir"]), metrics(result_b["run_dir"])
+    for step in (1, 2):
+        for key in ("reward", "loss", "grad_norm", "rollout_diff_abs_max"):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-6), (step, key)
+
+
 def synthetic_groups(tokenizer, versions, seed=0):
     """Well-formed groups of 4 rows: a 5-token prompt, 1-4 completion tokens, scores with variance."""
     g = torch.Generator().manual_seed(seed)

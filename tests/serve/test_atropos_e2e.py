@@ -145,7 +145,13 @@ def test_reward_rises_with_the_quickstart_model(tmp_path):
     """The quickstart's SFT stage (tiny Llama, 128 hidden, 4 layers, char tokens), then 60 GRPO steps fed
     by the environment through run-api: the reward of the last 10 steps beats the first 10's, and the
     held-out greedy accuracy rises. ``LMFORGE_TEST_SFT_MODEL=DIR`` skips the SFT stage and starts from
-    DIR (e.g. a quickstart's ``sft/final``)."""
+    DIR (e.g. a quickstart's ``sft/final``).
+
+    Margin: from one quickstart SFT model (69-72 % greedy), seeds 0, 1, 2 (train.seed and the
+    environment's) raised the mean reward from steps 1-10 to steps 51-60 by 0.131, 0.140 and 0.075,
+    and held-out accuracy 0.69 -> 0.75, 0.72 -> 0.775, 0.72 -> 0.795 (at step 30 it dipped below the
+    start in two of them: 60 steps at lr 1e-4, one to two steps off-policy, are noisy). About 2 min
+    on the busy 2-core machine without the SFT stage."""
     pytest.importorskip("atroposlib")
     pytest.importorskip("fastapi")
     from lmforge.recipes.quickstart import QuickstartConfig, run_quickstart
