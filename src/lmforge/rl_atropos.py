@@ -133,7 +133,7 @@ class AtroposSource:
         """Rank 0: ``num_prompts`` fresh groups for this step, and what it took to get them."""
         cfg, max_staleness = self.cfg, (None if self.cfg.max_staleness < 0 else self.cfg.max_staleness)
         start = time.monotonic()
-        dropped, stale = 0, []
+        dropped = 0
 
         def fresh(group: dict) -> bool:
             version = weight_version(group)
