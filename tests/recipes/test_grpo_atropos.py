@@ -251,6 +251,13 @@ def test_stale_groups_are_dropped_counted_and_push_every(tmp_path, services):
     assert [v for v, _ in api.pushed] == [2, 4]  # push_every=2 over 4 steps
 
 
+def rl_checkpoint_weights(step_dir):
+    """The model weights a checkpoint holds (its HF ``model/`` directory)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(next((Path(step_dir) / "model").glob("*.safetensors"))))
+
+
 def test_api_down_retries_with_backoff_then_stops_resumably(tmp_path, services):
     _, tokenizer = tiny()
     api = services([synthetic_groups(tokenizer, [None, None]), synthetic_groups(tokenizer, [None, None], 1)],
@@ -268,9 +275,19 @@ def test_api_down_retries_with_backoff_then_stops_resumably(tmp_path, services):
     # the API is back: the run resumes from its last checkpoint and finishes
     api.after = None
     api.batches = [synthetic_groups(tokenizer, [None, None], 2)]
-    _, result = run(tmp_path, "down", extra + [f"train.resume={tmp_path / 'down' / 'checkpoints' / 'step-000002'}"])
+    resume = [f"train.resume={tmp_path / 'down' / 'checkpoints' / 'step-000002'}", f"rollout.server_url={api.url}"]
+    api.version = 5  # an inference server ahead of the resumed step: refused, it must be restarted first
+    with pytest.raises(AtroposError, match="serves weight version 5, but the run resumed at step 2"):
+        run(tmp_path, "down", extra + resume)
+    api.version = 0
+    _, result = run(tmp_path, "down", extra + resume)
     assert sorted(metrics(result["run_dir"])) == [1, 2, 3]
     assert api.registered[-1]["starting_step"] == 2
+    # the resumed weights went to the server as version 2 before the first pull, step 3's after it
+    assert [v for v, _ in api.pushed] == [2, 3]
+    saved = rl_checkpoint_weights(tmp_path / "down" / "checkpoints" / "step-000002")
+    for name, tensor in saved.items():
+        torch.testing.assert_close(api.pushed[0][1][name], tensor, rtol=0, atol=0)
 
     dead = services()
     dead.close()  # nothing listens there any more: connection refused, retried, then the error
