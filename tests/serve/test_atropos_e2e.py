@@ -17,13 +17,13 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from lmforge.config import ModelConfig
 from lmforge.models import load_model, save_model
 
 
+httpx = pytest.importorskip("httpx")
 REPO = Path(__file__).resolve().parents[2]
 ENV_SCRIPT = REPO / "examples" / "atropos_addition_env.py"
 
