@@ -499,6 +499,7 @@ class RLState:
     prompts: PromptSet
     reward_set: RewardSet
     rollout_engine: Any = None  # a sampler with its own weights (vLLM, or a CastEngine copy), else the policy
+    atropos: Any = None  # rollout.backend=atropos: the AtroposSource that replaces sampling (rl_atropos.py)
 
     @property
     def run(self) -> Run:
@@ -585,7 +586,7 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
                     update_label="rollout rows per update (num_prompts x group_size / num_mini_batches)")
     if cfg.rollout.backend == "vllm" and run.ctx.distributed:
         raise ConfigError("rollout.backend=vllm runs in one process for now (docs/vllm.md has the plan for "
-                          "torchrun); use rollout.backend=engine under torchrun")
+                          "torchrun); use rollout.backend=inprocess under torchrun")
     model.to(run.device)
     ref_model = reference_model(model, algo.kl_coef)  # before resume: the reference is the start
     num_updates = cfg.train.max_steps * algo.num_iterations * algo.num_mini_batches
@@ -600,6 +601,10 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
 
         state.rollout_engine = VLLMEngine(model, tokenizer, cfg.rollout.vllm_gpu_memory_utilization,
                                           seed=cfg.train.seed, max_model_len=seq_len)
+    if cfg.rollout.backend == "atropos":
+        from .rl_atropos import AtroposSource
+
+        state.atropos = AtroposSource(cfg, run)
     if prompts.eval_note:
         run.print(f"[data] {prompts.eval_note}")
     run.print(f"[data] {len(prompts.prompt_ids)} training prompts, {len(prompts.eval_problems)} held-out problems"
@@ -628,6 +633,8 @@ def cast_engine(model, dtype_name: str, algo, run) -> CastEngine:
 def rollout(state: RLState, step: int) -> tuple[RolloutBatch, RewardOutput, dict]:
     """Sample and score this rank's prompts for ``step`` (metrics reduced over ranks)."""
     cfg, ctx = state.run.cfg, state.run.ctx
+    if state.atropos is not None:  # rollout.backend=atropos: pulled from the Atropos API (rl_atropos.py)
+        return state.atropos.rollout(state, step)
     error, result = None, None
     try:
         result = sample_and_score(state.sampler_model(), state.tokenizer, state.prompts, state.next_prompts(),
@@ -679,6 +686,8 @@ def train_rl(state: RLState, step_fn: Callable[[int], dict], extra_state: Callab
     (a baseline evaluation at step 0). Returns the last evaluation (+ ``accuracy_before``) and ``run_dir``."""
     def step(done: int) -> dict:
         metrics = step_fn(done)
+        if state.atropos is not None:  # push the new weights to the inference server every rollout.push_every
+            state.atropos.after_step(state, done)
         metrics["data_time"] = metrics["time_generation"] + metrics["time_scoring"]
         return metrics
 

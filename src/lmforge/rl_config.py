@@ -21,15 +21,37 @@ class RolloutConfig:
     top_k: int = opt(0, "sample among the k most likely tokens only (0 = off; see docs/rl-recipes.md)")
     top_p: float = opt(1.0, "nucleus sampling mass (1 = off; see docs/rl-recipes.md)")
     max_new_tokens: int = opt(64, "longest completion; also the Dr. GRPO length normaliser")
-    backend: Literal["inprocess", "vllm"] = opt("inprocess", "sampler: inprocess (any device) or vllm "
-                                                "(one CUDA GPU, unverified here; docs/vllm.md)")
+    backend: Literal["inprocess", "vllm", "atropos"] = opt(
+        "inprocess", "sampler: inprocess (any device), vllm (one CUDA GPU, unverified here; docs/vllm.md) or "
+        "atropos (scored batches pulled from an Atropos API server; docs/atropos.md)")
     vllm_gpu_memory_utilization: float = opt(0.3, "vllm backend: fraction of GPU memory vLLM reserves "
                                              "(its weights + KV cache)")
     dtype: Literal["same", "bf16", "fp16"] = opt(
         "same", "inprocess backend: weights the sampler decodes with: same (the policy itself) or a bf16 / fp16 "
         "copy synced before each rollout (faster decoding where that dtype is fast; see docs/rl-recipes.md)")
 
+    # rollout.backend=atropos (docs/atropos.md): where batches come from and where new weights go
+    api_url: str = opt("", "atropos backend: the Atropos API server (run-api), e.g. http://127.0.0.1:8000")
+    server_url: str = opt("", "atropos backend: the lmforge serve the environments sample from; new weights are "
+                          "pushed there every push_every steps ('' = never push)")
+    push_every: int = opt(1, "atropos backend: push the weights to server_url after every N-th step")
+    max_staleness: int = opt(-1, "atropos backend: drop groups sampled more than this many optimizer steps ago "
+                             "(counted in atropos_dropped_stale_*; -1 = keep all)")
+    api_timeout_s: float = opt(600.0, "atropos backend: longest wait for a step's groups, then an error")
+    api_poll_s: float = opt(1.0, "atropos backend: pause between GET /batch polls while no batch is ready")
+    api_retries: int = opt(5, "atropos backend: retries of a failed call (connection error, 5xx) before an error")
+    api_backoff_s: float = opt(1.0, "atropos backend: the first retry waits this long, each next one twice as long")
+
     def validate(self) -> None:
+        if self.backend == "atropos":
+            if not self.api_url:
+                raise ConfigError("rollout.backend=atropos needs rollout.api_url (the Atropos API server, e.g. "
+                                  "http://127.0.0.1:8000)")
+            if self.push_every < 1 or self.api_retries < 0 or not (self.api_timeout_s > 0 and self.api_poll_s > 0
+                                                                    and self.api_backoff_s >= 0):
+                raise ConfigError("rollout: need push_every >= 1, api_retries >= 0, api_timeout_s > 0, api_poll_s > 0 "
+                                  f"and api_backoff_s >= 0, got {self.push_every}, {self.api_retries}, "
+                                  f"{self.api_timeout_s}, {self.api_poll_s}, {self.api_backoff_s}")
         for name in ("num_prompts", "group_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")

@@ -31,7 +31,7 @@ def check_quant_settings(cfg) -> None:
             raise ConfigError(f"config key 'train.save_quantized[{i}]': {exc}") from None
     backend = getattr(getattr(cfg, "rollout", None), "backend", None)
     if getattr(tcfg, "qat", QAT_OFF) != QAT_OFF and backend == "vllm":
-        raise ConfigError("train.qat needs rollout.backend=engine: vLLM would sample from the full-precision "
+        raise ConfigError("train.qat needs rollout.backend=inprocess: vLLM would sample from the full-precision "
                           "master weights, not from the fake-quantized model that is trained")
 
 

@@ -1,0 +1,192 @@
+"""``rollout.backend=atropos``: the RL step's rollouts come from an Atropos API server instead of the
+in-process sampler.
+
+The training step stays the recipe's own (``grpo_step``): only where the rollout comes from changes.
+:class:`AtroposSource` replaces :func:`rl.rollout` (the hook is one line there) and returns what it
+returns -- a :class:`RolloutBatch` with the sampler's logprobs, the rewards (the environments'
+``scores``) and the step's metrics -- so the advantages, the packing, the importance weights against
+the inference logprobs and the update are exactly the in-process path's.
+
+Per step ``k`` (1-based, as the runtime loop counts; the trainer holds weights of version k - 1):
+
+1. once, before the first pull: rank 0 ``POST /register``s; if the run resumed (k - 1 > 0) and
+   ``rollout.server_url`` is set, the resumed weights are pushed as version k - 1 so the environments
+   sample from them;
+2. rank 0 pulls ``GET /batch`` until it holds ``rollout.num_prompts`` fresh groups of
+   ``rollout.group_size`` rows (groups older than ``rollout.max_staleness`` are dropped and counted;
+   groups beyond the step's need wait in memory for the next step and are re-checked then), converts
+   them once to catch a malformed batch, and broadcasts them (``ParallelContext.broadcast_object``);
+   an error on rank 0 stops every rank (``check_all_ok``);
+3. every rank converts its share of the groups (the same split as :func:`rl.rank_prompts`, so each
+   optimizer update's rows over all ranks are the single-process update's);
+4. after the update (:meth:`after_step`), every ``rollout.push_every`` steps, rank 0 pushes the new
+   weights to ``rollout.server_url`` (``lmforge serve``'s ``/v1/weights/tensors``) as version k.
+
+Staleness of a group = (k - 1) - its ``generation_params.weight_version``: 0 when it was sampled with
+the weights being trained. Retries with backoff on connection errors / 5xx, then an ``AtroposError``
+that leaves the last checkpoint as it was: ``train.resume`` continues the run (groups held in memory
+for a later step are lost; the API has already handed them out).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from . import rl
+from .rollout import RewardOutput
+from .serve.atropos import AtroposError, _fetch_groups, _request, batch_to_rollout, register, weight_version
+
+
+def check_groups(groups: list[dict], group_size: int, max_new_tokens: int) -> None:
+    """``AtroposError`` naming the group, row and field when a group does not fit this run's step."""
+    for g, group in enumerate(groups):
+        if not isinstance(group, dict):
+            raise AtroposError(f"batch group {g} is a {type(group).__name__}, not an object with tokens, masks, scores")
+        for field in ("tokens", "masks", "scores"):
+            if not isinstance(group.get(field), list):
+                raise AtroposError(f"batch group {g}: field '{field}' is missing or not a list")
+        if len(group["tokens"]) != group_size:
+            raise AtroposError(f"batch group {g}: field 'tokens' holds {len(group['tokens'])} rows, but "
+                               f"rollout.group_size={group_size}; set the environment's group_size to match")
+        for r, masks in enumerate(group["masks"]):
+            trained = sum(1 for m in masks if m != -100) if isinstance(masks, list) else 0
+            if trained > max_new_tokens:
+                raise AtroposError(f"batch group {g} row {r}: field 'masks' marks {trained} completion tokens, more "
+                                   f"than rollout.max_new_tokens={max_new_tokens}; raise it or have the "
+                                   "environment sample fewer")
+        for r, score in enumerate(group["scores"]):
+            if not isinstance(score, (int, float)) or score != score:
+                raise AtroposError(f"batch group {g} row {r}: field 'scores' holds {score!r}, not a number")
+
+
+class AtroposSource:
+    """The rollouts of ``rollout.backend=atropos`` (module doc); one per run, built by ``rl.prepare``."""
+
+    def __init__(self, cfg, run):
+        self.cfg = cfg.rollout
+        self.run = run
+        self.max_token_len = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+        self.num_steps = cfg.train.max_steps
+        self.started = False
+        self.pending: list[dict] = []  # rank 0: fresh groups pulled beyond a step's need
+        self.dropped_total = 0
+
+    # ------------------------------------------------------------------ rank 0 talks to the services
+
+    def _rank0(self, fn, *args) -> Any:
+        """``fn(*args)`` on rank 0; its result on every rank; its error raised on every rank."""
+        ctx = self.run.ctx
+        result, error = None, None
+        if ctx.is_main:
+            try:
+                result = fn(*args)
+            except Exception as exc:  # noqa: BLE001 -- raised below on rank 0, and stops the other ranks
+                error = exc
+        ctx.check_all_ok(error)
+        return ctx.broadcast_object(result)
+
+    def _server_version(self) -> int:
+        reply = _request("GET", f"{self.cfg.server_url.rstrip('/')}/v1/weights", self.cfg.api_retries,
+                         self.cfg.api_backoff_s)
+        return int(reply["weight_version"])
+
+    def _push(self, model: torch.nn.Module, version: int) -> int:
+        from .serve import push_weights
+
+        last = ""
+        for attempt in range(self.cfg.api_retries + 1):
+            try:
+                return push_weights(self.cfg.server_url, model, version=version)
+            except Exception as exc:  # connection errors (httpx) and refusals (RuntimeError)
+                last = f"{type(exc).__name__}: {exc}"
+            if attempt < self.cfg.api_retries:
+                time.sleep(self.cfg.api_backoff_s * 2 ** attempt)
+        raise AtroposError(f"pushing weights version {version} to rollout.server_url={self.cfg.server_url} failed "
+                           f"after {self.cfg.api_retries + 1} attempts (last: {last}); the last checkpoint is "
+                           "intact: resume the run once the inference server is back")
+
+    def _start(self, state, trained_steps: int) -> None:
+        def start() -> None:
+            uuid = register(self.cfg.api_url, batch_size=self.cfg.num_prompts * self.cfg.group_size,
+                            max_token_len=self.max_token_len, num_steps=self.num_steps, starting_step=trained_steps,
+                            retries=self.cfg.api_retries, backoff_s=self.cfg.api_backoff_s)
+            self.run.print(f"[atropos] registered with {self.cfg.api_url} (trainer uuid {uuid}) at step {trained_steps}")
+            if self.cfg.server_url:
+                return self._server_version()
+            return None
+
+        server_version = self._rank0(start)
+        if self.cfg.server_url and trained_steps > 0:  # resumed: the environments must sample our weights
+            if server_version >= trained_steps:
+                raise AtroposError(
+                    f"rollout.server_url={self.cfg.server_url} serves weight version {server_version}, but the run "
+                    f"resumed at step {trained_steps} (versions must increase); restart lmforge serve on the "
+                    f"resumed checkpoint ({self.run.dir}/step-{trained_steps}) and resume again")
+            model = state.sampler_model()  # every rank (FSDP2 gathers)
+            self._rank0(self._push, model, trained_steps)
+            self.run.print(f"[atropos] pushed the resumed weights to {self.cfg.server_url} as version {trained_steps}")
+        self.started = True
+
+    def _next_groups(self, trained_steps: int) -> tuple[list[dict], dict]:
+        """Rank 0: ``num_prompts`` fresh groups for this step, and what it took to get them."""
+        cfg, max_staleness = self.cfg, (None if self.cfg.max_staleness < 0 else self.cfg.max_staleness)
+        start = time.monotonic()
+        dropped = 0
+
+        def fresh(group: dict) -> bool:
+            version = weight_version(group)
+            return max_staleness is None or version is None or trained_steps - version <= max_staleness
+
+        kept = [g for g in self.pending if fresh(g)]
+        dropped += len(self.pending) - len(kept)
+        self.pending = kept
+        while len(self.pending) < cfg.num_prompts:
+            remaining = cfg.api_timeout_s - (time.monotonic() - start)
+            if remaining <= 0:
+                raise AtroposError(f"no batch from {cfg.api_url}/batch within rollout.api_timeout_s="
+                                   f"{cfg.api_timeout_s:.0f} s ({dropped} stale groups dropped); are the environments "
+                                   "running and pointed at the inference server?")
+            groups, info = _fetch_groups(cfg.api_url, trained_steps, max_staleness, cfg.api_poll_s, remaining,
+                                         cfg.api_retries, cfg.api_backoff_s)
+            check_groups(groups, cfg.group_size, cfg.max_new_tokens)
+            dropped += int(info["atropos_dropped_stale_groups"])
+            self.pending.extend(groups)
+        groups, self.pending = self.pending[:cfg.num_prompts], self.pending[cfg.num_prompts:]
+        batch_to_rollout(groups, 0)  # a malformed group stops the run here, on rank 0, naming group and row
+        self.dropped_total += dropped
+        versions = [trained_steps - v for v in map(weight_version, groups) if v is not None]
+        info = {"time_generation": time.monotonic() - start, "atropos_dropped_stale_groups": dropped,
+                "atropos_dropped_stale_total": self.dropped_total, "atropos_pending_groups": len(self.pending)}
+        if versions:
+            info.update(staleness_mean=sum(versions) / len(versions), staleness_max=max(versions))
+        return groups, info
+
+    # ------------------------------------------------------------------ the rollout, on every rank
+
+    def rollout(self, state, step: int) -> tuple[Any, RewardOutput, dict]:
+        """This rank's share of the next ``num_prompts`` groups, as ``rl.rollout`` returns its rollout."""
+        trained_steps = step - 1  # the optimizer steps behind the weights this step starts from
+        if not self.started:
+            self._start(state, trained_steps)
+        groups, info = self._rank0(self._next_groups, trained_steps)
+        scores = torch.tensor([float(s) for g in groups for s in g["scores"]])
+        rows = rl.rank_prompts(list(range(len(groups))), self.run.cfg.algo.num_mini_batches, self.run.ctx)
+        batch, rewards = batch_to_rollout([groups[i] for i in rows], state.tokenizer.pad_token_id)
+        output = RewardOutput(total=rewards, per_function=rewards[:, None], names=["atropos"],
+                              num_failed=torch.zeros(1, dtype=torch.long))
+        lengths = torch.tensor([sum(1 for m in masks if m != -100) for g in groups for masks in g["masks"]],
+                               dtype=torch.float32)
+        # Over the whole step's batch (every rank holds it), so no reduction over ranks is needed.
+        metrics = {"reward": scores.mean(), "reward_std": scores.std(correction=0),
+                   "completion_len_mean": lengths.mean(), "completion_len_max": lengths.max(),
+                   "time_scoring": 0.0, **info}
+        return batch, output, metrics
+
+    def after_step(self, state, step: int) -> None:
+        """After step ``step``'s update: every ``push_every`` steps, hand the weights (version ``step``) over."""
+        if not self.cfg.server_url or step % self.cfg.push_every:
+            return
+        model = state.sampler_model()  # every rank (FSDP2 gathers)
+        self._rank0(self._push, model, step)
