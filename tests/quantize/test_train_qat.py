@@ -168,7 +168,7 @@ def test_grpo_with_ternary_qat_samples_from_the_fake_quantized_model(tmp_path, m
     assert len(train) == 2 and all(math.isfinite(r["loss"]) for r in train)
     assert all(r["rollout_diff_abs_max"] < 1e-4 for r in train)
     assert json.loads((tmp_path / "grpo" / "final" / "config.json").read_text())["lmforge_qat"] == "ternary"
-    with pytest.raises(ConfigError, match="train.qat needs rollout.backend=engine"):
+    with pytest.raises(ConfigError, match="train.qat needs rollout.backend=inprocess"):
         run_grpo(load_config(GRPOConfig, None, args[:-1] + [f"train.output_dir={tmp_path / 'v'}",
                                                              "rollout.backend=vllm"]))
 
