@@ -117,6 +117,13 @@ def _parse_value(raw: str, hint: Any, default: Any) -> Any:
     return value
 
 
+def _format_value(value: Any) -> str:
+    """A parameter value as spec text that :func:`_parse_value` reads back (lists as ``[a,b]``)."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_format_value(v) for v in value) + "]"
+    return str(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class RGProblem(Problem):
     """A :class:`Problem` that keeps the reasoning-gym entry (question, answer, metadata) for scoring."""
@@ -170,7 +177,7 @@ class RGTask:
     @property
     def spec(self) -> str:
         params = {**self.params, "answer_format": self.answer_format}
-        text = ",".join(f"{k}={v}" for k, v in sorted(params.items()))
+        text = ",".join(f"{k}={_format_value(v)}" for k, v in sorted(params.items()))
         return f"rg:{self.dataset}:{text}"
 
     @property

@@ -138,7 +138,7 @@ def math_reward(completion: str, problem: Any) -> float:
     answer = str(_field(problem, "answer"))
     gold_text = last_boxed(answer) or answer
     gold = parse(f"${gold_text}$", parsing_timeout=None)
-    if not gold:
+    if all(isinstance(g, str) for g in gold):  # nothing parsed (math-verify keeps only the raw text)
         raise ValueError(f"math-verify cannot parse the reference answer {answer!r}")
     predicted = final_answer(completion)
     if predicted is None:
