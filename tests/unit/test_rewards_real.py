@@ -62,8 +62,10 @@ def test_math_reward_unparsable_reference_is_an_error():
         math_reward("4", {"answer": "???"})
 
 
+@pytest.mark.slow
 def test_math_reward_inline_matches_process_pool():
-    """The same verdicts from the default process pool (slow to start: the workers import torch)."""
+    """The same verdicts from the default process pool. Slow: the forkserver workers import torch
+    once (about 8 s on a busy 2-core machine)."""
     pytest.importorskip("math_verify")
     cases = [(r"\boxed{\frac12}", "0.5"), ("so 41", "42"), ("so 42", "42"), ("none", "1")]
     completions, problems = [c for c, _ in cases], [{"answer": a} for _, a in cases]
