@@ -103,7 +103,8 @@ class RewardsConfig:
 
 @dataclasses.dataclass
 class RLDataConfig:
-    task: str = opt("", "built-in task giving prompts, the 'exact' reward and held-out accuracy, e.g. addition")
+    task: str = opt("", "task giving prompts, the 'exact' reward and held-out accuracy: a built-in one (e.g. "
+                    "addition) or a reasoning-gym dataset, rg:<name>[:key=value,...] (docs/rewards.md)")
     path: str = opt("", "instead of a task: JSONL of rows with a 'prompt' (each row goes to the reward functions)")
     num_train: int = opt(4000, "task: training prompts")
     num_eval: int = opt(200, "task: held-out problems for greedy accuracy (0 = none)")

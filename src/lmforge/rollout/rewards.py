@@ -426,7 +426,7 @@ class RewardSet:
         # a process worker stops an overrunning call itself (SIGALRM); the parent waits a little longer
         limits = {"thread": self.timeout_s, "process": self.timeout_s + max(1.0, 0.5 * self.timeout_s)}
         while pending:
-            done, pending = cf.wait(pending, timeout=0.02, return_when=cf.FIRST_COMPLETED)
+            done, pending = cf.wait(pending, timeout=0.02, return_when=cf.ALL_COMPLETED)
             for future in done:
                 job = futures[future]
                 try:
