@@ -190,6 +190,13 @@ def slow_module(tmp_path, monkeypatch):
                 time.sleep(60)
             return 1.0
 
+        def deaf_on_hang(completion, problem):
+            import signal
+            if completion == "hang":  # blocks SIGALRM, like C code that never returns to Python
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+                time.sleep(60)
+            return 1.0
+
         def raise_on_boom(completion, problem):
             if completion == "boom":
                 raise RuntimeError("verifier crashed")
@@ -277,5 +284,23 @@ def test_hanging_process_call_is_stopped_in_the_worker(slow_module):
     out = rewards(["ok", "hang", "ok", "ok"], [{}] * 4)
     assert time.monotonic() - start < 5.0
     assert out.per_function[:, 0].tolist() == [1.0, 0.0, 1.0, 1.0] and out.num_timed_out.tolist() == [1]
+    assert rewards(["ok"] * 3, [{}] * 3).per_function[:, 0].tolist() == [1.0] * 3
+    rewards.close()
+
+
+@pytest.mark.slow
+def test_process_calls_deaf_to_the_alarm_get_their_pool_killed(slow_module):
+    """Workers that ignore SIGALRM are killed after timeout + max(1, timeout / 2); the calls queued
+    behind them run again on a new pool and are scored. Slow: two pool start-ups."""
+    rewards = RewardSet([("slow_rewards:deaf_on_hang", 1.0, {}, {"executor": "process"})], timeout_s=1.0, workers=2,
+                        max_failure_fraction=1.0)
+    rewards(["warm"], [{}])
+    old_processes = list(rewards._pools["process"]._pool._processes.values())
+    start = time.monotonic()
+    out = rewards(["hang", "hang", "ok", "ok", "ok", "ok"], [{}] * 6)  # both workers stuck, four calls queued
+    elapsed = time.monotonic() - start
+    assert out.per_function[:, 0].tolist() == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0] and out.num_timed_out.tolist() == [2]
+    assert elapsed < 60.0  # 2 s to the kill, then a new pool's start-up (seconds on a busy machine)
+    assert old_processes and not any(p.is_alive() for p in old_processes)
     assert rewards(["ok"] * 3, [{}] * 3).per_function[:, 0].tolist() == [1.0] * 3
     rewards.close()

@@ -12,7 +12,7 @@ Two kinds of worker:
              (math-verify, sympy): they run beside the training process instead of holding the GIL.
              Inside the worker a ``SIGALRM`` timer interrupts a call that overruns (this stops pure
              Python code and sleeps); if the worker still does not answer within the timeout plus a
-             grace period (code stuck in C that ignores signals), the pool's processes are killed,
+             grace period, counted from when the worker reported the call's start (code stuck in C that ignores signals), the pool's processes are killed,
              the call counts as a failure, and the other unfinished calls run again on a new pool.
 
 A worker never sends exceptions back as objects (a user's exception type may not unpickle): it
@@ -39,12 +39,25 @@ def _on_alarm(signum, frame):  # noqa: ARG001 - signal handler signature
     raise RewardTimeout("timed out")
 
 
-def invoke(fn: Callable[..., Any], completion: str, problem: Any, kwargs: dict, alarm_s: float) -> tuple:
+_STARTED = None  # in a process-pool worker: the queue on which it reports when each call starts
+
+
+def _init_worker(started) -> None:
+    global _STARTED
+    _STARTED = started
+
+
+def invoke(fn: Callable[..., Any], completion: str, problem: Any, kwargs: dict, alarm_s: float,
+           token: int | None = None) -> tuple:
     """Call ``fn(completion, problem, **kwargs)``; the result as ``(status, value_or_text)``.
 
     ``alarm_s > 0`` arms a ``SIGALRM`` timer first; this only works in a process's main thread (a
-    process-pool worker), and is skipped anywhere else.
+    process-pool worker), and is skipped anywhere else. In a worker, ``token`` and the start time
+    (``time.monotonic``, system-wide on Linux) go to the pool's ``started`` queue first, so that the
+    parent times the call from when it really started, not from when it was queued.
     """
+    if token is not None and _STARTED is not None:
+        _STARTED.put((token, time.monotonic()))
     armed = alarm_s > 0 and threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
     if armed:
         previous = signal.signal(signal.SIGALRM, _on_alarm)
@@ -117,7 +130,10 @@ class ProcessPool:
 
     def __init__(self, workers: int):
         self.workers = workers
-        self._pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=_process_context())
+        context = _process_context()
+        self.started = context.Queue()  # (token, start time) of each call, from the workers
+        self._pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker,
+                                            initargs=(self.started,))
         warm = [self._pool.submit(_ping) for _ in range(workers)]
         done, not_done = cf.wait(warm, timeout=self.STARTUP_TIMEOUT_S)
         if not_done:
@@ -128,6 +144,15 @@ class ProcessPool:
 
     def submit(self, fn: Callable, *args: Any) -> cf.Future:
         return self._pool.submit(fn, *args)
+
+    def drain_started(self) -> list[tuple[int, float]]:
+        """The ``(token, start time)`` reports that arrived since the last call."""
+        reports = []
+        while True:
+            try:
+                reports.append(self.started.get_nowait())
+            except queue.Empty:
+                return reports
 
     def kill(self) -> None:
         """Terminate the workers now (hung or not) and release the pool."""
@@ -141,6 +166,11 @@ class ProcessPool:
             if process.is_alive():
                 process.kill()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._close_queue()
+
+    def _close_queue(self) -> None:
+        self.started.close()
+        self.started.cancel_join_thread()  # never block on reports nobody will read
 
     def shutdown(self, grace_s: float = 5.0) -> None:
         """Cancel queued calls, let the workers exit for up to ``grace_s``, then kill what is left."""
@@ -151,3 +181,5 @@ class ProcessPool:
             process.join(max(0.0, deadline - time.monotonic()))
         if any(process.is_alive() for process in processes):
             self.kill()
+        else:
+            self._close_queue()

@@ -412,12 +412,18 @@ class RewardSet:
         results: dict[tuple[int, int], tuple] = {}
         futures: dict[cf.Future, tuple[int, int]] = {}
 
+        tokens: dict[int, cf.Future] = {}  # process calls: token -> future, for the workers' start reports
+
         def submit(job: tuple[int, int]) -> cf.Future:
             i, f = job
             kind = self.executors[f]
-            alarm = self.timeout_s if kind == "process" else 0.0
-            future = self._pool(kind).submit(invoke, self.fns[f], completions[i], problems[i],
-                                             self._kwargs(f, shared, lengths[i]), alarm)
+            args = (self.fns[f], completions[i], problems[i], self._kwargs(f, shared, lengths[i]))
+            if kind == "process":
+                token = len(tokens)
+                future = self._pool(kind).submit(invoke, *args, self.timeout_s, token)
+                tokens[token] = future
+            else:
+                future = self._pool(kind).submit(invoke, *args, 0.0)
             futures[future] = job
             return future
 
@@ -436,9 +442,12 @@ class RewardSet:
                     if self.executors[job[1]] == "process" and "process" in self._pools:
                         self._replace_pool("process")  # broken: the next call starts a new pool
             now = time.monotonic()
+            if "process" in self._pools:  # a process call's clock starts when its worker says so
+                for token, start in self._pools["process"].drain_started():
+                    started.setdefault(tokens[token], start)
             overdue_kinds = set()
             for future in list(pending):
-                if future.running():
+                if self.executors[futures[future][1]] == "thread" and future.running():
                     started.setdefault(future, now)
                 kind = self.executors[futures[future][1]]
                 if future in started and now - started[future] > limits[kind]:
