@@ -103,10 +103,13 @@ def test_bad_specs_are_clear(spec, message):
 
 def test_bad_spec_is_a_config_error_naming_data_task():
     from lmforge.errors import ConfigError
+    from lmforge.recipes.sft import SFTDataConfig
     from lmforge.rl_config import RLDataConfig
 
     with pytest.raises(ConfigError, match="data.task: rg: unknown reasoning-gym dataset"):
         RLDataConfig(task="rg:no_such_dataset").validate()
+    with pytest.raises(ConfigError, match="data.task: rg: unknown reasoning-gym dataset"):
+        SFTDataConfig(task="rg:no_such_dataset").validate()
 
 
 def test_missing_package_gives_install_hint(monkeypatch):
