@@ -411,7 +411,6 @@ class RewardSet:
         """Every job's ``(status, value_or_text)``; a job running longer than the timeout is ``timeout``."""
         results: dict[tuple[int, int], tuple] = {}
         futures: dict[cf.Future, tuple[int, int]] = {}
-
         tokens: dict[int, cf.Future] = {}  # process calls: token -> future, for the workers' start reports
 
         def submit(job: tuple[int, int]) -> cf.Future:
