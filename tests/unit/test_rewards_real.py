@@ -282,8 +282,9 @@ def test_hanging_process_call_is_stopped_in_the_worker(slow_module):
     rewards(["warm"], [{}])
     start = time.monotonic()
     out = rewards(["ok", "hang", "ok", "ok"], [{}] * 4)
-    assert time.monotonic() - start < 5.0
-    assert out.per_function[:, 0].tolist() == [1.0, 0.0, 1.0, 1.0] and out.num_timed_out.tolist() == [1]
+    elapsed = time.monotonic() - start
+    assert elapsed < 10.0, f"{elapsed:.1f} s with a 1 s timeout"  # about 1 s when quiet; generous for a busy machine
+    assert out.per_function[:, 0].tolist() == [1.0, 0.0, 1.0, 1.0] and out.num_timed_out.tolist() == [1], out
     assert rewards(["ok"] * 3, [{}] * 3).per_function[:, 0].tolist() == [1.0] * 3
     rewards.close()
 
@@ -299,7 +300,8 @@ def test_process_calls_deaf_to_the_alarm_get_their_pool_killed(slow_module):
     start = time.monotonic()
     out = rewards(["hang", "hang", "ok", "ok", "ok", "ok"], [{}] * 6)  # both workers stuck, four calls queued
     elapsed = time.monotonic() - start
-    assert out.per_function[:, 0].tolist() == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0] and out.num_timed_out.tolist() == [2]
+    assert out.per_function[:, 0].tolist() == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0] and out.num_timed_out.tolist() == [2], \
+        (out, elapsed)
     assert elapsed < 60.0  # 2 s to the kill, then a new pool's start-up (seconds on a busy machine)
     assert old_processes and not any(p.is_alive() for p in old_processes)
     assert rewards(["ok"] * 3, [{}] * 3).per_function[:, 0].tolist() == [1.0] * 3
