@@ -19,8 +19,9 @@ def completion_texts(tokenizer, rollout) -> list[str]:
 
 @torch.no_grad()
 def complete_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 64,
-                 temperature: float = 0.0, seed: int = 0) -> list[str]:
-    """Greedy (or sampled) completions of token-id prompts, decoded without special tokens."""
+                 temperature: float = 0.0, seed: int = 0, lengths: list[int] | None = None) -> list[str]:
+    """Greedy (or sampled) completions of token-id prompts, decoded without special tokens. Each
+    completion's length in tokens (stop token included) is appended to ``lengths`` when it is given."""
     was_training = model.training
     model.eval()
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
@@ -29,6 +30,8 @@ def complete_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens: int
     for start in range(0, len(prompts), batch_size):
         out = generate(model, prompts[start:start + batch_size], params, pad_token_id=tokenizer.pad_token_id)
         texts.extend(completion_texts(tokenizer, out))
+        if lengths is not None:
+            lengths.extend(out.completion_lens.tolist())
     model.train(was_training)
     return texts
 
@@ -57,7 +60,7 @@ def save_samples(run_dir: Path, step: int, prompts: list[str], texts: list[str],
 
 def held_out_evaluator(tokenizer, problems: list, chat: bool, max_new_tokens: int, task=None,
                        reward_specs: list[tuple] | None = None, pass_k: int = 0, temperature: float = 1.0,
-                       seed: int = 0, max_prompt_len: int = 0):
+                       seed: int = 0, max_prompt_len: int = 0, reward_kwargs: dict | None = None):
     """``evaluate(model, step) -> (metrics, prompt texts, greedy completions)`` on held-out problems.
 
     ``problems`` are task Problems (``task`` given: correct = ``task.is_correct``) or data rows with a
@@ -66,7 +69,9 @@ def held_out_evaluator(tokenizer, problems: list, chat: bool, max_new_tokens: in
     completions; for rows also ``eval_reward``, the mean weighted sum of all the rewards; with
     ``pass_k`` > 0, ``pass_at_k``: the fraction of problems with at least one correct completion
     among ``pass_k`` sampled at ``temperature`` (seeded by ``seed`` + step). Prompts longer than
-    ``max_prompt_len`` tokens keep their last ``max_prompt_len`` tokens.
+    ``max_prompt_len`` tokens keep their last ``max_prompt_len`` tokens. The rewards get each
+    completion's length in tokens and ``reward_kwargs`` (e.g. ``max_new_tokens`` for ``overlong``), as
+    in training.
     """
     from .rollout.rewards import RewardSet
 
@@ -76,24 +81,26 @@ def held_out_evaluator(tokenizer, problems: list, chat: bool, max_new_tokens: in
         prompt_ids = [ids[-max_prompt_len:] for ids in prompt_ids]
     rewards = None if task is not None else RewardSet(reward_specs or [("exact", 1.0)], max_failure_fraction=1.0)
 
-    def score(texts: list[str], rows: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def score(texts: list[str], rows: list, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(correct (N,) bool, weighted reward (N,) or None)."""
         if rewards is None:
             return torch.tensor([bool(task.is_correct(t, p)) for t, p in zip(texts, rows)]), None
-        out = rewards(texts, rows)
+        out = rewards(texts, rows, completion_lens=lengths, **(reward_kwargs or {}))
         return out.per_function[:, 0] >= 1.0, out.total
 
     def evaluate(model, step: int) -> tuple[dict, list[str], list[str]]:
-        texts = complete_ids(model, tokenizer, prompt_ids, max_new_tokens)
-        correct, total = score(texts, problems)
+        lengths: list[int] = []
+        texts = complete_ids(model, tokenizer, prompt_ids, max_new_tokens, lengths=lengths)
+        correct, total = score(texts, problems, lengths)
         metrics = {"accuracy": correct.float().mean().item() if len(problems) else 0.0}
         if total is not None:
             metrics["eval_reward"] = total.mean().item()
         if pass_k > 0:
             repeated = [ids for ids in prompt_ids for _ in range(pass_k)]
+            sample_lengths: list[int] = []
             samples = complete_ids(model, tokenizer, repeated, max_new_tokens, temperature=temperature,
-                                   seed=seed + step)
-            hits, _ = score(samples, [p for p in problems for _ in range(pass_k)])
+                                   seed=seed + step, lengths=sample_lengths)
+            hits, _ = score(samples, [p for p in problems for _ in range(pass_k)], sample_lengths)
             metrics["pass_at_k"] = hits.view(len(problems), pass_k).any(dim=1).float().mean().item()
         return metrics, texts_in, texts
 

@@ -151,13 +151,15 @@ def sample_and_score(model, tokenizer, prompts: PromptSet, rows: list[int], cfg:
     texts = completion_texts(tokenizer, rollout)
     problems = [prompts.problems[i] for i in rows for _ in range(cfg.group_size)]
     shared = {} if prompts.task is None else {"task": prompts.task}
-    rewards = reward_set(texts, problems, **shared)
+    rewards = reward_set(texts, problems, completion_lens=rollout.completion_lens.tolist(),
+                         max_new_tokens=cfg.max_new_tokens, **shared)
     lengths = rollout.completion_lens.float()
     metrics = {
         "reward": rewards.total.mean(),
         "reward_std": rewards.total.std(correction=0),
         **{f"reward_{name}": rewards.per_function[:, f].mean() for f, name in enumerate(rewards.names)},
         "reward_failures": rewards.num_failed.sum(),
+        "reward_timeouts": rewards.num_timed_out.sum(),
         "completion_len_mean": lengths.mean(),
         "completion_len_max": lengths.max(),
         "truncated_frac": rollout.truncated.float().mean(),
@@ -464,7 +466,7 @@ def update(batch: RLBatch, algo, updater, micro_batch_size: int, max_new_tokens:
 
 def reduce_rollout_metrics(metrics: dict, ctx: ParallelContext) -> dict:
     """A rank's rollout / advantage metrics -> the step's over all ranks (every rank holds the same
-    number of rows and groups): ``num_*`` and ``*_failures`` are summed, ``*_max`` / ``time_*`` take
+    number of rows and groups): ``num_*``, ``*_failures`` and ``*_timeouts`` are summed, ``*_max`` / ``time_*`` take
     the maximum, ``reward_std`` is recombined from the ranks' means and variances, the rest are means."""
     if not ctx.distributed:
         return metrics
@@ -474,7 +476,7 @@ def reduce_rollout_metrics(metrics: dict, ctx: ParallelContext) -> dict:
     highest = ctx.all_reduce(values.clone(), op=torch.distributed.ReduceOp.MAX)
     out = {}
     for i, key in enumerate(keys):
-        if key.startswith("num_") or key.endswith("_failures"):
+        if key.startswith("num_") or key.endswith(("_failures", "_timeouts")):
             out[key] = float(summed[i])
         elif key.endswith("_max") or key.startswith("time_"):
             out[key] = float(highest[i])
@@ -592,7 +594,8 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
     num_updates = cfg.train.max_steps * algo.num_iterations * algo.num_mini_batches
     order = BatchOrder(len(prompts.prompt_ids), cfg.rollout.num_prompts, cfg.train.seed)
     train = build_state(run, model, tokenizer, order, num_updates, extra_modules)
-    reward_set = RewardSet(cfg.rewards.specs(), cfg.rewards.max_failure_fraction)
+    reward_set = RewardSet(cfg.rewards.specs(), cfg.rewards.max_failure_fraction, cfg.rewards.timeout_s,
+                           cfg.rewards.workers)
     state = RLState(train, ref_model, prompts, reward_set)
     if cfg.rollout.dtype != "same":
         state.rollout_engine = cast_engine(state.sampler_model(), cfg.rollout.dtype, algo, run)
@@ -659,7 +662,8 @@ def make_evaluate(state: RLState) -> Callable[[int], dict] | None:
     evaluator = held_out_evaluator(state.tokenizer, prompts.eval_problems, prompts.chat, cfg.train.max_new_tokens,
                                    task=prompts.task, reward_specs=cfg.rewards.specs(), pass_k=cfg.data.pass_k,
                                    temperature=cfg.rollout.temperature, seed=cfg.train.seed,
-                                   max_prompt_len=cfg.data.max_prompt_len)
+                                   max_prompt_len=cfg.data.max_prompt_len,
+                                   reward_kwargs={"max_new_tokens": cfg.rollout.max_new_tokens})
 
     def evaluate(step: int) -> dict:
         metrics, prompt_texts, texts = evaluator(state.sampler_model(), step)
@@ -693,4 +697,7 @@ def train_rl(state: RLState, step_fn: Callable[[int], dict], extra_state: Callab
 
     trainer = Trainer(step=step, evaluate=make_evaluate(state), evaluate_at_start=True, extra_state=extra_state,
                       save_final_extra=save_extra, time_keys=TIME_KEYS)
-    return train_loop(state.train, trainer)
+    try:
+        return train_loop(state.train, trainer)
+    finally:  # the reward workers stop with the run, on errors too
+        state.reward_set.close()

@@ -81,38 +81,52 @@ class RolloutConfig:
 
 @dataclasses.dataclass
 class RewardsConfig:
-    functions: list[Any] = opt(["exact"], "reward functions, summed with weights: each a name (exact, math, "
-                               "format, package.module:function) or {name, weight, kwargs}")
+    functions: list[Any] = opt(["exact"], "reward functions, summed with weights: each a name (exact, math, format, "
+                               "overlong, package.module:function) or {name, weight, kwargs, executor, failure_value} "
+                               "(other keys go to kwargs); docs/rewards.md")
     max_failure_fraction: float = opt(0.5, "stop the run when a reward function fails on more than this "
-                                      "fraction of a batch (fewer failures score 0 and are counted)")
+                                      "fraction of a batch (fewer failures score failure_value and are counted)")
+    timeout_s: float = opt(10.0, "longest a single reward call may run; a slower one is a counted failure "
+                           "(0 = no timeout: calls run one by one in the training process)")
+    workers: int = opt(0, "reward threads, and processes for executor=process functions (0 = cores, at most 8)")
 
     def specs(self) -> list[tuple]:
-        """``RewardSet`` specs ``(name, weight, kwargs)`` from ``functions``."""
+        """``RewardSet`` specs ``(name, weight, kwargs, options)`` from ``functions``."""
         if not self.functions:
             raise ConfigError("rewards.functions is empty; name at least one reward, e.g. [exact]")
         specs = []
         for i, item in enumerate(self.functions):
             if isinstance(item, str):
                 item = {"name": item}
-            if not isinstance(item, dict) or "name" not in item or set(item) - {"name", "weight", "kwargs"}:
+            if not isinstance(item, dict) or "name" not in item:
                 raise ConfigError(f"rewards.functions[{i}] = {item!r}: expected a name or a mapping with "
-                                  "'name' and optional 'weight' and 'kwargs'")
+                                  "'name' and optional 'weight', 'kwargs', 'executor', 'failure_value'")
             try:
                 weight = float(item.get("weight", 1.0))
             except (TypeError, ValueError):
                 raise ConfigError(f"rewards.functions[{i}].weight must be a number, got {item['weight']!r}") from None
-            specs.append((str(item["name"]), weight, dict(item.get("kwargs") or {})))
+            kwargs = item.get("kwargs") or {}
+            if not isinstance(kwargs, dict):
+                raise ConfigError(f"rewards.functions[{i}].kwargs must be a mapping, got {kwargs!r}")
+            flat = {k: v for k, v in item.items() if k not in ("name", "weight", "kwargs", "executor", "failure_value")}
+            options = {k: item[k] for k in ("executor", "failure_value") if k in item}
+            specs.append((str(item["name"]), weight, {**flat, **kwargs}, options))
         return specs
 
     def validate(self) -> None:
         self.specs()
         if not 0.0 <= self.max_failure_fraction <= 1.0:
             raise ConfigError(f"rewards.max_failure_fraction must be in [0, 1], got {self.max_failure_fraction}")
+        if self.timeout_s < 0:
+            raise ConfigError(f"rewards.timeout_s must be >= 0 (0 = no timeout), got {self.timeout_s}")
+        if self.workers < 0:
+            raise ConfigError(f"rewards.workers must be >= 0 (0 = automatic), got {self.workers}")
 
 
 @dataclasses.dataclass
 class RLDataConfig:
-    task: str = opt("", "built-in task giving prompts, the 'exact' reward and held-out accuracy, e.g. addition")
+    task: str = opt("", "task giving prompts, the 'exact' reward and held-out accuracy: a built-in one (e.g. "
+                    "addition) or a reasoning-gym dataset, rg:<name>[:key=value,...] (docs/rewards.md)")
     path: str = opt("", "instead of a task: rows with a 'prompt' (each row goes to the reward functions): JSONL, "
                     "Parquet, CSV, Arrow, a save_to_disk dir or a cached hub id (docs/data.md)")
     split: str = opt("train", "path: the split to train on (a single file is split 'train')")

@@ -292,9 +292,11 @@ def test_held_out_evaluator_scores_rows_with_the_first_reward_and_pass_at_k(monk
     sampled = ["9", "9", "4", "9", "9", "9"]  # k=2 per problem: none, right, none
     calls = []
 
-    def scripted(model, tokenizer, prompts, max_new_tokens, batch_size=64, temperature=0.0, seed=0):
+    def scripted(model, tokenizer, prompts, max_new_tokens, batch_size=64, temperature=0.0, seed=0, lengths=None):
         calls.append((len(prompts), temperature, seed))
-        return list(greedy if temperature == 0.0 else sampled)
+        texts = list(greedy if temperature == 0.0 else sampled)
+        lengths.extend(len(text) + 1 for text in texts)  # + the stop token
+        return texts
 
     monkeypatch.setattr(evaluation, "complete_ids", scripted)
     monkeypatch.setitem(BUILTIN_REWARDS, "half", lambda completion, problem: 0.5)
@@ -307,3 +309,23 @@ def test_held_out_evaluator_scores_rows_with_the_first_reward_and_pass_at_k(monk
     assert metrics["eval_reward"] == pytest.approx((2 * 1.0 + 3 * 2.0 * 0.5) / 3)  # exact + 2 x half
     assert metrics["pass_at_k"] == pytest.approx(1 / 3)
     assert calls == [(3, 0.0, 0), (6, 0.7, 8)]  # greedy, then k samples per problem seeded by seed + step
+
+
+def test_held_out_evaluator_gives_the_rewards_the_completion_lengths(monkeypatch):
+    """The overlong penalty needs each completion's length and rollout.max_new_tokens, in evaluation
+    as in training: lengths 2 and 5 of max 5 with a cache of 2 score 0 and -1."""
+    from lmforge import evaluation
+
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+
+    def scripted(model, tokenizer, prompts, max_new_tokens, batch_size=64, temperature=0.0, seed=0, lengths=None):
+        lengths.extend([2, 5])
+        return ["2", "4444"]
+
+    monkeypatch.setattr(evaluation, "complete_ids", scripted)
+    evaluate = evaluation.held_out_evaluator(char_tokenizer(), rows, chat=False, max_new_tokens=5,
+                                             reward_specs=[("exact", 1.0), ("overlong", 1.0, {"cache": 2})],
+                                             reward_kwargs={"max_new_tokens": 5})
+    metrics, _, _ = evaluate(None, step=0)
+    assert metrics["accuracy"] == pytest.approx(1 / 2)
+    assert metrics["eval_reward"] == pytest.approx(((1.0 + 0.0) + (0.0 - 1.0)) / 2)

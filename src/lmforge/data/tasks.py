@@ -309,10 +309,16 @@ TASKS: dict[str, type] = {Addition.name: Addition, AdditionTrace.name: AdditionT
 
 
 def get_task(spec: str) -> Task:
-    """Build a task from ``"name"`` or ``"name:key=value,key=value"`` (e.g. ``"addition:digits=3"``)."""
+    """Build a task from ``"name"`` or ``"name:key=value,key=value"`` (e.g. ``"addition:digits=3"``),
+    or a reasoning-gym dataset from ``"rg:<name>[:key=value,...]"`` (:mod:`lmforge.data.rg`)."""
+    if spec.strip().startswith("rg:"):
+        from .rg import rg_task  # lazy: reasoning-gym is an optional extra
+
+        return rg_task(spec)
     name, _, params_text = spec.strip().partition(":")
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r} in spec {spec!r}; valid tasks: {', '.join(sorted(TASKS))}")
+        raise ValueError(f"unknown task {name!r} in spec {spec!r}; valid tasks: {', '.join(sorted(TASKS))}, "
+                         "or rg:<name> for a reasoning-gym dataset")
     cls = TASKS[name]
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, object] = {}

@@ -42,6 +42,11 @@ class SFTDataConfig:
     def validate(self) -> None:
         if bool(self.path) == bool(self.task):
             raise ConfigError("set exactly one of data.path (a JSONL/Parquet file) and data.task (e.g. addition)")
+        if self.task:
+            try:
+                get_task(self.task)
+            except ValueError as exc:  # unknown task or parameter, or reasoning-gym not installed
+                raise ConfigError(f"data.task: {exc}") from exc
 
 
 @dataclasses.dataclass

@@ -2,37 +2,49 @@
 
 A reward function has the signature ``fn(completion: str, problem, **kwargs) -> float`` where
 ``problem`` is a task :class:`~lmforge.data.tasks.Problem` or a data row (a dict with at least an
-``"answer"`` key). Built-ins, chosen by name:
+``"answer"`` key). Built-ins, chosen by name (docs/rewards.md has the formulas):
 
-    exact   the task's own scorer (``Task.score``); without a task, exact match on the answer
-    math    symbolic equivalence through ``math-verify`` (optional dependency)
-    format  1.0 if a regular expression matches the completion (``pattern=`` keyword)
+    exact     the task's own scorer (``Task.score``); without a task, exact match on the answer
+    math      math-verify equivalence of the last ``\\boxed{}`` (else the last number) with the answer
+    format    1.0 if a regular expression matches the completion (``pattern=``, ``match=search|full``)
+    overlong  DAPO's soft overlong penalty from the completion's length in tokens (0 down to -1)
 
 Any other function is named as ``"package.module:function"`` and imported on first use.
 
-A function that raises, or returns NaN/inf, is a *failure*: it is logged, scored 0 and counted.
-One broken sample does not stop a run; a function that fails on more than ``max_failure_fraction``
-of a batch raises :class:`~lmforge.errors.TrainingError` naming the function and its first error.
+Calls run in parallel (threads, or a process pool for functions marked ``executor="process"``,
+e.g. ``math``) with a per-call timeout (:mod:`lmforge.rollout.reward_pool`). A call that raises,
+returns NaN/inf or times out is a *failure*: it is logged, scored ``failure_value`` (0 by default)
+and counted; one broken sample does not stop a run, but a function that fails on more than
+``max_failure_fraction`` of a batch raises :class:`~lmforge.errors.TrainingError` naming the function
+and its first error. :meth:`RewardSet.close` stops the workers (the RL runs call it at the end and
+on errors).
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
+import dataclasses
 import functools
 import importlib
 import inspect
 import logging
 import math
+import os
 import re
+import time
 import traceback
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ..errors import ConfigError, TrainingError
+from .reward_pool import DaemonThreadPool, ProcessPool, invoke
 
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[..., float]
+EXECUTORS = ("thread", "process")
 
 
 # ----------------------------------------------------------------------------- built-ins
@@ -62,7 +74,7 @@ def _as_problem(row: dict) -> Any:
                    answer=str(_field(row, "answer")))
 
 
-def exact_reward(completion: str, problem: Any, task: Any = None, **kwargs: Any) -> float:
+def exact_reward(completion: str, problem: Any, task: Any = None) -> float:
     """The task's own scorer, ``task.score(completion, problem)``.
 
     ``task`` is a Task or a spec string for ``get_task`` (e.g. ``"addition:digits=2"``); a dict row
@@ -80,26 +92,132 @@ def exact_reward(completion: str, problem: Any, task: Any = None, **kwargs: Any)
     return float(task.score(completion, problem))
 
 
-def math_reward(completion: str, problem: Any, **kwargs: Any) -> float:
-    """1.0 if ``math-verify`` judges the completion's final answer equal to the problem's answer."""
+_LAST_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
+
+
+def last_boxed(text: str) -> str | None:
+    """The contents of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced; None if none."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth, begin = 1, i
+    while i < len(text):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[begin:i]
+        i += 1
+    return None  # unbalanced: an unfinished box is no answer
+
+
+def final_answer(completion: str) -> str | None:
+    """What ``math`` compares: the last ``\\boxed{}``'s contents, else the last number (commas in
+    ``1,234`` dropped; ``3/4`` kept as a fraction), else None."""
+    boxed = last_boxed(completion)
+    if boxed is not None:
+        return boxed.strip() or None
+    numbers = _LAST_NUMBER.findall(completion)
+    return numbers[-1].replace(",", "") if numbers else None
+
+
+def math_reward(completion: str, problem: Any) -> float:
+    """1.0 if math-verify judges the completion's final answer (:func:`final_answer`) equal to the
+    problem's ``answer``, else 0.0 (also when the completion has no box and no number).
+
+    The reference answer may itself be written ``\\boxed{...}``; one math-verify cannot parse is an
+    error (a failure), not a 0. math-verify's own signal-based timeouts are off: the caller's per-call
+    timeout applies (this function runs in the process pool by default).
+    """
     try:
         from math_verify import parse, verify
     except ImportError as exc:
         raise ImportError(
             "the 'math' reward needs math-verify: pip install 'lmforge[math]' (or pip install math-verify)"
         ) from exc
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout is disabled" notes: ours applies
     answer = str(_field(problem, "answer"))
-    # math-verify parses LaTeX or plain expressions; wrap a bare answer so both forms are recognised.
-    gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$")
-    return float(verify(gold, parse(completion)))
+    gold_text = last_boxed(answer) or answer
+    gold = parse(f"${gold_text}$", parsing_timeout=None)
+    if all(isinstance(g, str) for g in gold):  # nothing parsed (math-verify keeps only the raw text)
+        raise ValueError(f"math-verify cannot parse the reference answer {answer!r}")
+    predicted = final_answer(completion)
+    if predicted is None:
+        return 0.0
+    target = parse(f"${predicted}$", parsing_timeout=None)
+    if not target:
+        return 0.0
+    return float(verify(gold, target, timeout_seconds=None))
 
 
-def format_reward(completion: str, problem: Any, pattern: str = r"<answer>.*?</answer>", **kwargs: Any) -> float:
-    """1.0 if the regular expression ``pattern`` matches anywhere in the completion (DOTALL), else 0.0."""
-    return float(re.search(pattern, completion, flags=re.DOTALL) is not None)
+math_reward.executor = "process"  # CPU-heavy (sympy): beside the training process, killable when stuck
 
 
-BUILTIN_REWARDS: dict[str, RewardFn] = {"exact": exact_reward, "math": math_reward, "format": format_reward}
+@functools.lru_cache(maxsize=64)
+def _compiled(pattern: str) -> re.Pattern:
+    return re.compile(pattern, flags=re.DOTALL)
+
+
+def format_reward(completion: str, problem: Any, pattern: str = r"<answer>.*?</answer>", match: str = "search") -> float:
+    """1.0 if the regular expression ``pattern`` (DOTALL: ``.`` spans lines) matches, else 0.0.
+
+    ``match="search"`` looks anywhere in the completion; ``match="full"`` needs the whole completion
+    (surrounding whitespace stripped) to match, e.g. ``<think>.*?</think>\\s*<answer>.*?</answer>``.
+    """
+    regex = _compiled(pattern)
+    if match == "full":
+        return float(regex.fullmatch(completion.strip()) is not None)
+    return float(regex.search(completion) is not None)
+
+
+def _check_format(pattern: str = r"<answer>.*?</answer>", match: str = "search") -> None:
+    try:
+        _compiled(pattern)
+    except re.error as exc:
+        raise ValueError(f"pattern {pattern!r} is not a valid regular expression: {exc}") from None
+    if match not in ("search", "full"):
+        raise ValueError(f"match must be 'search' or 'full', got {match!r}")
+
+
+format_reward.check_kwargs = _check_format
+
+
+def overlong_reward(completion: str, problem: Any, completion_len: int | None = None, max_new_tokens: int | None = None,
+                    max_len: int = 0, cache: int = 0) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) of a completion of ``L`` tokens:
+
+        0                                   if L <= max_len - cache
+        (max_len - cache - L) / cache       if max_len - cache < L <= max_len   (linear, 0 -> -1)
+        -1                                  if L > max_len
+
+    ``L`` counts the generated tokens including the stop token (``completion_len``, passed by the RL
+    step). ``max_len`` defaults to ``rollout.max_new_tokens`` and ``cache`` to a fifth of it (the
+    paper: 4096 of 20480), at least 1. Added to the task reward with its weight, it is <= 0.
+    """
+    length_max = int(max_len or max_new_tokens or 0)
+    if length_max <= 0:
+        raise ValueError("overlong needs kwargs max_len > 0 (or rollout.max_new_tokens passed as max_new_tokens)")
+    if completion_len is None:
+        raise ValueError("overlong needs the completion's length in tokens (RewardSet(..., completion_lens=...))")
+    cache_len = int(cache) or max(1, length_max // 5)
+    start = length_max - cache_len
+    if completion_len <= start:
+        return 0.0
+    if completion_len <= length_max:
+        return (start - completion_len) / cache_len
+    return -1.0
+
+
+def _check_overlong(max_len: int = 0, cache: int = 0, **_: Any) -> None:
+    if max_len < 0 or cache < 0:
+        raise ValueError(f"max_len and cache must be >= 0, got max_len={max_len}, cache={cache}")
+    if max_len and cache > max_len:
+        raise ValueError(f"cache ({cache}) must not exceed max_len ({max_len})")
+
+
+overlong_reward.check_kwargs = _check_overlong
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {"exact": exact_reward, "math": math_reward, "format": format_reward,
+                                        "overlong": overlong_reward}
 
 
 def resolve_reward(name: str) -> RewardFn:
@@ -144,9 +262,11 @@ class RewardOutput:
     """Rewards of one batch. B = batch, F = number of reward functions."""
 
     total: torch.Tensor  # (B,) float32: sum_f weight_f * per_function[:, f]
-    per_function: torch.Tensor  # (B, F) float32: unweighted rewards, 0 where the function failed
+    per_function: torch.Tensor  # (B, F) float32: unweighted rewards, failure_value where the function failed
     names: list[str]  # (F,) names for logging, e.g. "exact", "mypkg.rewards:length"
-    num_failed: torch.Tensor  # (F,) int64: failures per function in this batch
+    num_failed: torch.Tensor  # (F,) int64: failures per function in this batch (timeouts included)
+    num_timed_out: torch.Tensor = dataclasses.field(  # (F,) int64: the failures that were timeouts
+        default_factory=lambda: torch.zeros(0, dtype=torch.int64))
 
 
 def _accepted_kwargs(fn: RewardFn) -> set[str] | None:
@@ -157,76 +277,238 @@ def _accepted_kwargs(fn: RewardFn) -> set[str] | None:
     return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-class RewardSet:
-    """Weighted sum of reward functions, robust to individual failures.
+def default_workers() -> int:
+    """Reward workers when none are configured: the cores, at most 8."""
+    return max(1, min(8, os.cpu_count() or 1))
 
-    specs: ``(name, weight)`` or ``(name, weight, fn_kwargs)`` tuples, e.g.
-    ``[("exact", 1.0), ("format", 0.2, {"pattern": r"####\\s*\\d+"})]``.
+
+def _close_pools(pools: dict) -> None:
+    for kind in list(pools):
+        pool = pools.pop(kind)
+        if pool is not None:
+            pool.shutdown()
+
+
+class RewardSet:
+    """Weighted sum of reward functions, run in parallel with a per-call timeout, robust to failures.
+
+    specs: ``(name, weight)``, ``(name, weight, fn_kwargs)`` or ``(name, weight, fn_kwargs, options)``
+    tuples, e.g. ``[("exact", 1.0), ("format", 0.2, {"pattern": r"####\\s*\\d+"})]``. ``options``:
+    ``executor`` ("thread" or "process"; default: the function's ``executor`` attribute, else
+    "thread") and ``failure_value`` (the score of a failed call, default 0.0).
     max_failure_fraction: a function failing on more than this fraction of a batch raises.
+    timeout_s: longest time one call may run (> 0); 0 runs every call in the calling thread, one
+    after the other, with no timeout.
+    workers: threads, and processes for process functions (0 = :func:`default_workers`).
     """
 
-    def __init__(self, specs: Sequence[tuple], max_failure_fraction: float = 0.5):
+    def __init__(self, specs: Sequence[tuple], max_failure_fraction: float = 0.5, timeout_s: float = 10.0,
+                 workers: int = 0):
         if not specs:
             raise ConfigError("RewardSet needs at least one (name, weight) spec")
         if not 0.0 <= max_failure_fraction <= 1.0:
             raise ConfigError(f"max_failure_fraction must be in [0, 1], got {max_failure_fraction}")
+        if not (math.isfinite(timeout_s) and timeout_s >= 0):
+            raise ConfigError(f"reward timeout_s must be >= 0 (0 = no timeout, in the calling thread), got {timeout_s}")
+        if workers < 0:
+            raise ConfigError(f"reward workers must be >= 0 (0 = automatic), got {workers}")
         self.names: list[str] = []
         self.fns: list[RewardFn] = []
         self.fn_kwargs: list[dict[str, Any]] = []
+        self.executors: list[str] = []
+        self.failure_values: list[float] = []
         self._accepts: list[set[str] | None] = []
         weights = []
         for spec in specs:
-            if len(spec) not in (2, 3) or not isinstance(spec[0], str):
-                raise ConfigError(f"reward spec {spec!r}: expected (name, weight) or (name, weight, kwargs)")
-            fn = resolve_reward(spec[0])
-            self.names.append(spec[0])
-            self.fns.append(fn)
-            self.fn_kwargs.append(dict(spec[2]) if len(spec) == 3 else {})
-            self._accepts.append(_accepted_kwargs(fn))
+            if len(spec) not in (2, 3, 4) or not isinstance(spec[0], str):
+                raise ConfigError(f"reward spec {spec!r}: expected (name, weight), (name, weight, kwargs) or "
+                                  "(name, weight, kwargs, options)")
+            name = spec[0]
+            fn = resolve_reward(name)
             if not isinstance(spec[1], (int, float)) or not math.isfinite(spec[1]):
-                raise ConfigError(f"reward {spec[0]!r}: weight must be a finite number, got {spec[1]!r}")
+                raise ConfigError(f"reward {name!r}: weight must be a finite number, got {spec[1]!r}")
+            fn_kwargs = dict(spec[2]) if len(spec) >= 3 else {}
+            options = dict(spec[3]) if len(spec) == 4 else {}
+            accepts = _accepted_kwargs(fn)
+            self._check_kwargs(name, fn, fn_kwargs, accepts)
+            unknown = set(options) - {"executor", "failure_value"}
+            if unknown:
+                raise ConfigError(f"reward {name!r}: unknown option(s) {sorted(unknown)}; valid: executor, failure_value")
+            executor = options.get("executor") or getattr(fn, "executor", "thread")
+            if executor not in EXECUTORS:
+                raise ConfigError(f"reward {name!r}: executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+            failure_value = options.get("failure_value", 0.0)
+            if not isinstance(failure_value, (int, float)) or not math.isfinite(failure_value):
+                raise ConfigError(f"reward {name!r}: failure_value must be a finite number, got {failure_value!r}")
+            self.names.append(name)
+            self.fns.append(fn)
+            self.fn_kwargs.append(fn_kwargs)
+            self._accepts.append(accepts)
+            self.executors.append(executor)
+            self.failure_values.append(float(failure_value))
             weights.append(float(spec[1]))
         self.weights = torch.tensor(weights, dtype=torch.float32)  # (F,)
         self.max_failure_fraction = max_failure_fraction
+        self.timeout_s = float(timeout_s)
+        self.workers = workers or default_workers()
         self.total_failures = [0] * len(self.fns)  # over the whole run, for logging
+        self.total_timeouts = [0] * len(self.fns)
+        self._pools: dict[str, Any] = {}
+        self._finalizer = weakref.finalize(self, _close_pools, self._pools)  # also at interpreter exit
 
-    def _call_one(self, f: int, completion: str, problem: Any, shared: dict[str, Any]) -> float:
-        kwargs = {**shared, **self.fn_kwargs[f]}
+    @staticmethod
+    def _check_kwargs(name: str, fn: RewardFn, fn_kwargs: dict, accepts: set[str] | None) -> None:
+        if accepts is not None:
+            unknown = sorted(set(fn_kwargs) - accepts)
+            if unknown:
+                valid = sorted(accepts - {"completion", "problem"})
+                raise ConfigError(f"reward {name!r}: unknown keyword(s) {unknown}; it accepts {valid}")
+        check = getattr(fn, "check_kwargs", None)
+        if check is not None:
+            try:
+                check(**fn_kwargs)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"reward {name!r}: {exc}") from None
+
+    # ------------------------------------------------------------------------- workers
+
+    def _pool(self, kind: str):
+        pool = self._pools.get(kind)
+        if pool is None:
+            pool = DaemonThreadPool(self.workers) if kind == "thread" else ProcessPool(self.workers)
+            self._pools[kind] = pool
+        return pool
+
+    def _replace_pool(self, kind: str) -> None:
+        """Drop a pool with a stuck call: a process pool is killed, a thread pool left to drain."""
+        pool = self._pools.pop(kind, None)
+        if pool is not None:
+            pool.kill() if kind == "process" else pool.shutdown()
+
+    def close(self) -> None:
+        """Stop the worker threads and processes (idempotent; the set can be used again afterwards)."""
+        _close_pools(self._pools)
+
+    def __enter__(self) -> "RewardSet":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------- scoring
+
+    def _kwargs(self, f: int, shared: dict[str, Any], length: int | None) -> dict[str, Any]:
+        kwargs = {**shared, **({} if length is None else {"completion_len": length}), **self.fn_kwargs[f]}
         if self._accepts[f] is not None:
             kwargs = {k: v for k, v in kwargs.items() if k in self._accepts[f]}
-        value = float(self.fns[f](completion, problem, **kwargs))
-        if not math.isfinite(value):
-            raise ValueError(f"reward is not finite: {value}")
-        return value
+        return kwargs
 
-    def __call__(self, completions: Sequence[str], problems: Sequence[Any], **shared: Any) -> RewardOutput:
-        """Score a batch. ``shared`` keywords (e.g. ``task=``) go to every function that accepts them."""
+    def _run_inline(self, jobs: list[tuple[int, int]], completions, problems, shared, lengths) -> dict:
+        return {(i, f): invoke(self.fns[f], completions[i], problems[i], self._kwargs(f, shared, lengths[i]), 0.0)
+                for i, f in jobs}
+
+    def _run_parallel(self, jobs: list[tuple[int, int]], completions, problems, shared, lengths) -> dict:
+        """Every job's ``(status, value_or_text)``; a job running longer than the timeout is ``timeout``."""
+        results: dict[tuple[int, int], tuple] = {}
+        futures: dict[cf.Future, tuple[int, int]] = {}
+        tokens: dict[int, cf.Future] = {}  # process calls: token -> future, for the workers' start reports
+
+        def submit(job: tuple[int, int]) -> cf.Future:
+            i, f = job
+            kind = self.executors[f]
+            args = (self.fns[f], completions[i], problems[i], self._kwargs(f, shared, lengths[i]))
+            if kind == "process":
+                token = len(tokens)
+                future = self._pool(kind).submit(invoke, *args, self.timeout_s, token)
+                tokens[token] = future
+            else:
+                future = self._pool(kind).submit(invoke, *args, 0.0)
+            futures[future] = job
+            return future
+
+        pending = {submit(job) for job in jobs}
+        started: dict[cf.Future, float] = {}
+        # a process worker stops an overrunning call itself (SIGALRM); the parent waits a little longer
+        limits = {"thread": self.timeout_s, "process": self.timeout_s + max(1.0, 0.5 * self.timeout_s)}
+        while pending:
+            done, pending = cf.wait(pending, timeout=0.02, return_when=cf.ALL_COMPLETED)
+            for future in done:
+                job = futures[future]
+                try:
+                    results[job] = future.result()
+                except Exception as exc:  # noqa: BLE001 - e.g. BrokenProcessPool: a worker died
+                    results[job] = ("error", f"{type(exc).__name__}: {exc} (the reward worker died)")
+                    if self.executors[job[1]] == "process" and "process" in self._pools:
+                        self._replace_pool("process")  # broken: the next call starts a new pool
+            now = time.monotonic()
+            if "process" in self._pools:  # a process call's clock starts when its worker says so
+                for token, start in self._pools["process"].drain_started():
+                    started.setdefault(tokens[token], start)
+            overdue_kinds = set()
+            for future in list(pending):
+                if self.executors[futures[future][1]] == "thread" and future.running():
+                    started.setdefault(future, now)
+                kind = self.executors[futures[future][1]]
+                if future in started and now - started[future] > limits[kind]:
+                    pending.discard(future)
+                    results[futures[future]] = ("timeout", f"timed out after {self.timeout_s:g} s "
+                                                f"({'worker killed' if kind == 'process' else 'call abandoned'})")
+                    overdue_kinds.add(kind)
+            for kind in overdue_kinds:  # move the other unfinished calls of that pool to a fresh one
+                moved = [f for f in pending if self.executors[futures[f][1]] == kind
+                         and (kind == "process" or f.cancel())]
+                self._replace_pool(kind)
+                for future in moved:
+                    pending.discard(future)
+                    pending.add(submit(futures.pop(future)))
+        return results
+
+    def __call__(self, completions: Sequence[str], problems: Sequence[Any], *,
+                 completion_lens: Sequence[int] | None = None, **shared: Any) -> RewardOutput:
+        """Score a batch. ``shared`` keywords (e.g. ``task=``, ``max_new_tokens=``) go to every function
+        that accepts them; ``completion_lens`` (tokens per completion) reaches them as ``completion_len``."""
         if len(completions) != len(problems):
             raise ValueError(f"{len(completions)} completions but {len(problems)} problems; "
                              "pass one problem per completion")
         num_rows, num_fns = len(completions), len(self.fns)
+        lengths = [None] * num_rows if completion_lens is None else [int(n) for n in completion_lens]
+        if len(lengths) != num_rows:
+            raise ValueError(f"{len(lengths)} completion_lens for {num_rows} completions")
+        jobs = [(i, f) for f in range(num_fns) for i in range(num_rows)]
+        run = self._run_parallel if self.timeout_s > 0 else self._run_inline
+        try:
+            results = run(jobs, completions, problems, shared, lengths)
+        except BaseException:
+            self.close()  # e.g. KeyboardInterrupt while waiting: no worker outlives the error
+            raise
         per_function = torch.zeros(num_rows, num_fns, dtype=torch.float32)
         num_failed = torch.zeros(num_fns, dtype=torch.int64)
+        num_timed_out = torch.zeros(num_fns, dtype=torch.int64)
         for f, name in enumerate(self.names):
-            first_error: Exception | None = None
-            for i, (completion, problem) in enumerate(zip(completions, problems)):
-                try:
-                    per_function[i, f] = self._call_one(f, completion, problem, shared)
-                except Exception as exc:  # noqa: BLE001 - a user reward may raise anything; counted and logged
-                    num_failed[f] += 1
-                    if first_error is None:  # one detailed warning per function and batch, then a count
-                        first_error = exc
-                        logger.warning("reward %r failed on sample %d (%r), scored 0: %s: %s",
-                                       name, i, completion[:200], type(exc).__name__, exc)
+            first_error: str | None = None
+            for i in range(num_rows):
+                status, value = results[(i, f)]
+                if status == "ok" and not math.isfinite(value):
+                    status, value = "error", f"ValueError: reward is not finite: {value}"
+                if status == "ok":
+                    per_function[i, f] = value
+                    continue
+                per_function[i, f] = self.failure_values[f]
+                num_failed[f] += 1
+                num_timed_out[f] += status == "timeout"
+                if first_error is None:  # one detailed warning per function and batch, then a count
+                    first_error = value
+                    logger.warning("reward %r failed on sample %d (%r), scored %g: %s", name, i,
+                                   completions[i][:200], self.failure_values[f], value)
             if int(num_failed[f]) > 1:
-                logger.warning("reward %r failed on %d of %d samples in this batch (all scored 0)",
-                               name, int(num_failed[f]), num_rows)
+                logger.warning("reward %r failed on %d of %d samples in this batch (%d timed out; all scored %g)",
+                               name, int(num_failed[f]), num_rows, int(num_timed_out[f]), self.failure_values[f])
             self.total_failures[f] += int(num_failed[f])
+            self.total_timeouts[f] += int(num_timed_out[f])
             if num_rows and int(num_failed[f]) > self.max_failure_fraction * num_rows:
                 raise TrainingError(
                     f"reward {name!r} failed on {int(num_failed[f])}/{num_rows} samples (more than "
-                    f"max_failure_fraction={self.max_failure_fraction}); first error: "
-                    f"{type(first_error).__name__}: {first_error}"
-                ) from first_error
+                    f"max_failure_fraction={self.max_failure_fraction}); first error: {first_error}")
         total = per_function @ self.weights  # (B,)
-        return RewardOutput(total=total, per_function=per_function, names=list(self.names), num_failed=num_failed)
+        return RewardOutput(total=total, per_function=per_function, names=list(self.names), num_failed=num_failed,
+                            num_timed_out=num_timed_out)

@@ -1,0 +1,85 @@
+"""A reasoning-gym task through the RL and SFT recipes on a tiny model: GRPO with the task's
+scorer plus format and overlong rewards, held-out accuracy, the reward workers closed at the end
+and on errors; SFT on prompt -> answer rows."""
+import json
+
+import pytest
+
+pytest.importorskip("reasoning_gym")
+
+from lmforge.config import load_config  # noqa: E402
+from lmforge.errors import TrainingError  # noqa: E402
+from lmforge.recipes.grpo import GRPOConfig, run_grpo  # noqa: E402
+from lmforge.rollout import RewardSet  # noqa: E402
+
+TASK = "rg:basic_arithmetic:min_terms=2,max_terms=2,max_digits=1,answer_format=plain"
+TINY = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
+        "model.max_position_embeddings=96"]
+ARGS = TINY + [
+    f"data.task={TASK}", "data.num_train=16", "data.num_eval=4", "rollout.num_prompts=2",
+    "rollout.group_size=4", "rollout.max_new_tokens=6", "train.max_steps=2", "train.micro_batch_size=4",
+    "train.eval_every=2", "train.max_new_tokens=6", "train.threads=1", "train.save_every=0",
+    "optim.lr=1e-2", "logging.progress=false",
+    "rewards.functions=[exact, {name: format, weight: 0.5, pattern: '^-?[0-9]+$', match: full},"
+    " {name: overlong, weight: 1.0, cache: 2}]",
+]
+
+
+def records(run_dir, kind):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if r["kind"] == kind}
+
+
+@pytest.fixture
+def closes(monkeypatch):
+    calls = []
+    original = RewardSet.close
+
+    def close(self):
+        calls.append(self)
+        original(self)
+
+    monkeypatch.setattr(RewardSet, "close", close)
+    return calls
+
+
+def test_grpo_on_a_reasoning_gym_task(tmp_path, closes):
+    out = tmp_path / "run"
+    result = run_grpo(load_config(GRPOConfig, None, ARGS + [f"train.output_dir={out}"]))
+    train, evals = records(out, "train"), records(out, "eval")
+    assert sorted(train) == [1, 2] and sorted(evals) == [0, 2]
+    for record in train.values():
+        assert {"reward_exact", "reward_format", "reward_overlong", "reward_failures", "reward_timeouts"} <= set(record)
+        assert record["reward_failures"] == 0 and record["reward_timeouts"] == 0
+        assert -1.0 <= record["reward_overlong"] <= 0.0 and 0.0 <= record["reward_exact"] <= 1.0
+        # total = exact + 0.5 format + overlong, averaged over the batch
+        want = record["reward_exact"] + 0.5 * record["reward_format"] + record["reward_overlong"]
+        assert record["reward"] == pytest.approx(want, abs=1e-5)
+    assert 0.0 <= result["accuracy"] <= 1.0 and "accuracy_before" in result
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["prompt"].startswith("Calculate ") for s in samples)
+    assert all(s["prompt"].endswith("Reply with only the final answer.") for s in samples)
+    assert len(closes) == 1  # the reward workers stop with the run
+
+
+def test_reward_workers_are_closed_when_the_run_fails(tmp_path, monkeypatch, closes):
+    (tmp_path / "broken_rewards.py").write_text("def broken(completion, problem):\n    raise RuntimeError('verifier down')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ARGS[:-1] + ["rewards.functions=[exact, 'broken_rewards:broken']"]
+    with pytest.raises(TrainingError, match="broken_rewards:broken.*RuntimeError: verifier down"):
+        run_grpo(load_config(GRPOConfig, None, args + [f"train.output_dir={tmp_path / 'fails'}"]))
+    assert len(closes) == 1, "the reward workers were not closed after the error"
+
+
+def test_sft_on_a_reasoning_gym_task(tmp_path):
+    from lmforge.recipes.sft import SFTConfig, run_sft
+
+    out = tmp_path / "sft"
+    cfg = load_config(SFTConfig, None, TINY + [
+        f"data.task={TASK}", "data.num_train=32", "data.num_val=4", "data.num_eval=4", "train.max_steps=2",
+        "train.batch_size=8", "train.micro_batch_size=8", "train.threads=1", "train.eval_every=2",
+        "train.max_new_tokens=4", "train.save_every=0", "logging.progress=false", f"train.output_dir={out}"])
+    result = run_sft(cfg)
+    assert "accuracy" in result
+    evals = records(out, "eval")
+    assert 2 in evals
