@@ -131,6 +131,14 @@ def save_model_dir(final: Path, state) -> Path:
     return final
 
 
+def save_merged_dir(final: Path, state) -> Path:
+    """Atomically write the merged LoRA policy (``W + scale * B A``) as a plain HF directory (rank 0)."""
+    from .lora import save_merged
+
+    _on_main(state.run.ctx, lambda: _write_dir(final, lambda tmp: save_merged(state.model, state.tokenizer, tmp)))
+    return final
+
+
 def save_checkpoint(state, extra: dict, keep_last: int) -> Path:
     """Write ``checkpoints/step-XXXXXX`` atomically and prune all but the newest ``keep_last``.
 
@@ -378,9 +386,17 @@ def load_trainer_state(path: Path) -> dict:
 
 
 def load_model_weights(model, path: Path) -> None:
-    """Load the weights of checkpoint ``path`` into ``model`` in place."""
+    """Load the weights of checkpoint ``path`` into ``model`` in place (a LoRA model: its adapters)."""
     from safetensors.torch import load_file
 
+    from .lora import has_adapters, is_adapter_dir, load_adapter_weights
+
+    if has_adapters(model) or is_adapter_dir(Path(path) / "model"):
+        if not (has_adapters(model) and is_adapter_dir(Path(path) / "model")):
+            raise ConfigError(f"checkpoint {path} was written {'without' if has_adapters(model) else 'with'} LoRA "
+                              "adapters: resume it with the model.lora settings it was saved with")
+        load_adapter_weights(model, Path(path) / "model")
+        return
     files = sorted((Path(path) / "model").glob("*.safetensors"))
     if not files:
         raise ConfigError(f"checkpoint {path} has no model weights")

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from .. import checkpoint as ckpt
+from .. import lora
 from ..metrics import RunLogger, StepTimer, plot_run, print_summary, summary, truncate_metrics
 from ..parallel.wrap import Root, full_state_dict, is_sharded, unwrap, wrap
 from ..train import BatchOrder, Precision, Updater
@@ -70,10 +71,16 @@ def build_state(run: Run, model, tokenizer, order: BatchOrder, num_updates: int,
 
     ``extra_modules`` (PPO's value head) are trained, clipped and checkpointed with the model.
     """
-    model.to(run.device)
+    model = lora.apply_for_run(model, run.cfg, run.ctx).to(run.device)  # LoRA: adapters only train
     if run.choices.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
+        if lora.has_adapters(model):  # frozen embeddings: checkpointed blocks need an input that wants grads
+            model.enable_input_require_grads()
+    if lora.has_adapters(model):
+        trainable, total = lora.count_trainable(model)
+        run.print(f"[lora] training {trainable:,} adapter parameters of {total:,} ({100 * trainable / total:.2f}%); "
+                  "the base model is frozen")
     model.train()
     pcfg = getattr(run.cfg, "parallel", None)
     wrapped = wrap(Root(policy=model, **(extra_modules or {})), run.ctx, run.device, run.choices.dtype,
@@ -167,6 +174,8 @@ def train_loop(state: TrainState, trainer: Trainer) -> dict:
                     ckpt.save_checkpoint(state, {**trainer.extra_state(), "best_metric": best, "timer": timer.state_dict(),
                                                  "time_totals": dict(totals)}, tcfg.keep_last)
             ckpt.save_model_dir(run.dir / "final", state)
+            if lora.has_adapters(state.model) and run.cfg.model.lora.save_merged:
+                ckpt.save_merged_dir(run.dir / "final" / "merged", state)
             if trainer.save_final_extra is not None and run.ctx.is_main:
                 trainer.save_final_extra(run.dir / "final")
         finally:
