@@ -405,11 +405,12 @@ class CastEngine:
         """Copy (and cast) ``model``'s current parameters into the sampler's copy. For a LoRA policy
         these are the merged weights ``W + scale * B A``, computed out of place, one adapted matrix alive at a
         time (``lora.merged_named_parameters``): the policy keeps its adapters unmerged."""
-        mine = dict(self.model.named_parameters())
+        mine = dict(self.model.named_parameters())  # (a tied weight once)
         if self._names is None:
             theirs = {name for name, _ in lora.merged_named_parameters(model)}
-            if not set(mine) <= theirs:
-                missing = sorted(set(mine) - theirs)[:3]
+            every = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
+            if every != theirs:
+                missing = sorted(every ^ theirs)[:3]
                 raise ValueError(f"CastEngine.sync_weights: parameter names differ from the copy's ({missing})")
             self._names = set(mine)
         for name, src in lora.merged_named_parameters(model):
