@@ -444,6 +444,11 @@ def export_checkpoint(run_or_checkpoint: Path, out: Path) -> Path:
     out = Path(out)
 
     def write(tmp: Path) -> None:
+        from .lora import is_adapter_dir
+
+        if is_adapter_dir(path / "model"):
+            _export_merged_lora(path, tmp)
+            return
         if not (path / "dcp").is_dir():
             shutil.copytree(path / "model", tmp, dirs_exist_ok=True)
             return
@@ -467,3 +472,24 @@ def export_checkpoint(run_or_checkpoint: Path, out: Path) -> Path:
             torch.save(extras, tmp / "extra_modules.pt")
 
     return _write_dir(out, write)
+
+
+def _export_merged_lora(path: Path, out: Path) -> None:
+    """A LoRA checkpoint as a merged HF directory: the base model named by the run's ``config.yaml``
+    (``model`` section), its adapters loaded from the checkpoint, ``W + scale * B A`` written."""
+    import yaml
+
+    from .config import ModelConfig, _build
+    from .lora import apply_lora, load_adapter_weights, save_merged
+    from .models import load_model
+
+    run_config = path.parent.parent / "config.yaml"
+    if not run_config.is_file():
+        raise ConfigError(f"{path} holds LoRA adapters; merging them needs the base model named in the run's "
+                          f"config ({run_config}), which is missing")
+    values = yaml.safe_load(run_config.read_text()) or {}
+    model_cfg = _build(ModelConfig, values.get("model") or {}, "model.")
+    model, tokenizer = load_model(model_cfg)
+    model = apply_lora(model, model_cfg.lora)
+    load_adapter_weights(model, path / "model")
+    save_merged(model, tokenizer, out)

@@ -304,3 +304,14 @@ def test_ppo_trains_adapters_and_the_value_head(tmp_path, monkeypatch):
     for name, value in base_weights(model).items():
         assert torch.equal(value, base[name]), f"base weight {name} moved"
     assert (out / "final" / "adapter_model.safetensors").is_file() and (out / "final" / "value_head.pt").is_file()
+
+
+def test_export_of_a_lora_checkpoint_is_the_merged_model(sft_run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from lmforge.cli import main
+
+    out, model, _ = sft_run
+    assert main(["export", str(out), "--out", str(tmp_path / "hf")]) == 0  # newest checkpoint = step 8 = final
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    torch.testing.assert_close(logits(exported, IDS), logits(model, IDS), atol=1e-5, rtol=0)
