@@ -12,8 +12,10 @@ peft = pytest.importorskip("peft")
 @pytest.mark.e2e
 def test_grpo_with_lora_under_ddp_and_fsdp2_refused(tmp_path):
     out = tmp_path / "run"
+    (tmp_path / "parity.py").write_text("def score(completion, problem, **kw):\n"
+                                        "    return float(sum(map(ord, completion)) % 2)\n")  # variance: a signal
     proc = torchrun("-m", "lmforge", "grpo", *GRPO, "model.lora.r=4", "algo.preset=grpo", "optim.lr=5e-2",
-                    f"train.output_dir={out}")
+                    "rewards.functions=[parity:score]", f"train.output_dir={out}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[lora] training" in proc.stdout and "[parallel] 2 ranks, ddp" in proc.stdout
     records = train_records(out)
