@@ -315,3 +315,20 @@ def test_export_of_a_lora_checkpoint_is_the_merged_model(sft_run, tmp_path):
     assert main(["export", str(out), "--out", str(tmp_path / "hf")]) == 0  # newest checkpoint = step 8 = final
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     torch.testing.assert_close(logits(exported, IDS), logits(model, IDS), atol=1e-5, rtol=0)
+
+
+def test_antidistillation_with_a_lora_student(tmp_path):
+    """The distill stage trains a LoRA student (adapter + merged dir); eval scores its merged model."""
+    from test_antidistill_pipeline import ARGS as ADS_ARGS
+
+    from lmforge.cli import main
+
+    args = ADS_ARGS + ["sample.temperatures=[1.0]", "sample.lams=[0.0]", f"run.workdir={tmp_path}",
+                       "student.lora.r=4"]
+    for stage in ("traces", "grad", "sample", "distill", "eval"):
+        assert main(["antidistill", stage, *args]) == 0, stage
+    final = tmp_path / "students" / "T1-lam0" / "final"
+    assert (final / "adapter_model.safetensors").is_file() and (final / "merged" / "model.safetensors").is_file()
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert [s["name"] for s in results["students"]] == ["T1-lam0"]
+    assert 0 <= results["students"][0]["student_accuracy"] <= 1
