@@ -332,3 +332,12 @@ def test_antidistillation_with_a_lora_student(tmp_path):
     results = json.loads((tmp_path / "eval" / "results.json").read_text())
     assert [s["name"] for s in results["students"]] == ["T1-lam0"]
     assert 0 <= results["students"][0]["student_accuracy"] <= 1
+
+
+def test_lora_with_gradient_checkpointing_trains(tmp_path):
+    """Checkpointed blocks with a frozen embedding still give the adapters their gradients."""
+    out = tmp_path / "run"
+    args = [a for a in SFT_ARGS if not a.startswith(("train.max_steps", "model.lora.save_merged"))]
+    run_sft(load_config(SFTConfig, None, args + ["train.max_steps=2", "train.gradient_checkpointing='on'",
+                                                 f"train.output_dir={out}"]))
+    assert all(r["grad_norm"] > 0 for r in records(out).values())

@@ -75,7 +75,8 @@ def build_state(run: Run, model, tokenizer, order: BatchOrder, num_updates: int,
     if run.choices.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
-        if lora.has_adapters(model):  # frozen embeddings: checkpointed blocks need an input that wants grads
+        if lora.has_adapters(model):  # frozen embeddings: reentrant checkpointing (older transformers'
+            # default) needs block inputs that want grads; the non-reentrant default of 5.x does not
             model.enable_input_require_grads()
     if lora.has_adapters(model):
         trainable, total = lora.count_trainable(model)
