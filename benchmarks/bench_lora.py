@@ -3,20 +3,22 @@ side, plus the cost of syncing the bf16 sampler copy (merged weights) once per s
 
 Each configuration runs ``lmforge grpo`` in its own fresh Python process (so that peak resident memory,
 ``resource.getrusage(RUSAGE_SELF).ru_maxrss``, is that configuration's alone), with the settings of
-``examples/grpo_smollm2.yaml`` (arith_chat, DAPO, 8 prompts x 8 samples of <= 8 tokens, fp32) but a
-few steps, a small held-out set and no periodic checkpoints. The processes run one after the other,
-alternating full / LoRA, ``--repeats`` times. Step time is the median of the steps after the first.
+``examples/grpo_smollm2.yaml`` (arith_chat, DAPO, groups of 8 samples of <= 8 tokens, fp32) but
+``--num-prompts`` prompts per step (default 2, the workload of bench_grpo.py; the example has 8), a
+few steps, a small held-out set and no periodic checkpoints. By default the two processes run at the
+same time (``--sequential``: one after the other), so that on a machine shared with other work both
+see the same load; ``--repeats`` times. Step time is the median of the steps after the first.
 
 Memory of full fine-tuning: weights + gradients + two AdamW moments, ~4 x 135M x 4 bytes = 2.2 GB
-on top of activations. LoRA (r=8, all linear layers but the LM head): 4.9M adapter parameters
-(3.5 %), so gradients and optimizer state are ~60 MB; the frozen weights still need their 540 MB.
+on top of activations. LoRA (r=8, all linear layers but the LM head): 2.4M adapter parameters, so
+gradients and optimizer state are ~30 MB; the frozen weights still need their 540 MB.
 
 The sync figure: ``CastEngine.sync_weights`` (the bf16 sampler copy, rollout.dtype=bf16) for the
 plain model (a cast-copy of every weight) and for the LoRA model (W + scale * B A computed per
 adapted matrix, then cast-copied), median of ``--sync-repeats`` calls in this process.
 
-    python benchmarks/bench_lora.py                    # 4 GRPO steps per configuration, 1 repeat
-    python benchmarks/bench_lora.py --steps 6 --repeats 2
+    python benchmarks/bench_lora.py                    # 3 GRPO steps of 2 prompts x 8 per configuration
+    python benchmarks/bench_lora.py --num-prompts 8 --steps 6 --sequential
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ import time
 from pathlib import Path
 
 GRPO = ["model.name=smollm2-135m-instruct", "data.task=arith_chat", "data.num_train=400", "data.num_eval=8",
-        "rollout.num_prompts=8", "rollout.group_size=8", "rollout.max_new_tokens=8", "rewards.functions=[exact]",
+        "rollout.group_size=8", "rollout.max_new_tokens=8", "rewards.functions=[exact]",
         "algo.preset=dapo", "optim.schedule=constant", "optim.weight_decay=0.0", "train.micro_batch_size=8",
         "train.eval_every=0", "train.save_every=0", "train.max_new_tokens=8", "train.num_samples=0",
         "train.dtype=fp32", "train.gradient_checkpointing='off'", "logging.progress=false"]
@@ -42,12 +44,13 @@ CONFIGS = {
 }
 
 
-def child(name: str, steps: int, threads: int, out: str) -> None:
+def child(name: str, steps: int, threads: int, num_prompts: int, out: str) -> None:
     """One GRPO run in this process; prints a JSON line with its step times and peak RSS."""
     from lmforge.config import load_config
     from lmforge.recipes.grpo import GRPOConfig, run_grpo
 
-    args = GRPO + CONFIGS[name] + [f"train.max_steps={steps}", f"train.threads={threads}", f"train.output_dir={out}"]
+    args = GRPO + CONFIGS[name] + [f"train.max_steps={steps}", f"train.threads={threads}", f"train.output_dir={out}",
+                                   f"rollout.num_prompts={num_prompts}"]
     run_grpo(load_config(GRPOConfig, None, args))
     rows = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
     times = [r["step_time"] for r in rows if r["kind"] == "train"]
@@ -83,30 +86,40 @@ def sync_cost(repeats: int, threads: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--num-prompts", type=int, default=2)
+    parser.add_argument("--sequential", action="store_true", help="run the configurations one after the other")
     parser.add_argument("--sync-repeats", type=int, default=5)
     parser.add_argument("--child", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.steps, args.threads, args.out)
+        child(args.child, args.steps, args.threads, args.num_prompts, args.out)
         return
     results: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
+            procs = []
             for name in CONFIGS:
-                out = os.path.join(tmp, f"{name}-{repeat}")
-                proc = subprocess.run([sys.executable, __file__, "--child", name, "--steps", str(args.steps),
-                                       "--threads", str(args.threads), "--out", out],
-                                      capture_output=True, text=True)
-                line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+                cmd = [sys.executable, __file__, "--child", name, "--steps", str(args.steps), "--threads",
+                       str(args.threads), "--num-prompts", str(args.num_prompts), "--out", os.path.join(tmp, f"{name}-{repeat}")]
+                procs.append((name, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+                if args.sequential:
+                    procs[-1] = (name, procs[-1][1], procs[-1][1].communicate())
+            for entry in procs:
+                name, proc = entry[0], entry[1]
+                stdout, stderr = entry[2] if len(entry) == 3 else proc.communicate()
+                line = next((l for l in stdout.splitlines() if l.startswith("RESULT ")), None)
                 if proc.returncode or line is None:
-                    sys.exit(f"{name} run failed:\n{proc.stderr[-3000:]}")
+                    sys.exit(f"{name} run failed:\n{stderr[-3000:]}")
                 results[name].append(json.loads(line[len("RESULT "):]))
-    print(f"GRPO on SmolLM2-135M-Instruct, fp32, CPU ({args.threads} threads), 8 prompts x 8 samples, "
-          f"<= 8 new tokens, {args.steps} steps per run, {args.repeats} run(s) per configuration")
+    print(f"GRPO on SmolLM2-135M-Instruct, fp32, CPU ({args.threads} thread(s) per process, "
+          f"{'one after the other' if args.sequential else 'both at the same time'}), {args.num_prompts} prompts x 8 "
+          f"samples, <= 8 new tokens, {args.steps} steps per run, {args.repeats} run(s) per configuration, "
+          f"{time.perf_counter() - start:.0f} s")
     print(f"{'config':<6} {'peak RSS (MB)':>14} {'median step (s)':>16}  step times (s)")
     summary = {}
     for name, runs in results.items():
