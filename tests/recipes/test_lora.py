@@ -234,15 +234,47 @@ def test_resuming_a_lora_checkpoint_without_lora_is_an_error(sft_run, tmp_path):
 
 @pytest.fixture(scope="module")
 def grpo_run(tmp_path_factory):
+    """A GRPO run with a KL reference; records every model copy made (copy.deepcopy of a module) and
+    the reference the run built."""
     out = tmp_path_factory.mktemp("grpo_lora") / "run"
     model, tokenizer = tiny()
     base = base_weights(model)
-    run_grpo(load_config(GRPOConfig, None, GRPO_ARGS + [f"train.output_dir={out}"]), model=model, tokenizer=tokenizer)
-    return out, model, base
+    copies, references = [], []
+    deepcopy, reference_model = copy.deepcopy, rl.reference_model
+
+    def counting_deepcopy(obj, *args, **kwargs):
+        if isinstance(obj, torch.nn.Module):
+            copies.append(type(obj).__name__)
+        return deepcopy(obj, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(copy, "deepcopy", counting_deepcopy)
+        mp.setattr(rl, "reference_model", lambda m, kl: references.append(reference_model(m, kl)) or references[-1])
+        run_grpo(load_config(GRPOConfig, None, GRPO_ARGS + [f"train.output_dir={out}"]), model=model,
+                 tokenizer=tokenizer)
+    return out, model, base, copies, references
+
+
+def test_grpo_with_kl_builds_no_second_copy_of_the_weights(grpo_run):
+    _, model, _, copies, references = grpo_run
+    assert copies == []  # no module was copied in the whole run (a full fine-tuning run copies the policy)
+    (ref,) = references
+    assert isinstance(ref, lora.DisabledAdapters) and ref.model is model
+    # the parameters the reference can reach are the policy's own tensors
+    assert {p.data_ptr() for p in ref.model.parameters()} == {p.data_ptr() for p in model.parameters()}
+
+
+def test_full_fine_tuning_reference_is_a_copy_the_lora_run_avoids():
+    """The other side of the check above: without LoRA, the KL reference is a second model."""
+    model, _ = tiny()
+    ref = rl.reference_model(model, kl_coef=0.04)
+    assert isinstance(ref, torch.nn.Module) and ref is not model
+    assert not {p.data_ptr() for p in ref.parameters()} & {p.data_ptr() for p in model.parameters()}
+    assert sum(p.numel() for p in ref.parameters()) == sum(p.numel() for p in model.parameters())
 
 
 def test_grpo_with_kl_trains_the_adapters_against_the_base(grpo_run):
-    out, model, base = grpo_run
+    out, model, base, _, _ = grpo_run
     train = records(out)
     assert sorted(train) == [1, 2, 3, 4]
     assert any(r["grad_norm"] > 0 for r in train.values())
@@ -257,7 +289,7 @@ def test_grpo_with_kl_trains_the_adapters_against_the_base(grpo_run):
 
 
 def test_grpo_resume_with_lora_is_bit_exact(grpo_run, tmp_path):
-    out, _, _ = grpo_run
+    out, _, _, _, _ = grpo_run
     resumed = tmp_path / "resumed"
     run_grpo(load_config(GRPOConfig, None, GRPO_ARGS + [f"train.output_dir={resumed}",
                                                        f"train.resume={out / 'checkpoints' / 'step-000002'}"]))
