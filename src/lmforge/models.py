@@ -164,6 +164,10 @@ def resolve_pretrained(spec: str) -> str:
         return str(gguf_to_hf_dir(spec))
     path = Path(spec).expanduser()
     if path.exists():
+        if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
+            raise ModelLoadError(f"'{spec}' is a LoRA adapter directory, not a full model: load its merged model "
+                                 f"({path / 'merged'} with model.lora.save_merged=true, or `lmforge export RUN_DIR "
+                                 "--out DIR`), or the base model with peft.PeftModel.from_pretrained (docs/lora.md)")
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"'{spec}' is a path but not a Hugging Face model directory (no config.json)")
         _check_config_json(path / "config.json")

@@ -373,3 +373,11 @@ def test_lora_with_gradient_checkpointing_trains(tmp_path):
     run_sft(load_config(SFTConfig, None, args + ["train.max_steps=2", "train.gradient_checkpointing='on'",
                                                  f"train.output_dir={out}"]))
     assert all(r["grad_norm"] > 0 for r in records(out).values())
+
+
+def test_loading_an_adapter_directory_as_a_model_says_what_to_load_instead(sft_run):
+    from lmforge.errors import ModelLoadError
+
+    out, _, _ = sft_run
+    with pytest.raises(ModelLoadError, match="LoRA adapter directory.*merged"):
+        load_model(ModelConfig(name=str(out / "final")))
