@@ -381,3 +381,19 @@ def test_loading_an_adapter_directory_as_a_model_says_what_to_load_instead(sft_r
     out, _, _ = sft_run
     with pytest.raises(ModelLoadError, match="LoRA adapter directory.*merged"):
         load_model(ModelConfig(name=str(out / "final")))
+
+
+def test_vllm_gets_the_merged_weights_under_plain_names():
+    from lmforge.rollout.vllm_backend import vllm_named_weights
+
+    model, _ = tiny()
+    plain = [n for n, _ in model.named_parameters()]  # tied: the embedding once, no lm_head
+    lora.apply_lora(model, LoraConfig(r=4))
+    randomise_adapters(model)
+    weights = vllm_named_weights(model)
+    assert [n for n, _ in weights] == plain
+    merged = dict(lora.merged_named_parameters(model))
+    layer = model.model.layers[1].mlp.down_proj
+    assert not torch.equal(merged["model.layers.1.mlp.down_proj.weight"], layer.base_layer.weight)
+    for name, tensor in weights:
+        assert torch.equal(tensor, merged[name]), name
