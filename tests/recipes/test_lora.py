@@ -397,3 +397,25 @@ def test_vllm_gets_the_merged_weights_under_plain_names():
     assert not torch.equal(merged["model.layers.1.mlp.down_proj.weight"], layer.base_layer.weight)
     for name, tensor in weights:
         assert torch.equal(tensor, merged[name]), name
+
+
+def test_ppo_resume_with_lora_is_bit_exact(tmp_path):
+    """Adapters and the value head both come back from the checkpoint."""
+    args = [a for a in GRPO_ARGS if not a.startswith(("algo.", "rewards."))] + ["rewards.functions=[parity]",
+                                                                                "algo.kl_coef=0.05"]
+    out, resumed = tmp_path / "run", tmp_path / "resumed"
+    run_ppo(load_config(PPOConfig, None, args + [f"train.output_dir={out}"]))
+    run_ppo(load_config(PPOConfig, None, args + [f"train.output_dir={resumed}",
+                                                 f"train.resume={out / 'checkpoints' / 'step-000002'}"]))
+    want, got = records(out), records(resumed)
+    assert sorted(got) == [3, 4]
+    for step in (3, 4):
+        for key in ("loss", "value_loss", "kl", "grad_norm"):
+            assert got[step][key] == want[step][key], f"step {step} {key}"
+
+
+def test_lora_on_the_antidistillation_teacher_is_an_error():
+    from lmforge.recipes.antidistill import AntidistillConfig
+
+    with pytest.raises(ConfigError, match=r"teacher\.lora\.r.*student\.lora\.r"):
+        load_config(AntidistillConfig, None, ["teacher.lora.r=8"])

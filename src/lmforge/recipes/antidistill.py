@@ -147,6 +147,12 @@ class AntidistillConfig:
     distill: DistillConfig = section(DistillConfig, "student fine-tuning on each trace set")
     run: RunConfig = section(RunConfig, "work directory and hardware")
 
+    def validate(self) -> None:
+        for role in ("teacher", "proxy"):  # (ModelConfig has a lora section; only the student trains)
+            if getattr(self, role).lora.r:
+                raise ConfigError(f"{role}.lora.r: the {role} is not trained here; LoRA is for the student "
+                                  "(student.lora.r)")
+
 
 # ----------------------------------------------------------------------------- shared pieces
 
