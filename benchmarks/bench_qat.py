@@ -4,12 +4,13 @@
 
 Rows (held-out exact-match accuracy, greedy, the quickstart's 200 test problems):
   * the SFT model in fp32, and after post-training ternary (``lmforge quantize --format ternary``);
-  * ternary QAT continued from the SFT model for --steps SFT steps (the quickstart's SFT settings):
-    the accuracy of the fake-quantized model at the end of training, and of its exported ternary
-    checkpoint read back through ``lmforge dequantize`` (the two must agree);
+  * ternary QAT (``train.qat=ternary``) continued from the SFT model for --steps SFT steps (the
+    quickstart's SFT settings): the accuracy of the fake-quantized model at the end of training, and
+    of the packed ternary copy the run wrote itself (``train.save_quantized=[ternary]``, in
+    ``final/quantized-ternary``) read back through ``lmforge dequantize`` (the two must agree);
   * a control: the SFT model trained --steps more steps the same way without QAT;
   * the same from scratch (a fresh tiny model with QAT from step 0, --scratch-steps steps).
-QAT here is ``apply_ternary_qat(model)`` before ``run_sft``: the recipe itself is unchanged.
+QAT is the SFT recipe's own ``train.qat`` setting; nothing else differs from the control.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 from lmforge.data.tasks import get_task
 from lmforge.evaluation import task_accuracy
 from lmforge.models import load_model
-from lmforge.quantize import apply_ternary_qat, bake_qat, dequantize, quantize_model
+from lmforge.quantize import dequantize, quantize_model
 from lmforge.quantize.common import load_source
 from lmforge.recipes.quickstart import QuickstartConfig, sft_config
 from lmforge.recipes.sft import run_sft
@@ -33,13 +34,11 @@ def accuracy(model, tokenizer, problems, task) -> float:
     return task_accuracy(model.eval(), tokenizer, task, problems, 6)[0]
 
 
-def exported_accuracy(model, tokenizer, problems, task, out: Path) -> float:
-    """Bake the QAT linears, write the packed ternary checkpoint, read it back, measure."""
+def exported_accuracy(tokenizer, problems, task, out: Path) -> float:
+    """The run's own packed ternary copy of sft/final/, read back as a plain HF model, measured."""
     from transformers import AutoModelForCausalLM
 
-    bake_qat(model)
-    quantize_model(model, tokenizer, "ternary", out / "ternary")
-    dequantize(out / "ternary", out / "ternary-hf")
+    dequantize(out / "sft" / "final" / "quantized-ternary", out / "ternary-hf")
     return accuracy(AutoModelForCausalLM.from_pretrained(out / "ternary-hf", dtype=torch.float32),
                     tokenizer, problems, task)
 
@@ -48,14 +47,14 @@ def qat_run(model, tokenizer, steps: int, lr: float, out: Path, problems, task, 
     """``(accuracy of the trained model, accuracy of its ternary export, seconds)``; qat=False: control."""
     cfg = sft_config(QuickstartConfig(sft_steps=steps, sft_lr=lr, progress=False), out)
     if qat:
-        apply_ternary_qat(model)
+        cfg.train.qat, cfg.train.save_quantized = "ternary", ["ternary"]
     start = time.perf_counter()
     run_sft(cfg, model, tokenizer, name=f"qat {out.name}")
     seconds = time.perf_counter() - start
     fake = accuracy(model, tokenizer, problems, task)
     if not qat:
         return fake, float("nan"), seconds
-    return fake, exported_accuracy(model, tokenizer, problems, task, out), seconds
+    return fake, exported_accuracy(tokenizer, problems, task, out), seconds
 
 
 def main() -> None:

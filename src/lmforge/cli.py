@@ -103,6 +103,11 @@ def _hardware(args) -> None:
     choices = hardware.choose(hw)
     choices.report()
     print(f"measured fp32 matmul peak: {hardware.matmul_peak_gflops(device=hw.device):.0f} GFLOP/s")
+    from .quantize.tiers import tier_report
+
+    on_accel = hw.accel_mem_gb > 0
+    memory = (hw.accel_mem_gb if on_accel else hw.ram_gb) * 2**30
+    print("\n".join(tier_report(memory, f"{hw.accelerator} memory" if on_accel else "RAM")))
 
 
 def _export(args) -> None:

@@ -322,6 +322,12 @@ class TrainConfig:
     max_nonfinite_skips: int = opt(3, "on_nonfinite=skip: stop after this many skipped updates in a row")
     num_samples: int = opt(3, "generations printed and saved at each evaluation")
     max_new_tokens: int = opt(32, "tokens generated per sample at evaluation")
+    qat: Literal["none", "ternary", "int4"] = opt("none", "quantization-aware training: the decoder's linear layers "
+                                                  "compute with fake-quantized weights (ternary = BitNet b1.58 "
+                                                  "absmean, int4 = absmax per group of 32), straight-through "
+                                                  "gradients, full-precision master weights (docs/quantization.md)")
+    save_quantized: list[str] = opt([], "formats of quantized copies written into best/ and final/ as "
+                                    "quantized-<format>/ (e.g. [int8, gguf-q4_0]; lmforge quantize --help lists them)")
 
     def validate(self) -> None:
         if self.max_steps < 1:

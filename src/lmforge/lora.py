@@ -79,6 +79,11 @@ def apply_for_run(model: torch.nn.Module, cfg, ctx=None) -> torch.nn.Module:
     lora_cfg = getattr(getattr(cfg, "model", None), "lora", None)
     if lora_cfg is None or not lora_cfg.r:
         return model
+    tcfg = cfg.train
+    if getattr(tcfg, "qat", "none") != "none" or getattr(tcfg, "save_quantized", None):
+        raise ConfigError("model.lora with train.qat or train.save_quantized is not supported: train the adapters, "
+                          "write the merged model (model.lora.save_merged=true) and run `lmforge quantize` on "
+                          "final/merged")
     if ctx is not None and ctx.distributed and ctx.strategy == "fsdp2":
         raise ConfigError("model.lora with parallel.strategy=fsdp2 is not supported: LoRA trains a few MB of "
                           "adapters, so use parallel.strategy=ddp (each rank holds the frozen base model)")

@@ -1,7 +1,7 @@
 """Real ``torchrun`` processes (gloo, 2 ranks, tiny models): a recipe end to end with checkpoints,
 exact resume and export; under the ``e2e`` marker the failure behaviour (a rank that fails alone, a
-config that differs between ranks, SIGTERM during training), GRPO / PPO under torchrun and a
-2-node x 2-process rendezvous over loopback. (The antidistillation gradient under torchrun:
+config that differs between ranks, SIGTERM during training), pretraining (against one process),
+GRPO / PPO under torchrun and a 2-node x 2-process rendezvous over loopback. (The antidistillation gradient under torchrun:
 tests/recipes/test_antidistill_pipeline.py.)"""
 from __future__ import annotations
 
@@ -155,3 +155,30 @@ def test_two_nodes_of_two_processes_over_loopback(tmp_path):
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
     assert "4 ranks" in outputs[0][0]
     assert (out / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.e2e
+def test_pretrain_under_torchrun_matches_one_process(tmp_path):
+    """Pretraining with a BPE tokenizer trained on the fly: 2 ranks x 2 rows x 2 micro-batches take the
+    same steps as one process with 8 rows (fp32; the bound is the one of tests/parallel/test_equivalence)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    words = "the quick brown fox jumps over the lazy dog while the cat sleeps on a warm mat".split()
+    for i in range(6):
+        (corpus / f"doc{i}.txt").write_text(" ".join(words[(i + j) % len(words)] for j in range(200)))
+    args = ["pretrain", f"data.files=[{corpus}]", "tokenizer.train=true", "tokenizer.vocab_size=300",
+            "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "data.seq_len=32",
+            "train.max_steps=4", "train.batch_size=8", "train.micro_batch_size=2", "train.eval_every=4",
+            "train.save_every=4", "optim.lr=3e-3", "train.num_samples=0", "logging.progress=false"]
+    proc = torchrun("-m", "lmforge", *args, f"train.output_dir={tmp_path / 'two'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = subprocess.run([sys.executable, "-m", "lmforge", *args, f"train.output_dir={tmp_path / 'one'}"],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert one.returncode == 0, one.stderr[-3000:]
+    two, single = train_records(tmp_path / "two"), train_records(tmp_path / "one")
+    assert sorted(two) == sorted(single) == [1, 2, 3, 4]
+    for step in single:
+        assert abs(two[step][0] - single[step][0]) <= 3e-6 * abs(single[step][0]), (step, two[step], single[step])
+    assert (tmp_path / "two" / "tokenizer" / "tokenizer.json").read_text() == \
+        (tmp_path / "one" / "tokenizer" / "tokenizer.json").read_text()

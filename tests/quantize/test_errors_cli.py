@@ -14,6 +14,12 @@ from quant_helpers import load_plain, logits_of, make_model_dir, needs_ct, needs
 def test_unknown_format_lists_the_valid_ones(tiny_dir, tmp_path):
     with pytest.raises(QuantizeError, match="unknown format 'int3'; valid formats: int8, int4-g32, .*gguf-q4_0"):
         quantize(str(tiny_dir), "int3", tmp_path / "x")
+    from lmforge.quantize import canonical_format
+
+    assert [canonical_format(n) for n in ("q4_0", "Q8_0", "tq2_0", "int8", "gguf-f16")] == [
+        "gguf-q4_0", "gguf-q8_0", "gguf-tq2_0", "int8", "gguf-f16"]
+    with pytest.raises(QuantizeError, match="unknown format 'q4_k'"):
+        canonical_format("q4_k")  # not implemented in the gguf package's Python quantizers
 
 
 @needs_ct
@@ -48,6 +54,16 @@ def test_truncated_ternary_file_names_the_file(tiny_dir, tmp_path):
     path.write_bytes(path.read_bytes()[:-1000])
     with pytest.raises(QuantizeError, match=f"{path}: cannot read"):
         dequantize(tmp_path / "t", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+@needs_ct
+def test_truncated_compressed_tensors_file_names_the_file(tiny_dir, tmp_path):
+    quantize(str(tiny_dir), "int8", tmp_path / "q")
+    path = tmp_path / "q" / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(QuantizeError, match=f"{path}: cannot read"):
+        dequantize(tmp_path / "q", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
 

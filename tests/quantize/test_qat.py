@@ -133,3 +133,24 @@ def test_quantized_copies_next_to_a_checkpoint_leave_the_live_model_alone(model_
     assert isinstance(model.get_submodule("model.layers.0.mlp.up_proj"), QATLinear)  # still training
     dequantize(tmp_path / "final" / "quantized-ternary", tmp_path / "hf")
     torch.testing.assert_close(logits_of(load_plain(tmp_path / "hf"), tok), qat_logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(not __import__("quant_helpers").HAS_CT, reason="needs compressed-tensors")
+def test_int4_qat_checkpoint_exports_to_int4_g32_exactly(model_and_tok, tmp_path):
+    """A saved int4-QAT run exported as int4-g32 and loaded by plain transformers computes the training
+    forward (atol 1e-5: the stored scale max|W_hat|/7 equals the training scale up to an ulp). The
+    compressed-tensors grid (max / 7.5) on the same baked weights would not: it rounds them again."""
+    from lmforge.quantize import quantize, quantize_model
+
+    model, tok = model_and_tok
+    apply_qat(model, "int4")
+    qat_logits = logits_of(model, tok)
+    model.save_pretrained(tmp_path / "final")
+    tok.save_pretrained(tmp_path / "final")
+    quantize(str(tmp_path / "final"), "int4-g32", tmp_path / "q")
+    torch.testing.assert_close(logits_of(load_plain(tmp_path / "q"), tok), qat_logits, rtol=0, atol=1e-5)
+    # control: the same baked weights without the marker get compressed-tensors' own scale
+    bake_qat(model)
+    del model.lmforge_baked_qat
+    quantize_model(model, tok, "int4-g32", tmp_path / "ct-grid")
+    assert (logits_of(load_plain(tmp_path / "ct-grid"), tok) - qat_logits).abs().max() > 1e-2

@@ -80,15 +80,3 @@ def test_hardware_command(capsys):
     assert main(["hardware"]) == 0
     text = capsys.readouterr().out
     assert "tier=" in text and "micro_batch_size" in text and "GFLOP/s" in text
-
-
-def test_quickstart_runs_both_stages_end_to_end(tmp_path, capsys):
-    out = tmp_path / "qs"
-    code = main(["quickstart", f"output_dir={out}", "sft_steps=20", "grpo_steps=3", "num_eval=10",
-                 "hidden_size=32", "num_layers=1", "progress=false"])
-    assert code == 0
-    printed = capsys.readouterr().out
-    assert "before 0.0% -> after SFT" in printed and "-> after GRPO" in printed
-    for stage in ("sft", "grpo"):
-        assert (out / stage / "final" / "model.safetensors").is_file()
-        assert (out / stage / "curves.png").is_file() and (out / stage / "metrics.jsonl").is_file()

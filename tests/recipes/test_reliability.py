@@ -252,6 +252,36 @@ FAULT_POINTS = ("lmforge.train:optimizer_step", "lmforge.checkpoint:save_model",
                 "lmforge.checkpoint:remove_checkpoint", "torch:save", "shutil:rmtree")
 
 
+def _killed_then_resumed(out, args, point: str, nth: int) -> tuple[bool, dict]:
+    """Run SFT in a fresh interpreter that dies (os._exit) at the nth call of ``point``, resume it until
+    it finishes; return whether it died and the losses it logged."""
+    module, name = point.split(":")
+    script = (f"import importlib, os, sys\nfrom lmforge.cli import main\nmod = importlib.import_module({module!r})\n"
+              f"real, calls = getattr(mod, {name!r}), [0]\n"
+              "def dying(*a, **k):\n    calls[0] += 1\n"
+              f"    if calls[0] == {nth}:\n        os._exit(17)\n    return real(*a, **k)\n"
+              f"setattr(mod, {name!r}, dying)\n"
+              f"sys.exit(main(['sft', *{SFT!r}, *{args!r}, 'train.output_dir={out}']))\n")
+    killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert killed.returncode in (0, 17), killed.stderr[-2000:]
+    resume = ["train.resume=auto"] if ckpt.list_checkpoints(out) else []
+    sft(out, *args, *resume)
+    return killed.returncode == 17, {r["step"]: r["loss"] for r in train_records(out)}
+
+
+KILL_ARGS = ["train.max_steps=8", "train.save_every=1", "train.keep_last=2"]
+
+
+def test_a_kill_while_an_old_checkpoint_is_deleted_then_resume_is_bit_exact(tmp_path):
+    """The short version of the next test, in the default run: one kill, at the 3rd directory removal
+    (pruning an old checkpoint or clearing a leftover)."""
+    reference = tmp_path / "reference"
+    sft(reference, *KILL_ARGS)
+    died, got = _killed_then_resumed(tmp_path / "killed", KILL_ARGS, "shutil:rmtree", 3)
+    assert died
+    assert got == {r["step"]: r["loss"] for r in train_records(reference)}
+
+
 @pytest.mark.slow
 def test_kills_at_random_points_then_resume_stay_bit_exact(tmp_path):
     """10 runs killed (os._exit) at a random call of a random fault point -- an update, a save, the
@@ -259,26 +289,13 @@ def test_kills_at_random_points_then_resume_stay_bit_exact(tmp_path):
     it finishes; every step's loss equals the uninterrupted run's, bit for bit."""
     import random
 
-    args = ["train.max_steps=8", "train.save_every=1", "train.keep_last=2"]
     reference = tmp_path / "reference"
-    sft(reference, *args)
+    sft(reference, *KILL_ARGS)
     want = {r["step"]: r["loss"] for r in train_records(reference)}
     rng, kills = random.Random(1234), 0
     for trial in range(10):
-        out = tmp_path / f"trial{trial}"
         point, nth = rng.choice(FAULT_POINTS), rng.randint(1, 12)
-        module, name = point.split(":")
-        script = (f"import importlib, os, sys\nfrom lmforge.cli import main\nmod = importlib.import_module({module!r})\n"
-                  f"real, calls = getattr(mod, {name!r}), [0]\n"
-                  "def dying(*a, **k):\n    calls[0] += 1\n"
-                  f"    if calls[0] == {nth}:\n        os._exit(17)\n    return real(*a, **k)\n"
-                  f"setattr(mod, {name!r}, dying)\n"
-                  f"sys.exit(main(['sft', *{SFT!r}, *{args!r}, 'train.output_dir={out}']))\n")
-        killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-        assert killed.returncode in (0, 17), killed.stderr[-2000:]
-        kills += killed.returncode == 17
-        resume = ["train.resume=auto"] if ckpt.list_checkpoints(out) else []
-        sft(out, *args, *resume)
-        got = {r["step"]: r["loss"] for r in train_records(out)}
+        died, got = _killed_then_resumed(tmp_path / f"trial{trial}", KILL_ARGS, point, nth)
+        kills += died
         assert got == want, f"trial {trial} (killed at call {nth} of {point})"
     assert kills >= 8, f"only {kills} of the 10 runs were killed: the fault points were not reached"

@@ -21,7 +21,7 @@ FORMATS: dict[str, Format] = {f.name: f for mod in (ct_formats, gguf_format, ter
                               for f in mod.formats()}
 
 __all__ = ["FORMATS", "Format", "QuantizeError", "QuantizeResult", "apply_qat", "apply_ternary_qat",
-           "bake_qat", "dequantize", "quantize", "quantize_model", "save_quantized_copies"]
+           "bake_qat", "canonical_format", "dequantize", "quantize", "quantize_model", "save_quantized_copies"]
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,18 @@ def _finish(tmp: Path, out_dir: Path) -> None:
     tmp.rename(out_dir)  # atomic: a failed export leaves no half-written directory
 
 
+def canonical_format(name: str) -> str:
+    """The registry name of ``name``: itself, or ``gguf-<name>`` for llama.cpp's type names (q4_0, Q8_0, tq2_0)."""
+    if name in FORMATS:
+        return name
+    if f"gguf-{name.lower()}" in FORMATS:
+        return f"gguf-{name.lower()}"
+    raise QuantizeError(f"unknown format {name!r}; valid formats: {', '.join(FORMATS)} "
+                        "(the GGUF ones also as q8_0, q4_0, f16, bf16, tq1_0, tq2_0)")
+
+
 def get_format(name: str) -> Format:
-    if name not in FORMATS:
-        raise QuantizeError(f"unknown format {name!r}; valid formats: {', '.join(FORMATS)}")
-    return FORMATS[name]
+    return FORMATS[canonical_format(name)]
 
 
 def quantize_model(model, tokenizer, fmt: str, out_dir: str | Path) -> QuantizeResult:
@@ -86,13 +94,14 @@ def save_quantized_copies(model, tokenizer, checkpoint_dir: str | Path, formats:
     """
     import copy
 
-    for fmt in formats:
-        get_format(fmt)
+    import torch
+
+    formats = [canonical_format(fmt) for fmt in formats]
     unwrapped = getattr(model, "module", model)
     unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)
     results = []
     for fmt in formats:
-        clone = copy.deepcopy(unwrapped).float().eval()
+        clone = copy.deepcopy(unwrapped).to("cpu", torch.float32).eval()
         if getattr(clone.config, "lmforge_qat", None):
             bake_qat(clone)
         results.append(quantize_model(clone, tokenizer, fmt, Path(checkpoint_dir) / f"quantized-{fmt}"))

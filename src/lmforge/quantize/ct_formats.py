@@ -62,11 +62,17 @@ def write_compressed(model, tokenizer, out_dir: Path, scheme: str) -> list[Path]
         check_group_size(model, args.group_size)
     config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
                                 ignore=["lm_head"])
+    # A baked int4-QAT model already sits on QAT's grid (max|W_g| / 7 per group of 32): keep that
+    # scale, so the codes come back exactly (compressed-tensors' own max / 7.5 would round them again).
+    qat_grid = scheme == "int4-g32" and getattr(model, "lmforge_baked_qat", None) == "int4"
     apply_quantization_config(model, config)
     for module in model.modules():
         if getattr(module, "quantization_scheme", None) is None:
             continue
         scale, zero_point = calculate_qparams(*_min_max(module.weight, args), args)
+        if qat_grid:
+            low, high = _min_max(module.weight, args)
+            scale = torch.maximum(low.abs(), high.abs()).clamp_min(1e-8) / 7
         module.weight_scale.data.copy_(scale.to(module.weight_scale.dtype))
         if hasattr(module, "weight_zero_point"):
             module.weight_zero_point.data.copy_(zero_point.to(module.weight_zero_point.dtype))
@@ -84,12 +90,22 @@ def load_compressed(model_dir: Path):
     require("compressed_tensors", _HINT, "loading a compressed-tensors checkpoint")
     import warnings
 
+    from safetensors import SafetensorError, safe_open
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
+    for path in sorted(Path(model_dir).glob("*.safetensors")):  # a truncated file fails here, named
+        try:
+            with safe_open(str(path), "pt") as f:
+                f.keys()
+        except (SafetensorError, OSError) as exc:
+            raise QuantizeError(f"{path}: cannot read (corrupt or truncated file?): {exc}") from exc
     with warnings.catch_warnings():  # "loading attributes will be overwritten": that is the point here
         warnings.filterwarnings("ignore", message="You passed `quantization_config`")
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                    quantization_config=CompressedTensorsConfig(dequantize=True))
+        try:
+            return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                        quantization_config=CompressedTensorsConfig(dequantize=True))
+        except (SafetensorError, OSError) as exc:
+            raise QuantizeError(f"{model_dir}: cannot load the compressed-tensors checkpoint: {exc}") from exc
 
 
 def formats() -> list[Format]:

@@ -16,7 +16,9 @@ Contract (what a training loop needs to know):
     QAT, call ``apply_qat`` again after loading.
   * ``bake_qat(model)`` turns the QAT linears back into ``nn.Linear`` holding the fake-quantized
     weights, so that a plain HF save (and any later export, e.g. ``lmforge quantize --format
-    ternary`` or ``gguf-tq2_0``) computes exactly what the training forward computed.
+    ternary`` or ``gguf-tq2_0``) computes exactly what the training forward computed. It sets the
+    attribute ``model.lmforge_baked_qat = "<scheme>"`` (not saved): the ``int4-g32`` writer then
+    uses int4 QAT's own grid (``max|W_g| / 7``), so that export is exact too.
 """
 from __future__ import annotations
 
@@ -121,7 +123,10 @@ def bake_qat(model: nn.Module) -> list[str]:
         linear.bias = qat.bias
         return linear
 
+    schemes = {m.scheme for m in model.modules() if isinstance(m, QATLinear)}
     baked = _swap(decoder_layers(model), make, QATLinear)
     if hasattr(getattr(model, "config", None), "lmforge_qat"):
         del model.config.lmforge_qat  # the weights are quantized now; baking twice would rescale ternary
+    if len(schemes) == 1:
+        model.lmforge_baked_qat = schemes.pop()  # in memory only: int4-g32 export then keeps the QAT grid
     return baked

@@ -20,6 +20,7 @@ from .. import lora
 from ..metrics import RunLogger, StepTimer, plot_run, print_summary, summary, truncate_metrics
 from ..parallel.wrap import Root, full_state_dict, is_sharded, unwrap, wrap
 from ..train import BatchOrder, Precision, Updater
+from .quant_hooks import apply_train_qat, write_quantized_copies
 from .run import Run, release_run_lock
 
 
@@ -56,6 +57,10 @@ def full_model(state: TrainState) -> torch.nn.Module:
     weights = full_state_dict(state.wrapped)
     if state._full is None:
         state._full = AutoModelForCausalLM.from_config(state.model.config).to(state.run.device).eval()
+        if getattr(state.model.config, "lmforge_qat", None):  # sample from what is trained: the fake-quantized model
+            from ..quantize import apply_qat
+
+            apply_qat(state._full, state.model.config.lmforge_qat)
         state._full.requires_grad_(False)
     missing, unexpected = state._full.load_state_dict(weights, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
@@ -72,6 +77,7 @@ def build_state(run: Run, model, tokenizer, order: BatchOrder, num_updates: int,
     ``extra_modules`` (PPO's value head) are trained, clipped and checkpointed with the model.
     """
     model = lora.apply_for_run(model, run.cfg, run.ctx).to(run.device)  # LoRA: adapters only train
+    apply_train_qat(run, model)  # train.qat: before the optimizer and the wrapping
     if run.choices.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -171,10 +177,12 @@ def train_loop(state: TrainState, trainer: Trainer) -> dict:
                     if trainer.best_metric and evaluation[trainer.best_metric] < best:
                         best = evaluation[trainer.best_metric]
                         ckpt.save_model_dir(run.dir / "best", state)
+                        save_quantized(state, run.dir / "best")
                 if due(tcfg.save_every, done, last):
                     ckpt.save_checkpoint(state, {**trainer.extra_state(), "best_metric": best, "timer": timer.state_dict(),
                                                  "time_totals": dict(totals)}, tcfg.keep_last)
             ckpt.save_model_dir(run.dir / "final", state)
+            save_quantized(state, run.dir / "final")
             if lora.has_adapters(state.model) and run.cfg.model.lora.save_merged:
                 ckpt.save_merged_dir(run.dir / "final" / "merged", state)
             if trainer.save_final_extra is not None and run.ctx.is_main:
@@ -185,6 +193,18 @@ def train_loop(state: TrainState, trainer: Trainer) -> dict:
     finally:
         release_run_lock(run)
     return {**final, "run_dir": str(run.dir)}
+
+
+def save_quantized(state: TrainState, checkpoint_dir: Path) -> None:
+    """``train.save_quantized``: quantized copies inside a complete best/ or final/ (rank 0 writes;
+    under FSDP2 every rank joins the gather). A failed format is reported, never fatal."""
+    formats = getattr(state.run.cfg.train, "save_quantized", None)
+    if not formats:
+        return
+    model = full_model(state)
+    if state.run.ctx.is_main:
+        write_quantized_copies(model, state.tokenizer, checkpoint_dir, formats, state.run.print)
+    state.run.ctx.barrier()
 
 
 def finish(state: TrainState, timer: StepTimer, totals: dict, logger) -> None:

@@ -20,6 +20,7 @@ from ..errors import ConfigError
 from ..metrics import make_console
 from ..models import count_parameters
 from ..parallel.context import ParallelContext, init_parallel
+from .quant_hooks import check_quant_settings
 
 DEFAULT_BATCH_SIZE = 32
 
@@ -110,6 +111,7 @@ def start_run(cfg, name: str, model=None, seq_len: int = 256, console=None, upda
     """
     console = console or make_console()
     tcfg = cfg.train
+    check_quant_settings(cfg)  # train.save_quantized formats, train.qat with the rollout backend
     run_dir = Path(tcfg.output_dir)
     if not tcfg.resume and list_checkpoints(run_dir):
         raise ConfigError(
