@@ -131,6 +131,14 @@ def save_model_dir(final: Path, state) -> Path:
     return final
 
 
+def save_merged_dir(final: Path, state) -> Path:
+    """Atomically write the merged LoRA policy (``W + scale * B A``) as a plain HF directory (rank 0)."""
+    from .lora import save_merged
+
+    _on_main(state.run.ctx, lambda: _write_dir(final, lambda tmp: save_merged(state.model, state.tokenizer, tmp)))
+    return final
+
+
 def save_checkpoint(state, extra: dict, keep_last: int) -> Path:
     """Write ``checkpoints/step-XXXXXX`` atomically and prune all but the newest ``keep_last``.
 
@@ -378,9 +386,17 @@ def load_trainer_state(path: Path) -> dict:
 
 
 def load_model_weights(model, path: Path) -> None:
-    """Load the weights of checkpoint ``path`` into ``model`` in place."""
+    """Load the weights of checkpoint ``path`` into ``model`` in place (a LoRA model: its adapters)."""
     from safetensors.torch import load_file
 
+    from .lora import has_adapters, is_adapter_dir, load_adapter_weights
+
+    if has_adapters(model) or is_adapter_dir(Path(path) / "model"):
+        if not (has_adapters(model) and is_adapter_dir(Path(path) / "model")):
+            raise ConfigError(f"checkpoint {path} was written {'without' if has_adapters(model) else 'with'} LoRA "
+                              "adapters: resume it with the model.lora settings it was saved with")
+        load_adapter_weights(model, Path(path) / "model")
+        return
     files = sorted((Path(path) / "model").glob("*.safetensors"))
     if not files:
         raise ConfigError(f"checkpoint {path} has no model weights")
@@ -428,6 +444,11 @@ def export_checkpoint(run_or_checkpoint: Path, out: Path) -> Path:
     out = Path(out)
 
     def write(tmp: Path) -> None:
+        from .lora import is_adapter_dir
+
+        if is_adapter_dir(path / "model"):
+            _export_merged_lora(path, tmp)
+            return
         if not (path / "dcp").is_dir():
             shutil.copytree(path / "model", tmp, dirs_exist_ok=True)
             return
@@ -451,3 +472,24 @@ def export_checkpoint(run_or_checkpoint: Path, out: Path) -> Path:
             torch.save(extras, tmp / "extra_modules.pt")
 
     return _write_dir(out, write)
+
+
+def _export_merged_lora(path: Path, out: Path) -> None:
+    """A LoRA checkpoint as a merged HF directory: the base model named by the run's ``config.yaml``
+    (``model`` section), its adapters loaded from the checkpoint, ``W + scale * B A`` written."""
+    import yaml
+
+    from .config import ModelConfig, _build
+    from .lora import apply_lora, load_adapter_weights, save_merged
+    from .models import load_model
+
+    run_config = path.parent.parent / "config.yaml"
+    if not run_config.is_file():
+        raise ConfigError(f"{path} holds LoRA adapters; merging them needs the base model named in the run's "
+                          f"config ({run_config}), which is missing")
+    values = yaml.safe_load(run_config.read_text()) or {}
+    model_cfg = _build(ModelConfig, values.get("model") or {}, "model.")
+    model, tokenizer = load_model(model_cfg)
+    model = apply_lora(model, model_cfg.lora)
+    load_adapter_weights(model, path / "model")
+    save_merged(model, tokenizer, out)

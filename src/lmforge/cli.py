@@ -6,7 +6,7 @@
     lmforge grpo CONFIG [key=value ...]        RL: GRPO / Dr. GRPO / DAPO / GSPO / RLOO
     lmforge ppo CONFIG [key=value ...]         RL: PPO with a value head and GAE
     lmforge antidistill STAGE CONFIG [...]     antidistillation pipeline (traces, grad, sample, distill, eval, report, all)
-    lmforge export RUN_DIR --out DIR           a checkpoint as an HF directory (gathers FSDP2 shards)
+    lmforge export RUN_DIR --out DIR           a checkpoint as an HF directory (gathers FSDP2 shards, merges LoRA)
     lmforge serve MODEL [--port N ...]         OpenAI-compatible HTTP server with batching and weight updates
     lmforge hardware                           what was detected and what would be chosen
     lmforge plot RUN_DIR                       PNG of the run's curves

@@ -248,6 +248,28 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
 # ----------------------------------------------------------------------------- shared sections
 
 @dataclasses.dataclass
+class LoraConfig:
+    """LoRA adapters through PEFT (docs/lora.md); off while ``r`` is 0."""
+
+    r: int = opt(0, "LoRA rank (0 = off: full fine-tuning); e.g. model.lora.r=8 trains rank-8 adapters only")
+    alpha: float = opt(0.0, "LoRA scale numerator: the update is (alpha / r) B A (0 = 2 x r)")
+    dropout: float = opt(0.0, "dropout on the adapters' input (training only)")
+    target_modules: list[str] = opt(["all-linear"], "module names to adapt (e.g. q_proj,v_proj); all-linear = "
+                                    "every linear layer but the LM head")
+    save_merged: bool = opt(False, "also write the merged model (W + BA scale) as a plain HF directory: final/merged")
+
+    def validate(self) -> None:
+        if self.r < 0:
+            raise ConfigError(f"model.lora.r must be >= 0 (0 = off), got {self.r}")
+        if self.alpha < 0:
+            raise ConfigError(f"model.lora.alpha must be >= 0 (0 = 2 x r), got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.r and not self.target_modules:
+            raise ConfigError("model.lora.target_modules is empty: name the modules to adapt, or all-linear")
+
+
+@dataclasses.dataclass
 class ModelConfig:
     name: str = opt("tiny:llama", "model spec: tiny:llama | tiny:qwen2 | HF dir | hub id | file.gguf | smollm2-135m-instruct")
     tokenizer: str = opt("", "tokenizer spec (HF dir, hub id, 'char', or a trained BPE dir); empty = the model's own")
@@ -258,6 +280,7 @@ class ModelConfig:
     intermediate_size: int = opt(0, "tiny models: MLP width (0 = 4 x hidden_size)")
     max_position_embeddings: int = opt(512, "tiny models: longest sequence")
     init_seed: int = opt(0, "tiny models: seed of the random initialisation")
+    lora: LoraConfig = section(LoraConfig, "LoRA adapters (off unless model.lora.r > 0)")
 
     def validate(self) -> None:
         if self.hidden_size % max(self.num_heads, 1):

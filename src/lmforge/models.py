@@ -164,6 +164,10 @@ def resolve_pretrained(spec: str) -> str:
         return str(gguf_to_hf_dir(spec))
     path = Path(spec).expanduser()
     if path.exists():
+        if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
+            raise ModelLoadError(f"'{spec}' is a LoRA adapter directory, not a full model: load its merged model "
+                                 f"({path / 'merged'} with model.lora.save_merged=true, or `lmforge export RUN_DIR "
+                                 "--out DIR`), or the base model with peft.PeftModel.from_pretrained (docs/lora.md)")
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"'{spec}' is a path but not a Hugging Face model directory (no config.json)")
         _check_config_json(path / "config.json")
@@ -249,7 +253,7 @@ def load_model(cfg: ModelConfig, tokenizer=None, dtype: torch.dtype = torch.floa
 
 
 def save_model(model, tokenizer, out_dir: str | Path, state_dict: dict | None = None) -> Path:
-    """Save as a plain HF directory (safetensors + tokenizer).
+    """Save as a plain HF directory (safetensors + tokenizer); a LoRA model as a PEFT adapter directory.
 
     ``state_dict``: the full weights when ``model``'s own parameters are shards (FSDP2); they are
     written with the model's config, so the directory loads like any other.
@@ -261,7 +265,11 @@ def save_model(model, tokenizer, out_dir: str | Path, state_dict: dict | None = 
     hf_logging.disable_progress_bar()  # a "Writing model shards" bar per checkpoint is noise
     unwrapped = getattr(model, "module", model)
     unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)
-    if state_dict is None:
+    from .lora import has_adapters, save_adapter
+
+    if has_adapters(unwrapped):  # a LoRA policy: its adapter directory (docs/lora.md)
+        save_adapter(unwrapped, out_dir)
+    elif state_dict is None:
         unwrapped.save_pretrained(out_dir, safe_serialization=True)
     else:
         from safetensors.torch import save_file

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 from transformers.cache_utils import DynamicCache
 
+from . import lora
 from .data.prompts import held_out_split, load_prompt_rows
 from .data.sft import encode_prompt, uses_chat_format
 from .data.tasks import get_task
@@ -371,16 +372,23 @@ def step_flops(model, batch: RLBatch, micro_batch_size: int, train_passes: int, 
 @torch.no_grad()
 def batch_logprobs(model, batch: RLBatch, micro_batch_size: int, temperature: float,
                    precision: Precision, wrapped=None) -> Tensor:
-    """(B, C) logprobs of ``model`` on the whole batch, in micro-batches, without gradients."""
+    """(B, C) logprobs of ``model`` on the whole batch, in micro-batches, without gradients.
+    ``model`` may be a LoRA policy's reference (:class:`lora.DisabledAdapters`): its base model."""
+    if isinstance(model, lora.DisabledAdapters):
+        with lora.adapters_disabled(model.model):
+            return batch_logprobs(model.model, batch, micro_batch_size, temperature, precision, wrapped)
     parts = [policy_logprobs(model, batch.select(rows), temperature, precision, wrapped=wrapped)[0]
              for rows in torch.arange(batch.num_rows).split(micro_batch_size)]
     return torch.cat(parts)
 
 
 def reference_model(model, kl_coef: float):
-    """A frozen copy of the starting policy, made only when the KL term is on (it costs a model)."""
+    """A frozen copy of the starting policy, made only when the KL term is on (it costs a model).
+    A LoRA policy's reference is its base model: the policy run with its adapters off, no copy."""
     if kl_coef <= 0:
         return None
+    if lora.has_adapters(model):
+        return lora.DisabledAdapters(model)
     ref = copy.deepcopy(model).eval()
     ref.requires_grad_(False)
     return ref
@@ -589,7 +597,7 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
     if cfg.rollout.backend == "vllm" and run.ctx.distributed:
         raise ConfigError("rollout.backend=vllm runs in one process for now (docs/vllm.md has the plan for "
                           "torchrun); use rollout.backend=inprocess under torchrun")
-    model.to(run.device)
+    model = lora.apply_for_run(model, cfg, run.ctx).to(run.device)  # model.lora: adapters (docs/lora.md)
     ref_model = reference_model(model, algo.kl_coef)  # before resume: the reference is the start
     num_updates = cfg.train.max_steps * algo.num_iterations * algo.num_mini_batches
     order = BatchOrder(len(prompts.prompt_ids), cfg.rollout.num_prompts, cfg.train.seed)

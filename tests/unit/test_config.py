@@ -66,7 +66,13 @@ def test_describe_lists_every_leaf_with_help():
     assert "optim.lr" in keys and "train.resume" in keys and "data.completion_only" in keys
     assert all(text for _, _, text in rows), "every option needs a one-line help text"
     cfg = SFTConfig()  # direct construction does not validate
-    assert len(rows) == sum(len(dataclasses.fields(getattr(cfg, f.name))) for f in dataclasses.fields(cfg))
+
+    def leaves(obj) -> int:  # nested sections (model.lora) count their own fields
+        return sum(leaves(getattr(obj, f.name)) if dataclasses.is_dataclass(getattr(obj, f.name)) else 1
+                   for f in dataclasses.fields(obj))
+
+    assert len(rows) == sum(leaves(getattr(cfg, f.name)) for f in dataclasses.fields(cfg))
+    assert "model.lora.r" in keys
 
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))

@@ -147,6 +147,12 @@ class AntidistillConfig:
     distill: DistillConfig = section(DistillConfig, "student fine-tuning on each trace set")
     run: RunConfig = section(RunConfig, "work directory and hardware")
 
+    def validate(self) -> None:
+        for role in ("teacher", "proxy"):  # (ModelConfig has a lora section; only the student trains)
+            if getattr(self, role).lora.r:
+                raise ConfigError(f"{role}.lora.r: the {role} is not trained here; LoRA is for the student "
+                                  "(student.lora.r)")
+
 
 # ----------------------------------------------------------------------------- shared pieces
 
@@ -354,7 +360,10 @@ def _sft_config(cfg: AntidistillConfig, traces: Path, out: Path) -> SFTConfig:
                         micro_batch_size=d.micro_batch_size, seed=_seed(d.seed, cfg), device=cfg.run.device, threads=cfg.run.threads,
                         eval_every=0, save_every=0, keep_last=1, log_every=max(d.max_steps // 5, 1),
                         max_new_tokens=cfg.data.max_new_tokens)
-    return SFTConfig(model=cfg.student, data=data, optim=d.optim, train=train,
+    student = cfg.student  # a LoRA student (student.lora.r > 0) also writes final/merged, which eval loads
+    if student.lora.r:
+        student = dataclasses.replace(student, lora=dataclasses.replace(student.lora, save_merged=True))
+    return SFTConfig(model=student, data=data, optim=d.optim, train=train,
                      logging=LoggingConfig(progress=cfg.run.progress))
 
 
@@ -405,7 +414,8 @@ def run_eval(cfg: AntidistillConfig, console=None) -> dict:
         advance()
         results["students"] = []
         for temperature, lam, model_dir in students:
-            spec = dataclasses.replace(cfg.student, name=str(model_dir), tokenizer="")
+            merged = model_dir / "merged"  # a LoRA student: its merged model
+            spec = dataclasses.replace(cfg.student, name=str(merged if merged.is_dir() else model_dir), tokenizer="")
             results["students"].append({"name": pipe.setting_name(temperature, lam, direction), "temperature": temperature,
                                         "lam": lam, "student_accuracy": _accuracy(spec, cfg, task, problems,
                                                                                   device, "student")})

@@ -31,6 +31,8 @@ from typing import Any, Callable, Sequence
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from .. import lora
+
 
 @dataclass
 class SamplingParams:
@@ -391,23 +393,29 @@ class CastEngine:
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
         self.dtype = dtype
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        if lora.has_adapters(self.model):  # a LoRA policy: the copy is the plain model, fed merged weights
+            lora.strip_adapters(self.model)
         for param in self.model.parameters():
             param.grad = None
             param.data = param.data.to(dtype)
-        self._pairs = None
+        self._names = None
 
     @torch.no_grad()
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Copy (and cast) ``model``'s current parameters into the sampler's copy."""
-        if self._pairs is None:
-            mine = dict(self.model.named_parameters())
-            theirs = dict(model.named_parameters())
-            if mine.keys() != theirs.keys():
-                missing = sorted(mine.keys() ^ theirs.keys())[:3]
+        """Copy (and cast) ``model``'s current parameters into the sampler's copy. For a LoRA policy
+        these are the merged weights ``W + scale * B A``, computed out of place, one adapted matrix alive at a
+        time (``lora.merged_named_parameters``): the policy keeps its adapters unmerged."""
+        mine = dict(self.model.named_parameters())  # (a tied weight once)
+        if self._names is None:
+            theirs = {name for name, _ in lora.merged_named_parameters(model)}
+            every = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
+            if every != theirs:
+                missing = sorted(every ^ theirs)[:3]
                 raise ValueError(f"CastEngine.sync_weights: parameter names differ from the copy's ({missing})")
-            self._pairs = [(mine[name], theirs[name]) for name in mine]
-        for dst, src in self._pairs:
-            dst.copy_(src)
+            self._names = set(mine)
+        for name, src in lora.merged_named_parameters(model):
+            if name in self._names:
+                mine[name].copy_(src)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, num_samples: int = 1,
                  pad_token_id: int = 0, decode_fn: Callable[[list[int]], str] | None = None) -> RolloutBatch:

@@ -42,6 +42,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .. import lora
 from .engine import RolloutBatch, SamplingParams, left_pad
 
 INSTALL_HINT = ("the vLLM rollout backend needs vLLM >= 0.10.2 on a CUDA machine: pip install vllm "
@@ -158,9 +159,13 @@ def vllm_named_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
     """
     names_of: dict[int, list[str]] = {}
     params: dict[int, torch.Tensor] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(param), []).append(_vllm_name(name))
-        params[id(param)] = param
+    # A LoRA policy sends its merged weights W + scale * B A (computed out of place, docs/lora.md).
+    adapted = lora.has_adapters(model)
+    source = lora.merged_named_parameters(model) if adapted else model.named_parameters(remove_duplicate=False)
+    for name, param in source:
+        key = param.data_ptr() if adapted else id(param)  # (merged tensors are new objects; ties share memory)
+        names_of.setdefault(key, []).append(_vllm_name(name))
+        params[key] = param
     weights = []
     for key, names in names_of.items():
         preferred = [n for n in names if "lm_head" not in n.split(".")] or names

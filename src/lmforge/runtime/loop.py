@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from .. import checkpoint as ckpt
+from .. import lora
 from ..metrics import RunLogger, StepTimer, plot_run, print_summary, summary, truncate_metrics
 from ..parallel.wrap import Root, full_state_dict, is_sharded, unwrap, wrap
 from ..train import BatchOrder, Precision, Updater
@@ -75,11 +76,18 @@ def build_state(run: Run, model, tokenizer, order: BatchOrder, num_updates: int,
 
     ``extra_modules`` (PPO's value head) are trained, clipped and checkpointed with the model.
     """
-    model.to(run.device)
+    model = lora.apply_for_run(model, run.cfg, run.ctx).to(run.device)  # LoRA: adapters only train
     apply_train_qat(run, model)  # train.qat: before the optimizer and the wrapping
     if run.choices.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
+        if lora.has_adapters(model):  # frozen embeddings: reentrant checkpointing (older transformers'
+            # default) needs block inputs that want grads; the non-reentrant default of 5.x does not
+            model.enable_input_require_grads()
+    if lora.has_adapters(model):
+        trainable, total = lora.count_trainable(model)
+        run.print(f"[lora] training {trainable:,} adapter parameters of {total:,} ({100 * trainable / total:.2f}%); "
+                  "the base model is frozen")
     model.train()
     pcfg = getattr(run.cfg, "parallel", None)
     wrapped = wrap(Root(policy=model, **(extra_modules or {})), run.ctx, run.device, run.choices.dtype,
@@ -175,6 +183,8 @@ def train_loop(state: TrainState, trainer: Trainer) -> dict:
                                                  "time_totals": dict(totals)}, tcfg.keep_last)
             ckpt.save_model_dir(run.dir / "final", state)
             save_quantized(state, run.dir / "final")
+            if lora.has_adapters(state.model) and run.cfg.model.lora.save_merged:
+                ckpt.save_merged_dir(run.dir / "final" / "merged", state)
             if trainer.save_final_extra is not None and run.ctx.is_main:
                 trainer.save_final_extra(run.dir / "final")
         finally:
