@@ -222,3 +222,21 @@ def test_interpolate_reads_the_temperature_curve():
     assert interpolate(points, 0.9) == 0.6
     assert interpolate(points, 0.95) is None and interpolate(points, 0.4) is None
     assert interpolate([(0.5, 0.1), (0.5, 0.3)], 0.5) == pytest.approx(0.2, abs=1e-12)
+
+
+def test_a_reasoning_gym_task_is_a_prompt_source(tmp_path):
+    """data.task=rg:<name> (issue 13 item 4): the traces stage samples the reasoning-gym problems of the
+    held-out split and scores each trace with the dataset's own score_answer."""
+    pytest.importorskip("reasoning_gym")
+    long_ctx = [a for a in ARGS if not a.startswith("data.max_len") and "max_position" not in a]
+    long_ctx += [f"{role}.max_position_embeddings=256" for role in ("teacher", "proxy", "student")]
+    assert main(["antidistill", "traces", *long_ctx, "data.max_len=256", "data.task=rg:leg_counting:answer_format=plain",
+                 f"run.workdir={tmp_path}"]) == 0
+    rows = read_jsonl(tmp_path / "traces" / "heldout.jsonl")
+    task = get_task("rg:leg_counting:answer_format=plain")
+    problems = task.make_problems(8, 0, "val")
+    assert [r["prompt"] for r in rows] == [p.prompt for p in problems]
+    for row, problem in zip(rows, problems):
+        assert row["answer"] == problem.answer
+        assert row["correct"] == task.is_correct(row["completion"], problem)
+        assert task.is_correct(problem.answer, problem) and not task.is_correct(problem.answer + "1", problem)

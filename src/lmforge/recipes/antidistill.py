@@ -46,7 +46,8 @@ Split = Literal["train", "val", "test"]
 
 @dataclasses.dataclass
 class AdsDataConfig:
-    task: str = opt("addition", "built-in task with a verifier, e.g. addition or addition:digits=3")
+    task: str = opt("addition", "task with a verifier: built-in (addition, addition:digits=3, ...) or a "
+                    "reasoning-gym dataset, rg:<name>[:key=value,...] (docs/rewards.md)")
     heldout_split: Split = opt("val", "split of the held-out prompts whose teacher traces give the proxy gradient")
     num_heldout: int = opt(256, "held-out prompts (traces stage)")
     prompt_split: Split = opt("train", "split of the prompts the teacher samples for distillation")
