@@ -504,6 +504,7 @@ class RLState:
     prompts: PromptSet
     reward_set: RewardSet
     rollout_engine: Any = None  # a sampler with its own weights (vLLM, or a CastEngine copy), else the policy
+    async_rollouts: Any = None  # rl_async.AsyncRollouts when rollout.async_steps > 0
 
     @property
     def run(self) -> Run:
@@ -610,7 +611,24 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
                  if prompts.num_dropped else "")
               + (f"; {prompts.num_truncated} left-truncated to {cfg.data.max_prompt_len} tokens"
                  if prompts.num_truncated else ""))
+    start_async_rollouts(state, algo)
     return state
+
+
+def start_async_rollouts(state: RLState, algo) -> None:
+    """``rollout.async_steps > 0``: the overlapped sampler (rl_async). A checkpoint of the other mode
+    resumes with a note: an async one holds batches whose prompts the saved data order has passed."""
+    cfg, saved = state.run.cfg, state.train.saved.get("async_rollouts", {}).get("pending")
+    if getattr(cfg.rollout, "async_steps", 0):
+        from .rl_async import AsyncRollouts
+
+        state.async_rollouts = AsyncRollouts(state, algo)
+        if state.train.step and not saved:
+            state.run.print("[rollout] async: the checkpoint holds no launched batches; the next one is "
+                            "sampled now, from the resumed weights (staleness 0)")
+    elif saved:
+        state.run.print(f"[rollout] note: resuming an async checkpoint synchronously skips the prompts of its "
+                        f"{len(saved)} launched batch(es); set rollout.async_steps to train on them")
 
 
 def cast_engine(model, dtype_name: str, algo, run) -> CastEngine:
@@ -631,6 +649,8 @@ def cast_engine(model, dtype_name: str, algo, run) -> CastEngine:
 def rollout(state: RLState, step: int) -> tuple[RolloutBatch, RewardOutput, dict]:
     """Sample and score this rank's prompts for ``step`` (metrics reduced over ranks)."""
     cfg, ctx = state.run.cfg, state.run.ctx
+    if state.async_rollouts is not None:  # launched earlier, in the background (rl_async)
+        return state.async_rollouts.take(step)
     error, result = None, None
     try:
         result = sample_and_score(state.sampler_model(), state.tokenizer, state.prompts, state.next_prompts(),
@@ -678,9 +698,17 @@ def train_rl(state: RLState, step_fn: Callable[[int], dict], extra_state: Callab
     (a baseline evaluation at step 0). Returns the last evaluation (+ ``accuracy_before``) and ``run_dir``."""
     def step(done: int) -> dict:
         metrics = step_fn(done)
-        metrics["data_time"] = metrics["time_generation"] + metrics["time_scoring"]
+        # async: the time the step waited for its batch; generation itself overlapped training
+        metrics["data_time"] = metrics.get("time_rollout_wait", metrics["time_generation"] + metrics["time_scoring"])
         return metrics
 
+    overlapped = state.async_rollouts
+    if overlapped is not None:  # checkpoints hold the batches already launched (rl_async)
+        extra_state = (lambda own: lambda: {**own(), **overlapped.state_dict()})(extra_state)
     trainer = Trainer(step=step, evaluate=make_evaluate(state), evaluate_at_start=True, extra_state=extra_state,
                       save_final_extra=save_extra, time_keys=TIME_KEYS)
-    return train_loop(state.train, trainer)
+    try:
+        return train_loop(state.train, trainer)
+    finally:
+        if overlapped is not None:
+            overlapped.close()
