@@ -29,9 +29,12 @@ s + 1 .. s + N (the data order has moved past their prompts): the save waits for
 the rollouts, rewards, metrics and sampler versions in the trainer state. A resumed run trains on
 exactly those, so it reproduces the uninterrupted run bit for bit (tests/recipes/test_grpo_async.py).
 
-Threads (CPU). Generation and training share the cores. The trainer keeps ``T - g`` intra-op threads
-and the sampler thread gets ``g`` (``rollout.async_threads``, default T // 2, at least 1 each;
-T = the run's thread count). On two cores that is one thread each.
+Threads (CPU). Generation and training share the cores. torch's intra-op thread count is one per
+process (``torch.set_num_threads`` from the sampler thread changes the trainer's too, checked on
+this build), so it cannot be split per thread; instead, while async runs, the process count is set
+to ``rollout.async_threads`` (0 = half the run's threads, at least 1), so that the sampler and the
+trainer, each running ops with that many threads, together use about the run's cores. On two cores
+that is one thread each. The run's count is restored at the end.
 """
 from __future__ import annotations
 
@@ -71,11 +74,10 @@ def check_async(cfg, algo, ctx) -> None:
         raise ConfigError("rollout.async_steps runs in one process for now; unset it under torchrun")
 
 
-def split_threads(total: int, wanted: int) -> tuple[int, int]:
-    """(sampler threads, trainer threads) out of ``total``: ``wanted`` (0 = half) for the sampler, the
-    rest for the trainer, at least one each (so one core is shared by both)."""
-    gen = min(wanted or max(total // 2, 1), total) if total > 1 else 1
-    return gen, max(total - gen, 1)
+def async_threads(total: int, wanted: int) -> int:
+    """Intra-op threads while the sampler and the trainer run side by side: ``wanted``, else half of
+    the run's ``total`` (at least 1; on one core both threads share it)."""
+    return wanted or max(total // 2, 1)
 
 
 class AsyncRollouts:
@@ -92,17 +94,15 @@ class AsyncRollouts:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.rollout.dtype, next(policy.parameters()).dtype)
         first = state.rollout_engine if isinstance(state.rollout_engine, CastEngine) else CastEngine(policy, dtype)
         self.engines = [first] + [CastEngine(policy, dtype) for _ in range(self.ahead - 1)]
-        self.threads = None
-        init, args = None, ()
+        self.threads = None  # the run's thread count, restored by close()
+        note = ""
         if state.run.device.type == "cpu":
-            total = torch.get_num_threads()
-            gen, train = split_threads(total, cfg.rollout.async_threads)
-            self.threads = (total, gen, train)
-            torch.set_num_threads(train)
-            init, args = torch.set_num_threads, (gen,)
-            state.run.print(f"[rollout] async: sampling {self.ahead} step(s) ahead in a background thread; "
-                            f"threads: {gen} sampling, {train} training (of {total})")
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="lmforge-rollout", initializer=init, initargs=args)
+            self.threads = torch.get_num_threads()
+            shared = async_threads(self.threads, cfg.rollout.async_threads)
+            torch.set_num_threads(shared)
+            note = f"; {shared} intra-op thread(s) each for sampling and training (the run has {self.threads})"
+        state.run.print(f"[rollout] async: sampling {self.ahead} step(s) ahead in a background thread{note}")
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="lmforge-rollout")
         self.pending: dict[int, tuple[Future, int]] = {}  # step -> (rollout future, sampler weights version)
         saved = state.train.saved.get("async_rollouts", {}).get("pending", {})
         for step, item in saved.items():
@@ -154,4 +154,4 @@ class AsyncRollouts:
             future.cancel()
         self.executor.shutdown(wait=True)
         if self.threads is not None:
-            torch.set_num_threads(self.threads[0])
+            torch.set_num_threads(self.threads)

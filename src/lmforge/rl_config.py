@@ -30,7 +30,8 @@ class RolloutConfig:
         "copy synced before each rollout (faster decoding where that dtype is fast; see docs/rl-recipes.md)")
     async_steps: int = opt(0, "inprocess backend: sample the batch of step k + N in a background thread while step k "
                            "trains (0 = off; needs algo.is_level; docs/rl-recipes.md, overlapped rollouts)")
-    async_threads: int = opt(0, "async on CPU: threads for the background sampler (0 = half); the trainer keeps the rest")
+    async_threads: int = opt(0, "async on CPU: intra-op threads (per process) while sampler and trainer run side by "
+                             "side (0 = half of train.threads)")
 
     def validate(self) -> None:
         for name in ("num_prompts", "group_size"):

@@ -11,7 +11,7 @@ from lmforge.config import ModelConfig, load_config
 from lmforge.errors import ConfigError
 from lmforge.models import load_model
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
-from lmforge.rl_async import split_threads
+from lmforge.rl_async import async_threads
 from lmforge.train import Precision
 
 ARGS = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
@@ -94,9 +94,8 @@ def test_async_config_errors(tmp_path):
         load_config(GRPOConfig, None, ARGS + ["rollout.async_steps=-1"]).rollout.validate()
 
 
-def test_split_threads():
-    assert split_threads(2, 0) == (1, 1)
-    assert split_threads(8, 0) == (4, 4)
-    assert split_threads(8, 2) == (2, 6)
-    assert split_threads(1, 0) == (1, 1)  # one core: both threads share it
-    assert split_threads(4, 9) == (4, 1)
+def test_async_threads():
+    assert async_threads(2, 0) == 1  # two cores: one thread each for the sampler and the trainer
+    assert async_threads(8, 0) == 4
+    assert async_threads(8, 3) == 3
+    assert async_threads(1, 0) == 1  # one core: both threads share it
