@@ -587,6 +587,9 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
     from .parallel.context import torchrun_world
 
     update_rows = check_rl_split(cfg, algo, torchrun_world()[1])
+    from .rl_async import check_async
+
+    check_async(cfg, algo, torchrun_world()[1] > 1)  # before start_run takes the run directory
     run = start_run(cfg, name, model, seq_len=seq_len, console=console, update_rows=update_rows,
                     update_label="rollout rows per update (num_prompts x group_size / num_mini_batches)")
     if cfg.rollout.backend == "vllm" and run.ctx.distributed:

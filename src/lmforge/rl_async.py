@@ -61,16 +61,19 @@ class _Frozen:
         return self.engine.generate(*args, **kwargs)
 
 
-def check_async(cfg, algo, ctx) -> None:
-    """ConfigError naming the key when ``rollout.async_steps`` cannot run with the rest of the config."""
-    n = cfg.rollout.async_steps
+def check_async(cfg, algo, distributed: bool) -> None:
+    """ConfigError naming the key when ``rollout.async_steps`` cannot run with the rest of the config
+    (called before the run directory is taken, and again by :class:`AsyncRollouts`)."""
+    n = getattr(cfg.rollout, "async_steps", 0)
+    if not n:
+        return
     if algo.is_level == "none":
         raise ConfigError(f"rollout.async_steps={n} trains on batches sampled by weights {n} step(s) old; set "
                           "algo.is_level=token (or sequence) so that truncated importance weights "
                           "pi_trainer / pi_sampler correct for it")
     if cfg.rollout.backend != "inprocess":
         raise ConfigError(f"rollout.async_steps applies to rollout.backend=inprocess, not {cfg.rollout.backend}")
-    if ctx.distributed:
+    if distributed:
         raise ConfigError("rollout.async_steps runs in one process for now; unset it under torchrun")
 
 
@@ -88,7 +91,7 @@ class AsyncRollouts:
 
         self._rl = rl
         cfg = state.run.cfg
-        check_async(cfg, algo, state.run.ctx)
+        check_async(cfg, algo, state.run.ctx.distributed)
         self.state, self.ahead, self.max_steps = state, cfg.rollout.async_steps, cfg.train.max_steps
         policy = state.sampler_model()
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.rollout.dtype, next(policy.parameters()).dtype)
