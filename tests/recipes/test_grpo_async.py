@@ -86,6 +86,15 @@ def test_async_seeded_run_repeats_and_resume_is_bit_exact(async_run, tmp_path):
             assert got[step][key] == want[step][key], f"resume, step {step} {key}"
 
 
+def test_two_steps_ahead_trains_on_batches_two_versions_old(tmp_path):
+    out = tmp_path / "two"
+    run_grpo(load_config(GRPOConfig, None, ARGS + ["rollout.async_steps=2", "train.save_every=0",
+                                                   f"train.output_dir={out}"]))
+    train = records(out)
+    assert [train[k]["rollout_version"] for k in (1, 2, 3, 4)] == [0, 0, 0, 1]
+    assert [train[k]["staleness"] for k in (1, 2, 3, 4)] == [0, 1, 2, 2]
+
+
 def test_async_config_errors(tmp_path):
     base = [a for a in ARGS if not a.startswith("algo.is_level")] + [f"train.output_dir={tmp_path / 'r'}"]
     with pytest.raises(ConfigError, match="algo.is_level"):
