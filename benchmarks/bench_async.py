@@ -109,7 +109,7 @@ def accuracy(args, scratch: Path) -> None:
         raise SystemExit("--accuracy starts from an SFT model: pass --quickstart-model DIR")
     yaml, model = workload_args("quickstart", args)
     table: dict[str, list[float]] = {"sync": [], "async": []}
-    before = None
+    before = []  # per seed: the seed also draws the held-out problems
     for seed in range(args.seeds):
         for mode, extra in (("sync", []), ("async", ["rollout.async_steps=1"])):
             overrides = model + [f"train.max_steps={args.acc_steps}", f"train.eval_every={args.acc_steps}",
@@ -118,8 +118,9 @@ def accuracy(args, scratch: Path) -> None:
             print(f"\n=== accuracy: seed {seed} {mode}", flush=True)
             out = run(yaml, overrides, scratch / f"acc-{seed}-{mode}")
             table[mode].append(out["result"]["accuracy"])
-            before = out["result"].get("accuracy_before", before)
-    print(f"\n--- held-out greedy accuracy (200 problems) after {args.acc_steps} steps x 64 samples; before: {before}")
+        before.append(out["result"]["accuracy_before"])
+    print(f"\n--- held-out greedy accuracy (200 problems, drawn by the seed) after {args.acc_steps} steps x 64 samples")
+    table = {"before": before, **table}
     for mode, values in table.items():
         spread = statistics.stdev(values) if len(values) > 1 else 0.0
         print(f"{mode:<6} " + " ".join(f"{v:.3f}" for v in values) + f"   mean {statistics.mean(values):.3f}"
