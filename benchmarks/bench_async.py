@@ -110,7 +110,7 @@ def accuracy(args, scratch: Path) -> None:
     yaml, model = workload_args("quickstart", args)
     table: dict[str, list[float]] = {"sync": [], "async": []}
     before = []  # per seed: the seed also draws the held-out problems
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         for mode, extra in (("sync", []), ("async", ["rollout.async_steps=1"])):
             overrides = model + [f"train.max_steps={args.acc_steps}", f"train.eval_every={args.acc_steps}",
                                  "train.save_every=0", f"train.threads={args.threads}", "algo.is_level=token",
@@ -137,6 +137,7 @@ def main() -> None:
     parser.add_argument("--quickstart-model", default="", help="an SFT model dir of the quickstart size")
     parser.add_argument("--accuracy", action="store_true", help="the seeds x {sync, async} accuracy check instead")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--acc-steps", type=int, default=40)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
