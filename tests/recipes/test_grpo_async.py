@@ -108,3 +108,17 @@ def test_async_threads():
     assert async_threads(8, 0) == 4
     assert async_threads(8, 3) == 3
     assert async_threads(1, 0) == 1  # one core: both threads share it
+
+
+def test_ppo_runs_with_async_rollouts(tmp_path):
+    """PPO takes its rollouts through the same hook; its values and old logprobs are recomputed at
+    the trained weights, so a stale batch only changes the importance weights."""
+    from lmforge.recipes.ppo import PPOConfig, run_ppo
+
+    out = tmp_path / "ppo"
+    args = [a for a in ARGS if not a.startswith(("train.save_every", "train.eval_every"))]
+    run_ppo(load_config(PPOConfig, None, args + ["train.max_steps=3", "train.save_every=0", "train.eval_every=3",
+                                                 f"train.output_dir={out}"]))
+    train = records(out)
+    assert [train[k]["staleness"] for k in (1, 2, 3)] == [0, 1, 1]
+    assert all(r["value_loss"] == r["value_loss"] and "is_weight_mean" in r for r in train.values())
