@@ -26,14 +26,26 @@ samples (steps x 64) for each, with the mean and the spread over seeds.
     python benchmarks/bench_async.py --quickstart-model runs/quickstart-X/sft/final
     python benchmarks/bench_async.py --workloads quickstart --steps 6
     python benchmarks/bench_async.py --accuracy --quickstart-model DIR --seeds 3 --acc-steps 40
+    python benchmarks/bench_async.py --contention --quickstart-model DIR
+
+``--contention``: what a neighbour costs one training step of the quickstart-size model (1 thread,
+64 rows): alone, then beside a pure-Python loop and beside a torch matmul loop (512 x 512, 1
+thread), each once as a thread of this process and once as a separate process. A neighbour thread
+that holds the GIL (Python) costs more than the same work in a process; one that releases it
+(matmul) costs the same either way: the difference is the GIL's share of the async slowdown.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import tempfile
+import threading
+import time
 from pathlib import Path
+
+import torch
 
 from lmforge.config import load_config
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
@@ -127,6 +139,74 @@ def accuracy(args, scratch: Path) -> None:
               f"  sd {spread:.3f}")
 
 
+def python_work(stop) -> None:
+    count = 0
+    while not stop.is_set():
+        count += 1
+
+
+def matmul_work(stop) -> None:
+    torch.set_num_threads(1)
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    while not stop.is_set():
+        a @ b
+
+
+def contention(args) -> None:
+    from lmforge import rl, rl_config
+    from lmforge.config import ModelConfig
+    from lmforge.models import load_model
+    from lmforge.rollout import RewardSet
+    from lmforge.train import Precision
+
+    torch.set_num_threads(1)
+    spec = (ModelConfig(name=args.quickstart_model) if args.quickstart_model else
+            ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=128, num_layers=4, num_heads=4,
+                        max_position_embeddings=64))
+    model, tokenizer = load_model(spec)
+    prompts = rl.build_prompts(rl_config.RLDataConfig(task="addition", num_train=64, num_eval=0), tokenizer, seed=0)
+    sampling = rl_config.RolloutConfig(num_prompts=8, group_size=8, max_new_tokens=6)
+    rollout, _, _ = rl.sample_and_score(model, tokenizer, prompts, list(range(8)), sampling,
+                                        RewardSet([("exact", 1.0)]), 0)
+    batch = rl.pack_rollout(rollout, tokenizer.pad_token_id, False)
+    precision = Precision(torch.device("cpu"), torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), 1e-5)
+
+    def step() -> None:
+        logprobs, _ = rl.policy_logprobs(model, batch, 1.0, precision)
+        (-logprobs.sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def timed(n: int = 15) -> float:
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    step()
+    spawn = multiprocessing.get_context("spawn")
+    for _ in range(2):
+        print(f"alone                   {timed():.4f} s", flush=True)
+        for name, work in (("python", python_work), ("matmul", matmul_work)):
+            stop = threading.Event()
+            neighbour = threading.Thread(target=work, args=(stop,))
+            neighbour.start()
+            time.sleep(0.3)
+            print(f"beside {name} thread    {timed():.4f} s", flush=True)
+            stop.set()
+            neighbour.join()
+            stop = spawn.Event()
+            neighbour = spawn.Process(target=work, args=(stop,))
+            neighbour.start()
+            time.sleep(3)  # the process imports torch first
+            print(f"beside {name} process   {timed():.4f} s", flush=True)
+            stop.set()
+            neighbour.join()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="quickstart,smollm2")
@@ -136,10 +216,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quickstart-model", default="", help="an SFT model dir of the quickstart size")
     parser.add_argument("--accuracy", action="store_true", help="the seeds x {sync, async} accuracy check instead")
+    parser.add_argument("--contention", action="store_true", help="the thread-vs-process neighbour check instead")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--acc-steps", type=int, default=40)
     args = parser.parse_args()
+    if args.contention:
+        contention(args)
+        return
     with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
         if args.accuracy:
             accuracy(args, Path(tmp))
