@@ -581,6 +581,10 @@ def policy_loss(
         )
         token_losses = token_losses * weights
         metrics["is_weight_mean"] = masked_mean(weights, mask.to(weights.dtype))
+        metrics["is_weight_max"] = weights.amax()  # padding holds 0
+        # truncated weights sit at the cap (up to the rounding of exp(log(cap)))
+        capped = (weights >= is_cap * (1 - 1e-6)) & mask.bool()
+        metrics["is_weight_clip_frac"] = masked_mean(capped.to(weights.dtype), mask.to(weights.dtype))
     if rollout_logprobs is not None:
         metrics.update(
             logprob_alignment_metrics(old_logprobs, rollout_logprobs, mask, ratio_high=is_cap)

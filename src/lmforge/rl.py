@@ -510,6 +510,7 @@ class RLState:
     reward_set: RewardSet
     rollout_engine: Any = None  # a sampler with its own weights (vLLM, or a CastEngine copy), else the policy
     atropos: Any = None  # rollout.backend=atropos: the AtroposSource that replaces sampling (rl_atropos.py)
+    async_rollouts: Any = None  # rl_async.AsyncRollouts when rollout.async_steps > 0
 
     @property
     def run(self) -> Run:
@@ -592,6 +593,9 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
     from .parallel.context import torchrun_world
 
     update_rows = check_rl_split(cfg, algo, torchrun_world()[1])
+    from .rl_async import check_async
+
+    check_async(cfg, algo, torchrun_world()[1] > 1)  # before start_run takes the run directory
     run = start_run(cfg, name, model, seq_len=seq_len, console=console, update_rows=update_rows,
                     update_label="rollout rows per update (num_prompts x group_size / num_mini_batches)")
     if cfg.rollout.backend == "vllm" and run.ctx.distributed:
@@ -623,7 +627,24 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
                  if prompts.num_dropped else "")
               + (f"; {prompts.num_truncated} left-truncated to {cfg.data.max_prompt_len} tokens"
                  if prompts.num_truncated else ""))
+    start_async_rollouts(state, algo)
     return state
+
+
+def start_async_rollouts(state: RLState, algo) -> None:
+    """``rollout.async_steps > 0``: the overlapped sampler (rl_async). A checkpoint of the other mode
+    resumes with a note: an async one holds batches whose prompts the saved data order has passed."""
+    cfg, saved = state.run.cfg, state.train.saved.get("async_rollouts", {}).get("pending")
+    if getattr(cfg.rollout, "async_steps", 0):
+        from .rl_async import AsyncRollouts
+
+        state.async_rollouts = AsyncRollouts(state, algo)
+        if state.train.step and not saved:
+            state.run.print("[rollout] async: the checkpoint holds no launched batches; the next one is "
+                            "sampled now, from the resumed weights (staleness 0)")
+    elif saved:
+        state.run.print(f"[rollout] note: resuming an async checkpoint synchronously skips the prompts of its "
+                        f"{len(saved)} launched batch(es); set rollout.async_steps to train on them")
 
 
 def cast_engine(model, dtype_name: str, algo, run) -> CastEngine:
@@ -646,6 +667,8 @@ def rollout(state: RLState, step: int) -> tuple[RolloutBatch, RewardOutput, dict
     cfg, ctx = state.run.cfg, state.run.ctx
     if state.atropos is not None:  # rollout.backend=atropos: pulled from the Atropos API (rl_atropos.py)
         return state.atropos.rollout(state, step)
+    if state.async_rollouts is not None:  # launched earlier, in the background (rl_async)
+        return state.async_rollouts.take(step)
     error, result = None, None
     try:
         result = sample_and_score(state.sampler_model(), state.tokenizer, state.prompts, state.next_prompts(),
@@ -700,12 +723,18 @@ def train_rl(state: RLState, step_fn: Callable[[int], dict], extra_state: Callab
         metrics = step_fn(done)
         if state.atropos is not None:  # push the new weights to the inference server every rollout.push_every
             state.atropos.after_step(state, done)
-        metrics["data_time"] = metrics["time_generation"] + metrics["time_scoring"]
+        # async: the time the step waited for its batch; generation itself overlapped training
+        metrics["data_time"] = metrics.get("time_rollout_wait", metrics["time_generation"] + metrics["time_scoring"])
         return metrics
 
+    overlapped = state.async_rollouts
+    if overlapped is not None:  # checkpoints hold the batches already launched (rl_async)
+        extra_state = (lambda own: lambda: {**own(), **overlapped.state_dict()})(extra_state)
     trainer = Trainer(step=step, evaluate=make_evaluate(state), evaluate_at_start=True, extra_state=extra_state,
                       save_final_extra=save_extra, time_keys=TIME_KEYS)
     try:
         return train_loop(state.train, trainer)
-    finally:  # the reward workers stop with the run, on errors too
+    finally:  # the reward workers and the background sampler stop with the run, on errors too
         state.reward_set.close()
+        if overlapped is not None:
+            overlapped.close()

@@ -29,6 +29,10 @@ class RolloutConfig:
     dtype: Literal["same", "bf16", "fp16"] = opt(
         "same", "inprocess backend: weights the sampler decodes with: same (the policy itself) or a bf16 / fp16 "
         "copy synced before each rollout (faster decoding where that dtype is fast; see docs/rl-recipes.md)")
+    async_steps: int = opt(0, "inprocess backend: sample the batch of step k + N in a background thread while step k "
+                           "trains (0 = off; needs algo.is_level; docs/rl-recipes.md, overlapped rollouts)")
+    async_threads: int = opt(0, "async on CPU: intra-op threads (per process) while sampler and trainer run side by "
+                             "side (0 = half of train.threads)")
 
     # rollout.backend=atropos (docs/atropos.md): where batches come from and where new weights go
     api_url: str = opt("", "atropos backend: the Atropos API server (run-api), e.g. http://127.0.0.1:8000")
@@ -58,6 +62,9 @@ class RolloutConfig:
         if not self.temperature > 0:
             raise ConfigError(f"rollout.temperature must be > 0, got {self.temperature}: RL trains on "
                               "sampled completions (greedy decoding has no distribution to improve)")
+        if self.async_steps < 0 or self.async_threads < 0:
+            raise ConfigError(f"rollout.async_steps and rollout.async_threads must be >= 0, got {self.async_steps}, "
+                              f"{self.async_threads}")
         if not 0 < self.vllm_gpu_memory_utilization < 1:
             raise ConfigError(f"rollout.vllm_gpu_memory_utilization must be in (0, 1), got "
                               f"{self.vllm_gpu_memory_utilization}")
