@@ -240,3 +240,47 @@ def test_a_reasoning_gym_task_is_a_prompt_source(tmp_path):
         assert row["answer"] == problem.answer
         assert row["correct"] == task.is_correct(row["completion"], problem)
         assert task.is_correct(problem.answer, problem) and not task.is_correct(problem.answer + "1", problem)
+
+
+def test_a_data_file_of_prompts_and_answers_is_a_prompt_source(tmp_path):
+    """data.path (issue 13 item 4): a CSV with its own column names through data.columns; the traces
+    stage samples rows of the held-out split (a hash of the prompt) and scores them by exact match."""
+    from lmforge.data.rows_task import RowsTask
+    from lmforge.data.tasks import split_of
+
+    pytest.importorskip("datasets")
+    addition = get_task("addition")  # its own splits use the same hash: take rows of all three
+    problems = [p for split, n in (("train", 240), ("val", 30), ("test", 30)) for p in addition.make_problems(n, 0, split)]
+    csv = tmp_path / "sums.csv"
+    csv.write_text("question,solution\n" + "".join(f"{p.prompt},{p.completion}\n" for p in problems))
+    assert main(["antidistill", "traces", *ARGS, f"data.path={csv}", "data.columns={prompt: question, answer: solution}",
+                 f"run.workdir={tmp_path / 'work'}"]) == 0
+    rows = read_jsonl(tmp_path / "work" / "traces" / "heldout.jsonl")
+    assert len(rows) == 8
+    wanted = {p.prompt: p.completion for p in problems}
+    for row in rows:
+        assert split_of(row["prompt"]) == "val" and row["answer"] == wanted[row["prompt"]]
+        assert row["correct"] == (row["completion"].strip() == row["answer"])
+    task = RowsTask.load(str(csv), columns={"prompt": "question", "answer": "solution"})
+    assert sum(task.sizes().values()) == 300
+    assert task.make_problems(5, 1, "test") == task.make_problems(5, 1, "test") != task.make_problems(5, 2, "test")
+    assert {p.prompt for p in task.make_problems(1000, 0, "train")}.isdisjoint(
+        p.prompt for p in task.make_problems(1000, 0, "test"))
+
+
+def test_rows_task_errors_name_the_file_and_row(tmp_path):
+    from lmforge.data.rows_task import RowsTask
+    from lmforge.errors import DataError
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: no 'answer' column"):
+        RowsTask.load(str(bad))
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"prompt": "1+1=", "answer": 2}\n')  # a number is read as its text
+    task = RowsTask.load(str(one))
+    (split,) = [s for s, k in task.sizes().items() if k == 1]
+    other = next(s for s in ("train", "val", "test") if s != split)
+    with pytest.raises(DataError, match=f"one.jsonl: no row falls in the '{other}' split"):
+        task.make_problems(1, 0, other)
+    assert task.is_correct(" 2\n", task.make_problems(1, 0, split)[0])

@@ -48,6 +48,14 @@ Split = Literal["train", "val", "test"]
 class AdsDataConfig:
     task: str = opt("addition", "task with a verifier: built-in (addition, addition:digits=3, ...) or a "
                     "reasoning-gym dataset, rg:<name>[:key=value,...] (docs/rewards.md)")
+    path: str = opt("", "instead of data.task: rows with a 'prompt' and an 'answer' from any source of docs/data.md "
+                    "(JSONL, Parquet, CSV, Arrow, a save_to_disk dir, a cached hub id); each row's split is a "
+                    "hash of its prompt (80/10/10)")
+    source_split: str = opt("train", "path: the split of the source to read")
+    subset: str = opt("", "path: the hub dataset's config name")
+    columns: dict[str, str] = opt({}, "path: lmforge name -> the data's column, e.g. {prompt: question, answer: solution}")
+    reward: str = opt("exact", "path: how a trace is scored: exact (stripped completion == answer), math (math-verify: "
+                      "boxed or last number) or package.module:function; correct = 1")
     heldout_split: Split = opt("val", "split of the held-out prompts whose teacher traces give the proxy gradient")
     num_heldout: int = opt(256, "held-out prompts (traces stage)")
     prompt_split: Split = opt("train", "split of the prompts the teacher samples for distillation")
@@ -62,6 +70,8 @@ class AdsDataConfig:
     seed: int = opt(0, "seed of the problem draws and of sampling")
 
     def validate(self) -> None:
+        if self.columns and not self.path:
+            raise ConfigError("data.columns maps the columns of data.path; set data.path too")
         splits = (self.heldout_split, self.prompt_split, self.test_split)
         if len(set(splits)) != 3:
             raise ConfigError(f"data.heldout_split, data.prompt_split and data.test_split must be three different "
@@ -262,12 +272,24 @@ def _sample_traces(cfg, ctx, teacher, tokenizer, task, problems, temperature: fl
     return rows, stats
 
 
+def _task(cfg: AntidistillConfig):
+    """The problems' source: data.path rows (scored by data.reward) or the task data.task."""
+    if not cfg.data.path:
+        return get_task(cfg.data.task)
+    from ..data.rows_task import RowsTask
+    from ..rollout.rewards import resolve_reward
+
+    reward = resolve_reward(cfg.data.reward)
+    return RowsTask.load(cfg.data.path, cfg.data.source_split, cfg.data.subset, cfg.data.columns,
+                         score_fn=lambda text, problem: reward(text, problem), score_name=cfg.data.reward)
+
+
 # ----------------------------------------------------------------------------- stages
 
 def run_traces(cfg: AntidistillConfig, console=None) -> dict:
     """Teacher traces on the held-out split, scored: traces/heldout.jsonl + traces/summary.json."""
     console, device, ctx = _start(cfg, console, "traces")
-    task = get_task(cfg.data.task)
+    task = _task(cfg)
     teacher, tokenizer = _load(cfg.teacher, device, "teacher", _DTYPES[cfg.run.dtype])
     problems = task.make_problems(cfg.data.num_heldout, cfg.data.seed, cfg.data.heldout_split)
     rows, stats = _sample_traces(cfg, ctx, teacher, tokenizer, task, problems, cfg.traces.temperature, 0.0, None,
@@ -329,7 +351,7 @@ def run_sample(cfg: AntidistillConfig, console=None) -> list[dict]:
         _check_tokenizers(tokenizer, proxy_tok)
         proxies = tuple(copy.to(dtype) for copy in perturbed_copies(proxy, grads, cfg.sample.eps))
         del proxy
-    task = get_task(cfg.data.task)
+    task = _task(cfg)
     problems = task.make_problems(cfg.data.num_prompts, cfg.data.seed, cfg.data.prompt_split)
     summaries = []
     for temperature, lam in _settings(cfg):
@@ -405,7 +427,7 @@ def run_eval(cfg: AntidistillConfig, console=None) -> dict:
     direction = cfg.sample.direction
     students = [(t, lam, pipe.require(pipe.student_dir(workdir, t, lam, direction) / "final", "distill"))
                 for t, lam in _settings(cfg)]
-    task = get_task(cfg.data.task)
+    task = _task(cfg)
     problems = task.make_problems(cfg.data.num_test, cfg.data.seed, cfg.data.test_split)
     results = {"split": cfg.data.test_split, "num_test": len(problems)}
     with _progress(console, cfg.run.progress, "evaluate", len(students) + 2) as advance:
