@@ -66,6 +66,20 @@ def test_leg_counting_plain_format():
         assert task.score(f"{int(p.answer) + 2}", p) == 0.0
 
 
+def test_last_number_format_scores_the_last_number_of_the_completion():
+    task = get_task("rg:basic_arithmetic:max_terms=2,max_digits=2,operators=[+],allow_parentheses=false,"
+                    "allow_negation=false,answer_format=last_number")
+    problems = task.make_problems(5, 0, "test")
+    for p in problems:
+        a, b = (int(x) for x in p.entry["question"].split("Calculate ")[1].split(".")[0].split(" + "))
+        assert p.answer == str(a + b) and p.completion == p.answer
+        assert p.prompt.endswith("Reply with only the final answer.")
+        assert task.score(f"{a} + {b} = {a + b}", p) == 1.0  # the restated question does not count
+        assert task.score(f"{a + b}, or maybe {a + b + 1}", p) == 0.0  # the last number does
+        assert task.score("I cannot say.", p) == 0.0
+    assert task.extract("total: 1,234 legs") == "1234" and task.extract("-2.5") == "-2.5"
+
+
 def test_countdown_expression_and_partial_credit():
     task = get_task("rg:countdown:min_numbers=3,max_numbers=3")
     for p in task.make_problems(3, 0, "train"):

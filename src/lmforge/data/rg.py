@@ -13,6 +13,11 @@ Spec: ``rg:<name>`` or ``rg:<name>:key=value,key=value``. Keys are the dataset's
            the dataset). The SFT target is ``<answer>{answer}</answer>``.
     plain  the prompt asks for just the answer; the whole stripped completion is scored. The SFT
            target is the answer itself.
+    last_number
+           the prompt asks for just the answer, and the last number in the completion is scored
+           (none: ``None``, scored 0), so "3 + 4 = 7" counts as 7. For datasets with numeric answers,
+           and for chat models that restate the question before answering. The SFT target is the
+           answer itself.
 
 Splits are disjoint whatever the seeds: a problem belongs to the split that the hash of its
 question text assigns it (:func:`~lmforge.data.tasks.split_of`, 80/10/10), and ``make_problems(n,
@@ -28,6 +33,7 @@ import dataclasses
 import difflib
 import hashlib
 import logging
+import re
 import string
 import sys
 import typing
@@ -40,10 +46,11 @@ from .tasks import SPLITS, Problem, split_of
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'lmforge[rg]' (or pip install reasoning-gym)"
-ANSWER_FORMATS = ("tags", "plain")
+ANSWER_FORMATS = ("tags", "plain", "last_number")
 _RESERVED = {"seed": "set by lmforge from train.seed and the split", "size": "set by lmforge (data.num_train / num_eval)"}
 _TAG_INSTRUCTION = "Give your final answer between <answer> and </answer> tags."
 _PLAIN_INSTRUCTION = "Reply with only the final answer."
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")  # last_number: 1,234 -> 1234; -2.5
 _MAX_DRAWS_PER_PROBLEM = 60  # the test share is 10 %, so ~10 draws per problem are expected
 
 
@@ -221,6 +228,9 @@ class RGTask:
         """What ``score_answer`` sees: the last ``<answer>`` tag's text (tags) or the stripped text (plain)."""
         if self.answer_format == "plain":
             return completion_text.strip()
+        if self.answer_format == "last_number":
+            numbers = _NUMBER.findall(completion_text)
+            return numbers[-1].replace(",", "") if numbers else None
         from reasoning_gym.utils import extract_answer
 
         return extract_answer(completion_text)
@@ -265,7 +275,7 @@ def rg_task(spec: str) -> RGTask:
         if not eq or key not in hints or key in _RESERVED:
             valid = ", ".join(f"{k}={v!r}" for k, v in defaults.items())
             raise ValueError(f"task {spec!r}: bad parameter {item!r}; valid (defaults): answer_format='tags' "
-                             f"(or 'plain'), {valid}")
+                             f"(or 'plain', 'last_number'), {valid}")
         params[key] = _parse_value(raw, hints[key], defaults.get(key))
     return RGTask(name, params, answer_format)
 
