@@ -205,7 +205,7 @@ def check_update(args) -> None:
         trl_loss = trainer._compute_loss(model, inputs)
         trl_loss.backward()
         trl_grad = grads()
-        cos = torch.nn.functional.cosine_similarity(lm_grad, trl_grad, dim=0)
+        cos = torch.nn.functional.cosine_similarity(lm_grad.double(), trl_grad.double(), dim=0)
         rel = (lm_grad - trl_grad).norm() / trl_grad.norm()
         print(f"[check] loss lmforge {float(loss):+.6f} trl {float(trl_loss):+.6f}")
         print(f"[check] grad norm lmforge {float(lm_grad.norm()):.4f} trl {float(trl_grad.norm()):.4f}; "
