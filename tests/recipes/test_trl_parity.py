@@ -29,7 +29,8 @@ def tiny_smollm2():
                                   num_heads=2, max_position_embeddings=256))
 
 
-@pytest.mark.slow  # importing TRL and building its trainer: ~15 s quiet, minutes on the shared box
+@pytest.mark.slow
+@pytest.mark.smollm2  # importing TRL and building its trainer: ~15 s quiet, minutes on the shared box
 def test_dapo_gradient_equals_trl_on_the_same_batch(tmp_path):
     from datasets import Dataset
     from trl import GRPOConfig as TRLConfig, GRPOTrainer
