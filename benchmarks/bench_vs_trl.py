@@ -132,10 +132,18 @@ def run_trl(seed: int, args, out_root: str) -> dict:
     evals, clock = [], {"train": 0.0, "mark": 0.0}
 
     def evaluate(step: int, model) -> None:
-        was = model.training
+        # Accelerate wraps model.forward in bf16 autocast under TRL's default bf16=True; evaluate the
+        # fp32 weights without it, as lmforge's evaluation does (greedy decoding in bf16 changes the
+        # answers: 21 % instead of 25 % at step 0 on seed 0).
+        was, wrapped = model.training, model.forward
+        model.forward = getattr(model, "_original_forward", wrapped)
         model.eval()
-        accuracy, _ = task_accuracy(model, tokenizer, prompts.task, prompts.eval_problems, EVAL_TOKENS, prompts.chat)
-        model.train(was)
+        try:
+            accuracy, _ = task_accuracy(model, tokenizer, prompts.task, prompts.eval_problems, EVAL_TOKENS,
+                                        prompts.chat)
+        finally:
+            model.forward = wrapped
+            model.train(was)
         evals.append({"step": step, "samples": step * 64, "accuracy": accuracy, "train_seconds": clock["train"]})
         print(f"[trl seed {seed}] step {step}: accuracy {accuracy:.2f}, train {clock['train']:.0f} s", flush=True)
 
