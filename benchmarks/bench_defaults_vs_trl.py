@@ -100,8 +100,7 @@ def sft(args, out_dir: str) -> dict:
                                       micro_batch_size=args.batch, threads=args.threads, device="cpu"))
     lm_model = copy.deepcopy(model)
     run = start_run(cfg, "bench", lm_model, seq_len=args.seq_len, console=bench_sft.Quiet())
-    choice = (f"dtype={str(run.choices.dtype).replace('torch.', '')}, checkpointing={run.choices.gradient_checkpointing}"
-              if hasattr(run, "choices") else "defaults")
+    choice = f"dtype={str(run.choices.dtype).replace('torch.', '')}, checkpointing={run.choices.gradient_checkpointing}"
     state = build_state(run, lm_model, tokenizer, bench_sft.SequentialOrder(len(rows), args.batch), 2 * total)
     data = SupervisedData(rows, [], lambda part: collate_sft(part, tokenizer.pad_token_id))
     counter = {"step": 0}

@@ -49,11 +49,10 @@ from pathlib import Path
 
 import torch
 
-from lmforge import rl, rl_config
+from lmforge import rl
 from lmforge.config import load_config
 from lmforge.evaluation import task_accuracy
-from lmforge.models import load_model, resolve_pretrained
-from lmforge.config import ModelConfig
+from lmforge.models import load_model
 from lmforge.recipes.grpo import GRPOConfig, advantages_of, micro_loss, run_grpo
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "grpo_smollm2.yaml"
