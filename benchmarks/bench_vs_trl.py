@@ -16,6 +16,9 @@ TRL settings (``--trl-settings``):
   ``loss_type="dapo"`` and everything else TRL 1.16's default: AdamW betas (0.9, 0.999), eps
   1e-8, no weight decay, linear LR decay to 0 over ``max_steps``, grad clip 1.0, bf16 autocast
   (``bf16=None`` -> True), gradient checkpointing on, ``epsilon_high = epsilon = 0.2``.
+- ``--trl-updates N``: N optimizer updates per generation of 64 (``generation_batch_size=64``,
+  ``per_device_train_batch_size=64/N``: what a user gets who keeps the default batch of 8 and sets
+  the generation batch); steps and evaluations still count generations of 64.
 - ``matched``: as ``defaults`` but fp32, no gradient checkpointing and lmforge's optimizer settings
   (constant LR, ``--lm-beta2``), i.e. the same update rule as the lmforge side.
 
@@ -93,11 +96,16 @@ def run_lmforge(seed: int, args, out_root: str) -> dict:
 def trl_config(args, seed: int, steps: int, out_dir: str, batch_rows: int = 64, group: int = 8):
     from trl import GRPOConfig as TRLConfig
 
+    updates = getattr(args, "trl_updates", 1)
+    if updates == 1:  # one update per generation: the batch accumulated over batch_rows / group micro-batches
+        batching = dict(per_device_train_batch_size=group, gradient_accumulation_steps=batch_rows // group)
+    else:  # `updates` optimizer steps per generation of batch_rows completions (TRL's steps_per_generation)
+        batching = dict(per_device_train_batch_size=batch_rows // updates, gradient_accumulation_steps=1,
+                        generation_batch_size=batch_rows)
     common = dict(
-        output_dir=out_dir, use_cpu=True, per_device_train_batch_size=group,
-        gradient_accumulation_steps=batch_rows // group, num_generations=group,
+        output_dir=out_dir, use_cpu=True, **batching, num_generations=group,
         max_completion_length=EVAL_TOKENS, learning_rate=1e-5, beta=0.0, loss_type="dapo",
-        max_steps=steps, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+        max_steps=steps * updates, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
         seed=seed, dataloader_num_workers=0)
     if args.trl_settings == "matched":
         common.update(bf16=False, gradient_checkpointing=False, lr_scheduler_type="constant",
@@ -153,8 +161,10 @@ def run_trl(seed: int, args, out_root: str) -> dict:
 
         def on_step_end(self, a, state, control, model=None, **k):
             clock["train"] += time.perf_counter() - clock["mark"]
-            if state.global_step % args.eval_every == 0 or state.global_step == args.steps:
-                evaluate(state.global_step, model)
+            if state.global_step % args.trl_updates == 0:  # a whole generation (64 samples) consumed
+                step = state.global_step // args.trl_updates
+                if step % args.eval_every == 0 or step == args.steps:
+                    evaluate(step, model)
             clock["mark"] = time.perf_counter()
 
     trainer = GRPOTrainer(model=model, reward_funcs=[task_reward(prompts.task)],
@@ -163,7 +173,8 @@ def run_trl(seed: int, args, out_root: str) -> dict:
                           callbacks=[Evaluate()])
     trainer.train()
     rewards = [h.get("reward") for h in trainer.state.log_history if "reward" in h]
-    return {"framework": "trl", "seed": seed, "settings": args.trl_settings, "evals": evals,
+    settings = args.trl_settings + (f", {args.trl_updates} updates per generation" if args.trl_updates > 1 else "")
+    return {"framework": "trl", "seed": seed, "settings": settings, "evals": evals,
             "sampled_reward": rewards}
 
 
@@ -261,6 +272,9 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.9, help="held-out accuracy for 'time to'")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a loaded 2-core box)")
     parser.add_argument("--trl-settings", choices=["defaults", "matched"], default="defaults")
+    parser.add_argument("--trl-updates", type=int, default=1,
+                        help="TRL optimizer updates per generation of 64 (steps_per_generation; per_device_train_batch_size "
+                             "= 64 / this); steps and evaluations still count generations")
     parser.add_argument("--lm-beta2", type=float, default=0.999, help="TRL 'matched': AdamW beta2")
     parser.add_argument("--lm-override", nargs="*", default=[], help="dotted lmforge overrides")
     parser.add_argument("--no-trl", action="store_true")
