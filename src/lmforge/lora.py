@@ -124,7 +124,7 @@ class DisabledAdapters:
 # ----------------------------------------------------------------------------- merged weights
 
 
-def _plain_name(name: str) -> str:
+def plain_name(name: str) -> str:
     """``model.layers.0.self_attn.q_proj.base_layer.weight`` -> ``model.layers.0.self_attn.q_proj.weight``."""
     return name.replace(".base_layer.", ".")
 
@@ -142,10 +142,10 @@ def merged_named_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch
             continue
         module = adapted.get(name)
         if module is None:
-            yield _plain_name(name), param.detach()
+            yield plain_name(name), param.detach()
         else:
             with torch.no_grad():
-                yield _plain_name(name), param.detach() + module.get_delta_weight(ADAPTER).to(param.dtype)
+                yield plain_name(name), param.detach() + module.get_delta_weight(ADAPTER).to(param.dtype)
 
 
 def strip_adapters(model: torch.nn.Module) -> torch.nn.Module:

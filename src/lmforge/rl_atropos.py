@@ -94,12 +94,18 @@ class AtroposSource:
 
     def _push(self, model: torch.nn.Module, version: int) -> int:
         from .serve import push_weights
+        from .serve.weights import WeightsRefused
 
         last = ""
         for attempt in range(self.cfg.api_retries + 1):
             try:
                 return push_weights(self.cfg.server_url, model, version=version)
-            except Exception as exc:  # connection errors (httpx) and refusals (RuntimeError)
+            except WeightsRefused as exc:
+                if 400 <= exc.status < 500:  # the server will refuse it again: say so now
+                    raise AtroposError(f"rollout.server_url={self.cfg.server_url} refused weights version "
+                                       f"{version}: {exc}; the last checkpoint is intact") from exc
+                last = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # connection errors (httpx)
                 last = f"{type(exc).__name__}: {exc}"
             if attempt < self.cfg.api_retries:
                 time.sleep(self.cfg.api_backoff_s * 2 ** attempt)

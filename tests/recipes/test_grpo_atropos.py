@@ -382,3 +382,30 @@ def test_two_ranks_rank_zero_pulls_and_each_trains_its_share(tmp_path, services)
     for step in (1, 2):
         assert b[step]["reward"] == a[step]["reward"]  # over the step's whole batch, on every rank
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=2e-5, abs=1e-7)
+
+
+def test_a_refused_weight_push_is_not_retried(monkeypatch):
+    """A 4xx from the inference server (wrong names, a version that does not increase) is an error at
+    once, naming the server; a 5xx or a dropped connection is retried."""
+    from types import SimpleNamespace
+
+    from lmforge import rl_atropos, serve
+    from lmforge.serve.weights import WeightsRefused
+
+    calls = []
+
+    def refusing(url, model, version):
+        calls.append(version)
+        raise WeightsRefused("refused (400): unexpected names", status)
+
+    monkeypatch.setattr(serve, "push_weights", refusing)
+    source = object.__new__(rl_atropos.AtroposSource)
+    source.cfg = SimpleNamespace(server_url="http://127.0.0.1:9", api_retries=3, api_backoff_s=0.0)
+    status = 400
+    with pytest.raises(AtroposError, match="refused weights version 5"):
+        source._push(None, 5)
+    assert calls == [5]
+    status = 503
+    with pytest.raises(AtroposError, match="after 4 attempts"):
+        source._push(None, 6)
+    assert calls == [5, 6, 6, 6, 6]

@@ -47,7 +47,7 @@ def records(run_dir, kind="train"):
 
 def base_weights(model) -> dict:
     """The base model's weights of a LoRA model, under plain HF names (a copy)."""
-    return {lora._plain_name(n): p.detach().clone() for n, p in model.named_parameters() if ".lora_" not in n}
+    return {lora.plain_name(n): p.detach().clone() for n, p in model.named_parameters() if ".lora_" not in n}
 
 
 def randomise_adapters(model, seed=0):
@@ -401,6 +401,28 @@ def test_vllm_gets_the_merged_weights_under_plain_names():
     assert not torch.equal(merged["model.layers.1.mlp.down_proj.weight"], layer.base_layer.weight)
     for name, tensor in weights:
         assert torch.equal(tensor, merged[name]), name
+
+
+def test_weights_pushed_to_a_server_are_merged_under_plain_names():
+    """rollout.backend=atropos pushes the policy to `lmforge serve`, which holds the plain model: a LoRA
+    policy goes as its merged weights under the plain model's state-dict names, and the server's own
+    check accepts them."""
+    from safetensors.torch import load
+
+    from lmforge.serve.weights import check_state, state_dict_bytes
+
+    plain_model, _ = tiny()
+    model = copy.deepcopy(plain_model)
+    lora.apply_lora(model, LoraConfig(r=4))
+    randomise_adapters(model)
+    sent = load(state_dict_bytes(model))
+    assert set(sent) == set(plain_model.state_dict())
+    check_state(plain_model, sent)
+    merged = dict(lora.merged_named_parameters(model))
+    assert not torch.equal(sent["model.layers.0.self_attn.q_proj.weight"],
+                           plain_model.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+    for name, tensor in merged.items():
+        assert torch.equal(sent[name], tensor), name
 
 
 def test_ppo_resume_with_lora_is_bit_exact(tmp_path):

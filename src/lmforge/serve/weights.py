@@ -85,12 +85,30 @@ def copy_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
 # ----------------------------------------------------------------------------- trainer side
 
 def state_dict_bytes(model: torch.nn.Module) -> bytes:
-    """``model``'s weights as safetensors bytes (tied tensors are cloned: safetensors refuses shared memory)."""
+    """``model``'s weights as safetensors bytes (tied tensors are cloned: safetensors refuses shared memory).
+    A model with LoRA adapters is sent merged (``W + scale * B A``) under the plain HF names, which is
+    what a server holding the plain model expects."""
     from safetensors.torch import save
+
+    from .. import lora
 
     unwrapped = getattr(model, "module", model)
     unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)
-    return save({name: t.detach().to("cpu").clone().contiguous() for name, t in unwrapped.state_dict().items()})
+    state = unwrapped.state_dict()
+    if lora.has_adapters(unwrapped):
+        merged = dict(lora.merged_named_parameters(unwrapped))
+        state = {lora.plain_name(name): merged.get(lora.plain_name(name), tensor)
+                 for name, tensor in state.items() if ".lora_" not in name}
+    return save({name: t.detach().to("cpu").clone().contiguous() for name, t in state.items()})
+
+
+class WeightsRefused(RuntimeError):
+    """The server answered the weight update with an error status (``status``): retrying will not help
+    when it is a 4xx (wrong names or shapes, a version that does not increase)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 def push_weights(server_url: str, model: torch.nn.Module | None = None, *, checkpoint_dir: str | Path | None = None,
@@ -115,5 +133,6 @@ def push_weights(server_url: str, model: torch.nn.Module | None = None, *, check
         response = httpx.post(f"{base}/v1/weights/tensors", content=state_dict_bytes(model), params=params,
                               headers={"content-type": "application/octet-stream"}, timeout=timeout)
     if response.status_code != 200:
-        raise RuntimeError(f"{base} refused the weight update ({response.status_code}): {response.text}")
+        raise WeightsRefused(f"{base} refused the weight update ({response.status_code}): {response.text}",
+                             response.status_code)
     return int(response.json()["weight_version"])
