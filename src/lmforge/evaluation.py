@@ -60,7 +60,8 @@ def save_samples(run_dir: Path, step: int, prompts: list[str], texts: list[str],
 
 def held_out_evaluator(tokenizer, problems: list, chat: bool, max_new_tokens: int, task=None,
                        reward_specs: list[tuple] | None = None, pass_k: int = 0, temperature: float = 1.0,
-                       seed: int = 0, max_prompt_len: int = 0, reward_kwargs: dict | None = None):
+                       seed: int = 0, max_prompt_len: int = 0, reward_kwargs: dict | None = None,
+                       reward_timeout_s: float = 10.0, reward_workers: int = 0):
     """``evaluate(model, step) -> (metrics, prompt texts, greedy completions)`` on held-out problems.
 
     ``problems`` are task Problems (``task`` given: correct = ``task.is_correct``) or data rows with a
@@ -71,7 +72,8 @@ def held_out_evaluator(tokenizer, problems: list, chat: bool, max_new_tokens: in
     among ``pass_k`` sampled at ``temperature`` (seeded by ``seed`` + step). Prompts longer than
     ``max_prompt_len`` tokens keep their last ``max_prompt_len`` tokens. The rewards get each
     completion's length in tokens and ``reward_kwargs`` (e.g. ``max_new_tokens`` for ``overlong``), as
-    in training.
+    in training, and run with the training's ``reward_timeout_s`` / ``reward_workers``. The returned
+    function has a ``close()`` that stops the reward workers (call it when the run ends).
     """
     from .rollout.rewards import RewardSet
 
@@ -79,7 +81,8 @@ def held_out_evaluator(tokenizer, problems: list, chat: bool, max_new_tokens: in
     prompt_ids = [encode_prompt(tokenizer, text, chat) for text in texts_in]
     if max_prompt_len:
         prompt_ids = [ids[-max_prompt_len:] for ids in prompt_ids]
-    rewards = None if task is not None else RewardSet(reward_specs or [("exact", 1.0)], max_failure_fraction=1.0)
+    rewards = None if task is not None else RewardSet(reward_specs or [("exact", 1.0)], max_failure_fraction=1.0,
+                                                      timeout_s=reward_timeout_s, workers=reward_workers)
 
     def score(texts: list[str], rows: list, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(correct (N,) bool, weighted reward (N,) or None)."""
@@ -104,4 +107,5 @@ def held_out_evaluator(tokenizer, problems: list, chat: bool, max_new_tokens: in
             metrics["pass_at_k"] = hits.view(len(problems), pass_k).any(dim=1).float().mean().item()
         return metrics, texts_in, texts
 
+    evaluate.close = rewards.close if rewards is not None else (lambda: None)
     return evaluate

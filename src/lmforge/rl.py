@@ -694,7 +694,9 @@ def make_evaluate(state: RLState) -> Callable[[int], dict] | None:
                                    task=prompts.task, reward_specs=cfg.rewards.specs(), pass_k=cfg.data.pass_k,
                                    temperature=cfg.rollout.temperature, seed=cfg.train.seed,
                                    max_prompt_len=cfg.data.max_prompt_len,
-                                   reward_kwargs={"max_new_tokens": cfg.rollout.max_new_tokens})
+                                   # the length limit the evaluation generates with, for `overlong`
+                                   reward_kwargs={"max_new_tokens": cfg.train.max_new_tokens},
+                                   reward_timeout_s=cfg.rewards.timeout_s, reward_workers=cfg.rewards.workers)
 
     def evaluate(step: int) -> dict:
         metrics, prompt_texts, texts = evaluator(state.sampler_model(), step)
@@ -702,6 +704,8 @@ def make_evaluate(state: RLState) -> Callable[[int], dict] | None:
         if run.ctx.is_main:
             save_samples(run.dir, step, prompt_texts[:k], texts[:k], run.print)
         return metrics
+
+    evaluate.close = evaluator.close  # the evaluation's reward workers: stopped with the run
 
     return evaluate
 
@@ -730,11 +734,14 @@ def train_rl(state: RLState, step_fn: Callable[[int], dict], extra_state: Callab
     overlapped = state.async_rollouts
     if overlapped is not None:  # checkpoints hold the batches already launched (rl_async)
         extra_state = (lambda own: lambda: {**own(), **overlapped.state_dict()})(extra_state)
-    trainer = Trainer(step=step, evaluate=make_evaluate(state), evaluate_at_start=True, extra_state=extra_state,
+    evaluate = make_evaluate(state)
+    trainer = Trainer(step=step, evaluate=evaluate, evaluate_at_start=True, extra_state=extra_state,
                       save_final_extra=save_extra, time_keys=TIME_KEYS)
     try:
         return train_loop(state.train, trainer)
-    finally:  # the reward workers and the background sampler stop with the run, on errors too
-        state.reward_set.close()
+    finally:  # on errors too: the background sampler first (it scores with the reward set), then the rewards
         if overlapped is not None:
             overlapped.close()
+        state.reward_set.close()
+        if evaluate is not None:
+            evaluate.close()
