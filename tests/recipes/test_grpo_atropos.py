@@ -321,6 +321,15 @@ def test_atropos_backend_needs_an_api_url():
         load_config(GRPOConfig, None, ARGS + ["rollout.backend=atropos"])
 
 
+def test_qat_with_the_atropos_backend_is_refused(tmp_path):
+    """The inference server would sample the master weights, not the fake-quantized model trained."""
+    with pytest.raises(ConfigError, match="train.qat needs rollout.backend=inprocess.*backend=atropos"):
+        run_grpo(load_config(GRPOConfig, None, ARGS + [
+            "rollout.backend=atropos", "rollout.api_url=http://127.0.0.1:9", "train.qat=ternary",
+            f"train.output_dir={tmp_path / 'run'}"]))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 RANKS_ARGS = ["rollout.backend=atropos", "rewards.functions=[exact]", "algo.preset=", "algo.num_mini_batches=1", "optim.eps=1e-3",
               "optim.weight_decay=0.0", "optim.schedule=constant", "train.dtype=fp32"] + FAST_API
 

@@ -30,9 +30,11 @@ def check_quant_settings(cfg) -> None:
         except QuantizeError as exc:
             raise ConfigError(f"config key 'train.save_quantized[{i}]': {exc}") from None
     backend = getattr(getattr(cfg, "rollout", None), "backend", None)
-    if getattr(tcfg, "qat", QAT_OFF) != QAT_OFF and backend == "vllm":
-        raise ConfigError("train.qat needs rollout.backend=inprocess: vLLM would sample from the full-precision "
-                          "master weights, not from the fake-quantized model that is trained")
+    if getattr(tcfg, "qat", QAT_OFF) != QAT_OFF and backend in ("vllm", "atropos"):
+        sampler = "vLLM" if backend == "vllm" else "the inference server the environments call"
+        raise ConfigError(f"train.qat needs rollout.backend=inprocess: with rollout.backend={backend}, {sampler} "
+                          "would sample from the full-precision master weights, not from the fake-quantized "
+                          "model that is trained")
 
 
 def apply_train_qat(run, model) -> list[str]:
