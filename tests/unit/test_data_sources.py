@@ -329,3 +329,12 @@ def test_held_out_evaluator_gives_the_rewards_the_completion_lengths(monkeypatch
     metrics, _, _ = evaluate(None, step=0)
     assert metrics["accuracy"] == pytest.approx(1 / 2)
     assert metrics["eval_reward"] == pytest.approx(((1.0 + 0.0) + (0.0 - 1.0)) / 2)
+
+
+def test_column_mapping_handles_swaps_and_shared_columns():
+    from lmforge.data.source import rename_row
+
+    row = {"prompt": "P", "answer": "A", "other": 1}
+    assert rename_row(row, {"prompt": "answer", "answer": "prompt"}, "f:1") == {"prompt": "A", "answer": "P", "other": 1}
+    assert rename_row({"q": "Q"}, {"prompt": "q", "answer": "q"}, "f:1") == {"prompt": "Q", "answer": "Q"}
+    assert rename_row(row, {"question": "prompt"}, "f:1") == {"answer": "A", "other": 1, "question": "P"}

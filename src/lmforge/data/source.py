@@ -195,13 +195,14 @@ def rename_row(row: dict, columns: dict[str, str], where: str) -> dict:
     """``row`` with each mapped column under its lmforge name (a missing column names the row)."""
     if not columns:
         return row
-    out = dict(row)
     for name, column in columns.items():
         if column not in row:
             raise DataError(f"{where}: no column {column!r} (data.columns maps {name!r} to it); the row has "
                             f"{', '.join(sorted(row)) or 'no columns'}")
-        out.pop(column)
-        out[name] = row[column]
+    # the unmapped columns as they are, then every mapped one from the original row: a swap
+    # ({prompt: answer, answer: prompt}) and two names for one column both come out right
+    out = {key: value for key, value in row.items() if key not in set(columns.values())}
+    out.update({name: row[column] for name, column in columns.items()})
     return out
 
 
