@@ -284,3 +284,39 @@ def test_rows_task_errors_name_the_file_and_row(tmp_path):
     with pytest.raises(DataError, match=f"one.jsonl: no row falls in the '{other}' split"):
         task.make_problems(1, 0, other)
     assert task.is_correct(" 2\n", task.make_problems(1, 0, split)[0])
+
+
+def test_a_rows_reward_that_raises_or_hangs_is_an_error_naming_it(tmp_path, monkeypatch):
+    """data.path traces are scored through a RewardSet: a raising reward and one that hangs past the
+    timeout both stop the stage with an error naming the reward and the prompt, never a silent 0."""
+    import time as clock
+
+    from lmforge.errors import DataError
+    from lmforge.recipes import antidistill
+    from lmforge.rollout import BUILTIN_REWARDS
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(40)))
+
+    def raising(completion, problem):
+        raise ZeroDivisionError("boom")
+
+    def hanging(completion, problem):
+        clock.sleep(30)
+        return 1.0
+
+    monkeypatch.setitem(BUILTIN_REWARDS, "raising", raising)
+    monkeypatch.setitem(BUILTIN_REWARDS, "hanging", hanging)
+    monkeypatch.setattr(antidistill, "REWARD_TIMEOUT_S", 0.5)
+    for name, needle in (("raising", "it raised"), ("hanging", "timed out after 0.5 s")):
+        cfg = load_config(AntidistillConfig, None, [f"data.path={rows}", f"data.reward={name}"])
+        task = antidistill._task(cfg)
+        problem = task.make_problems(1, 0, "train")[0]
+        start = clock.monotonic()
+        with pytest.raises(DataError, match=f"the '{name}' reward failed on the prompt .*{needle}"):
+            task.score("1", problem)
+        assert clock.monotonic() - start < 10
+    cfg = load_config(AntidistillConfig, None, [f"data.path={rows}", "data.reward=exact"])
+    task = antidistill._task(cfg)
+    problem = task.make_problems(1, 0, "train")[0]
+    assert task.score(problem.answer, problem) == 1.0 and task.score("x", problem) == 0.0

@@ -84,7 +84,7 @@ class RowsTask:
         try:
             return float(self.score_fn(completion_text, problem))
         except Exception as exc:  # a user's reward: say which and where, never a silent 0
-            raise DataError(f"{self.source}: the {self.score_name!r} reward raised on the prompt "
+            raise DataError(f"{self.source}: the {self.score_name!r} reward failed on the prompt "
                             f"{problem.prompt[:60]!r} (answer {problem.answer[:30]!r}): {type(exc).__name__}: {exc}") from exc
 
     def is_correct(self, completion_text: str, problem: Problem) -> bool:

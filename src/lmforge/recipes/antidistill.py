@@ -272,16 +272,30 @@ def _sample_traces(cfg, ctx, teacher, tokenizer, task, problems, temperature: fl
     return rows, stats
 
 
+REWARD_TIMEOUT_S = 30.0  # data.path rows: the longest one scoring call may take
+
+
 def _task(cfg: AntidistillConfig):
     """The problems' source: data.path rows (scored by data.reward) or the task data.task."""
     if not cfg.data.path:
         return get_task(cfg.data.task)
     from ..data.rows_task import RowsTask
-    from ..rollout.rewards import resolve_reward
+    from ..rollout.rewards import RewardSet
 
-    reward = resolve_reward(cfg.data.reward)
+    # through a RewardSet: the reward's own executor (a process pool for math) and a per-call timeout,
+    # so a pathological completion cannot hang a stage
+    rewards = RewardSet([(cfg.data.reward, 1.0)], max_failure_fraction=1.0, timeout_s=REWARD_TIMEOUT_S, workers=1)
+
+    def score(text: str, problem) -> float:
+        out = rewards([text], [problem])
+        if int(out.num_failed.sum()):
+            timed_out = int(out.num_timed_out.sum()) if out.num_timed_out.numel() else 0
+            raise RuntimeError("timed out after {:g} s".format(REWARD_TIMEOUT_S) if timed_out
+                               else "it raised (the error is logged above)")
+        return float(out.total[0])
+
     return RowsTask.load(cfg.data.path, cfg.data.source_split, cfg.data.subset, cfg.data.columns,
-                         score_fn=lambda text, problem: reward(text, problem), score_name=cfg.data.reward)
+                         score_fn=score, score_name=cfg.data.reward)
 
 
 # ----------------------------------------------------------------------------- stages
