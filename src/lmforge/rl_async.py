@@ -144,10 +144,18 @@ class AsyncRollouts:
         return rollout, rewards, metrics
 
     def state_dict(self) -> dict:
-        """The launched batches (waited for), for the checkpoint's trainer state."""
+        """The launched batches (waited for), for the checkpoint's trainer state. A batch whose sampling
+        or scoring failed is left out, so that the checkpoint of the step that trained is still written;
+        its error is raised when its step takes it, and a run resumed from this checkpoint samples that
+        step anew from the next prompts (the failed batch's prompts are skipped)."""
         pending = {}
         for step, (future, version) in sorted(self.pending.items()):
-            rollout, rewards, metrics = future.result()
+            try:
+                rollout, rewards, metrics = future.result()
+            except Exception as exc:  # noqa: BLE001 -- re-raised by take(step), after this save
+                self.state.run.print(f"[rollout] async: the batch of step {step} failed ({type(exc).__name__}: "
+                                     f"{exc}); the checkpoint is written without it")
+                continue
             pending[step] = {"rollout": rollout, "rewards": rewards, "metrics": metrics, "version": version}
         return {"async_rollouts": {"ahead": self.ahead, "pending": pending}}
 

@@ -122,3 +122,32 @@ def test_ppo_runs_with_async_rollouts(tmp_path):
     train = records(out)
     assert [train[k]["staleness"] for k in (1, 2, 3)] == [0, 1, 1]
     assert all(r["value_loss"] == r["value_loss"] and "is_weight_mean" in r for r in train.values())
+
+
+def test_a_failed_batch_in_flight_does_not_cost_the_checkpoint_of_the_step_that_trained(tmp_path, monkeypatch):
+    """The reward fails on every row of the third batch, which is sampled in the background while step 2
+    trains. Step 2's checkpoint is still written (without that batch), then the run stops with the
+    reward's error at step 3, and it resumes from step 2."""
+    from lmforge.checkpoint import list_checkpoints
+    from lmforge.errors import TrainingError
+    from lmforge.rollout import BUILTIN_REWARDS
+
+    calls = [0]
+
+    def third_batch_fails(completion, problem):
+        calls[0] += 1
+        if 16 < calls[0] <= 24:  # 8 rows per batch: the third batch
+            raise RuntimeError("verifier down")
+        return float(len(completion) % 2)
+
+    monkeypatch.setitem(BUILTIN_REWARDS, "third_batch_fails", third_batch_fails)
+    out = tmp_path / "run"
+    args = [a for a in ARGS if not a.startswith("rewards.")] + ["rewards.functions=[third_batch_fails]",
+                                                                "rewards.timeout_s=0", f"train.output_dir={out}"]
+    with pytest.raises(TrainingError, match="verifier down"):
+        run_grpo(load_config(GRPOConfig, None, args))
+    assert [p.name for p in list_checkpoints(out)] == ["step-000001", "step-000002"]
+    assert sorted(records(out)) == [1, 2]
+    calls[0] = 100  # the verifier is back
+    run_grpo(load_config(GRPOConfig, None, args + ["train.resume=auto"]))
+    assert sorted(records(out)) == [1, 2, 3, 4]
