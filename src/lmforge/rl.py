@@ -609,8 +609,11 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
     reward_set = RewardSet(cfg.rewards.specs(), cfg.rewards.max_failure_fraction, cfg.rewards.timeout_s,
                            cfg.rewards.workers)
     state = RLState(train, ref_model, prompts, reward_set)
-    if cfg.rollout.dtype != "same":
+    if cfg.rollout.dtype != "same" and cfg.rollout.backend == "inprocess":
         state.rollout_engine = cast_engine(state.sampler_model(), cfg.rollout.dtype, algo, run)
+    elif cfg.rollout.dtype != "same":
+        run.print(f"[rollout] note: rollout.dtype={cfg.rollout.dtype} applies to rollout.backend=inprocess; "
+                  f"with {cfg.rollout.backend} the sampler's precision is set there")
     if cfg.rollout.backend == "vllm":
         from .rollout.vllm_backend import VLLMEngine
 
