@@ -29,26 +29,49 @@ def _questions(tmp_path, n=20, answers=True):
     return tmp_path / "questions.parquet"
 
 
-def test_grpo_from_a_parquet_prompt_file_logs_held_out_accuracy_with_the_configured_reward(tmp_path, capsys):
+def test_grpo_from_a_parquet_prompt_file_logs_held_out_accuracy_with_the_configured_reward(tmp_path, capsys,
+                                                                                          monkeypatch):
     data = _questions(tmp_path)
+    # a third reward that is rarely 0, so that eval_reward tells the weighted sum from the first reward
+    monkeypatch.setitem(BUILTIN_REWARDS, "chars", lambda completion, problem: float(len(completion)))
     out = tmp_path / "run"
-    run_grpo(load_config(GRPOConfig, None, RL + [
-        f"data.path={data}", "data.columns={prompt: question, answer: solution}", "data.eval_fraction=0.1",
-        "data.pass_k=2", "rewards.functions=[parity, exact]", "train.num_samples=2", f"train.output_dir={out}"]))
+    args = RL + [f"data.path={data}", "data.columns={prompt: question, answer: solution}", "data.eval_fraction=0.1",
+                 "data.pass_k=2", "rewards.functions=[parity, exact, {name: chars, weight: 0.25}]",
+                 "train.num_samples=2", f"train.output_dir={out}"]
+    run_grpo(load_config(GRPOConfig, None, args))
     assert "[data] 2 rows held out for evaluation (data.eval_fraction=0.1, seed 0)" in capsys.readouterr().out
     evals = [r for r in read_metrics(out) if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 1, 2]
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    answers = {f"{i}+{i % 7}=": str(i + i % 7) for i in range(20)}  # the rows _questions wrote
+    parity = BUILTIN_REWARDS["parity"]  # registered by tests/recipes/conftest.py
+
+    def scores(completion, prompt):  # (parity, weighted sum): the configured rewards with their weights
+        first = parity(completion, None)
+        return first, first + float(completion.strip() == answers[prompt]) + 0.25 * len(completion)
+
     for record in evals:
-        # accuracy = the first reward (parity) at full marks on the greedy completions of both held-out rows
+        # recomputed from the greedy completions of both held-out rows saved at this step:
+        # accuracy = the first reward (parity) at full marks; eval_reward = mean of the weighted sum
         mine = [s for s in samples if s["step"] == record["step"]]
         assert len(mine) == 2
-        parity = BUILTIN_REWARDS["parity"]  # registered by tests/recipes/conftest.py
-        expected = sum(parity(s["completion"], None) for s in mine) / 2
-        assert record["accuracy"] == pytest.approx(expected, abs=1e-9)
-        assert 0.0 <= record["pass_at_k"] <= 1.0 and record["eval_reward"] >= record["accuracy"] - 1e-9
-    held = {s["prompt"] for s in samples}
-    assert len(held) == 2 and all(p.endswith("=") for p in held)
+        per_row = [scores(s["completion"], s["prompt"]) for s in mine]
+        assert record["accuracy"] == pytest.approx(sum(p >= 1 for p, _ in per_row) / 2, abs=1e-9)
+        assert record["eval_reward"] == pytest.approx(sum(total for _, total in per_row) / 2, abs=1e-6)
+    held = sorted({s["prompt"] for s in samples})
+    assert len(held) == 2 and all(p in answers for p in held)
+    # pass@2 of the final evaluation (step 2), recomputed on the saved final model: 2 completions per
+    # held-out prompt sampled at rollout.temperature with seed train.seed + step, as the run drew them
+    from lmforge.evaluation import complete_ids
+    from lmforge.models import load_model
+
+    cfg = load_config(GRPOConfig, None, args + [f"model.name={out / 'final'}", "model.tokenizer="])
+    model, tok = load_model(cfg.model)
+    order = [s["prompt"] for s in samples if s["step"] == 2]  # the held-out rows, in the run's order
+    ids = [tok.encode(p) for p in order for _ in range(2)]
+    sampled = complete_ids(model, tok, ids, 4, temperature=cfg.rollout.temperature, seed=cfg.train.seed + 2)
+    hits = [any(parity(c, None) >= 1 for c in sampled[2 * i:2 * i + 2]) for i in range(2)]
+    assert evals[-1]["pass_at_k"] == pytest.approx(sum(hits) / 2, abs=1e-9)
 
 
 def test_a_prompt_file_without_answers_trains_and_says_why_there_is_no_held_out_eval(tmp_path, capsys):

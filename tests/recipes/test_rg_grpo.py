@@ -71,15 +71,48 @@ def test_reward_workers_are_closed_when_the_run_fails(tmp_path, monkeypatch, clo
     assert len(closes) == 1, "the reward workers were not closed after the error"
 
 
-def test_sft_on_a_reasoning_gym_task(tmp_path):
+def test_sft_on_a_reasoning_gym_task(tmp_path, monkeypatch):
+    """The SFT rows are the rg problems' prompt -> plain answer pairs, the answers are the value of
+    the arithmetic in the question (computed here, not by reasoning-gym), and the logged accuracy is
+    the task's scorer on the saved greedy completions of the held-out problems."""
+    import re
+
+    import lmforge.recipes.sft as sft_recipe
+    from lmforge.data.tasks import get_task
     from lmforge.recipes.sft import SFTConfig, run_sft
 
+    made = {}
+    real_rows = sft_recipe.sft_rows_from_task
+
+    def rows_of(task, n, seed, split):
+        made[split] = real_rows(task, n, seed, split)
+        return made[split]
+
+    monkeypatch.setattr(sft_recipe, "sft_rows_from_task", rows_of)
     out = tmp_path / "sft"
     cfg = load_config(SFTConfig, None, TINY + [
         f"data.task={TASK}", "data.num_train=32", "data.num_val=4", "data.num_eval=4", "train.max_steps=2",
         "train.batch_size=8", "train.micro_batch_size=8", "train.threads=1", "train.eval_every=2",
-        "train.max_new_tokens=4", "train.save_every=0", "logging.progress=false", f"train.output_dir={out}"])
+        "train.max_new_tokens=4", "train.num_samples=4", "train.save_every=0", "logging.progress=false",
+        f"train.output_dir={out}"])
     result = run_sft(cfg)
-    assert "accuracy" in result
+    assert [len(made["train"]), len(made["val"])] == [32, 4]
+    question = re.compile(r"Calculate (.+)\.\n\nReply with only the final answer\.")
+    for row in made["train"] + made["val"]:
+        expression = question.fullmatch(row["prompt"]).group(1)
+        assert re.fullmatch(r"[-+*/() 0-9]+", expression), expression
+        # plain answer format: the completion is the bare answer, the value of the expression
+        assert row["completion"] == row["answer"] and float(row["answer"]) == eval(expression), row
+
+    task = get_task(TASK)
+    problems = task.make_problems(4, cfg.train.seed, "test")
+    assert not {p.prompt for p in problems} & {r["prompt"] for r in made["train"]}
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     evals = records(out, "eval")
-    assert 2 in evals
+    assert sorted(evals) == [2]
+    final = [s for s in samples if s["step"] == 2]
+    assert [s["prompt"] for s in final] == [p.prompt for p in problems]
+    expected = sum(task.score(s["completion"], p) >= 0.999 for s, p in zip(final, problems)) / 4
+    assert evals[2]["accuracy"] == result["accuracy"] == pytest.approx(expected, abs=1e-9)
+    # the scorer tells a right answer from a wrong one on these problems (so the check above can fail)
+    assert all(task.score(p.completion, p) == 1.0 and task.score(p.completion + "1", p) < 1.0 for p in problems)

@@ -235,10 +235,23 @@ def test_streaming_blocks_wrap_around_and_resume_where_they_stopped():
 
 
 def test_streaming_validation_documents_are_chosen_by_their_text():
-    chosen = [d for d in DOCS if held_out(d, 0.25)]
-    assert 0 < len(chosen) < len(DOCS)
-    assert chosen == [d for d in reversed(DOCS) if held_out(d, 0.25)][::-1]  # order-independent
-    assert not any(held_out(d, 0.0) for d in DOCS)
+    """The documented rule (data/stream.py, docs/data.md): a document is held out when the sha256 of
+    its UTF-8 text, read as a fraction (first 8 bytes, big-endian, over 2**64), is below val_fraction.
+    Recomputed here from the hex digest, so a different hash, byte order or comparison fails."""
+    import hashlib
+
+    def fraction(doc):
+        return int(hashlib.sha256(doc.encode("utf-8")).hexdigest()[:16], 16) / 16**16
+
+    docs = [f"document {i}: " + "abc xyz " * (i % 7 + 1) + ("é ü ✓" if i % 3 == 0 else "") for i in range(400)]
+    for f in (0.0, 0.1, 0.25, 0.5, 1.0):
+        assert [held_out(d, f) for d in docs] == [fraction(d) < f for d in docs], f
+    # a uniform hash holds out Binomial(400, 0.25) documents: mean 100, sd sqrt(400 * .25 * .75) = 8.7;
+    # 100 +- 35 is 4 sd, outside which a uniform hash falls with probability < 1e-4. A rule that used
+    # val_fraction as a percentage, or held out the complement, lands near 1 or 300 and fails.
+    chosen = [d for d in docs if held_out(d, 0.25)]
+    assert 65 <= len(chosen) <= 135, len(chosen)
+    assert not any(held_out(d, 0.0) for d in docs) and all(held_out(d, 1.0) for d in docs)
 
 
 def test_a_stream_with_less_than_one_block_is_an_error():

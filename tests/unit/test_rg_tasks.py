@@ -82,15 +82,23 @@ def test_last_number_format_scores_the_last_number_of_the_completion():
 
 def test_countdown_expression_and_partial_credit():
     task = get_task("rg:countdown:min_numbers=3,max_numbers=3")
+    summed = []
     for p in task.make_problems(3, 0, "train"):
         target = p.entry["metadata"]["target"]
         assert eval(p.answer) == target  # noqa: S307 - the dataset's own arithmetic expression
         assert task.score(f"<answer>{p.answer}</answer>", p) == 1.0
-        numbers = p.entry["metadata"]["numbers"]
-        wrong = " + ".join(map(str, numbers))
-        if eval(wrong) != target:  # noqa: S307
-            assert 0.0 < task.score(f"<answer>{wrong}</answer>", p) < 1.0  # countdown's partial credit
-            assert not task.is_correct(f"<answer>{wrong}</answer>", p)
+        # an expression that is always wrong (target + 1): countdown's partial credit, below full marks
+        # and above a completion with no answer at all
+        wrong = f"<answer>{p.answer} + 1</answer>"
+        assert 0.0 < task.score("no answer here", p) < task.score(wrong, p) < 1.0
+        assert not task.is_correct(wrong, p)
+        # the sum of the given numbers: full marks exactly when it happens to reach the target
+        total = " + ".join(map(str, p.entry["metadata"]["numbers"]))
+        summed.append((eval(total) == target, task.score(f"<answer>{total}</answer>", p)))  # noqa: S307
+    # seed 0 gives one problem whose sum misses the target (partial credit) and two where it reaches it
+    misses = [score for reached, score in summed if not reached]
+    assert len(misses) == 1 and 0.0 < misses[0] < 1.0, summed
+    assert [score for reached, score in summed if reached] == [1.0, 1.0], summed
 
 
 def test_spec_round_trip_and_pickle():

@@ -41,7 +41,8 @@ class SFTDataConfig:
 
     def validate(self) -> None:
         if bool(self.path) == bool(self.task):
-            raise ConfigError("set exactly one of data.path (a JSONL/Parquet file) and data.task (e.g. addition)")
+            raise ConfigError("set exactly one of data.path (rows from any source of docs/data.md: JSONL, Parquet, "
+                              "CSV, Arrow, a save_to_disk dir, a cached hub id) and data.task (e.g. addition)")
         if self.task:
             try:
                 get_task(self.task)
