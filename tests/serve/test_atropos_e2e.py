@@ -141,22 +141,20 @@ def test_run_api_environment_serve_and_trainer_smoke(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_reward_rises_with_the_quickstart_model(tmp_path):
+def test_grpo_through_atropos_raises_accuracy_of_the_quickstart_model(tmp_path):
     """The quickstart's SFT stage (tiny Llama, 128 hidden, 4 layers, char tokens), then 60 GRPO steps fed
-    by the environment through run-api: the reward of the last 15 steps beats the first 15's, and the
-    held-out greedy accuracy rises. ``LMFORGE_TEST_SFT_MODEL=DIR`` skips the SFT stage and starts from
-    DIR (e.g. a quickstart's ``sft/final``).
+    by the environment through run-api: the held-out greedy accuracy rises. ``LMFORGE_TEST_SFT_MODEL=DIR``
+    skips the SFT stage and starts from DIR (e.g. a quickstart's ``sft/final``).
 
-    Margin: from one quickstart SFT model (69-72 % greedy), seeds 0, 1, 2 (train.seed and the
-    environment's) raised the mean reward from steps 1-10 to steps 51-60 by 0.131, 0.140 and 0.075,
-    and held-out accuracy 0.69 -> 0.75, 0.72 -> 0.775, 0.72 -> 0.795 (at step 30 it dipped below the
-    start in two of them: 60 steps at lr 1e-4, one to two steps off-policy, are noisy). A fourth run,
-    with its own SFT stage on a machine loaded by other jobs (96 stale groups dropped), rose only
-    0.333 -> 0.362 in reward (steps 1-10 vs 51-60) but 0.69 -> 0.755 in accuracy. So the reward check
-    compares 15-step means (960 completions each: a standard error of the difference near 0.02) and
-    asks only for a rise; the accuracy check asks for a rise too. A trainer that does not learn
-    fails them about three times in four. About 2 min on the busy 2-core machine without the SFT
-    stage, 7-8 min with it."""
+    Margin: from one quickstart SFT model (69-72 % greedy on the 200 held-out problems), seeds 0, 1, 2
+    raised held-out accuracy to 0.75, 0.775, 0.795 at step 60; four later runs whose output was kept
+    (each with its own SFT stage, one on a loaded machine, three on a quiet one) went from 0.69 to
+    0.755, 0.775, 0.85 and 0.80: the smallest rise was 0.055. The held-out accuracy is greedy and
+    scores the same 200 problems each time, so the check asks for a rise of more than 0.02. The
+    sampled reward (T = 1, 64 completions per step, from an environment that runs up to two steps
+    ahead) is too noisy to test on: its 15-step means rose in three of those four runs and fell
+    (0.36 -> 0.32) in the one whose accuracy rose to 0.80; it is printed, not asserted. About 1 min on
+    a quiet 2-core machine, 7-8 min on a loaded one."""
     pytest.importorskip("atroposlib")
     pytest.importorskip("fastapi")
     from lmforge.recipes.quickstart import QuickstartConfig, run_quickstart
@@ -183,6 +181,5 @@ def test_reward_rises_with_the_quickstart_model(tmp_path):
     print(f"reward first 15 steps {first:.3f}, last 15 {last:.3f}; held-out accuracy "
           + ", ".join(f"step {s}: {e['accuracy']:.3f}" for s, e in sorted(evals.items()))
           + f"; dropped stale groups {records[60]['atropos_dropped_stale_total']}, server version {version}")
-    assert last > first, (first, last)
-    assert evals[60]["accuracy"] > evals[0]["accuracy"], evals
+    assert evals[60]["accuracy"] > evals[0]["accuracy"] + 0.02, evals
     assert version == 60
