@@ -93,25 +93,18 @@ class AtroposSource:
         return int(reply["weight_version"])
 
     def _push(self, model: torch.nn.Module, version: int) -> int:
-        from .serve import push_weights
-        from .serve.weights import WeightsRefused
+        """POST the weights (serialised once, merged if LoRA) to ``lmforge serve``; retried like every
+        other call here, and a refusal (4xx: wrong names or shapes, a version that does not increase)
+        is an error at once."""
+        from .serve.weights import state_dict_bytes
 
-        last = ""
-        for attempt in range(self.cfg.api_retries + 1):
-            try:
-                return push_weights(self.cfg.server_url, model, version=version)
-            except WeightsRefused as exc:
-                if 400 <= exc.status < 500:  # the server will refuse it again: say so now
-                    raise AtroposError(f"rollout.server_url={self.cfg.server_url} refused weights version "
-                                       f"{version}: {exc}; the last checkpoint is intact") from exc
-                last = f"{type(exc).__name__}: {exc}"
-            except Exception as exc:  # connection errors (httpx)
-                last = f"{type(exc).__name__}: {exc}"
-            if attempt < self.cfg.api_retries:
-                time.sleep(self.cfg.api_backoff_s * 2 ** attempt)
-        raise AtroposError(f"pushing weights version {version} to rollout.server_url={self.cfg.server_url} failed "
-                           f"after {self.cfg.api_retries + 1} attempts (last: {last}); the last checkpoint is "
-                           "intact: resume the run once the inference server is back")
+        server = self.cfg.server_url.rstrip("/")
+        reply = _request("POST", f"{server}/v1/weights/tensors", self.cfg.api_retries, self.cfg.api_backoff_s,
+                         timeout=600.0, content=state_dict_bytes(model), params={"version": version},
+                         headers={"content-type": "application/octet-stream"},
+                         action=f"pushing weights version {version} to rollout.server_url={self.cfg.server_url}",
+                         remedy="the last checkpoint is intact: resume the run once the inference server is back")
+        return int(reply["weight_version"])
 
     def _start(self, state, trained_steps: int) -> None:
         def start() -> None:

@@ -395,26 +395,28 @@ def test_two_ranks_rank_zero_pulls_and_each_trains_its_share(tmp_path, services)
 
 def test_a_refused_weight_push_is_not_retried(monkeypatch):
     """A 4xx from the inference server (wrong names, a version that does not increase) is an error at
-    once, naming the server; a 5xx or a dropped connection is retried."""
+    once, naming the version; a 5xx is retried (rollout.api_retries), then an error."""
     from types import SimpleNamespace
 
-    from lmforge import rl_atropos, serve
-    from lmforge.serve.weights import WeightsRefused
+    import httpx
+
+    from lmforge import rl_atropos
 
     calls = []
 
-    def refusing(url, model, version):
-        calls.append(version)
-        raise WeightsRefused("refused (400): unexpected names", status)
+    def answering(method, url, **kwargs):
+        calls.append(kwargs["params"]["version"])
+        return httpx.Response(status, json={"error": "unexpected names"})
 
-    monkeypatch.setattr(serve, "push_weights", refusing)
+    monkeypatch.setattr(httpx, "request", answering)
     source = object.__new__(rl_atropos.AtroposSource)
     source.cfg = SimpleNamespace(server_url="http://127.0.0.1:9", api_retries=3, api_backoff_s=0.0)
+    model = torch.nn.Linear(2, 2)
     status = 400
-    with pytest.raises(AtroposError, match="refused weights version 5"):
-        source._push(None, 5)
+    with pytest.raises(AtroposError, match="pushing weights version 5 .* was refused \\(400\\)"):
+        source._push(model, 5)
     assert calls == [5]
     status = 503
     with pytest.raises(AtroposError, match="after 4 attempts"):
-        source._push(None, 6)
+        source._push(model, 6)
     assert calls == [5, 6, 6, 6, 6]

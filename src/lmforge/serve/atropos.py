@@ -40,25 +40,31 @@ class AtroposError(LmforgeError):
     """The Atropos API is unreachable, refused a call, or sent a batch lmforge cannot train on."""
 
 
-def _request(method: str, url: str, retries: int, backoff_s: float, timeout: float = 30.0, **kwargs) -> Any:
-    """One JSON call with ``retries`` retries on connection errors and 5xx, waiting backoff_s * 2^k."""
+_API_DOWN = "is the Atropos API server (`run-api`) running there? The run can be resumed once it is"
+
+
+def _request(method: str, url: str, retries: int, backoff_s: float, timeout: float = 30.0, *,
+             action: str = "", remedy: str = _API_DOWN, **kwargs) -> Any:
+    """One JSON call with ``retries`` retries on connection errors and 5xx, waiting backoff_s * 2^k; a
+    4xx is an error at once (the same call would be refused again). ``action`` names the call in the
+    errors (default ``METHOD URL``), ``remedy`` is what the final error tells the user to do."""
     import httpx
 
+    action = action or f"{method} {url}"
     last = ""
     for attempt in range(retries + 1):
         try:
             response = httpx.request(method, url, timeout=timeout, **kwargs)
             if response.status_code < 500:
                 if response.status_code >= 400:
-                    raise AtroposError(f"{method} {url} was refused ({response.status_code}): {response.text[:500]}")
+                    raise AtroposError(f"{action} was refused ({response.status_code}): {response.text[:500]}")
                 return response.json()
             last = f"status {response.status_code}: {response.text[:200]}"
         except httpx.TransportError as exc:
             last = f"{type(exc).__name__}: {exc}"
         if attempt < retries:
             time.sleep(backoff_s * 2 ** attempt)
-    raise AtroposError(f"{method} {url} failed after {retries + 1} attempts (last: {last}); is the Atropos API "
-                       f"server (`run-api`) running there? The run can be resumed once it is")
+    raise AtroposError(f"{action} failed after {retries + 1} attempts (last: {last}); {remedy}")
 
 
 def register(api_url: str, *, batch_size: int, max_token_len: int, num_steps: int, starting_step: int = 0,

@@ -102,14 +102,6 @@ def state_dict_bytes(model: torch.nn.Module) -> bytes:
     return save({name: t.detach().to("cpu").clone().contiguous() for name, t in state.items()})
 
 
-class WeightsRefused(RuntimeError):
-    """The server answered the weight update with an error status (``status``): retrying will not help
-    when it is a 4xx (wrong names or shapes, a version that does not increase)."""
-
-    def __init__(self, message: str, status: int):
-        super().__init__(message)
-        self.status = status
-
 
 def push_weights(server_url: str, model: torch.nn.Module | None = None, *, checkpoint_dir: str | Path | None = None,
                  version: int | None = None, timeout: float = 600.0) -> int:
@@ -133,6 +125,5 @@ def push_weights(server_url: str, model: torch.nn.Module | None = None, *, check
         response = httpx.post(f"{base}/v1/weights/tensors", content=state_dict_bytes(model), params=params,
                               headers={"content-type": "application/octet-stream"}, timeout=timeout)
     if response.status_code != 200:
-        raise WeightsRefused(f"{base} refused the weight update ({response.status_code}): {response.text}",
-                             response.status_code)
+        raise RuntimeError(f"{base} refused the weight update ({response.status_code}): {response.text}")
     return int(response.json()["weight_version"])
