@@ -30,11 +30,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import time
 
 import torch
+
+from lmforge.parallel.context import free_port as _free_port
 
 DEFAULT_SIZES = (1 << 10, 16 << 10, 256 << 10, 4 << 20, 64 << 20)
 PAPER_PARAMS = (("135M", 135e6), ("1B", 1e9), ("7B", 7e9))
@@ -103,12 +104,6 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], reps: int) -> No
                       flush=True)
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ddp_bytes_per_step(num_params: float, world: int, bytes_per_value: int) -> float:

@@ -20,18 +20,13 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from lmforge.parallel.context import free_port
 
 
 def corpus(path: Path, num_chars: int = 2_000_000) -> Path:

@@ -14,13 +14,13 @@ ranks' gradients moved the weights by 1e-3 to 9e-3 from the reference (checked b
 """
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 import equivalence_cases as cases
+from lmforge.parallel.context import free_port
 
 # (case, micro-batch size on one process) -> (micro-batch sizes on each of 2 ranks) that must agree.
 # token_mean is a mean per micro-batch, so its reference is the one-process run with the same
@@ -30,12 +30,6 @@ PLAN_1 = [("sft", 8), ("sft-ring", 8), ("grpo-seq_mean_token_mean", 16), ("grpo-
 PLAN_2 = {"sft": [4, 2], "sft-ring": [4, 2], "grpo-seq_mean_token_mean": [8, 4], "grpo-token_mean": [4],
           "grpo-global_token_mean": [8, 4], "grpo-seq_sum_max_len": [8, 4], "grpo-minibatches": [4, 2],
           "ppo": [8, 4]}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

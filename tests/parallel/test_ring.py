@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import pytest
 import torch
 from torch import nn
+
+from lmforge.parallel.context import free_port as _free_port
 
 WORLD_SIZES = (2, 3, 4)
 PRIMES = (2, 3, 5, 7, 13, 101, 1009)
@@ -165,12 +166,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     finally:
         torch.save(seen, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"W{w}")

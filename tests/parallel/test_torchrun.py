@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from lmforge.checkpoint import list_checkpoints
+from lmforge.parallel.context import free_port
 
 TINY = ["model.name=tiny:llama", "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2",
         "model.num_heads=2", "model.max_position_embeddings=32"]
@@ -26,12 +26,6 @@ SFT = TINY + ["data.task=addition", "data.num_train=256", "data.num_eval=8", "da
 GRPO = TINY + ["data.task=addition", "data.num_train=64", "data.num_eval=8", "rollout.num_prompts=4",
                "rollout.group_size=4", "rollout.max_new_tokens=4", "train.max_steps=2", "train.save_every=2",
                "train.eval_every=2", "train.max_new_tokens=4", "logging.progress=false"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: float = 300, extra: list[str] | None = None, **popen):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -20,6 +19,7 @@ from lmforge.config import load_config
 from lmforge.data.tasks import get_task
 from lmforge.errors import ConfigError
 from lmforge.models import load_model
+from lmforge.parallel.context import free_port as _free_port
 from lmforge.recipes.antidistill import AntidistillConfig, run_grad, run_traces
 from lmforge.tokenizer import char_tokenizer
 
@@ -188,12 +188,6 @@ def test_bad_sweep_is_a_config_error():
         load_config(AntidistillConfig, None, ["sample.top_p=1.5"])
     with pytest.raises(ConfigError, match="sample.direction"):
         load_config(AntidistillConfig, None, ["sample.direction=sideways"])
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.e2e

@@ -1,7 +1,6 @@
 """Fixtures for the serving tests: a tiny model with the char tokenizer, and a real server on a free port."""
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -10,6 +9,7 @@ import torch
 
 from lmforge.config import ModelConfig
 from lmforge.models import load_model
+from lmforge.parallel.context import free_port
 
 CONTEXT = 64  # max_position_embeddings of the test model: small, so the context-limit error is cheap to hit
 
@@ -23,12 +23,6 @@ def tiny_model(seed: int = 0, sharpness: float = 3.0):
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(sharpness)
     return model.eval(), tokenizer
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ThreadServer:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -21,17 +20,12 @@ import pytest
 
 from lmforge.config import ModelConfig
 from lmforge.models import load_model, save_model
+from lmforge.parallel.context import free_port
 
 
 httpx = pytest.importorskip("httpx")
 REPO = Path(__file__).resolve().parents[2]
 ENV_SCRIPT = REPO / "examples" / "atropos_addition_env.py"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _env() -> dict:

@@ -9,7 +9,6 @@ import dataclasses
 import datetime
 import math
 import os
-import socket
 
 import pytest
 import torch
@@ -30,6 +29,7 @@ from lmforge.antidistill import (
     save_gradient,
     sequence_mean_nll,
 )
+from lmforge.parallel.context import free_port as _free_port
 from lmforge.rollout.engine import SamplingParams, generate, sample_token
 
 VOCAB = 32
@@ -260,12 +260,6 @@ def _gloo_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         save_gradient(grads, meta, os.path.join(out_dir, f"rank{rank}.safetensors"))
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.e2e  # two spawned processes with a gloo group: ~5-10 s

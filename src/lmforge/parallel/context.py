@@ -16,6 +16,7 @@ import datetime
 import hashlib
 import os
 import signal
+import socket
 from typing import Any
 
 import torch
@@ -141,6 +142,14 @@ def init_parallel(strategy: str, device: torch.device, timeout_s: float = 600.0)
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     install_signal_handlers()
     return ParallelContext(rank, world, local_rank, strategy, mesh, None), device
+
+
+def free_port() -> int:
+    """A TCP port no one listens on at 127.0.0.1 now: a rendezvous (``MASTER_PORT``) or a local server
+    for ranks and services started on this machine (tests, benchmarks, one-machine launches)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def end_process_group() -> None:
