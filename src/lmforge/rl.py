@@ -331,42 +331,56 @@ def matmul_weights(model) -> tuple[int, int]:
     return body, head_weight.numel()
 
 
-def step_flops(model, batch: RLBatch, micro_batch_size: int, train_passes: int, forward_passes: int,
-               share_prompts: bool = True) -> float:
-    """Matmul FLOPs of one RL step as lmforge runs it (attention scores are left out).
+def _distinct_prompts(part: RLBatch) -> tuple[int, int]:
+    """(distinct prompts, longest of them) of rows that carry their group and prompt lengths."""
+    lens = dict(zip(part.group_index.tolist(), part.prompt_lens.tolist()))
+    return len(lens), max(lens.values())
 
-    Sampling (the engine): one prefill of the distinct prompts, left-padded to the longest, with the
-    LM head on their last position, then C - 1 decode forwards of all B rows (C: the completion
-    width). Training: each micro-batch either runs its distinct prompts once (left-padded) and then
-    ``completion_ids[:, :-1]`` of every row (:func:`shared_prompt_logits`), or the packed rows with
-    their padding; the LM head runs on the completion positions. ``train_passes`` forward + backward
-    (3x a forward), ``forward_passes`` forward-only (old logprobs, reference model, values);
-    ``share_prompts=False`` for trainers that always run the packed rows (PPO). Checked against the
-    FLOPs torch dispatches: tests/recipes/test_grpo.py::test_step_flops_equal_the_matmul_flops_torch_runs.
-    """
+
+def forward_flops(model, micro: RLBatch, share_prompts: bool = True) -> float:
+    """Matmul FLOPs of one forward over the micro-batch ``micro`` as the trainer runs it: its distinct
+    prompts once (left-padded) and then ``completion_ids[:, :-1]`` of every row
+    (:func:`shared_prompt_logits`), or the packed rows with their padding; the LM head only on the
+    completion positions."""
     body, head = matmul_weights(model)
+    if share_prompts and shares_prompts(model, micro):
+        distinct, width = _distinct_prompts(micro)
+        tokens = distinct * width + micro.num_rows * (micro.completion_ids.shape[1] - 1)
+    else:
+        tokens = micro.input_ids.numel()
+    return 2.0 * (body * tokens + head * int(micro.completion_mask.sum()))
 
-    def prompts(part: RLBatch) -> tuple[int, int]:  # (distinct prompts, longest of them)
-        lens = dict(zip(part.group_index.tolist(), part.prompt_lens.tolist()))
-        return len(lens), max(lens.values())
 
-    completion = int(batch.completion_mask.sum())
-    forward_tokens = 0
-    for rows in torch.arange(batch.num_rows).split(micro_batch_size):
-        micro = batch.select(rows)
-        if share_prompts and shares_prompts(model, micro):
-            distinct, width = prompts(micro)
-            forward_tokens += distinct * width + micro.num_rows * (micro.completion_ids.shape[1] - 1)
-        else:
-            forward_tokens += micro.input_ids.numel()
-    forward = 2.0 * (body * forward_tokens + head * completion)
+def batch_forward_flops(model, batch: RLBatch, micro_batch_size: int, share_prompts: bool = True) -> float:
+    """:func:`forward_flops` of ``batch`` run in micro-batches of ``micro_batch_size`` rows."""
+    return sum(forward_flops(model, batch.select(rows), share_prompts)
+               for rows in torch.arange(batch.num_rows).split(micro_batch_size))
+
+
+def sampling_flops(model, batch: RLBatch) -> float:
+    """Matmul FLOPs of sampling ``batch`` with the engine: one prefill of the distinct prompts,
+    left-padded to the longest, with the LM head on their last position, then C - 1 decode forwards
+    of all B rows (C: the completion width)."""
+    body, head = matmul_weights(model)
     num_rows, width = batch.completion_ids.shape
     if batch.group_index is not None and batch.prompt_lens is not None:
-        distinct, longest = prompts(batch)
+        distinct, longest = _distinct_prompts(batch)
     else:
         distinct, longest = num_rows, int((batch.attention_mask.sum(1) - batch.completion_mask.sum(1)).max())
-    sampling = 2.0 * (body * distinct * longest + head * distinct) + 2.0 * (body + head) * num_rows * (width - 1)
-    return sampling + forward * (3 * train_passes + forward_passes)
+    return 2.0 * (body * distinct * longest + head * distinct) + 2.0 * (body + head) * num_rows * (width - 1)
+
+
+def step_flops(model, batch: RLBatch, micro_batch_size: int, train_passes: int, forward_passes: int,
+               share_prompts: bool = True) -> float:
+    """Matmul FLOPs of one RL step as lmforge runs it when every row is trained (attention scores
+    are left out): :func:`sampling_flops`, then ``train_passes`` forward + backward (3x a forward)
+    and ``forward_passes`` forward-only passes (old logprobs, reference model, values) over the batch
+    in micro-batches (:func:`forward_flops`); ``share_prompts=False`` for trainers that always run
+    the packed rows (PPO). Checked against the FLOPs torch dispatches:
+    tests/recipes/test_grpo.py::test_step_flops_equal_the_matmul_flops_torch_runs.
+    """
+    forward = batch_forward_flops(model, batch, micro_batch_size, share_prompts)
+    return sampling_flops(model, batch) + forward * (3 * train_passes + forward_passes)
 
 
 @torch.no_grad()
@@ -436,8 +450,19 @@ def reduce_metrics(records: list[tuple[dict, int]], ctx: ParallelContext | None 
 LossFn = Callable[[RLBatch, dict], tuple[Tensor, dict]]
 
 
+def mini_batch_rows(num_rows: int, num_mini_batches: int) -> tuple[Tensor, ...]:
+    """The row indices of each mini-batch: contiguous ranges, so a prompt's samples stay together."""
+    return torch.arange(num_rows).tensor_split(num_mini_batches)
+
+
+def informative_rows(advantages: Tensor) -> Tensor:
+    """(B,) bool: rows with a non-zero advantage somewhere ((B,) per sequence or (B, C) per token)."""
+    return advantages.reshape(advantages.shape[0], -1).ne(0).any(1)
+
+
 def update(batch: RLBatch, algo, updater, micro_batch_size: int, max_new_tokens: int, loss_fn: LossFn, step: int,
-           ctx: ParallelContext | None = None, wrapped=None) -> dict:
+           ctx: ParallelContext | None = None, wrapped=None, skip_zero_advantage: bool = False,
+           first_on_policy: bool = False, flops_of: Callable[[RLBatch], float] | None = None) -> dict:
     """``algo.num_iterations`` passes over this rank's ``batch``, each of ``algo.num_mini_batches`` updates.
 
     Mini-batches are contiguous row ranges (a prompt's samples stay together); the rank's rows were
@@ -446,30 +471,82 @@ def update(batch: RLBatch, algo, updater, micro_batch_size: int, max_new_tokens:
     losses, normalised by the mini-batch's global counts, are accumulated into one optimizer step;
     gradients are summed across ranks (``ctx``; ``wrapped``, the parallel root) on the last
     micro-batch. ``loss_fn(micro_batch, counts) -> (loss, metrics)``.
+
+    ``skip_zero_advantage`` (only for a loss that is a sum of advantage-weighted terms: no KL, no
+    entropy bonus, no value loss): rows whose advantages are all 0 add exactly 0 to the gradient, so
+    they are not run; a micro-batch with none left is skipped on every rank (one small all-reduce
+    per mini-batch under several ranks), and an update with nothing left steps the optimizer on zero
+    gradients, as the full computation would (AdamW's moments still move the weights). The counts
+    that normalise the loss are those of all rows, so the update is the same; the logged policy
+    metrics (ratio, clip fractions, entropy) are then over the rows trained.
+
+    ``first_on_policy``: the first mini-batch of the first pass takes pi_old from its own (detached)
+    forward, since the weights have not moved yet; ``batch.old_logprobs`` of its rows is not read.
+
+    ``flops_of(micro)``: the forward FLOPs of a micro-batch, summed over those trained (returned as
+    ``_forward_flops``, for the caller's FLOP count).
     """
     ctx = ctx or ParallelContext()
     records, losses, grad_norms = [], [], []
     lr = updater.scheduler.get_last_lr()[0]
-    for _ in range(algo.num_iterations):
-        for mini_rows in torch.arange(batch.num_rows).tensor_split(algo.num_mini_batches):
+    informative = informative_rows(batch.advantages).cpu() if skip_zero_advantage else None
+    plans: dict[int, list[Tensor]] = {}  # mini-batch -> the row sets of its micro-batches that run
+    trained_rows, flops = 0, 0.0
+    for iteration in range(algo.num_iterations):
+        for m, mini_rows in enumerate(mini_batch_rows(batch.num_rows, algo.num_mini_batches)):
             mini = batch.select(mini_rows)
-            micro_rows = torch.arange(mini.num_rows).split(micro_batch_size)
+            if first_on_policy and iteration == 0 and m == 0:
+                mini.old_logprobs = None
+            micro_rows = list(torch.arange(mini.num_rows).split(micro_batch_size))
             counts = global_counts(mini, max_new_tokens, len(micro_rows), ctx)
-            loss_sum = 0.0
-            for index, rows in enumerate(micro_rows):
+            if m not in plans:
+                plans[m] = micro_rows if informative is None else _rows_to_run(micro_rows, informative[mini_rows], ctx)
+            plan = plans[m]
+            loss_sum = torch.zeros((), device=batch.input_ids.device)
+            for index, rows in enumerate(plan):
                 micro = mini.select(rows)
-                with gradient_sync(wrapped, enabled=index == len(micro_rows) - 1):
+                with gradient_sync(wrapped, enabled=index == len(plan) - 1):
                     loss, metrics = loss_fn(micro, counts)
                     updater.precision.backward(loss)
                 loss_sum = loss_sum + loss.detach()
                 records.append((metrics, int(micro.completion_mask.sum())))
+                trained_rows += micro.num_rows
+                if flops_of is not None:
+                    flops += flops_of(micro)
+            if not plan:  # every advantage of this update is 0: the full computation's gradient is 0
+                _zero_missing_grads(updater.module)
             ctx.all_reduce(loss_sum)  # each rank's part is over the global counts: the sum is the loss
             updater.check_loss(loss_sum, step)  # once per update (a host sync on GPUs), on every rank, before it
             grad_norms.append(updater.step(step))  # non-finite: stop, or skip this update (train.on_nonfinite)
             losses.append(loss_sum)
     grad_norms = torch.stack(grad_norms)
-    return {**reduce_metrics(records, ctx), "loss": torch.stack(losses).mean(), "grad_norm": grad_norms.mean(),
-            "grad_norm_max": grad_norms.max(), "lr": lr, "skipped_updates": updater.num_skipped}
+    out = {**(reduce_metrics(records, ctx) if records else {}), "loss": torch.stack(losses).mean(),
+           "grad_norm": grad_norms.mean(), "grad_norm_max": grad_norms.max(), "lr": lr,
+           "skipped_updates": updater.num_skipped}
+    if informative is not None:
+        out["frac_rows_trained"] = trained_rows / (batch.num_rows * algo.num_iterations)
+    if flops_of is not None:
+        out["_forward_flops"] = flops
+    return out
+
+
+def _rows_to_run(micro_rows: list[Tensor], informative: Tensor, ctx: ParallelContext) -> list[Tensor]:
+    """The micro-batches (row sets within the mini-batch) that must run: each keeps its informative
+    rows; one with none is dropped if it has none on every rank, else it runs whole on this rank (so
+    every rank runs the same forwards: DDP and FSDP2 communicate inside them)."""
+    kept = [rows[informative[rows]] for rows in micro_rows]
+    anywhere = torch.tensor([len(rows) > 0 for rows in kept], dtype=torch.float32)
+    if ctx.distributed:
+        anywhere = ctx.all_reduce(anywhere, op=torch.distributed.ReduceOp.MAX)
+    return [rows if len(rows) else whole for rows, whole, run in zip(kept, micro_rows, anywhere.tolist()) if run]
+
+
+def _zero_missing_grads(module: torch.nn.Module) -> None:
+    """Zero gradients where none were accumulated, so the optimizer steps those parameters as it
+    would on a zero gradient (AdamW skips parameters whose .grad is None)."""
+    for param in module.parameters():
+        if param.requires_grad and param.grad is None:
+            param.grad = torch.zeros_like(param)
 
 
 def reduce_rollout_metrics(metrics: dict, ctx: ParallelContext) -> dict:
@@ -716,10 +793,11 @@ def make_evaluate(state: RLState) -> Callable[[int], dict] | None:
 TIME_KEYS = ("time_generation", "time_scoring", "time_training")
 
 
-def update_state(batch: RLBatch, algo, state: RLState, loss_fn: LossFn, step: int) -> dict:
-    """:func:`update` with the run's optimizer, micro-batch size, parallel context and wrapped root."""
+def update_state(batch: RLBatch, algo, state: RLState, loss_fn: LossFn, step: int, **options) -> dict:
+    """:func:`update` with the run's optimizer, micro-batch size, parallel context and wrapped root
+    (``options``: its keyword arguments)."""
     return update(batch, algo, state.updater, state.micro_batch_size, state.run.cfg.rollout.max_new_tokens, loss_fn,
-                  step, state.run.ctx, state.train.wrapped)
+                  step, state.run.ctx, state.train.wrapped, **options)
 
 
 def train_rl(state: RLState, step_fn: Callable[[int], dict], extra_state: Callable[[], dict] = dict,

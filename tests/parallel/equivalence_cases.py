@@ -70,7 +70,10 @@ def rank_rows(num_prompts: int, group_size: int, num_mini: int, ctx) -> torch.Te
     return torch.tensor([p * group_size + g for p in prompts for g in range(group_size)])
 
 
-def rl_case(out: Path, recipe: str, aggregation: str, micro: int, strategy: str, num_mini: int = 1) -> dict:
+def rl_case(out: Path, recipe: str, aggregation: str, micro: int, strategy: str, num_mini: int = 1,
+            skip: bool = False) -> dict:
+    """``skip``: rewards with zero-advantage rows and whole zero-variance groups; several ranks skip
+    those rows (``skip_zero_advantage``, ``first_on_policy``), one process runs the full computation."""
     num_prompts, group = 4, 4
     module = grpo if recipe == "grpo" else ppo
     config_cls = grpo.GRPOConfig if recipe == "grpo" else ppo.PPOConfig
@@ -88,6 +91,11 @@ def rl_case(out: Path, recipe: str, aggregation: str, micro: int, strategy: str,
     ctx = state.run.ctx
     full = rl.pack_rollout(rollout, tokenizer.pad_token_id, need_rollout_logprobs=False)
     rewards = torch.tensor([float(i % 3 == 0) + 0.25 * (i % 2) for i in range(num_prompts * group)])
+    options = {}
+    if skip:  # group 0: rows 2 and 3 at the group mean; groups 1-3 all the same (advantage 0)
+        rewards = torch.tensor([1.0, 0.0, 0.5, 0.5] + [1.0] * 4 + [0.5] * 4 + [0.0] * 4)
+        if ctx.distributed:
+            options = dict(skip_zero_advantage=True, first_on_policy=True)
     rows = rank_rows(num_prompts, group, num_mini, ctx)
     precision, losses = state.updater.precision, []
     for step in range(1, STEPS + 1):
@@ -107,7 +115,9 @@ def rl_case(out: Path, recipe: str, aggregation: str, micro: int, strategy: str,
         if num_mini > 1 and recipe == "grpo":  # the weights move between updates: old logprobs fixed first
             batch.old_logprobs = rl.batch_logprobs(state.model, batch, state.micro_batch_size, 1.0, precision,
                                                    wrapped=state.train.wrapped)
-        losses.append(float(rl.update_state(batch, algo, state, loss_fn, step)["loss"]))
+            if options:  # the first mini-batch's rows are not read
+                batch.old_logprobs[rl.mini_batch_rows(batch.num_rows, num_mini)[0]] = float("nan")
+        losses.append(float(rl.update_state(batch, algo, state, loss_fn, step, **options)["loss"]))
     weights = full_state_dict(state.train.wrapped)
     if recipe == "ppo":
         weights.update({f"value_head.{k}": v for k, v in full_state_dict(state.train.wrapped, "value_head").items()})
@@ -121,6 +131,8 @@ CASES = {
     **{f"grpo-{agg}": (lambda agg: lambda out, micro, strategy: rl_case(out, "grpo", agg, micro, strategy))(agg)
        for agg in ("seq_mean_token_mean", "token_mean", "global_token_mean", "seq_sum_max_len")},
     "grpo-minibatches": lambda out, micro, strategy: rl_case(out, "grpo", "global_token_mean", micro, strategy, 2),
+    "grpo-skip-zero-advantage": lambda out, micro, strategy: rl_case(out, "grpo", "global_token_mean", micro, strategy,
+                                                                     2, skip=True),
     "ppo": lambda out, micro, strategy: rl_case(out, "ppo", "seq_mean_token_mean", micro, strategy),
 }
 

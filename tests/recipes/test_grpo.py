@@ -1,5 +1,6 @@
 """GRPO recipe on a tiny in-process model: an end-to-end run, bit-exact resume, the on-policy
 shortcut, importance sampling without rollout logprobs, presets and config errors."""
+import copy
 import dataclasses
 import json
 
@@ -7,13 +8,13 @@ import pytest
 import torch
 
 from lmforge import cli, rl, rl_config
-from lmforge.config import ModelConfig, load_config
+from lmforge.config import ModelConfig, OptimConfig, load_config
 from lmforge.errors import ConfigError, TrainingError
 from lmforge.models import load_model
 from lmforge.runtime.run import Run
 from lmforge.recipes.grpo import GRPOConfig, micro_loss, run_grpo
 from lmforge.rollout import RewardSet, SamplingParams, generate
-from lmforge.train import Precision, logits_at
+from lmforge.train import Precision, Updater, logits_at
 
 TINY = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
         "model.max_position_embeddings=32"]
@@ -108,6 +109,57 @@ def test_on_policy_shortcut_equals_recomputed_old_logprobs():
     assert any(g.abs().max() > 1e-4 for g in shortcut_grads)
     for got, want in zip(shortcut_grads, recomputed_grads):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
+
+
+def run_update(model, batch, algo, **options):
+    """Two passes of ``algo``'s mini-batches on a copy of ``model`` (AdamW, lr 1e-2, constant)
+    -> (the copy's weights, update metrics)."""
+    model = copy.deepcopy(model)
+    precision = Precision(torch.device("cpu"), torch.float32)
+    updater = Updater.build(model, OptimConfig(lr=1e-2, schedule="constant", weight_decay=0.0), 8, precision)
+    metrics = rl.update(batch, algo, updater, 4, 4,
+                        lambda micro, counts: micro_loss(model, micro, algo, 1.0, counts, precision), 1, **options)
+    return [p.detach().clone() for p in model.parameters()], metrics
+
+
+def test_skipping_zero_advantage_rows_gives_the_same_update(monkeypatch):
+    """Rows 1 and 3 of the first mini-batch (one micro-batch of 4) and the whole second mini-batch
+    have advantage 0: skipping them must leave the weights of two passes where running them puts
+    them, including the second mini-batch's update on a zero gradient (AdamW momentum alone)."""
+    model, batch = tiny_batch()
+    batch.advantages = torch.tensor([1.0, 0.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    algo = load_config(GRPOConfig, None, ["data.task=addition", "algo.preset=dapo", "algo.num_iterations=2",
+                                          "algo.num_mini_batches=2"]).algo.resolved()
+    batch.old_logprobs = rl.batch_logprobs(model, batch, 4, 1.0, Precision(torch.device("cpu"), torch.float32))
+    want, full = run_update(model, batch, algo)
+    got, skipped = run_update(model, batch, algo, skip_zero_advantage=True)
+    assert skipped["frac_rows_trained"] == 2 / 8
+    assert float(skipped["loss"]) == pytest.approx(float(full["loss"]), abs=1e-7)
+    assert float(skipped["grad_norm_max"]) == pytest.approx(float(full["grad_norm_max"]), rel=1e-5)
+    moved = max(float((w - p.detach()).abs().max()) for w, p in zip(want, model.parameters()))
+    assert moved > 1e-3
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
+    # the zero-gradient updates matter: without them the weights end elsewhere
+    monkeypatch.setattr(rl, "_zero_missing_grads", lambda module: None)
+    without, _ = run_update(model, batch, algo, skip_zero_advantage=True)
+    assert max(float((w - g).abs().max()) for w, g in zip(want, without)) > 1e-4
+
+
+def test_first_mini_batch_takes_pi_old_from_its_own_forward():
+    """``first_on_policy``: the first update's pi_old is its own forward, so the old logprobs of
+    its rows need not be computed; the result equals that of recomputed old logprobs."""
+    model, batch = tiny_batch()
+    algo = load_config(GRPOConfig, None, ["data.task=addition", "algo.preset=dapo",
+                                          "algo.num_mini_batches=2"]).algo.resolved()
+    recomputed = rl.batch_logprobs(model, batch, 4, 1.0, Precision(torch.device("cpu"), torch.float32))
+    want, _ = run_update(model, dataclasses.replace(batch, old_logprobs=recomputed), algo)
+    unread = recomputed.clone()
+    unread[:4] = float("nan")  # the first mini-batch's rows: never read
+    got, metrics = run_update(model, dataclasses.replace(batch, old_logprobs=unread), algo, first_on_policy=True)
+    assert torch.isfinite(metrics["loss"])
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
 
 
 MATMUL_OPS = ("aten.mm", "aten.addmm", "aten.bmm")

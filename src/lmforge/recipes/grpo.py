@@ -49,6 +49,9 @@ class GRPOAlgoConfig(rl_config.PolicyConfig):
     preset: str = opt("", f"named combination: {', '.join(PRESETS)} ('' = none); explicit keys win")
     advantage: str | None = opt(None, f"advantage estimator: {', '.join(ADVANTAGES)} (unset: preset, else group_norm)")
     std_eps: float = opt(1e-6, "added to the std by the std-normalising estimators (group_norm, batch_norm)")
+    skip_zero_advantage: bool = opt(True, "do not run rows whose advantage is 0 (e.g. groups that all scored "
+                                    "the same) when the loss has no KL or entropy term: their gradient is "
+                                    "exactly 0, so the update is the same for less compute")
 
     def resolved(self) -> "GRPOAlgoConfig":
         if self.preset and self.preset not in PRESETS:
@@ -105,17 +108,44 @@ def grpo_step(state: rl.RLState, algo: GRPOAlgoConfig, step: int) -> dict:
     precision, temperature = state.updater.precision, cfg.rollout.temperature
     if state.ref_model is not None:
         batch.ref_logprobs = rl.batch_logprobs(state.ref_model, batch, state.micro_batch_size, temperature, precision)
-    if algo.num_iterations > 1 or algo.num_mini_batches > 1:  # the weights move before the last update
-        batch.old_logprobs = rl.batch_logprobs(state.model, batch, state.micro_batch_size, temperature, precision,
-                                               wrapped=state.train.wrapped)
+    # Zero-advantage rows add nothing to a loss without KL or entropy terms: they are not run.
+    skip = algo.skip_zero_advantage and state.ref_model is None and algo.entropy_coef == 0
+    informative = rl.informative_rows(advantages) if skip else torch.ones(batch.num_rows, dtype=torch.bool)
+    forward_flops = lambda part: rl.forward_flops(state.model, part)  # noqa: E731
+    flops = rl.sampling_flops(state.model, batch)
+    if state.ref_model is not None:
+        flops += rl.batch_forward_flops(state.model, batch, state.micro_batch_size)
+    multi_update = algo.num_iterations > 1 or algo.num_mini_batches > 1  # the weights move before the last update
+    if multi_update:
+        batch.old_logprobs, old_flops = old_logprobs(state, algo, batch, informative)
+        flops += old_flops
     train_metrics = rl.update_state(
         batch, algo, state,
         lambda micro, counts: micro_loss(state.model, micro, algo, temperature, counts, precision, state.train.wrapped),
-        step)
+        step, skip_zero_advantage=skip, first_on_policy=multi_update, flops_of=forward_flops)
+    flops += 3 * train_metrics.pop("_forward_flops")
     return {**metrics, **adv_metrics, **train_metrics, "time_training": time.perf_counter() - start,
-            "num_tokens": int(batch.attention_mask.sum()) * algo.num_iterations,
-            "num_flops": rl.step_flops(state.model, batch, state.micro_batch_size, algo.num_iterations,
-                                       int(state.ref_model is not None) + int(batch.old_logprobs is not None))}
+            "num_tokens": int(batch.attention_mask.sum()) * algo.num_iterations, "num_flops": flops}
+
+
+def old_logprobs(state: rl.RLState, algo: GRPOAlgoConfig, batch: rl.RLBatch, rows: torch.Tensor):
+    """pi_old for an update phase of several updates -> ((B, C) logprobs, forward FLOPs).
+
+    Computed only where it is read: ``rows`` (B,) bool, the rows that are trained, less the first
+    mini-batch of the first pass, which takes pi_old from its own forward (the weights have not moved
+    yet; ``rl.update(first_on_policy=True)``). Other entries are 0 and never read.
+    """
+    # Under several ranks every rank computes all its rows (FSDP2 gathers weights inside each forward).
+    need = torch.ones_like(rows) if state.run.ctx.distributed else rows.clone()
+    if algo.num_iterations == 1:
+        need[rl.mini_batch_rows(batch.num_rows, algo.num_mini_batches)[0]] = False
+    out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=batch.completion_ids.device)
+    if not need.any():
+        return out, 0.0
+    part = batch.select(need.nonzero()[:, 0].to(batch.input_ids.device))
+    out[need.to(out.device)] = rl.batch_logprobs(state.model, part, state.micro_batch_size, state.run.cfg.rollout.temperature,
+                                                 state.updater.precision, wrapped=state.train.wrapped).float()
+    return out, rl.batch_forward_flops(state.model, part, state.micro_batch_size)
 
 
 def run_grpo(cfg: GRPOConfig, model=None, tokenizer=None, console=None, name: str = "grpo") -> dict:
