@@ -39,6 +39,21 @@ def section(cls: type, help: str = "") -> Any:  # noqa: A002
 
 # ----------------------------------------------------------------------------- type checking
 
+def refuse_ignored(cfg: Any, section_name: str, keys: tuple[str, ...], when: str) -> None:
+    """ConfigError naming every key of ``keys`` that was set away from its default although ``when``
+    makes the recipe ignore it (e.g. a column mapping next to a built-in task): a setting that does
+    nothing should not look as if it did."""
+    changed = []
+    for field in dataclasses.fields(cfg):
+        if field.name in keys:
+            default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+            if getattr(cfg, field.name) != default:
+                changed.append(f"{section_name}.{field.name}")
+    if changed:
+        raise ConfigError(f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'} not used {when}; remove "
+                          f"{'it' if len(changed) == 1 else 'them'}")
+
+
 def _type_name(tp: Any) -> str:
     origin = get_origin(tp)
     if origin is Literal:

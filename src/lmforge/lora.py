@@ -74,11 +74,12 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> torch.
     return model
 
 
-def apply_for_run(model: torch.nn.Module, cfg, ctx=None) -> torch.nn.Module:
-    """``model`` with the adapters ``cfg.model.lora`` asks for (unchanged while r = 0)."""
+def check_settings(cfg, ctx=None) -> None:
+    """ConfigError for the settings ``model.lora`` cannot run with (QAT / quantized copies; FSDP2).
+    Called by ``start_run`` before the run directory is touched, and again by :func:`apply_for_run`."""
     lora_cfg = getattr(getattr(cfg, "model", None), "lora", None)
     if lora_cfg is None or not lora_cfg.r:
-        return model
+        return
     tcfg = cfg.train
     if getattr(tcfg, "qat", "none") != "none" or getattr(tcfg, "save_quantized", None):
         raise ConfigError("model.lora with train.qat or train.save_quantized is not supported: train the adapters, "
@@ -87,6 +88,14 @@ def apply_for_run(model: torch.nn.Module, cfg, ctx=None) -> torch.nn.Module:
     if ctx is not None and ctx.distributed and ctx.strategy == "fsdp2":
         raise ConfigError("model.lora with parallel.strategy=fsdp2 is not supported: LoRA trains a few MB of "
                           "adapters, so use parallel.strategy=ddp (each rank holds the frozen base model)")
+
+
+def apply_for_run(model: torch.nn.Module, cfg, ctx=None) -> torch.nn.Module:
+    """``model`` with the adapters ``cfg.model.lora`` asks for (unchanged while r = 0)."""
+    check_settings(cfg, ctx)
+    lora_cfg = getattr(getattr(cfg, "model", None), "lora", None)
+    if lora_cfg is None or not lora_cfg.r:
+        return model
     return apply_lora(model, lora_cfg, cfg.train.seed)
 
 

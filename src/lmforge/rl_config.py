@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, Literal
 
 from .advantages import ADVANTAGES
-from .config import opt
+from .config import opt, refuse_ignored
 from .data.tasks import get_task
 from .errors import ConfigError
 from .losses import AGGREGATIONS, GSPO_EPS_HIGH, GSPO_EPS_LOW, IS_LEVELS, KL_ESTIMATORS, POLICY_LOSSES
@@ -166,6 +166,8 @@ class RLDataConfig:
                 get_task(self.task)
             except ValueError as exc:
                 raise ConfigError(f"data.task: {exc}") from exc
+            refuse_ignored(self, "data", ("split", "eval_split", "eval_fraction", "subset", "columns"),
+                           f"with data.task={self.task!r} (they select and map the rows of data.path)")
 
 
 # The algorithm keys both recipes share. Keys that a preset may set default to None ("unset") so

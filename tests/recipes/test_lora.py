@@ -445,3 +445,14 @@ def test_lora_on_the_antidistillation_teacher_is_an_error():
 
     with pytest.raises(ConfigError, match=r"teacher\.lora\.r.*student\.lora\.r"):
         load_config(AntidistillConfig, None, ["teacher.lora.r=8"])
+
+
+def test_unsupported_lora_settings_stop_before_the_run_directory_is_touched(tmp_path):
+    from lmforge.runtime.run import start_run
+
+    out = tmp_path / "run"
+    cfg = load_config(SFTConfig, None, ["data.task=addition", "model.lora.r=4", "train.qat=int4",
+                                        f"train.output_dir={out}"])
+    with pytest.raises(ConfigError, match="lmforge quantize"):
+        start_run(cfg, "sft")
+    assert not out.exists()

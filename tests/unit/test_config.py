@@ -104,3 +104,28 @@ def test_every_example_loads_with_its_command(path):
     if algo is not None:
         algo.resolved()  # presets and the algorithm's own checks
     assert dataclasses.asdict(cfg)  # a complete, resolved config
+
+
+@pytest.mark.parametrize("recipe, overrides, named", [
+    ("grpo", ["data.task=addition", "data.columns={prompt: question}"], "data.columns"),
+    ("grpo", ["data.task=addition", "data.split=test", "data.eval_fraction=0.2"], "data.split, data.eval_fraction"),
+    ("sft", ["data.task=addition", "data.subset=main"], "data.subset"),
+    ("sft", ["data.task=addition", "data.val_fraction=0.5"], "data.val_fraction"),
+    ("antidistill", ["data.reward=math"], "data.reward"),
+    ("antidistill", ["data.source_split=test", "data.columns={answer: solution}"], "data.source_split, data.columns"),
+])
+def test_keys_a_task_would_ignore_are_refused(recipe, overrides, named):
+    """Keys that only select or score the rows of data.path are an error next to a task, not a no-op."""
+    from lmforge.recipes.antidistill import AntidistillConfig
+    from lmforge.recipes.grpo import GRPOConfig
+
+    cls = {"grpo": GRPOConfig, "sft": SFTConfig, "antidistill": AntidistillConfig}[recipe]
+    first = named.split(", ")[0]
+    with pytest.raises(ConfigError, match=re.escape(first)):
+        load_config(cls, None, overrides)
+    # the same keys with data.path are accepted
+    if recipe != "antidistill":
+        overrides = [o for o in overrides if not o.startswith("data.task")] + ["data.path=rows.jsonl"]
+    else:
+        overrides = overrides + ["data.path=rows.jsonl"]
+    load_config(cls, None, overrides)

@@ -29,7 +29,7 @@ from .. import hardware
 from .. import antidistill_pipeline as pipe
 from ..antidistill import (ads_generate, check_same_tokenizer, load_gradient, perturbed_copies, proxy_gradient,
                            random_direction, save_gradient)
-from ..config import LoggingConfig, ModelConfig, OptimConfig, TrainConfig, opt, section, to_dict
+from ..config import LoggingConfig, ModelConfig, OptimConfig, TrainConfig, opt, refuse_ignored, section, to_dict
 from ..data.sft import encode_prompt, tokenize_sft, uses_chat_format
 from ..data.tasks import SPLITS, get_task
 from ..errors import ConfigError
@@ -70,8 +70,9 @@ class AdsDataConfig:
     seed: int = opt(0, "seed of the problem draws and of sampling")
 
     def validate(self) -> None:
-        if self.columns and not self.path:
-            raise ConfigError("data.columns maps the columns of data.path; set data.path too")
+        if not self.path:
+            refuse_ignored(self, "data", ("source_split", "subset", "columns", "reward"),
+                           f"without data.path (the task {self.task!r} brings its own problems and scorer)")
         splits = (self.heldout_split, self.prompt_split, self.test_split)
         if len(set(splits)) != 3:
             raise ConfigError(f"data.heldout_split, data.prompt_split and data.test_split must be three different "

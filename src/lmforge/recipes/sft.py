@@ -10,7 +10,7 @@ import dataclasses
 import random
 from typing import Literal
 
-from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, section
+from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, refuse_ignored, section
 from ..data.sft import (CHAT_SMALL, collate_sft, encode_prompt, load_sft_rows, sft_rows_from_task, tokenize_sft,
                         uses_chat_format)
 from ..data.tasks import get_task
@@ -48,6 +48,8 @@ class SFTDataConfig:
                 get_task(self.task)
             except ValueError as exc:  # unknown task or parameter, or reasoning-gym not installed
                 raise ConfigError(f"data.task: {exc}") from exc
+            refuse_ignored(self, "data", ("split", "eval_split", "val_fraction", "subset", "columns"),
+                           f"with data.task={self.task!r} (they select and map the rows of data.path)")
 
 
 @dataclasses.dataclass

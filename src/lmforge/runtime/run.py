@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from .. import hardware
+from .. import hardware, lora
 from ..checkpoint import list_checkpoints, pid_alive
 from ..config import save_config, to_dict
 from ..errors import ConfigError
@@ -122,6 +122,7 @@ def start_run(cfg, name: str, model=None, seq_len: int = 256, console=None, upda
     pcfg = getattr(cfg, "parallel", None)
     ctx, device = init_parallel(getattr(pcfg, "strategy", "ddp"), torch.device(hw.device),
                                 getattr(pcfg, "timeout_s", 600.0))
+    lora.check_settings(cfg, ctx)  # before the run directory is locked or written
     mcfg = getattr(model, "config", None)
     # Several ranks on one CPU share its cores: each gets its part unless threads are set.
     threads = tcfg.threads or (max(hw.num_cores // local_world_size(), 1) if hw.device == "cpu" and ctx.distributed else 0)
