@@ -116,7 +116,8 @@ def test_run_api_environment_serve_and_trainer_smoke(tmp_path):
         tmp_path, model_dir,
         ["data.task=addition", "data.num_train=64", "data.num_eval=0", "rollout.num_prompts=2", "rollout.group_size=4",
          "rollout.max_new_tokens=4", "rewards.functions=[exact]", "algo.is_level=token", "train.max_steps=3",
-         "train.micro_batch_size=8", "train.save_every=0", "train.log_every=1", "optim.lr=1e-3"],
+         "train.micro_batch_size=8", "train.save_every=0", "train.log_every=1", "optim.lr=1e-3",
+         "algo.skip_zero_advantage=false"],  # every row trained: the alignment metrics below cover all of them
         ["--env.group_size=4", "--env.max_new_tokens=4", "--env.num_train=64", "--env.total_steps=50"],
         timeout=120)
     records = train_records(out)
