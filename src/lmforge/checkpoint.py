@@ -20,6 +20,7 @@ import random
 import re
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -118,16 +119,22 @@ def _refuse_nonfinite(state, what: Path) -> None:
                             "Lower optim.lr or set train.on_nonfinite; the last checkpoint is intact.")
 
 
-def save_model_dir(final: Path, state) -> Path:
+def save_model_dir(final: Path, state, extra: Callable[[Path], object] | None = None) -> Path:
     """Atomically write a plain HF model directory (best / final) of ``state.model``.
 
     Under FSDP2 the parameters are first gathered (a collective: every rank calls this); rank 0 writes.
-    Non-finite parameters are never written (TrainingError).
+    Non-finite parameters are never written (TrainingError). ``extra(tmp)`` (rank 0) adds more files
+    to the directory before it is renamed into place, e.g. the quantized copies.
     """
     _refuse_nonfinite(state, final)
     weights = full_state_dict(state.wrapped) if is_sharded(state.wrapped) else None
-    _on_main(state.run.ctx, lambda: _write_dir(final, lambda tmp: save_model(state.model, state.tokenizer, tmp,
-                                                                           state_dict=weights)))
+
+    def write(tmp: Path) -> None:
+        save_model(state.model, state.tokenizer, tmp, state_dict=weights)
+        if extra is not None:
+            extra(tmp)
+
+    _on_main(state.run.ctx, lambda: _write_dir(final, write))
     return final
 
 

@@ -102,6 +102,32 @@ def test_int4_qat_run_and_a_failed_quantized_copy_keeps_the_checkpoint(tmp_path,
     assert final.get_submodule("model.layers.0.mlp.up_proj").weight.dtype == torch.float32
 
 
+def test_quantized_copies_are_inside_best_and_final_when_they_appear(tmp_path, monkeypatch):
+    """The copies are written into the new best/ or final/ before it is renamed into place: a kill
+    while they are written leaves the previous best/ whole, never a best/ without its copies."""
+    from pathlib import Path
+
+    from lmforge.runtime import loop
+
+    calls, real = [], loop.write_quantized_copies
+
+    def spy(model, tokenizer, directory, formats, printer=print, shown_as=None):
+        directory = Path(directory)
+        calls.append((directory, Path(shown_as), (directory / "model.safetensors").is_file()))
+        return real(model, tokenizer, directory, formats, printer, shown_as)
+
+    monkeypatch.setattr(loop, "write_quantized_copies", spy)
+    out = tmp_path / "run"
+    sft(out, "train.max_steps=2", "train.eval_every=1", "train.save_quantized=[ternary]")
+    assert {shown.name for _, shown, _ in calls} == {"best", "final"}
+    for directory, shown, has_model in calls:
+        assert directory != shown and directory.parent == shown.parent  # a temporary sibling, renamed after
+        assert has_model  # the model files first, then the copies
+        assert not directory.exists()  # it became best/ or final/
+    for name in ("best", "final"):
+        assert (out / name / "quantized-ternary" / "config.json").is_file()
+
+
 def test_bad_quant_settings_are_config_errors_before_training(tmp_path):
     with pytest.raises(ConfigError, match=r"train.qat.*one of 'none', 'ternary', 'int4'.*'int3'"):
         load_config(SFTConfig, None, ARGS + ["train.qat=int3"])

@@ -176,13 +176,11 @@ def train_loop(state: TrainState, trainer: Trainer) -> dict:
                     final.update(evaluation)
                     if trainer.best_metric and evaluation[trainer.best_metric] < best:
                         best = evaluation[trainer.best_metric]
-                        ckpt.save_model_dir(run.dir / "best", state)
-                        save_quantized(state, run.dir / "best")
+                        ckpt.save_model_dir(run.dir / "best", state, quantized_copies(state, run.dir / "best"))
                 if due(tcfg.save_every, done, last):
                     ckpt.save_checkpoint(state, {**trainer.extra_state(), "best_metric": best, "timer": timer.state_dict(),
                                                  "time_totals": dict(totals)}, tcfg.keep_last)
-            ckpt.save_model_dir(run.dir / "final", state)
-            save_quantized(state, run.dir / "final")
+            ckpt.save_model_dir(run.dir / "final", state, quantized_copies(state, run.dir / "final"))
             if lora.has_adapters(state.model) and run.cfg.model.lora.save_merged:
                 ckpt.save_merged_dir(run.dir / "final" / "merged", state)
             if trainer.save_final_extra is not None and run.ctx.is_main:
@@ -195,16 +193,17 @@ def train_loop(state: TrainState, trainer: Trainer) -> dict:
     return {**final, "run_dir": str(run.dir)}
 
 
-def save_quantized(state: TrainState, checkpoint_dir: Path) -> None:
-    """``train.save_quantized``: quantized copies inside a complete best/ or final/ (rank 0 writes;
-    under FSDP2 every rank joins the gather). A failed format is reported, never fatal."""
+def quantized_copies(state: TrainState, checkpoint_dir: Path):
+    """``train.save_quantized``: a writer of the quantized copies for ``ckpt.save_model_dir``, which
+    runs it (rank 0) inside the new best/ or final/ before that is renamed into place, so the
+    directory appears with its copies; None when no format is asked for. Under FSDP2 every rank
+    joins the gather here. A failed format is reported, never fatal."""
     formats = getattr(state.run.cfg.train, "save_quantized", None)
     if not formats:
-        return
+        return None
     model = full_model(state)
-    if state.run.ctx.is_main:
-        write_quantized_copies(model, state.tokenizer, checkpoint_dir, formats, state.run.print)
-    state.run.ctx.barrier()
+    return lambda directory: write_quantized_copies(model, state.tokenizer, directory, formats, state.run.print,
+                                                    shown_as=checkpoint_dir)
 
 
 def finish(state: TrainState, timer: StepTimer, totals: dict, logger) -> None:

@@ -5,8 +5,9 @@
   optimizer is built; the checkpoints hold the master weights and ``config.json`` records
   ``lmforge_qat``, so ``lmforge quantize`` of ``final/`` computes what the training forward computed.
 * ``train.save_quantized: [int8, q4_0, ...]`` -- :func:`write_quantized_copies` writes
-  ``<checkpoint>/quantized-<format>/`` into best/ and final/ after the checkpoint itself is complete
-  (rank 0). A format that fails is reported and skipped: the checkpoint is never lost.
+  ``<checkpoint>/quantized-<format>/`` into best/ and final/ before they are renamed into place, so
+  each appears with its copies (rank 0). A format that fails is reported and skipped: the checkpoint
+  is never lost.
 
 :func:`check_quant_settings` runs when the run starts, so a bad format name fails before training.
 """
@@ -72,12 +73,16 @@ def apply_train_qat(run, model) -> list[str]:
     return replaced
 
 
-def write_quantized_copies(model, tokenizer, checkpoint_dir: Path, formats: list[str], printer=print) -> list[Path]:
+def write_quantized_copies(model, tokenizer, checkpoint_dir: Path, formats: list[str], printer=print,
+                           shown_as: Path | None = None) -> list[Path]:
     """``checkpoint_dir/quantized-<format>/`` for each format, from ``model`` (left untouched).
 
-    Call on rank 0 after ``checkpoint_dir`` is complete. Each format is independent: one that fails
-    (e.g. GGUF of a char tokenizer) is reported with its reason and the others are still written.
+    Call on rank 0 once the model files of ``checkpoint_dir`` are written (``shown_as``: the name
+    the messages give it, when it is still a temporary directory). Each format is independent: one
+    that fails (e.g. GGUF of a char tokenizer) is reported with its reason and the others are still
+    written.
     """
+    shown = Path(shown_as) if shown_as is not None else Path(checkpoint_dir)
     from ..quantize import canonical_format, save_quantized_copies
 
     written = []
@@ -86,10 +91,10 @@ def write_quantized_copies(model, tokenizer, checkpoint_dir: Path, formats: list
         try:
             (result,) = save_quantized_copies(model, tokenizer, checkpoint_dir, [name])
         except Exception as exc:  # noqa: BLE001 - a failed copy must never cost the checkpoint or the run
-            printer(f"[quantize] could not write the {name} copy of {checkpoint_dir}: {type(exc).__name__}: {exc} "
+            printer(f"[quantize] could not write the {name} copy of {shown}: {type(exc).__name__}: {exc} "
                     f"(the checkpoint itself is complete)")
             continue
-        out = Path(checkpoint_dir) / f"quantized-{name}"
-        printer(f"[quantize] wrote {out} ({result.num_bytes / 2**20:.2f} MiB, {result.seconds:.1f} s)")
-        written.append(out)
+        printer(f"[quantize] wrote {shown / f'quantized-{name}'} ({result.num_bytes / 2**20:.2f} MiB, "
+                f"{result.seconds:.1f} s)")
+        written.append(Path(checkpoint_dir) / f"quantized-{name}")
     return written
