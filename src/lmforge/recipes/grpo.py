@@ -133,7 +133,7 @@ def old_logprobs(state: rl.RLState, algo: GRPOAlgoConfig, batch: rl.RLBatch, row
 
     Computed only where it is read: ``rows`` (B,) bool, the rows that are trained, less the first
     mini-batch of the first pass, which takes pi_old from its own forward (the weights have not moved
-    yet; ``rl.update(first_on_policy=True)``). Other entries are 0 and never read.
+    yet; ``rl_update.update(first_on_policy=True)``). Other entries are 0 and never read.
     """
     # Under several ranks every rank computes all its rows (FSDP2 gathers weights inside each forward).
     need = torch.ones_like(rows) if state.run.ctx.distributed else rows.clone()

@@ -1,0 +1,182 @@
+"""The update phase of an RL step (``lmforge grpo``, ``lmforge ppo``): passes over a rollout batch,
+mini-batches (one optimizer update each), micro-batches (gradient accumulation), the aggregation
+counts that make accumulation and data parallelism exact, skipping rows that cannot change the
+update, and the reduction of the step's metrics over micro-batches and ranks. ``lmforge.rl``
+re-exports every public name here.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from .parallel.context import ParallelContext
+from .parallel.wrap import gradient_sync
+
+if TYPE_CHECKING:
+    from .rl import RLBatch
+
+Tensor = torch.Tensor
+
+
+def global_counts(batch: RLBatch, max_new_tokens: int, num_micro_batches: int = 1,
+                  ctx: ParallelContext | None = None) -> dict:
+    """The aggregation counts of one optimizer update: summed over its micro-batches and all ranks, once."""
+    ctx = ctx or ParallelContext()
+    num_seqs, num_tokens, num_micro = ctx.sum_counts(batch.num_rows, int(batch.completion_mask.sum()),
+                                                     num_micro_batches)
+    return {"num_seqs_global": num_seqs, "num_loss_tokens_global": num_tokens,
+            "max_completion_len": max_new_tokens, "num_micro_batches_global": num_micro}
+
+
+def reduce_metrics(records: list[tuple[dict, int]], ctx: ParallelContext | None = None) -> dict:
+    """Per-micro-batch metrics of every rank -> one value each: max of ``*_max``, min of ``*_min``,
+    else the mean weighted by the micro-batch's completion tokens. Three collectives in all."""
+    ctx = ctx or ParallelContext()
+    values: dict[str, list] = {}
+    for metrics, weight in records:
+        for key, value in metrics.items():
+            values.setdefault(key, []).append((float(value), weight))
+    keys = sorted(values)
+    maxima = [k for k in keys if k.endswith("_max")]
+    minima = [k for k in keys if k.endswith("_min")]
+    means = [k for k in keys if k not in maxima and k not in minima]
+    sums = torch.tensor([x for k in means for x in (sum(v * w for v, w in values[k]), sum(w for _, w in values[k]))],
+                        dtype=torch.float64)
+    highs = torch.tensor([max(v for v, _ in values[k]) for k in maxima], dtype=torch.float64)
+    lows = torch.tensor([min(v for v, _ in values[k]) for k in minima], dtype=torch.float64)
+    if ctx.distributed:
+        ctx.all_reduce(sums)
+        ctx.all_reduce(highs, op=torch.distributed.ReduceOp.MAX)
+        ctx.all_reduce(lows, op=torch.distributed.ReduceOp.MIN)
+    out = {k: float(sums[2 * i]) / max(float(sums[2 * i + 1]), 1) for i, k in enumerate(means)}
+    out.update({k: float(highs[i]) for i, k in enumerate(maxima)})
+    out.update({k: float(lows[i]) for i, k in enumerate(minima)})
+    return {k: out[k] for k in values}  # first-seen order, as logged
+
+
+LossFn = Callable[["RLBatch", dict], tuple[Tensor, dict]]  # (micro-batch, counts) -> (loss, metrics)
+
+
+def mini_batch_rows(num_rows: int, num_mini_batches: int) -> tuple[Tensor, ...]:
+    """The row indices of each mini-batch: contiguous ranges, so a prompt's samples stay together."""
+    return torch.arange(num_rows).tensor_split(num_mini_batches)
+
+
+def informative_rows(advantages: Tensor) -> Tensor:
+    """(B,) bool: rows with a non-zero advantage somewhere ((B,) per sequence or (B, C) per token)."""
+    return advantages.reshape(advantages.shape[0], -1).ne(0).any(1)
+
+
+def update(batch: RLBatch, algo, updater, micro_batch_size: int, max_new_tokens: int, loss_fn: LossFn, step: int,
+           ctx: ParallelContext | None = None, wrapped=None, skip_zero_advantage: bool = False,
+           first_on_policy: bool = False, flops_of: Callable[[RLBatch], float] | None = None) -> dict:
+    """``algo.num_iterations`` passes over this rank's ``batch``, each of ``algo.num_mini_batches`` updates.
+
+    Mini-batches are contiguous row ranges (a prompt's samples stay together); the rank's rows were
+    chosen so that its m-th mini-batch is its share of the global m-th mini-batch
+    (:func:`rank_prompts`). Each is split into micro-batches of ``micro_batch_size`` rows whose
+    losses, normalised by the mini-batch's global counts, are accumulated into one optimizer step;
+    gradients are summed across ranks (``ctx``; ``wrapped``, the parallel root) on the last
+    micro-batch. ``loss_fn(micro_batch, counts) -> (loss, metrics)``.
+
+    ``skip_zero_advantage`` (only for a loss that is a sum of advantage-weighted terms: no KL, no
+    entropy bonus, no value loss): rows whose advantages are all 0 add exactly 0 to the gradient, so
+    they are not run; a micro-batch with none left is skipped on every rank (one small all-reduce
+    per mini-batch under several ranks), and an update with nothing left steps the optimizer on zero
+    gradients, as the full computation would (AdamW's moments still move the weights). The counts
+    that normalise the loss are those of all rows, so the update is the same; the logged policy
+    metrics (ratio, clip fractions, entropy) are then over the rows trained.
+
+    ``first_on_policy``: the first mini-batch of the first pass takes pi_old from its own (detached)
+    forward, since the weights have not moved yet; ``batch.old_logprobs`` of its rows is not read.
+
+    ``flops_of(micro)``: the forward FLOPs of a micro-batch, summed over those trained (returned as
+    ``_forward_flops``, for the caller's FLOP count).
+    """
+    ctx = ctx or ParallelContext()
+    records, losses, grad_norms = [], [], []
+    lr = updater.scheduler.get_last_lr()[0]
+    informative = informative_rows(batch.advantages).cpu() if skip_zero_advantage else None
+    plans: dict[int, list[Tensor]] = {}  # mini-batch -> the row sets of its micro-batches that run
+    trained_rows, flops = 0, 0.0
+    for iteration in range(algo.num_iterations):
+        for m, mini_rows in enumerate(mini_batch_rows(batch.num_rows, algo.num_mini_batches)):
+            mini = batch.select(mini_rows)
+            if first_on_policy and iteration == 0 and m == 0:
+                mini.old_logprobs = None
+            micro_rows = list(torch.arange(mini.num_rows).split(micro_batch_size))
+            counts = global_counts(mini, max_new_tokens, len(micro_rows), ctx)
+            if m not in plans:
+                plans[m] = micro_rows if informative is None else _rows_to_run(micro_rows, informative[mini_rows], ctx)
+            plan = plans[m]
+            loss_sum = torch.zeros((), device=batch.input_ids.device)
+            for index, rows in enumerate(plan):
+                micro = mini.select(rows)
+                with gradient_sync(wrapped, enabled=index == len(plan) - 1):
+                    loss, metrics = loss_fn(micro, counts)
+                    updater.precision.backward(loss)
+                loss_sum = loss_sum + loss.detach()
+                records.append((metrics, int(micro.completion_mask.sum())))
+                trained_rows += micro.num_rows
+                if flops_of is not None:
+                    flops += flops_of(micro)
+            if not plan:  # every advantage of this update is 0: the full computation's gradient is 0
+                _zero_missing_grads(updater.module)
+            ctx.all_reduce(loss_sum)  # each rank's part is over the global counts: the sum is the loss
+            updater.check_loss(loss_sum, step)  # once per update (a host sync on GPUs), on every rank, before it
+            grad_norms.append(updater.step(step))  # non-finite: stop, or skip this update (train.on_nonfinite)
+            losses.append(loss_sum)
+    grad_norms = torch.stack(grad_norms)
+    out = {**(reduce_metrics(records, ctx) if records else {}), "loss": torch.stack(losses).mean(),
+           "grad_norm": grad_norms.mean(), "grad_norm_max": grad_norms.max(), "lr": lr,
+           "skipped_updates": updater.num_skipped}
+    if informative is not None:
+        out["frac_rows_trained"] = trained_rows / (batch.num_rows * algo.num_iterations)
+    if flops_of is not None:
+        out["_forward_flops"] = flops
+    return out
+
+
+def _rows_to_run(micro_rows: list[Tensor], informative: Tensor, ctx: ParallelContext) -> list[Tensor]:
+    """The micro-batches (row sets within the mini-batch) that must run: each keeps its informative
+    rows; one with none is dropped if it has none on every rank, else it runs whole on this rank (so
+    every rank runs the same forwards: DDP and FSDP2 communicate inside them)."""
+    kept = [rows[informative[rows]] for rows in micro_rows]
+    anywhere = torch.tensor([len(rows) > 0 for rows in kept], dtype=torch.float32)
+    if ctx.distributed:
+        anywhere = ctx.all_reduce(anywhere, op=torch.distributed.ReduceOp.MAX)
+    return [rows if len(rows) else whole for rows, whole, run in zip(kept, micro_rows, anywhere.tolist()) if run]
+
+
+def _zero_missing_grads(module: torch.nn.Module) -> None:
+    """Zero gradients where none were accumulated, so the optimizer steps those parameters as it
+    would on a zero gradient (AdamW skips parameters whose .grad is None)."""
+    for param in module.parameters():
+        if param.requires_grad and param.grad is None:
+            param.grad = torch.zeros_like(param)
+
+
+def reduce_rollout_metrics(metrics: dict, ctx: ParallelContext) -> dict:
+    """A rank's rollout / advantage metrics -> the step's over all ranks (every rank holds the same
+    number of rows and groups): ``num_*``, ``*_failures`` and ``*_timeouts`` are summed, ``*_max`` / ``time_*`` take
+    the maximum, ``reward_std`` is recombined from the ranks' means and variances, the rest are means."""
+    if not ctx.distributed:
+        return metrics
+    keys = list(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    summed = ctx.all_reduce(values.clone())
+    highest = ctx.all_reduce(values.clone(), op=torch.distributed.ReduceOp.MAX)
+    out = {}
+    for i, key in enumerate(keys):
+        if key.startswith("num_") or key.endswith(("_failures", "_timeouts")):
+            out[key] = float(summed[i])
+        elif key.endswith("_max") or key.startswith("time_"):
+            out[key] = float(highest[i])
+        else:
+            out[key] = float(summed[i]) / ctx.world_size
+    if "reward_std" in metrics and "reward" in metrics:
+        second = ctx.all_reduce(torch.tensor([float(metrics["reward_std"]) ** 2 + float(metrics["reward"]) ** 2],
+                                             dtype=torch.float64))
+        out["reward_std"] = max(float(second) / ctx.world_size - out["reward"] ** 2, 0.0) ** 0.5
+    return out
