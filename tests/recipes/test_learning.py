@@ -57,9 +57,9 @@ def test_grpo_raises_a_reachable_reward(tmp_path, monkeypatch):
 
 
 def addition_accuracy_gain(root, seed: int) -> tuple[float, float]:
-    """The quickstart's SFT (tiny Llama 128 x 4, 400 steps) then 100 GRPO steps at lr 1e-4 (the
-    quickstart's GRPO settings, fewer steps, twice its lr); held-out accuracy on 200 problems."""
-    cfg = QuickstartConfig(output_dir=str(root), seed=seed, grpo_steps=100, grpo_lr=1e-4, progress=False)
+    """The quickstart's SFT (tiny Llama 128 x 4, 600 steps) then 100 GRPO steps with the quickstart's
+    GRPO settings (lr 5e-5); held-out accuracy on 200 problems."""
+    cfg = QuickstartConfig(output_dir=str(root), seed=seed, grpo_steps=100, progress=False)
     sft = sft_config(cfg, root)
     sft = dataclasses.replace(sft, train=dataclasses.replace(sft.train, threads=1, eval_every=0, save_every=0))
     model, tokenizer = load_model(sft.model, char_tokenizer(get_task(cfg.task).alphabet))
@@ -72,12 +72,14 @@ def addition_accuracy_gain(root, seed: int) -> tuple[float, float]:
 
 @pytest.mark.slow
 def test_grpo_after_sft_raises_heldout_addition_accuracy(tmp_path):
-    """Measured with seeds 0, 1, 2 (held-out accuracy on 200 problems, after SFT -> after GRPO):
-    69.0% -> 85.5% (+16.5), 79.5% -> 92.5% (+13.0), 37.5% -> 59.5% (+22.0). The test asks for
-    +6.5 points, half the smallest gain; the evaluation's own noise (binomial, 200 problems, p ~ 0.7)
-    is ~3 points. At lr 2e-4 for 60 steps the same runs collapsed (-37, -37, -5.5 points): the
-    test would catch a policy gradient with the wrong sign or scale. ~1 min on an idle core
-    (measured 1.5-2 min on a busy machine)."""
+    """Measured with seeds 0-3 on the AVX2-only 2-core machine (held-out accuracy on 200 problems,
+    after SFT -> after GRPO): 81.5 -> 96.0%, 95.5 -> 98.5%, 67.0 -> 90.0%, 81.5 -> 92.5%: the errors
+    fell to 0.22, 0.33, 0.30 and 0.41 of the start's. At lr 1e-4 the same runs ended at 0.32, 0.67,
+    0.38 and 0.86; from a 400-step SFT model, lr 2e-4 for 60 steps collapsed (-37, -37, -5.5 points):
+    the test would catch a policy gradient with the wrong sign. The test asks that the errors fall
+    to at most 0.6 of the start's, from a start between 50 and 97% (the SFT stage's accuracy at a
+    fixed step depends on the machine's kernels: the 400-step model of seed 0 was 69% on an AVX-512
+    machine and 25.5% on the AVX2 one). ~1.5 min on an idle core."""
     before, after = addition_accuracy_gain(tmp_path, seed=0)
-    assert before > 0.2, f"SFT reached only {before:.1%}: no basis for the RL stage"
-    assert after - before > 0.065, (before, after)
+    assert 0.5 <= before <= 0.97, f"SFT reached {before:.1%}, outside the 50-97% this check is sized for"
+    assert 1 - after <= 0.6 * (1 - before), (before, after)

@@ -29,7 +29,7 @@ class QuickstartConfig:
     seed: int = opt(0, "seed for model init, data and sampling")
     hidden_size: int = opt(128, "tiny model hidden size")
     num_layers: int = opt(4, "tiny model layers")
-    sft_steps: int = opt(400, "SFT optimizer steps")
+    sft_steps: int = opt(600, "SFT optimizer steps")
     sft_batch: int = opt(32, "SFT rows per step")
     sft_lr: float = opt(1e-3, "SFT peak learning rate")
     grpo_steps: int = opt(300, "GRPO steps after SFT (0 = skip the RL stage)")
@@ -39,6 +39,11 @@ class QuickstartConfig:
 
 
 def sft_config(cfg: QuickstartConfig, run_dir: Path) -> SFTConfig:
+    """SFT of a tiny Llama (128 x 4) on the task's problems. The accuracy rises steeply late in the
+    run and where it is at a fixed step depends on the seed and on the machine's kernels; measured
+    (seeds 0-3, held-out greedy accuracy, AVX2-only 2-core Xeon): 400 steps 16.5-40.5% (the same
+    seed 0 run gave 69% on an AVX-512 machine), 600 steps 67-95.5%, 800 steps 87-98.5%. 600 is the
+    default: a model that is right most of the time, with room left for the GRPO stage."""
     return SFTConfig(
         model=ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=cfg.hidden_size,
                           num_layers=cfg.num_layers, num_heads=4, max_position_embeddings=64,
@@ -54,9 +59,11 @@ def sft_config(cfg: QuickstartConfig, run_dir: Path) -> SFTConfig:
 
 
 def grpo_config(cfg: QuickstartConfig, run_dir: Path) -> GRPOConfig:
-    """GRPO on the SFT model: 8 prompts x 8 samples, exact-answer reward, no KL. Measured here:
-    lr 5e-5 for 300 steps took held-out accuracy from 57.5% to 88.5% steadily; lr 1e-4 peaked at
-    91% and fell back to 74.5% by step 300."""
+    """GRPO on the SFT model: 8 prompts x 8 samples, exact-answer reward, no KL. Measured from a
+    400-step SFT model: lr 5e-5 for 300 steps took held-out accuracy from 57.5% to 88.5% steadily;
+    lr 1e-4 peaked at 91% and fell back to 74.5% by step 300. From the 600-step SFT models of seeds
+    0 and 1 (AVX2 machine), lr 5e-5: 81.5% -> 97.5% at step 75 -> 96.5% at step 300, and
+    95.5% -> 99.0%."""
     return GRPOConfig(
         data=RLDataConfig(task=cfg.task, num_train=4000, num_eval=cfg.num_eval),
         rollout=RolloutConfig(num_prompts=8, group_size=8, temperature=1.0, max_new_tokens=6),
