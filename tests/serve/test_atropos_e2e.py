@@ -141,15 +141,19 @@ def test_grpo_through_atropos_raises_accuracy_of_the_quickstart_model(tmp_path):
     by the environment through run-api: the held-out greedy accuracy rises. ``LMFORGE_TEST_SFT_MODEL=DIR``
     skips the SFT stage and starts from DIR (e.g. a quickstart's ``sft/final``).
 
-    Margin: from one quickstart SFT model (69-72 % greedy on the 200 held-out problems), seeds 0, 1, 2
-    raised held-out accuracy to 0.75, 0.775, 0.795 at step 60; four later runs whose output was kept
-    (each with its own SFT stage, one on a loaded machine, three on a quiet one) went from 0.69 to
-    0.755, 0.775, 0.85 and 0.80: the smallest rise was 0.055. The held-out accuracy is greedy and
-    scores the same 200 problems each time, so the check asks for a rise of more than 0.02. The
-    sampled reward (T = 1, 64 completions per step, from an environment that runs up to two steps
-    ahead) is too noisy to test on: its 15-step means rose in three of those four runs and fell
-    (0.36 -> 0.32) in the one whose accuracy rose to 0.80; it is printed, not asserted. About 1 min on
-    a quiet 2-core machine, 7-8 min on a loaded one."""
+    Margin. The held-out accuracy is greedy on the same 200 problems each time; what varies between
+    runs is the order in which the environment's groups arrive (it runs up to two steps ahead). From
+    the 600-step quickstart SFT model of seed 0 (81.5%, 37 errors; AVX2 2-core machine), four runs at
+    lr 5e-5 ended at 94.5, 92.5, 96.5 and 94% (11, 15, 7 and 12 errors: at most 0.41 of the start's),
+    three at lr 1e-4 at 90.5, 93.5 and 92.5% (one dipped to 73.5% at step 30). From the seed-2 model
+    (69.5% by the trainer's evaluation) four runs at lr 5e-5 ended at 0.31-0.43 of its errors, from
+    the seed-1 model (93.5%) two at 0.15 and 0.31. Earlier, from a 69%
+    model at lr 1e-4, seven runs ended at 0.48-0.81 of its errors and one at 1.16: that run failed the
+    former check (a rise of 2 points), hence the lower lr. The check asks that the errors fall to at
+    most 0.75 of the start's; the start has to lie in 50-97% for that to be a fair test (the SFT stage
+    lands between 67 and 95.5% over seeds 0-3 on that machine). The sampled reward (T = 1, 64
+    completions per step) is printed, not asserted: its 15-step means fell in one earlier run whose
+    accuracy rose. About 1 min on a quiet 2-core machine, 7-8 min on a loaded one."""
     pytest.importorskip("atroposlib")
     pytest.importorskip("fastapi")
     from lmforge.recipes.quickstart import QuickstartConfig, run_quickstart
@@ -162,7 +166,7 @@ def test_grpo_through_atropos_raises_accuracy_of_the_quickstart_model(tmp_path):
         tmp_path, model_dir,
         ["data.task=addition", "data.num_train=4000", "data.num_eval=200", "rollout.num_prompts=8",
          "rollout.group_size=8", "rollout.max_new_tokens=6", "rewards.functions=[exact]", "algo.is_level=token",
-         "rollout.max_staleness=2", "optim.lr=1e-4", "optim.schedule=constant", "optim.weight_decay=0.0",
+         "rollout.max_staleness=2", "optim.lr=5e-5", "optim.schedule=constant", "optim.weight_decay=0.0",
          "train.max_steps=60", "train.micro_batch_size=64", "train.eval_every=30", "train.save_every=0",
          "train.max_new_tokens=6", "train.log_every=10"],
         ["--env.group_size=8", "--env.max_new_tokens=6", "--env.num_train=4000", "--env.total_steps=1000"],
@@ -176,5 +180,7 @@ def test_grpo_through_atropos_raises_accuracy_of_the_quickstart_model(tmp_path):
     print(f"reward first 15 steps {first:.3f}, last 15 {last:.3f}; held-out accuracy "
           + ", ".join(f"step {s}: {e['accuracy']:.3f}" for s, e in sorted(evals.items()))
           + f"; dropped stale groups {records[60]['atropos_dropped_stale_total']}, server version {version}")
-    assert evals[60]["accuracy"] > evals[0]["accuracy"] + 0.02, evals
+    start, end = evals[0]["accuracy"], evals[60]["accuracy"]
+    assert 0.5 <= start <= 0.97, f"the SFT model starts at {start:.1%}, outside the 50-97% this check is sized for"
+    assert 1 - end <= 0.75 * (1 - start), evals
     assert version == 60
