@@ -2,7 +2,6 @@
 shortcut, importance sampling without rollout logprobs, presets and config errors."""
 import copy
 import dataclasses
-import json
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from lmforge.runtime.run import Run
 from lmforge.recipes.grpo import GRPOConfig, micro_loss, run_grpo
 from lmforge.rollout import RewardSet, SamplingParams, generate
 from lmforge.train import Precision, Updater, logits_at
+from run_records import assert_resume_is_bit_exact, records
 
 TINY = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
         "model.max_position_embeddings=32"]
@@ -36,11 +36,6 @@ STEP_KEYS = {
     "rollout_ratio_frac_low", "rollout_ratio_frac_high", "pg_loss", "loss", "grad_norm", "lr",
     "time_generation", "time_scoring", "time_training", "step_time",
 }
-
-
-def records(run_dir, kind="train"):
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r for r in map(json.loads, lines) if r["kind"] == kind}
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +64,8 @@ def test_run_logs_every_metric_and_checkpoints(reference):
 
 def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(reference, tmp_path):
     out, _ = reference
-    resumed = tmp_path / "resumed"
-    run_grpo(load_config(GRPOConfig, None, ARGS + [f"train.output_dir={resumed}",
-                                                   f"train.resume={out / 'checkpoints' / 'step-000002'}"]))
-    want, got = records(out), records(resumed)
-    assert sorted(got) == [3, 4]
-    for step in (3, 4):
-        for key in ("loss", "reward", "kl", "grad_norm"):
-            assert got[step][key] == want[step][key], f"step {step} {key}: {got[step][key]!r} != {want[step][key]!r}"
+    assert_resume_is_bit_exact(run_grpo, GRPOConfig, ARGS, out, tmp_path / "resumed", 2,
+                               ("loss", "reward", "kl", "grad_norm"))
 
 
 def tiny_batch(temperature=1.0):
@@ -132,7 +121,7 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(monkeypatch):
                                           "algo.num_mini_batches=2"]).algo.resolved()
     batch.old_logprobs = rl.batch_logprobs(model, batch, 4, 1.0, Precision(torch.device("cpu"), torch.float32))
     want, full = run_update(model, batch, algo)
-    got, skipped = run_update(model, batch, algo, skip_zero_advantage=True)
+    got, skipped = run_update(model, batch, algo, rows_to_train=rl.informative_rows(batch.advantages))
     assert skipped["frac_rows_trained"] == 2 / 8
     assert float(skipped["loss"]) == pytest.approx(float(full["loss"]), abs=1e-7)
     assert float(skipped["grad_norm_max"]) == pytest.approx(float(full["grad_norm_max"]), rel=1e-5)
@@ -142,7 +131,7 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(monkeypatch):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
     # the zero-gradient updates matter: without them the weights end elsewhere
     monkeypatch.setattr(rl_update, "_zero_missing_grads", lambda module: None)
-    without, _ = run_update(model, batch, algo, skip_zero_advantage=True)
+    without, _ = run_update(model, batch, algo, rows_to_train=rl.informative_rows(batch.advantages))
     assert max(float((w - g).abs().max()) for w, g in zip(want, without)) > 1e-4
 
 

@@ -1,7 +1,6 @@
 """Overlapped rollouts (rollout.async_steps): staleness and IS metrics are logged, the batch of step k
 was sampled by the weights of version k - 2 (one behind the trained ones), a seeded run repeats bit
 for bit, resume reproduces the uninterrupted run, and the config errors."""
-import json
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from lmforge.models import load_model
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
 from lmforge.rl_async import async_threads
 from lmforge.train import Precision
+from run_records import assert_resume_is_bit_exact, records
 
 ARGS = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
         "model.max_position_embeddings=32", "data.task=addition", "data.num_train=64", "data.num_eval=4",
@@ -20,11 +20,6 @@ ARGS = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "m
         "train.max_steps=4", "train.micro_batch_size=8", "train.save_every=1", "train.keep_last=10",
         "train.eval_every=4", "train.max_new_tokens=4", "train.threads=1", "optim.lr=3e-2",
         "logging.progress=false", "algo.is_level=token", "algo.is_cap=1.5", "rollout.async_steps=1"]
-
-
-def records(run_dir):
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r for r in map(json.loads, lines) if r["kind"] == "train"}
 
 
 @pytest.fixture(scope="module")
@@ -75,15 +70,8 @@ def test_async_seeded_run_repeats_and_resume_is_bit_exact(async_run, tmp_path):
     for step in (1, 2, 3, 4):
         for key in ("loss", "reward", "grad_norm", "is_weight_mean"):
             assert got[step][key] == want[step][key], f"repeat, step {step} {key}"
-    resumed = tmp_path / "resumed"
-    run_grpo(load_config(GRPOConfig, None, ARGS + [f"train.output_dir={resumed}",
-                                                   f"train.resume={async_run / 'checkpoints' / 'step-000002'}"]))
-    got = records(resumed)
-    assert sorted(got) == [3, 4]
-    for step in (3, 4):
-        assert got[step]["rollout_version"] == want[step]["rollout_version"]
-        for key in ("loss", "reward", "grad_norm", "is_weight_mean"):
-            assert got[step][key] == want[step][key], f"resume, step {step} {key}"
+    assert_resume_is_bit_exact(run_grpo, GRPOConfig, ARGS, async_run, tmp_path / "resumed", 2,
+                               ("rollout_version", "loss", "reward", "grad_norm", "is_weight_mean"))
 
 
 def test_two_steps_ahead_trains_on_batches_two_versions_old(tmp_path):

@@ -17,6 +17,7 @@ from lmforge.recipes.grpo import GRPOConfig, run_grpo
 from lmforge.recipes.ppo import PPOConfig, run_ppo
 from lmforge.recipes.sft import SFTConfig, run_sft
 from lmforge.rollout import CastEngine
+from run_records import assert_resume_is_bit_exact, records
 
 peft = pytest.importorskip("peft")
 
@@ -38,11 +39,6 @@ GRPO_ARGS = TINY_ARGS + [
 
 def tiny():
     return load_model(ModelConfig(**TINY))
-
-
-def records(run_dir, kind="train"):
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r for r in map(json.loads, lines) if r["kind"] == kind}
 
 
 def base_weights(model) -> dict:
@@ -216,13 +212,7 @@ def test_saved_adapter_reloads_with_peft_and_merged_dir_with_transformers(sft_ru
 
 def test_sft_resume_with_lora_is_bit_exact(sft_run, tmp_path):
     out, _, _ = sft_run
-    resumed = tmp_path / "resumed"
-    run_sft(load_config(SFTConfig, None, SFT_ARGS + [f"train.output_dir={resumed}",
-                                                     f"train.resume={out / 'checkpoints' / 'step-000004'}"]))
-    want, got = records(out), records(resumed)
-    assert sorted(got) == [5, 6, 7, 8]
-    for step in got:
-        assert (got[step]["loss"], got[step]["grad_norm"]) == (want[step]["loss"], want[step]["grad_norm"]), step
+    assert_resume_is_bit_exact(run_sft, SFTConfig, SFT_ARGS, out, tmp_path / "resumed", 4, ("loss", "grad_norm"))
 
 
 def test_resuming_a_lora_checkpoint_without_lora_is_an_error(sft_run, tmp_path):
@@ -294,14 +284,8 @@ def test_grpo_with_kl_trains_the_adapters_against_the_base(grpo_run):
 
 def test_grpo_resume_with_lora_is_bit_exact(grpo_run, tmp_path):
     out, _, _, _, _ = grpo_run
-    resumed = tmp_path / "resumed"
-    run_grpo(load_config(GRPOConfig, None, GRPO_ARGS + [f"train.output_dir={resumed}",
-                                                       f"train.resume={out / 'checkpoints' / 'step-000002'}"]))
-    want, got = records(out), records(resumed)
-    assert sorted(got) == [3, 4]
-    for step in (3, 4):
-        for key in ("loss", "reward", "kl", "grad_norm"):
-            assert got[step][key] == want[step][key], f"step {step} {key}: {got[step][key]!r} != {want[step][key]!r}"
+    assert_resume_is_bit_exact(run_grpo, GRPOConfig, GRPO_ARGS, out, tmp_path / "resumed", 2,
+                               ("loss", "reward", "kl", "grad_norm"))
 
 
 def test_grpo_with_a_bf16_sampler_copy_samples_the_merged_policy(tmp_path, monkeypatch):
@@ -429,15 +413,10 @@ def test_ppo_resume_with_lora_is_bit_exact(tmp_path):
     """Adapters and the value head both come back from the checkpoint."""
     args = [a for a in GRPO_ARGS if not a.startswith(("algo.", "rewards."))] + ["rewards.functions=[parity]",
                                                                                 "algo.kl_coef=0.05"]
-    out, resumed = tmp_path / "run", tmp_path / "resumed"
+    out = tmp_path / "run"
     run_ppo(load_config(PPOConfig, None, args + [f"train.output_dir={out}"]))
-    run_ppo(load_config(PPOConfig, None, args + [f"train.output_dir={resumed}",
-                                                 f"train.resume={out / 'checkpoints' / 'step-000002'}"]))
-    want, got = records(out), records(resumed)
-    assert sorted(got) == [3, 4]
-    for step in (3, 4):
-        for key in ("loss", "value_loss", "kl", "grad_norm"):
-            assert got[step][key] == want[step][key], f"step {step} {key}"
+    assert_resume_is_bit_exact(run_ppo, PPOConfig, args, out, tmp_path / "resumed", 2,
+                               ("loss", "value_loss", "kl", "grad_norm"))
 
 
 def test_lora_on_the_antidistillation_teacher_is_an_error():

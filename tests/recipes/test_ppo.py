@@ -1,6 +1,5 @@
 """PPO recipe on a tiny in-process model: a run of a few steps with the value head checkpointed,
 bit-exact resume, the critic learning a fixed batch, terminal rewards, config errors."""
-import json
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from lmforge.models import load_model
 from lmforge.recipes.ppo import PPOConfig, ValueHead, add_targets, micro_loss, run_ppo, terminal_rewards
 from lmforge.rollout import RewardSet
 from lmforge.train import Precision, Updater
+from run_records import records
 
 ARGS = [
     "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
@@ -23,11 +23,6 @@ ARGS = [
     # T != 1: training logprobs of softmax(logits) instead of softmax(logits / T) would show below
     "rollout.temperature=0.7",
 ]
-
-
-def records(run_dir):
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r for r in map(json.loads, lines) if r["kind"] == "train"}
 
 
 @pytest.fixture(scope="module")

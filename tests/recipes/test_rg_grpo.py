@@ -11,6 +11,7 @@ from lmforge.config import load_config  # noqa: E402
 from lmforge.errors import TrainingError  # noqa: E402
 from lmforge.recipes.grpo import GRPOConfig, run_grpo  # noqa: E402
 from lmforge.rollout import RewardSet  # noqa: E402
+from run_records import records  # noqa: E402
 
 TASK = "rg:basic_arithmetic:min_terms=2,max_terms=2,max_digits=1,answer_format=plain"
 TINY = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
@@ -23,11 +24,6 @@ ARGS = TINY + [
     "rewards.functions=[exact, {name: format, weight: 0.5, pattern: '^-?[0-9]+$', match: full},"
     " {name: overlong, weight: 1.0, cache: 2}]",
 ]
-
-
-def records(run_dir, kind):
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r for r in map(json.loads, lines) if r["kind"] == kind}
 
 
 @pytest.fixture
