@@ -69,7 +69,7 @@ def informative_rows(advantages: Tensor) -> Tensor:
 
 
 def update(batch: RLBatch, algo, updater, micro_batch_size: int, max_new_tokens: int, loss_fn: LossFn, step: int,
-           ctx: ParallelContext | None = None, wrapped=None, skip_zero_advantage: bool = False,
+           ctx: ParallelContext | None = None, wrapped=None, rows_to_train: Tensor | None = None,
            first_on_policy: bool = False, flops_of: Callable[[RLBatch], float] | None = None) -> dict:
     """``algo.num_iterations`` passes over this rank's ``batch``, each of ``algo.num_mini_batches`` updates.
 
@@ -80,9 +80,9 @@ def update(batch: RLBatch, algo, updater, micro_batch_size: int, max_new_tokens:
     gradients are summed across ranks (``ctx``; ``wrapped``, the parallel root) on the last
     micro-batch. ``loss_fn(micro_batch, counts) -> (loss, metrics)``.
 
-    ``skip_zero_advantage`` (only for a loss that is a sum of advantage-weighted terms: no KL, no
-    entropy bonus, no value loss): rows whose advantages are all 0 add exactly 0 to the gradient, so
-    they are not run; a micro-batch with none left is skipped on every rank (one small all-reduce
+    ``rows_to_train`` ((B,) bool, e.g. :func:`informative_rows`; only for a loss that is a sum of
+    advantage-weighted terms: no KL, no entropy bonus, no value loss): the other rows, whose
+    advantages are all 0, add exactly 0 to the gradient, so they are not run; a micro-batch with none left is skipped on every rank (one small all-reduce
     per mini-batch under several ranks), and an update with nothing left steps the optimizer on zero
     gradients, as the full computation would (AdamW's moments still move the weights). The counts
     that normalise the loss are those of all rows, so the update is the same; the logged policy
@@ -97,7 +97,7 @@ def update(batch: RLBatch, algo, updater, micro_batch_size: int, max_new_tokens:
     ctx = ctx or ParallelContext()
     records, losses, grad_norms = [], [], []
     lr = updater.scheduler.get_last_lr()[0]
-    informative = informative_rows(batch.advantages).cpu() if skip_zero_advantage else None
+    informative = None if rows_to_train is None else rows_to_train.cpu()
     plans: dict[int, list[Tensor]] = {}  # mini-batch -> the row sets of its micro-batches that run
     trained_rows, flops = 0, 0.0
     for iteration in range(algo.num_iterations):

@@ -73,9 +73,8 @@ def rank_rows(num_prompts: int, group_size: int, num_mini: int, ctx) -> torch.Te
 def rl_case(out: Path, recipe: str, aggregation: str, micro: int, strategy: str, num_mini: int = 1,
             skip: bool = False) -> dict:
     """``skip``: rewards with zero-advantage rows and whole zero-variance groups; several ranks skip
-    those rows (``skip_zero_advantage``, ``first_on_policy``), one process runs the full computation."""
+    those rows (``rows_to_train``, ``first_on_policy``), one process runs the full computation."""
     num_prompts, group = 4, 4
-    module = grpo if recipe == "grpo" else ppo
     config_cls = grpo.GRPOConfig if recipe == "grpo" else ppo.PPOConfig
     algo_cls = grpo.GRPOAlgoConfig if recipe == "grpo" else ppo.PPOAlgoConfig
     cfg = config_cls(model=MODEL, data=RLDataConfig(task="addition", num_train=16, num_eval=0),
@@ -95,7 +94,7 @@ def rl_case(out: Path, recipe: str, aggregation: str, micro: int, strategy: str,
     if skip:  # group 0: rows 2 and 3 at the group mean; groups 1-3 all the same (advantage 0)
         rewards = torch.tensor([1.0, 0.0, 0.5, 0.5] + [1.0] * 4 + [0.5] * 4 + [0.0] * 4)
         if ctx.distributed:
-            options = dict(skip_zero_advantage=True, first_on_policy=True)
+            options = dict(first_on_policy=True)
     rows = rank_rows(num_prompts, group, num_mini, ctx)
     precision, losses = state.updater.precision, []
     for step in range(1, STEPS + 1):
@@ -117,6 +116,8 @@ def rl_case(out: Path, recipe: str, aggregation: str, micro: int, strategy: str,
                                                    wrapped=state.train.wrapped)
             if options:  # the first mini-batch's rows are not read
                 batch.old_logprobs[rl.mini_batch_rows(batch.num_rows, num_mini)[0]] = float("nan")
+        if options:
+            options["rows_to_train"] = rl.informative_rows(batch.advantages)
         losses.append(float(rl.update_state(batch, algo, state, loss_fn, step, **options)["loss"]))
     weights = full_state_dict(state.train.wrapped)
     if recipe == "ppo":

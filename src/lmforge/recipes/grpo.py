@@ -122,7 +122,7 @@ def grpo_step(state: rl.RLState, algo: GRPOAlgoConfig, step: int) -> dict:
     train_metrics = rl.update_state(
         batch, algo, state,
         lambda micro, counts: micro_loss(state.model, micro, algo, temperature, counts, precision, state.train.wrapped),
-        step, skip_zero_advantage=skip, first_on_policy=multi_update, flops_of=forward_flops)
+        step, rows_to_train=informative if skip else None, first_on_policy=multi_update, flops_of=forward_flops)
     flops += 3 * train_metrics.pop("_forward_flops")
     return {**metrics, **adv_metrics, **train_metrics, "time_training": time.perf_counter() - start,
             "num_tokens": int(batch.attention_mask.sum()) * algo.num_iterations, "num_flops": flops}
