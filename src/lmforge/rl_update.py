@@ -82,11 +82,12 @@ def update(batch: RLBatch, algo, updater, micro_batch_size: int, max_new_tokens:
 
     ``rows_to_train`` ((B,) bool, e.g. :func:`informative_rows`; only for a loss that is a sum of
     advantage-weighted terms: no KL, no entropy bonus, no value loss): the other rows, whose
-    advantages are all 0, add exactly 0 to the gradient, so they are not run; a micro-batch with none left is skipped on every rank (one small all-reduce
-    per mini-batch under several ranks), and an update with nothing left steps the optimizer on zero
-    gradients, as the full computation would (AdamW's moments still move the weights). The counts
-    that normalise the loss are those of all rows, so the update is the same; the logged policy
-    metrics (ratio, clip fractions, entropy) are then over the rows trained.
+    advantages are all 0, add exactly 0 to the gradient, so they are not run; a micro-batch with
+    none left is skipped on every rank (one small all-reduce per mini-batch under several ranks),
+    and an update with nothing left steps the optimizer on zero gradients, as the full computation
+    would (AdamW's moments still move the weights). The counts that normalise the loss are those of
+    all rows, so the update is the same; the logged policy metrics (ratio, clip fractions, entropy)
+    are then over the rows trained.
 
     ``first_on_policy``: the first mini-batch of the first pass takes pi_old from its own (detached)
     forward, since the weights have not moved yet; ``batch.old_logprobs`` of its rows is not read.
