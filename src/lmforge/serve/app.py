@@ -12,7 +12,7 @@ scheduler thread and await its future, so the event loop keeps accepting request
 running batch.
 """
 # No ``from __future__ import annotations`` here: FastAPI reads the route signatures at runtime, and
-# ``Request``, imported lazily inside ``build_app``, could not be resolved from a string annotation.
+# ``Request``, imported lazily inside the functions that add the routes, could not be resolved from a string annotation.
 import asyncio
 import contextlib
 from typing import Any
@@ -105,11 +105,8 @@ class ServedModel:
 def build_app(served: ServedModel):
     """The FastAPI application serving ``served``; the scheduler thread stops when the app shuts down."""
     _require_fastapi()
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
+    from fastapi import FastAPI
     from starlette.concurrency import run_in_threadpool
-    from starlette.exceptions import HTTPException
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -119,8 +116,26 @@ def build_app(served: ServedModel):
 
     app = FastAPI(title="lmforge serve", lifespan=lifespan)
 
-    def reply(body: dict[str, Any]) -> JSONResponse:
-        return JSONResponse(body, headers={"x-weight-version": str(body["weight_version"])})
+    add_error_handlers(app)
+    add_generation_routes(app, served)
+    add_weight_routes(app, served)
+    return app
+
+
+def _reply(body: dict[str, Any]):
+    """A JSON response whose ``x-weight-version`` header names the weights that produced it."""
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(body, headers={"x-weight-version": str(body["weight_version"])})
+
+
+def add_error_handlers(app) -> None:
+    """Every error as an OpenAI-style JSON body: 400 for a bad request, 404, 503 while the server
+    cannot answer, 500 (with the traceback in the server log) for anything else."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -155,6 +170,9 @@ def build_app(served: ServedModel):
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", kind="server_error"),
                             status_code=500)
 
+
+def add_generation_routes(app, served: ServedModel) -> None:
+    """/health, /v1/models, /v1/completions and /v1/chat/completions."""
     @app.get("/health")
     async def health():
         return {"status": "ok", "weight_version": served.scheduler.weight_version,
@@ -180,7 +198,7 @@ def build_app(served: ServedModel):
                 break
         else:
             raise ServeError(f"weights changed during each of {MAX_RETRIES} attempts at this request; retry it")
-        return reply(completion_body(served.name, prompts, list(results), body, served.decode_text,
+        return _reply(completion_body(served.name, prompts, list(results), body, served.decode_text,
                                      served.decode_token))
 
     @app.post("/v1/chat/completions")
@@ -193,7 +211,15 @@ def build_app(served: ServedModel):
         prompt = served.encode(text)
         max_tokens = served.check_prompt(prompt, body.max_completion_tokens or body.max_tokens, None)
         result = await served.generate(prompt, body, max_tokens)
-        return reply(chat_body(served.name, prompt, result, body, served.decode_text, served.decode_token))
+        return _reply(chat_body(served.name, prompt, result, body, served.decode_text, served.decode_token))
+
+
+def add_weight_routes(app, served: ServedModel) -> None:
+    """/v1/weights: the version (GET), a checkpoint directory to load (POST); /v1/weights/tensors:
+    a serialised state dict (POST). Each update waits for the rows sampled with the old weights."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+    from starlette.concurrency import run_in_threadpool
 
     @app.get("/v1/weights")
     async def weights_version():
@@ -206,7 +232,7 @@ def build_app(served: ServedModel):
                 served.scheduler.update_weights(lambda model: copy_state(model, state), version))
         except (WeightsError, ValueError) as exc:
             raise RequestError(str(exc), param="weights") from exc
-        return reply({"weight_version": new_version})
+        return _reply({"weight_version": new_version})
 
     @app.post("/v1/weights")
     async def load_checkpoint(request: Request):
@@ -233,8 +259,6 @@ def build_app(served: ServedModel):
         except WeightsError as exc:
             raise RequestError(str(exc), param="body") from exc
         return await _update(state, version)
-
-    return app
 
 
 def run_server(served: ServedModel, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
