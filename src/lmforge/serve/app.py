@@ -12,7 +12,8 @@ scheduler thread and await its future, so the event loop keeps accepting request
 running batch.
 """
 # No ``from __future__ import annotations`` here: FastAPI reads the route signatures at runtime, and
-# ``Request``, imported lazily inside the functions that add the routes, could not be resolved from a string annotation.
+# ``Request``, imported lazily inside the functions that add the routes, could not be resolved from a
+# string annotation.
 import asyncio
 import contextlib
 from typing import Any
