@@ -77,9 +77,10 @@ def test_grpo_after_sft_raises_heldout_addition_accuracy(tmp_path):
     fell to 0.22, 0.33, 0.30 and 0.41 of the start's. At lr 1e-4 the same runs ended at 0.32, 0.67,
     0.38 and 0.86; from a 400-step SFT model, lr 2e-4 for 60 steps collapsed (-37, -37, -5.5 points):
     the test would catch a policy gradient with the wrong sign. The test asks that the errors fall
-    to at most 0.6 of the start's, from a start between 50 and 97% (the SFT stage's accuracy at a
-    fixed step depends on the machine's kernels: the 400-step model of seed 0 was 69% on an AVX-512
-    machine and 25.5% on the AVX2 one). ~1.5 min on an idle core."""
+    to at most 0.6 of the start's, from a start of at least 50%; the SFT stage's accuracy at a fixed
+    step depends on the machine's kernels (the 400-step model of seed 0 was 69% on an AVX-512 machine
+    and 25.5% on the AVX2 one), so where it starts above 95% and 0.6 of its errors would be within a
+    few problems, the check is that it ends at 97% or more. ~1.5 min on an idle core."""
     before, after = addition_accuracy_gain(tmp_path, seed=0)
-    assert 0.5 <= before <= 0.97, f"SFT reached {before:.1%}, outside the 50-97% this check is sized for"
-    assert 1 - after <= 0.6 * (1 - before), (before, after)
+    assert before >= 0.5, f"SFT reached only {before:.1%}: below the 50% this check is sized for"
+    assert 1 - after <= max(0.6 * (1 - before), 0.03), (before, after)

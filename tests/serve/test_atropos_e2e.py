@@ -150,8 +150,9 @@ def test_grpo_through_atropos_raises_accuracy_of_the_quickstart_model(tmp_path):
     the seed-1 model (93.5%) two at 0.15 and 0.31. Earlier, from a 69%
     model at lr 1e-4, seven runs ended at 0.48-0.81 of its errors and one at 1.16: that run failed the
     former check (a rise of 2 points), hence the lower lr. The check asks that the errors fall to at
-    most 0.75 of the start's; the start has to lie in 50-97% for that to be a fair test (the SFT stage
-    lands between 67 and 95.5% over seeds 0-3 on that machine). The sampled reward (T = 1, 64
+    most 0.75 of the start's, from a start of at least 50% (the SFT stage lands between 67 and 95.5%
+    over seeds 0-3 on that machine, and elsewhere on other CPUs); from a start above 96%, where that
+    would be within a few problems, that it ends at 97% or more. The sampled reward (T = 1, 64
     completions per step) is printed, not asserted: its 15-step means fell in one earlier run whose
     accuracy rose. About 1 min on a quiet 2-core machine, 7-8 min on a loaded one."""
     pytest.importorskip("atroposlib")
@@ -181,6 +182,6 @@ def test_grpo_through_atropos_raises_accuracy_of_the_quickstart_model(tmp_path):
           + ", ".join(f"step {s}: {e['accuracy']:.3f}" for s, e in sorted(evals.items()))
           + f"; dropped stale groups {records[60]['atropos_dropped_stale_total']}, server version {version}")
     start, end = evals[0]["accuracy"], evals[60]["accuracy"]
-    assert 0.5 <= start <= 0.97, f"the SFT model starts at {start:.1%}, outside the 50-97% this check is sized for"
-    assert 1 - end <= 0.75 * (1 - start), evals
+    assert start >= 0.5, f"the SFT model starts at {start:.1%}, below the 50% this check is sized for"
+    assert 1 - end <= max(0.75 * (1 - start), 0.03), evals
     assert version == 60
