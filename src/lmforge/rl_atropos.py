@@ -96,12 +96,10 @@ class AtroposSource:
         """POST the weights (serialised once, merged if LoRA) to ``lmforge serve``; retried like every
         other call here, and a refusal (4xx: wrong names or shapes, a version that does not increase)
         is an error at once."""
-        from .serve.weights import state_dict_bytes
+        from .serve.weights import weights_request
 
-        server = self.cfg.server_url.rstrip("/")
-        reply = _request("POST", f"{server}/v1/weights/tensors", self.cfg.api_retries, self.cfg.api_backoff_s,
-                         timeout=600.0, content=state_dict_bytes(model), params={"version": version},
-                         headers={"content-type": "application/octet-stream"},
+        url, request = weights_request(self.cfg.server_url, model, version=version)
+        reply = _request("POST", url, self.cfg.api_retries, self.cfg.api_backoff_s, timeout=600.0, **request,
                          action=f"pushing weights version {version} to rollout.server_url={self.cfg.server_url}",
                          remedy="the last checkpoint is intact: resume the run once the inference server is back")
         return int(reply["weight_version"])

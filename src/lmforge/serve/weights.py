@@ -114,16 +114,23 @@ def push_weights(server_url: str, model: torch.nn.Module | None = None, *, check
     """
     import httpx
 
+    url, request = weights_request(server_url, model, checkpoint_dir=checkpoint_dir, version=version)
+    response = httpx.post(url, timeout=timeout, **request)
+    if response.status_code != 200:
+        raise RuntimeError(f"{server_url.rstrip('/')} refused the weight update ({response.status_code}): "
+                           f"{response.text}")
+    return int(response.json()["weight_version"])
+
+
+def weights_request(server_url: str, model: torch.nn.Module | None = None, *,
+                    checkpoint_dir: str | Path | None = None, version: int | None = None) -> tuple[str, dict]:
+    """The POST that hands new weights to ``lmforge serve``: (url, httpx keyword arguments). Shared by
+    :func:`push_weights` and the Atropos trainer's retried push (``rl_atropos``)."""
     if (model is None) == (checkpoint_dir is None):
         raise ValueError("push_weights needs exactly one of model= or checkpoint_dir=")
     base = server_url.rstrip("/")
     if checkpoint_dir is not None:
-        response = httpx.post(f"{base}/v1/weights", json={"checkpoint_dir": str(checkpoint_dir), "version": version},
-                              timeout=timeout)
-    else:
-        params = {} if version is None else {"version": version}
-        response = httpx.post(f"{base}/v1/weights/tensors", content=state_dict_bytes(model), params=params,
-                              headers={"content-type": "application/octet-stream"}, timeout=timeout)
-    if response.status_code != 200:
-        raise RuntimeError(f"{base} refused the weight update ({response.status_code}): {response.text}")
-    return int(response.json()["weight_version"])
+        return f"{base}/v1/weights", {"json": {"checkpoint_dir": str(checkpoint_dir), "version": version}}
+    return f"{base}/v1/weights/tensors", {"content": state_dict_bytes(model),
+                                          "params": {} if version is None else {"version": version},
+                                          "headers": {"content-type": "application/octet-stream"}}
