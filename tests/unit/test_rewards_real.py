@@ -190,6 +190,10 @@ def slow_module(tmp_path, monkeypatch):
                 time.sleep(60)
             return 1.0
 
+        def sleep_on_hang_pause_on_wait(completion, problem):
+            time.sleep(60 if completion == "hang" else 0.3 if completion == "wait" else 0)
+            return 1.0
+
         def deaf_on_hang(completion, problem):
             import signal
             if completion == "hang":  # blocks SIGALRM, like C code that never returns to Python
@@ -286,6 +290,24 @@ def test_hanging_process_call_is_stopped_in_the_worker(slow_module):
     assert elapsed < 10.0, f"{elapsed:.1f} s with a 1 s timeout"  # about 1 s when quiet; generous for a busy machine
     assert out.per_function[:, 0].tolist() == [1.0, 0.0, 1.0, 1.0] and out.num_timed_out.tolist() == [1], out
     assert rewards(["ok"] * 3, [{}] * 3).per_function[:, 0].tolist() == [1.0] * 3
+    rewards.close()
+
+
+@pytest.mark.slow
+def test_late_start_reports_of_an_earlier_batch_are_ignored(slow_module):
+    """A worker's start report can be read only during the next batch (it failed in CI with a
+    KeyError). Reports of earlier calls claiming a start long ago must neither break the next batch
+    nor be taken for the start of one of its calls (which would time out the 0.3 s one)."""
+    rewards = RewardSet([("slow_rewards:sleep_on_hang_pause_on_wait", 1.0, {}, {"executor": "process"})],
+                        timeout_s=1.0, workers=2)
+    rewards(["warm"], [{}])
+    reports = rewards._pools["process"].started
+    long_ago = time.monotonic() - 100.0
+    for token in (0, 10_000):  # 0: the warm call's number (before, each batch counted from 0 again)
+        reports.put((token, long_ago))
+    time.sleep(0.5)  # a multiprocessing queue hands items over through a feeder thread
+    out = rewards(["wait", "ok", "ok"], [{}] * 3)
+    assert out.per_function[:, 0].tolist() == [1.0] * 3 and out.num_timed_out.tolist() == [0], out
     rewards.close()
 
 

@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import itertools
 import logging
 import math
 import os
@@ -354,6 +355,9 @@ class RewardSet:
         self.total_failures = [0] * len(self.fns)  # over the whole run, for logging
         self.total_timeouts = [0] * len(self.fns)
         self._pools: dict[str, Any] = {}
+        # process calls are numbered across batches: a worker's start report can arrive after its call
+        # has finished and be read during a later batch, where it must not match one of that batch's calls
+        self._call_numbers = itertools.count()
         self._finalizer = weakref.finalize(self, _close_pools, self._pools)  # also at interpreter exit
 
     @staticmethod
@@ -418,7 +422,7 @@ class RewardSet:
             kind = self.executors[f]
             args = (self.fns[f], completions[i], problems[i], self._kwargs(f, shared, lengths[i]))
             if kind == "process":
-                token = len(tokens)
+                token = next(self._call_numbers)
                 future = self._pool(kind).submit(invoke, *args, self.timeout_s, token)
                 tokens[token] = future
             else:
@@ -443,7 +447,8 @@ class RewardSet:
             now = time.monotonic()
             if "process" in self._pools:  # a process call's clock starts when its worker says so
                 for token, start in self._pools["process"].drain_started():
-                    started.setdefault(tokens[token], start)
+                    if token in tokens:  # else a late report of an earlier batch's call
+                        started.setdefault(tokens[token], start)
             overdue_kinds = set()
             for future in list(pending):
                 if self.executors[futures[future][1]] == "thread" and future.running():
