@@ -99,18 +99,20 @@ def update(batch: RLBatch, algo, updater, micro_batch_size: int, max_new_tokens:
     records, losses, grad_norms = [], [], []
     lr = updater.scheduler.get_last_lr()[0]
     informative = None if rows_to_train is None else rows_to_train.cpu()
-    plans: dict[int, list[Tensor]] = {}  # mini-batch -> the row sets of its micro-batches that run
+    # mini-batch -> (its global counts, the row sets of its micro-batches that run): the same on
+    # every pass, so their collectives run on the first one only
+    plans: dict[int, tuple[dict, list[Tensor]]] = {}
     trained_rows, flops = 0, 0.0
     for iteration in range(algo.num_iterations):
         for m, mini_rows in enumerate(mini_batch_rows(batch.num_rows, algo.num_mini_batches)):
             mini = batch.select(mini_rows)
             if first_on_policy and iteration == 0 and m == 0:
                 mini.old_logprobs = None
-            micro_rows = list(torch.arange(mini.num_rows).split(micro_batch_size))
-            counts = global_counts(mini, max_new_tokens, len(micro_rows), ctx)
             if m not in plans:
-                plans[m] = micro_rows if informative is None else _rows_to_run(micro_rows, informative[mini_rows], ctx)
-            plan = plans[m]
+                micro_rows = list(torch.arange(mini.num_rows).split(micro_batch_size))
+                run = micro_rows if informative is None else _rows_to_run(micro_rows, informative[mini_rows], ctx)
+                plans[m] = (global_counts(mini, max_new_tokens, len(micro_rows), ctx), run)
+            counts, plan = plans[m]
             loss_sum = torch.zeros((), device=batch.input_ids.device)
             for index, rows in enumerate(plan):
                 micro = mini.select(rows)
