@@ -153,7 +153,8 @@ def matmul_work(stop) -> None:
 
 
 def contention(args) -> None:
-    from lmforge import rl, rl_config
+    from lmforge import rl
+    from lmforge.rl import config as rl_config
     from lmforge.config import ModelConfig
     from lmforge.models import load_model
     from lmforge.rollout import RewardSet
@@ -166,7 +167,7 @@ def contention(args) -> None:
     model, tokenizer = load_model(spec)
     prompts = rl.build_prompts(rl_config.RLDataConfig(task="addition", num_train=64, num_eval=0), tokenizer, seed=0)
     sampling = rl_config.RolloutConfig(num_prompts=8, group_size=8, max_new_tokens=6)
-    rollout, _, _ = rl.sample_and_score(model, tokenizer, prompts, list(range(8)), sampling,
+    rollout, _, _ = rl.sample_and_score(rl.PolicyEngine(model), tokenizer, prompts, list(range(8)), sampling,
                                         RewardSet([("exact", 1.0)]), 0)
     batch = rl.pack_rollout(rollout, tokenizer.pad_token_id, False)
     precision = Precision(torch.device("cpu"), torch.float32)

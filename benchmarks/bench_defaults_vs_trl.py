@@ -129,10 +129,11 @@ def grpo(args, out_dir: str) -> dict:
     state = rl.prepare(cfg, "bench", algo, copy.deepcopy(model), tokenizer)
     choice = f"dtype={str(state.updater.precision.dtype).replace('torch.', '')}"
     counter = {"step": 0}
+    step = rl.synced_steps(state, lambda done: grpo_step(state, algo, done))  # as rl.train_rl runs it
 
     def lm_step():
         counter["step"] += 1
-        grpo_step(state, algo, counter["step"])
+        step(counter["step"])
 
     record = {"trl": [], "lmforge": []}
     trl_args = argparse.Namespace(trl_settings="defaults")

@@ -48,7 +48,8 @@ import warnings
 
 import torch
 
-from lmforge import rl, rl_config
+from lmforge import rl
+from lmforge.rl import config as rl_config
 from lmforge.config import ModelConfig, load_config
 from lmforge.models import count_parameters, load_model, resolve_pretrained
 from lmforge.recipes.grpo import GRPOConfig, grpo_step
@@ -154,9 +155,15 @@ def time_trl_generation(trainer) -> dict:
 
 # ----------------------------------------------------------------------------- timing
 
+_SYNCED: dict[int, object] = {}  # id(state) -> its step function
+
+
 def run_lmforge(state, algo, step: int) -> dict:
+    """One ``grpo_step`` with the rollout source's weight syncs, as ``lmforge grpo`` runs it (``rl.synced_steps``)."""
+    if id(state) not in _SYNCED:
+        _SYNCED[id(state)] = rl.synced_steps(state, lambda done: grpo_step(state, algo, done))
     start = time.perf_counter()
-    metrics = grpo_step(state, algo, step)
+    metrics = _SYNCED[id(state)](step)
     metrics["step_time"] = time.perf_counter() - start
     return metrics
 
@@ -222,7 +229,7 @@ def profile_lmforge(state, algo, step: int, rows_limit: int = 25) -> None:
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         with record_function("grpo_step"):
-            metrics = grpo_step(state, algo, step)
+            metrics = run_lmforge(state, algo, step)
     print(f"\n[profile] lmforge grpo_step: gen {metrics['time_generation']:.2f}s score "
           f"{metrics['time_scoring']:.2f}s train {metrics['time_training']:.2f}s (profiler overhead included)")
     print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=rows_limit),

@@ -190,12 +190,13 @@ def check_update(args) -> None:
         model, tokenizer = load_model(cfg.model)
         algo = cfg.algo.resolved()
         state = rl.prepare(cfg, "check", algo, model, tokenizer)
-        rollout, rewards, metrics = rl.rollout(state, args.check_step)
+        scored = state.source.next_batch(args.check_step)
+        rollout, rewards = scored.rollout, scored.rewards
         advantages, _ = advantages_of(rewards.total, algo, cfg.rollout.group_size)
         batch = rl.pack_rollout(rollout, tokenizer.pad_token_id, need_rollout_logprobs=False)
-        batch.advantages = advantages
+        batch = batch.with_(advantages=advantages)
         print(f"[check] reward mean {float(rewards.total.mean()):.3f}, completion tokens "
-              f"{int(batch.completion_mask.sum())}, nonzero advantages {int((advantages != 0).sum())}")
+              f"{int(batch.trained_mask.sum())}, nonzero advantages {int((advantages != 0).sum())}")
 
         def grads():
             return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])

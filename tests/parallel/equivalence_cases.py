@@ -7,6 +7,7 @@ model and the seed are), of which each rank keeps its share (``rl.rank_prompts``
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -19,8 +20,8 @@ from lmforge.parallel.wrap import full_state_dict
 from lmforge.recipes import grpo, ppo
 from lmforge.recipes.sft import SFTConfig, SFTDataConfig, build_data
 from lmforge.recipes.supervised import supervised_step
-from lmforge.rl_config import RLDataConfig, RolloutConfig
-from lmforge.rollout import SamplingParams, generate
+from lmforge.rl.config import RLDataConfig, RolloutConfig
+from lmforge.rollout import RolloutBatch, SamplingParams, generate
 from lmforge.runtime.loop import build_state
 from lmforge.runtime.run import start_run
 from lmforge.train import BatchOrder
@@ -65,15 +66,34 @@ def fixed_rollout(model, tokenizer, prompts, num_prompts: int, group_size: int):
                         pad_token_id=tokenizer.pad_token_id)
 
 
+ENV_IDS = [5, 6]  # environment / tool tokens put between the policy's first two tokens and the rest
+
+
+def with_environment_tokens(rollout: RolloutBatch) -> RolloutBatch:
+    """Each row as a multi-turn row: ``ENV_IDS`` after its first two tokens (after its only one, for a
+    one-token completion), real but not trained, so its trained tokens are two separate spans."""
+    rows, trained = [], []
+    for ids, real in zip(rollout.completion_ids.tolist(), rollout.completion_mask.tolist()):
+        ids, cut = ids[:sum(real)], min(2, sum(real))
+        rows.append(ids[:cut] + ENV_IDS + ids[cut:])
+        trained.append([1] * cut + [0] * len(ENV_IDS) + [1] * (len(ids) - cut))
+    width = max(map(len, rows))
+    pad = lambda values, fill: torch.tensor([v + [fill] * (width - len(v)) for v in values])  # noqa: E731
+    real = pad([[1] * len(r) for r in rows], 0)
+    return dataclasses.replace(rollout, completion_ids=pad(rows, 0), completion_mask=real, trained_mask=pad(trained, 0),
+                               logprobs=torch.zeros(real.shape), completion_lens=real.sum(1))
+
+
 def rank_rows(num_prompts: int, group_size: int, num_mini: int, ctx) -> torch.Tensor:
     prompts = rl.rank_prompts(list(range(num_prompts)), num_mini, ctx)
     return torch.tensor([p * group_size + g for p in prompts for g in range(group_size)])
 
 
 def rl_case(out: Path, recipe: str, aggregation: str, micro: int, strategy: str, num_mini: int = 1,
-            skip: bool = False) -> dict:
+            skip: bool = False, spans: bool = False) -> dict:
     """``skip``: rewards with zero-advantage rows and whole zero-variance groups; several ranks skip
-    those rows (``rows_to_train``, ``first_on_policy``), one process runs the full computation."""
+    those rows (``rows_to_train``, ``first_on_policy``), one process runs the full computation.
+    ``spans``: every row multi-turn (:func:`with_environment_tokens`), trained on two spans."""
     num_prompts, group = 4, 4
     config_cls = grpo.GRPOConfig if recipe == "grpo" else ppo.PPOConfig
     algo_cls = grpo.GRPOAlgoConfig if recipe == "grpo" else ppo.PPOAlgoConfig
@@ -85,6 +105,8 @@ def rl_case(out: Path, recipe: str, aggregation: str, micro: int, strategy: str,
     algo = cfg.algo.resolved()
     model, tokenizer = load_model(cfg.model)
     rollout = fixed_rollout(model, tokenizer, rl.build_prompts(cfg.data, tokenizer, 0), num_prompts, group)
+    if spans:
+        rollout = with_environment_tokens(rollout)
     extra = {"value_head": ppo.ValueHead(model.config.hidden_size)} if recipe == "ppo" else None
     state = rl.prepare(cfg, recipe, algo, model, tokenizer, console=Quiet(), extra_modules=extra)
     ctx = state.run.ctx
@@ -100,20 +122,20 @@ def rl_case(out: Path, recipe: str, aggregation: str, micro: int, strategy: str,
     for step in range(1, STEPS + 1):
         batch = full.select(rows)
         if recipe == "grpo":
-            batch.advantages, _ = grpo.advantages_of(rewards[rows], algo, group)
+            batch = batch.with_(advantages=grpo.advantages_of(rewards[rows], algo, group)[0])
 
             def loss_fn(micro_batch, counts):
                 return grpo.micro_loss(state.model, micro_batch, algo, 1.0, counts, precision, state.train.wrapped)
         else:
-            ppo.add_targets(state.model, extra["value_head"], None, algo, batch, rewards[rows], 1.0,
-                            state.micro_batch_size, precision, wrapped=state.train.wrapped, ctx=ctx)
+            batch, _ = ppo.add_targets(state.model, extra["value_head"], None, algo, batch, rewards[rows], 1.0,
+                                       state.micro_batch_size, precision, wrapped=state.train.wrapped, ctx=ctx)
 
             def loss_fn(micro_batch, counts):
                 return ppo.micro_loss(state.model, extra["value_head"], micro_batch, algo, 1.0, counts, precision,
                                       state.train.wrapped)
         if num_mini > 1 and recipe == "grpo":  # the weights move between updates: old logprobs fixed first
-            batch.old_logprobs = rl.batch_logprobs(state.model, batch, state.micro_batch_size, 1.0, precision,
-                                                   wrapped=state.train.wrapped)
+            batch = batch.with_(old_logprobs=rl.batch_logprobs(state.model, batch, state.micro_batch_size, 1.0,
+                                                               precision, wrapped=state.train.wrapped))
             if options:  # the first mini-batch's rows are not read
                 batch.old_logprobs[rl.mini_batch_rows(batch.num_rows, num_mini)[0]] = float("nan")
         if options:
@@ -135,6 +157,11 @@ CASES = {
     "grpo-skip-zero-advantage": lambda out, micro, strategy: rl_case(out, "grpo", "global_token_mean", micro, strategy,
                                                                      2, skip=True),
     "ppo": lambda out, micro, strategy: rl_case(out, "ppo", "seq_mean_token_mean", micro, strategy),
+    # multi-turn rows: trained tokens in two spans around environment tokens (DAPO's global token mean
+    # over two mini-batches; PPO's GAE over the trained tokens, advantages whitened over all ranks)
+    "grpo-spans": lambda out, micro, strategy: rl_case(out, "grpo", "global_token_mean", micro, strategy, 2,
+                                                       spans=True),
+    "ppo-spans": lambda out, micro, strategy: rl_case(out, "ppo", "seq_mean_token_mean", micro, strategy, spans=True),
 }
 
 

@@ -177,7 +177,7 @@ def test_grpo_with_ternary_qat_samples_from_the_fake_quantized_model(tmp_path, m
     That copy computes with the fake-quantized (ternary) weights: its logits match the QAT policy's up
     to bf16 rounding and are far from those of the same weights used unquantized (the master weights),
     which is what a copy without QAT would compute."""
-    from lmforge import rl
+    from lmforge.rl.sources import inprocess
     from lmforge.recipes.grpo import GRPOConfig, run_grpo
     from lmforge.rollout.rewards import BUILTIN_REWARDS
 
@@ -190,8 +190,8 @@ def test_grpo_with_ternary_qat_samples_from_the_fake_quantized_model(tmp_path, m
         engines.append(engine)
         return engine
 
-    real_cast_engine = rl.cast_engine
-    monkeypatch.setattr(rl, "cast_engine", capture)
+    real_cast_engine = inprocess.cast_engine
+    monkeypatch.setattr(inprocess, "cast_engine", capture)
     monkeypatch.setitem(BUILTIN_REWARDS, "parity", lambda completion, problem: float(len(completion) % 2 == 0))
     args = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
             "model.max_position_embeddings=32", "data.task=addition", "data.num_train=32", "data.num_eval=4",

@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from lmforge import cli, rl, rl_config, rl_update
+from lmforge import cli, rl
+from lmforge.rl import config as rl_config, updates as rl_update
 from lmforge.config import ModelConfig, OptimConfig, load_config
 from lmforge.errors import ConfigError, TrainingError
 from lmforge.models import load_model
@@ -74,9 +75,9 @@ def tiny_batch(temperature=1.0):
                                               num_heads=2, max_position_embeddings=32))
     prompts = rl.build_prompts(rl_config.RLDataConfig(task="addition", num_train=8, num_eval=0), tokenizer, seed=0)
     rollout_cfg = rl_config.RolloutConfig(num_prompts=2, group_size=4, max_new_tokens=4, temperature=temperature)
-    rollout, _, _ = rl.sample_and_score(model, tokenizer, prompts, [0, 1], rollout_cfg, RewardSet([("exact", 1.0)]), 0)
+    rollout, _, _ = rl.sample_and_score(rl.PolicyEngine(model), tokenizer, prompts, [0, 1], rollout_cfg, RewardSet([("exact", 1.0)]), 0)
     batch = rl.pack_rollout(rollout, tokenizer.pad_token_id, need_rollout_logprobs=False)
-    batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 0.25])
+    batch = batch.with_(advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 0.25]))
     return model, batch
 
 
@@ -116,10 +117,10 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(monkeypatch):
     have advantage 0: skipping them must leave the weights of two passes where running them puts
     them, including the second mini-batch's update on a zero gradient (AdamW momentum alone)."""
     model, batch = tiny_batch()
-    batch.advantages = torch.tensor([1.0, 0.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    batch = batch.with_(advantages=torch.tensor([1.0, 0.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0]))
     algo = load_config(GRPOConfig, None, ["data.task=addition", "algo.preset=dapo", "algo.num_iterations=2",
                                           "algo.num_mini_batches=2"]).algo.resolved()
-    batch.old_logprobs = rl.batch_logprobs(model, batch, 4, 1.0, Precision(torch.device("cpu"), torch.float32))
+    batch = batch.with_(old_logprobs=rl.batch_logprobs(model, batch, 4, 1.0, Precision(torch.device("cpu"), torch.float32)))
     want, full = run_update(model, batch, algo)
     got, skipped = run_update(model, batch, algo, rows_to_train=rl.informative_rows(batch.advantages))
     assert skipped["frac_rows_trained"] == 2 / 8
@@ -180,9 +181,9 @@ def test_step_flops_equal_the_matmul_flops_torch_runs(micro_batch_size):
     cfg = rl_config.RolloutConfig(num_prompts=2, group_size=4, max_new_tokens=4)
     rollouts = []
     sampling = measured_matmul_flops(lambda: rollouts.append(rl.sample_and_score(
-        model, tokenizer, prompts, [0, 1], cfg, RewardSet([("exact", 1.0)]), 0)[0]))
+        rl.PolicyEngine(model), tokenizer, prompts, [0, 1], cfg, RewardSet([("exact", 1.0)]), 0)[0]))
     batch = rl.pack_rollout(rollouts[0], tokenizer.pad_token_id, need_rollout_logprobs=False)
-    assert len(set(batch.completion_mask.sum(1).tolist())) > 1  # completions of different lengths
+    assert len(set(batch.trained_mask.sum(1).tolist())) > 1  # completions of different lengths
     precision = Precision(torch.device("cpu"), torch.float32)
 
     def train_pass():  # forward + backward of every micro-batch, as rl.update runs them
@@ -220,7 +221,7 @@ def test_shared_prompt_forward_equals_the_packed_forward():
             (logits.logsumexp(-1).sum() + logits[:, 3].sum()).backward()
             results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
         (shared, shared_grads), (packed, packed_grads) = results
-        assert shared.shape == packed.shape == (int(micro.completion_mask.sum()), len(tokenizer))
+        assert shared.shape == packed.shape == (int(micro.trained_mask.sum()), len(tokenizer))
         torch.testing.assert_close(shared, packed, rtol=0, atol=1e-5)
         for got, want in zip(shared_grads, packed_grads):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
@@ -231,14 +232,16 @@ def test_packed_rows_reproduce_the_sampler_logprobs():
     model, batch = tiny_batch(temperature=0.7)
     precision = Precision(torch.device("cpu"), torch.float32)
     logprobs = rl.batch_logprobs(model, batch, 3, 0.7, precision)
-    mask = batch.completion_mask.bool()
+    mask = batch.trained_mask.bool()
     torch.testing.assert_close(logprobs[mask], batch.rollout_logprobs[mask], rtol=0, atol=1e-5)
     assert (logprobs[~mask] == 0).all()
 
 
 def test_importance_sampling_without_rollout_logprobs_fails_loudly(tmp_path, monkeypatch):
-    real_generate = rl.generate
-    monkeypatch.setattr(rl, "generate", lambda *a, **k: dataclasses.replace(real_generate(*a, **k), logprobs=None))
+    from lmforge.rl.sources import inprocess
+
+    real_generate = inprocess.generate
+    monkeypatch.setattr(inprocess, "generate", lambda *a, **k: dataclasses.replace(real_generate(*a, **k), logprobs=None))
     cfg = load_config(GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path}", "algo.is_level=token"])
     with pytest.raises(TrainingError, match="is_level"):
         run_grpo(cfg)

@@ -10,7 +10,7 @@ from lmforge.config import ModelConfig, load_config
 from lmforge.errors import ConfigError
 from lmforge.models import load_model
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
-from lmforge.rl_async import async_threads
+from lmforge.rl.sources.overlap import async_threads
 from lmforge.train import Precision
 from run_records import assert_resume_is_bit_exact, records
 
@@ -57,7 +57,7 @@ def test_batch_of_step_k_was_sampled_by_version_k_minus_2(async_run):
         model, _ = load_model(ModelConfig(name=str(async_run / "checkpoints" / f"step-{step:06d}" / "model")))
         return rl.batch_logprobs(model.eval(), batch, batch.num_rows, 1.0, precision)
 
-    mask = batch.completion_mask.bool()
+    mask = batch.trained_mask.bool()
     gap = {step: (logprobs_at(step) - batch.rollout_logprobs)[mask].abs().max().item() for step in (1, 2)}
     assert gap[1] < 1e-4, gap
     assert gap[2] > 1e-3, gap

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from lmforge import rl
+from lmforge.rl.sources import atropos as atropos_source, sampled as sampled_source
 from lmforge.config import ModelConfig, load_config
 from lmforge.errors import ConfigError
 from lmforge.models import load_model
@@ -143,16 +143,16 @@ def test_pulled_batch_trains_exactly_as_the_same_rollout_in_process(tmp_path, se
     # Run A samples in process; every step's rollout and rewards are recorded. Run B pulls the same
     # rollouts as Atropos groups (tokens, masks, scores, inference logprobs): same weights after 2 steps.
     sampled = []
-    real = rl.sample_and_score
+    real = sampled_source.sample_and_score
 
     def recording(*args, **kwargs):
         out = real(*args, **kwargs)
         sampled.append((out[0], out[1].total.clone()))
         return out
 
-    monkeypatch.setattr(rl, "sample_and_score", recording)
+    monkeypatch.setattr(sampled_source, "sample_and_score", recording)
     in_process, result_a = run(tmp_path, "inprocess", [])
-    monkeypatch.setattr(rl, "sample_and_score", real)
+    monkeypatch.setattr(sampled_source, "sample_and_score", real)
     assert len(sampled) == 2 and sampled[0][0].logprobs is not None
     # the two steps' rewards differ within groups, so the update is not zero
     assert any(float(rewards.std()) > 0 for _, rewards in sampled)
@@ -185,7 +185,7 @@ def test_ppo_pulled_batch_trains_as_the_same_rollout_in_process(tmp_path, servic
 
     args = [a for a in ARGS if not a.startswith("algo.")] + ["algo.is_level=token", "algo.num_mini_batches=2",
                                                              "algo.kl_coef=0.05"]
-    sampled, real = [], rl.sample_and_score
+    sampled, real = [], sampled_source.sample_and_score
 
     def recording(*a, **k):
         out = real(*a, **k)
@@ -198,9 +198,9 @@ def test_ppo_pulled_batch_trains_as_the_same_rollout_in_process(tmp_path, servic
                          model, tokenizer)
         return model, result
 
-    monkeypatch.setattr(rl, "sample_and_score", recording)
+    monkeypatch.setattr(sampled_source, "sample_and_score", recording)
     in_process, result_a = ppo("inprocess", [])
-    monkeypatch.setattr(rl, "sample_and_score", real)
+    monkeypatch.setattr(sampled_source, "sample_and_score", real)
     api = services([to_groups(r, rewards, 4, version=k) for k, (r, rewards) in enumerate(sampled)])
     pulled, result_b = ppo("atropos", ["rollout.backend=atropos", f"rollout.api_url={api.url}"] + FAST_API)
     start, _ = tiny()
@@ -341,15 +341,13 @@ def rank_worker(rank: int, world: int, port: int, api_url: str, out: str) -> Non
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from lmforge import rl_atropos
-
-    converted, real = [], rl_atropos.batch_to_rollout
+    converted, real = [], atropos_source.batch_to_rollout
 
     def recording(groups, pad_token_id):  # how many groups each conversion on this rank took
         converted.append(len(groups))
         return real(groups, pad_token_id)
 
-    rl_atropos.batch_to_rollout = recording
+    atropos_source.batch_to_rollout = recording
     run_grpo(load_config(GRPOConfig, None, ARGS + RANKS_ARGS + [f"rollout.api_url={api_url}",
                                                                 f"train.output_dir={out}"]))
     (Path(out) / f"converted-{rank}.json").write_text(json.dumps(converted))
@@ -400,8 +398,6 @@ def test_a_refused_weight_push_is_not_retried(monkeypatch):
 
     import httpx
 
-    from lmforge import rl_atropos
-
     calls = []
 
     def answering(method, url, **kwargs):
@@ -409,7 +405,7 @@ def test_a_refused_weight_push_is_not_retried(monkeypatch):
         return httpx.Response(status, json={"error": "unexpected names"})
 
     monkeypatch.setattr(httpx, "request", answering)
-    source = object.__new__(rl_atropos.AtroposSource)
+    source = object.__new__(atropos_source.AtroposSource)
     source.cfg = SimpleNamespace(server_url="http://127.0.0.1:9", api_retries=3, api_backoff_s=0.0)
     model = torch.nn.Linear(2, 2)
     status = 400

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lmforge import lora, rl
+from lmforge.rl import loop as rl_loop
 from lmforge.config import LoraConfig, ModelConfig, load_config
 from lmforge.errors import ConfigError
 from lmforge.models import load_model
@@ -108,7 +109,7 @@ def test_reference_logprobs_are_the_base_models(tmp_path):
     prompts = rl.build_prompts(cfg.data, tokenizer, seed=0)
     from lmforge.rollout import RewardSet
 
-    rollout, _, _ = rl.sample_and_score(model, tokenizer, prompts, [0, 1], cfg.rollout,
+    rollout, _, _ = rl.sample_and_score(rl.PolicyEngine(model), tokenizer, prompts, [0, 1], cfg.rollout,
                                         RewardSet([("exact", 1.0)]), 0)
     batch = rl.pack_rollout(rollout, tokenizer.pad_token_id, need_rollout_logprobs=False)
     precision = Precision(torch.device("cpu"), torch.float32)
@@ -243,7 +244,7 @@ def grpo_run(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(copy, "deepcopy", counting_deepcopy)
-        mp.setattr(rl, "reference_model", lambda m, kl: references.append(reference_model(m, kl)) or references[-1])
+        mp.setattr(rl_loop, "reference_model", lambda m, kl: references.append(reference_model(m, kl)) or references[-1])
         run_grpo(load_config(GRPOConfig, None, GRPO_ARGS + [f"train.output_dir={out}"]), model=model,
                  tokenizer=tokenizer)
     return out, model, base, copies, references

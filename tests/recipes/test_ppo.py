@@ -69,10 +69,10 @@ def test_value_loss_decreases_on_a_fixed_batch():
     precision = Precision(torch.device("cpu"), torch.float32)
     updater = Updater.build(module, OptimConfig(lr=1e-2, schedule="constant"), 100, precision)
     prompts = rl.build_prompts(cfg.data, tokenizer, seed=0)
-    rollout, _, _ = rl.sample_and_score(model, tokenizer, prompts, [0, 1], cfg.rollout, RewardSet([("exact", 1.0)]), 0)
+    rollout, _, _ = rl.sample_and_score(rl.PolicyEngine(model), tokenizer, prompts, [0, 1], cfg.rollout, RewardSet([("exact", 1.0)]), 0)
     batch = rl.pack_rollout(rollout, tokenizer.pad_token_id, need_rollout_logprobs=False)
-    add_targets(model, value_head, None, algo, batch, torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]),
-                1.0, 8, precision)
+    batch, _ = add_targets(model, value_head, None, algo, batch, torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]),
+                           1.0, 8, precision)
 
     def loss_fn(micro, counts):
         return micro_loss(model, value_head, micro, algo, 1.0, counts, precision)

@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from lmforge import losses, rl, rl_config
+from lmforge import losses, rl
+from lmforge.rl import config as rl_config
 from lmforge.config import ModelConfig, load_config
 from lmforge.data.tasks import get_task
 from lmforge.models import load_model
@@ -78,7 +79,7 @@ def test_each_reward_is_scored_against_its_own_problem_and_completion(monkeypatc
     monkeypatch.setitem(BUILTIN_REWARDS, "answer_and_length", answer_and_length)
 
     cfg = rl_config.RolloutConfig(num_prompts=3, group_size=4, max_new_tokens=5, temperature=1.0)
-    rollout, rewards, _ = rl.sample_and_score(model, tokenizer, prompts, rows, cfg,
+    rollout, rewards, _ = rl.sample_and_score(rl.PolicyEngine(model), tokenizer, prompts, rows, cfg,
                                               RewardSet([("answer_and_length", 1.0)]), seed=3)
     by_prompt = {p.prompt: p for p in task.make_problems(16, 0, "train")}
     lengths = set()
@@ -96,19 +97,19 @@ def ppo_batch(temperature: float):
     model, tokenizer = tiny_model()
     prompts = rl.build_prompts(rl_config.RLDataConfig(task="addition", num_train=8, num_eval=0), tokenizer, seed=0)
     cfg = rl_config.RolloutConfig(num_prompts=2, group_size=3, max_new_tokens=4, temperature=temperature)
-    rollout, _, _ = rl.sample_and_score(model, tokenizer, prompts, [0, 1], cfg, RewardSet([("exact", 1.0)]), seed=1)
+    rollout, _, _ = rl.sample_and_score(rl.PolicyEngine(model), tokenizer, prompts, [0, 1], cfg, RewardSet([("exact", 1.0)]), seed=1)
     return model, rl.pack_rollout(rollout, tokenizer.pad_token_id, need_rollout_logprobs=False)
 
 
 def full_forward_logprobs(model, batch, temperature):
     """(B, C) completion logprobs from a plain HF forward over the packed rows (no lmforge helpers)."""
-    out = torch.zeros(batch.completion_mask.shape)
+    out = torch.zeros(batch.trained_mask.shape)
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
     for b in range(batch.num_rows):
-        start = int(batch.attention_mask[b].sum()) - int(batch.completion_mask[b].sum())  # first completion token
-        for t in range(int(batch.completion_mask[b].sum())):
+        start = int(batch.attention_mask[b].sum()) - int(batch.trained_mask[b].sum())  # first completion token
+        for t in range(int(batch.trained_mask[b].sum())):
             out[b, t] = logprobs[b, start + t - 1, batch.completion_ids[b, t]]
     return out
 
@@ -124,9 +125,9 @@ def test_ppo_targets_are_reward_minus_kl_then_gae_then_whitened():
     torch.nn.init.normal_(value_head.linear.weight, std=0.5)  # values != 0, so GAE's V terms count
     algo = PPOAlgoConfig(kl_coef=kl_coef, kl_estimator="k1", gamma=gamma, lam=lam).resolved()
     rewards = torch.tensor([1.0, 0.0, 2.0, -1.0, 0.5, 0.0])
-    add_targets(model, value_head, ref_model, algo, batch, rewards, temperature, 4, Precision(torch.device("cpu"),
-                                                                                              torch.float32))
-    mask = batch.completion_mask
+    batch, _ = add_targets(model, value_head, ref_model, algo, batch, rewards, temperature, 4,
+                           Precision(torch.device("cpu"), torch.float32))
+    mask = batch.trained_mask
     old = full_forward_logprobs(model, batch, temperature)
     ref = full_forward_logprobs(ref_model, batch, temperature)
     torch.testing.assert_close(batch.old_logprobs * mask, old, rtol=0, atol=1e-5)

@@ -44,7 +44,7 @@ def test_dapo_gradient_equals_trl_on_the_same_batch(tmp_path):
         "train.micro_batch_size=16", "logging.progress=false", f"train.output_dir={tmp_path / 'lm'}"])
     algo = cfg.algo.resolved()
     state = rl.prepare(cfg, "parity", algo, model, tokenizer)
-    rollout, _, _ = rl.rollout(state, 1)
+    rollout = state.source.next_batch(1).rollout
     # completions of 1-6 tokens (a random model rarely samples EOS): with equal lengths every
     # aggregation would give the same loss, and the test could not tell DAPO's token mean apart
     lens = torch.arange(16) % 6 + 1
@@ -55,7 +55,7 @@ def test_dapo_gradient_equals_trl_on_the_same_batch(tmp_path):
     rewards = torch.arange(16, dtype=torch.float32).remainder(3).div(2)  # every group has variance
     advantages, _ = advantages_of(rewards, algo, 4)
     batch = rl.pack_rollout(rollout, tokenizer.pad_token_id, need_rollout_logprobs=False)
-    batch.advantages = advantages
+    batch = batch.with_(advantages=advantages)
 
     def gradient(loss):
         model.zero_grad()

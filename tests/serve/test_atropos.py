@@ -94,11 +94,32 @@ def test_stale_groups_are_dropped_and_counted(registered):
     assert float(metrics["atropos_dropped_stale_groups"]) == 1 and float(metrics["staleness_max"]) == 1
 
 
+def test_a_multi_turn_row_trains_only_the_spans_its_mask_marks(registered):
+    """Model turn [7, 8], tool output [30, 31] (masked, placeholder logprobs 1.0), model turn [9]: one
+    completion of 5 tokens whose trained mask has two spans; the packed row predicts only those."""
+    tokens = [1, 5, 7, 8, 30, 31, 9]
+    masks = [-100, -100, 7, 8, -100, -100, 9]
+    logprobs = [1.0, 1.0, -0.5, -0.25, 1.0, 1.0, -0.125]
+    body = {"tokens": [tokens, tokens[:3]], "masks": [masks, masks[:3]], "scores": [1.0, 0.0],
+            "inference_logprobs": [logprobs, logprobs[:3]]}
+    assert httpx.post(registered + "/scored_data", json=body, timeout=10).status_code == 200
+    _post_group(registered, [([1, 4], [8], [-0.25])] * 2, [0.0, 1.0])
+    rollout, rewards, _ = pull_batch(registered, pad_token_id=PAD, poll_s=0.05, timeout_s=30)
+    assert rollout.completion_ids[0].tolist() == [7, 8, 30, 31, 9]
+    assert rollout.completion_mask[0].tolist() == [1, 1, 1, 1, 1]
+    assert rollout.trained_mask[0].tolist() == [1, 1, 0, 0, 1]
+    assert rollout.trained_mask[1].tolist() == [1, 0, 0, 0, 0] and rollout.completion_mask[1].tolist() == [1, 0, 0, 0, 0]
+    assert rollout.logprobs[0].tolist() == [-0.5, -0.25, 0.0, 0.0, -0.125]  # the placeholders are not kept
+    packed = pack_rollout(rollout, PAD, need_rollout_logprobs=True)
+    assert packed.input_ids[0].tolist() == tokens
+    # the logits at positions 1, 2 and 5 predict the trained tokens 7, 8 and 9; none predicts 30 or 31
+    assert packed.positions[0].nonzero().flatten().tolist() == [1, 2, 5]
+    assert packed.segment_ids[0].tolist() == [1, 1, 0, 0, 2]
+
+
 @pytest.mark.parametrize("rows, extra, needle", [
     ([([1, 5], [7], [-0.5]), ([1, 5], [7, 8], [-0.5])], {"masks": [[-100, -100, 7], [-100, -100, 7]]},
      "group 0 row 1: 4 tokens but 3 mask entries"),
-    ([([1, 5], [7, 8, 9], [-0.5, -0.5, -0.5])] * 2, {"masks": [[-100, -100, 7, -100, 9]] * 2},
-     "group 0 row 0: the mask has -100 inside the completion (positions 2..4)"),
     ([([1, 5], [7], [-0.5])] * 2, {"inference_logprobs": [[1.0, 1.0, 1.0]] * 2},
      "group 0 row 0: an inference logprob on a completion token is 1 > 0"),
     ([([1, 5], [7], [-0.5])] * 2, {"advantages": [[0.0, 0.0, 1.0]] * 2}, "group 0 carries per-token advantages"),

@@ -17,7 +17,7 @@ from lmforge.data.sft import load_sft_rows
 from lmforge.data.text import load_text_files, pack_documents
 from lmforge.errors import ConfigError, LmforgeError
 from lmforge.models import build_tiny, load_model, save_model
-from lmforge.rl import load_prompt_rows
+from lmforge.data.prompts import load_prompt_rows
 from lmforge.rollout.rewards import resolve_reward
 from lmforge.tokenizer import char_tokenizer, load_tokenizer, train_bpe_tokenizer
 

@@ -14,7 +14,7 @@ from lmforge.data.source import read_rows, read_text_column, source_kind, split_
 from lmforge.data.stream import StreamingBlocks, held_out, pack_stream  # noqa: E402
 from lmforge.data.text import pack_documents  # noqa: E402
 from lmforge.errors import DataError  # noqa: E402
-from lmforge.rl_config import RLDataConfig  # noqa: E402
+from lmforge.rl.config import RLDataConfig  # noqa: E402
 from lmforge.tokenizer import char_tokenizer  # noqa: E402
 
 QUESTIONS = {"question": ["1+1=", "2+2=", "3+4="], "answer": ["2", "4", "7"]}

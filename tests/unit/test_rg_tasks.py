@@ -126,7 +126,7 @@ def test_bad_specs_are_clear(spec, message):
 def test_bad_spec_is_a_config_error_naming_data_task():
     from lmforge.errors import ConfigError
     from lmforge.recipes.sft import SFTDataConfig
-    from lmforge.rl_config import RLDataConfig
+    from lmforge.rl.config import RLDataConfig
 
     with pytest.raises(ConfigError, match="data.task: rg: unknown reasoning-gym dataset"):
         RLDataConfig(task="rg:no_such_dataset").validate()
@@ -149,7 +149,7 @@ def test_listing():
 
 def test_prompts_go_through_the_chat_template_and_sft_rows():
     from lmforge.rl import build_prompts
-    from lmforge.rl_config import RLDataConfig
+    from lmforge.rl.config import RLDataConfig
     from lmforge.tokenizer import char_tokenizer
 
     tokenizer = char_tokenizer(get_task("rg:leg_counting").alphabet)

@@ -41,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from .tasks import SPLITS, Problem, split_of
+from .problem import SPLITS, Problem, split_of
 
 logger = logging.getLogger(__name__)
 

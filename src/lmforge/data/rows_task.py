@@ -19,7 +19,7 @@ from typing import Callable
 
 from ..errors import DataError
 from .source import read_rows, string_column
-from .tasks import SPLITS, Problem, split_of
+from .problem import SPLITS, Problem, split_of
 
 _HINT = " (map the data's columns with data.columns={prompt: <column>, answer: <column>})"
 

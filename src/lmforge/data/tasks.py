@@ -16,31 +16,16 @@ request for more problems than the share holds cycles through it again (in the s
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import random
 import re
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Protocol
 
+from .problem import SPLITS, Problem, split_of  # noqa: F401 (split_of: re-exported)
+from .rg import rg_task
 
-SPLITS = ("train", "val", "test")
-_SPLIT_SHARES = (0.8, 0.1, 0.1)  # train, val, test
 _ENUMERATE_LIMIT = 100_000  # problem spaces up to this size are enumerated, larger ones sampled
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One task instance.
-
-    prompt:     the text the model is conditioned on, e.g. ``"37+48="``.
-    completion: the exact target text for SFT (without any eos token), e.g. ``"58"``.
-    answer:     the answer in human-readable form, e.g. ``"85"``; for logging and for checkers.
-    """
-
-    prompt: str
-    completion: str
-    answer: str
 
 
 class Task(Protocol):
@@ -58,18 +43,6 @@ class Task(Protocol):
 
 
 # ----------------------------------------------------------------------------- shared helpers
-
-
-def split_of(prompt: str) -> str:
-    """The split a prompt belongs to: a fixed function of the prompt text (sha256), seed-independent."""
-    digest = hashlib.sha256(prompt.encode("utf-8")).digest()
-    u = int.from_bytes(digest[:8], "big") / 2**64
-    cumulative = 0.0
-    for split, share in zip(SPLITS, _SPLIT_SHARES):
-        cumulative += share
-        if u < cumulative:
-            return split
-    return SPLITS[-1]
 
 
 def _sample_split(
@@ -312,9 +285,7 @@ def get_task(spec: str) -> Task:
     """Build a task from ``"name"`` or ``"name:key=value,key=value"`` (e.g. ``"addition:digits=3"``),
     or a reasoning-gym dataset from ``"rg:<name>[:key=value,...]"`` (:mod:`lmforge.data.rg`)."""
     if spec.strip().startswith("rg:"):
-        from .rg import rg_task  # lazy: reasoning-gym is an optional extra
-
-        return rg_task(spec)
+        return rg_task(spec)  # reasoning-gym itself is imported there, when a dataset is built
     name, _, params_text = spec.strip().partition(":")
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r} in spec {spec!r}; valid tasks: {', '.join(sorted(TASKS))}, "

@@ -14,11 +14,12 @@ import time
 
 import torch
 
-from .. import rl, rl_config
+from .. import rl
 from ..advantages import ADVANTAGES, compute_advantages
 from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, section
 from ..errors import ConfigError
 from ..losses import policy_loss
+from ..rl import config as rl_config
 
 # Named combinations of algo keys; an explicitly set key always wins over its preset value.
 PRESETS: dict[str, dict] = {
@@ -80,7 +81,7 @@ def advantages_of(rewards: torch.Tensor, algo: GRPOAlgoConfig, group_size: int):
     return compute_advantages(algo.advantage, rewards, group_size, **options)
 
 
-def micro_loss(model, batch: rl.RLBatch, algo: GRPOAlgoConfig, temperature: float, counts: dict,
+def micro_loss(model, batch: rl.TrainBatch, algo: GRPOAlgoConfig, temperature: float, counts: dict,
                precision, wrapped=None) -> tuple[torch.Tensor, dict]:
     """Policy loss of one micro-batch, normalised by its update's global ``counts`` (forward through
     ``wrapped``, the parallel root, when given)."""
@@ -90,7 +91,7 @@ def micro_loss(model, batch: rl.RLBatch, algo: GRPOAlgoConfig, temperature: floa
     # sampling, so pi_old is this forward pass itself. Detached, it gives ratio 1 and the plain
     # policy gradient, and saves a second forward over the batch.
     old_logprobs = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs
-    return policy_loss(logprobs, old_logprobs, batch.advantages, batch.completion_mask,
+    return policy_loss(logprobs, old_logprobs, batch.advantages, batch.trained_mask,
                        rollout_logprobs=batch.rollout_logprobs, ref_logprobs=batch.ref_logprobs,
                        entropy=entropy, **rl_config.policy_kwargs(algo), **counts)
 
@@ -98,16 +99,16 @@ def micro_loss(model, batch: rl.RLBatch, algo: GRPOAlgoConfig, temperature: floa
 def grpo_step(state: rl.RLState, algo: GRPOAlgoConfig, step: int) -> dict:
     """Sample, score, compute advantages, update. Returns the step's metrics."""
     cfg = state.run.cfg
-    rollout, rewards, metrics = rl.rollout(state, step)
+    scored = state.source.next_batch(step)  # this rank's rows, scored (lmforge.rl.sources)
     start = time.perf_counter()
-    advantages, adv_metrics = advantages_of(rewards.total, algo, cfg.rollout.group_size)
+    advantages, adv_metrics = advantages_of(scored.rewards.total, algo, cfg.rollout.group_size)
     adv_metrics = rl.reduce_rollout_metrics(adv_metrics, state.run.ctx)
-    batch = rl.pack_rollout(rollout, state.tokenizer.pad_token_id, need_rollout_logprobs=algo.is_level != "none")
-    batch.advantages = advantages
-    batch = batch.to(state.run.device)
+    batch = rl.pack_rollout(scored.rollout, state.tokenizer.pad_token_id, need_rollout_logprobs=algo.is_level != "none")
+    batch = batch.with_(advantages=advantages).to(state.run.device)
     precision, temperature = state.updater.precision, cfg.rollout.temperature
     if state.ref_model is not None:
-        batch.ref_logprobs = rl.batch_logprobs(state.ref_model, batch, state.micro_batch_size, temperature, precision)
+        batch = batch.with_(ref_logprobs=rl.batch_logprobs(state.ref_model, batch, state.micro_batch_size,
+                                                           temperature, precision))
     # Zero-advantage rows add nothing to a loss without KL or entropy terms: they are not run.
     skip = algo.skip_zero_advantage and state.ref_model is None and algo.entropy_coef == 0
     informative = rl.informative_rows(advantages) if skip else torch.ones(batch.num_rows, dtype=torch.bool)
@@ -117,23 +118,24 @@ def grpo_step(state: rl.RLState, algo: GRPOAlgoConfig, step: int) -> dict:
         flops += rl.batch_forward_flops(state.model, batch, state.micro_batch_size)
     multi_update = algo.num_iterations > 1 or algo.num_mini_batches > 1  # the weights move before the last update
     if multi_update:
-        batch.old_logprobs, old_flops = old_logprobs(state, algo, batch, informative)
+        pi_old, old_flops = old_logprobs(state, algo, batch, informative)
+        batch = batch.with_(old_logprobs=pi_old)
         flops += old_flops
     train_metrics = rl.update_state(
         batch, algo, state,
         lambda micro, counts: micro_loss(state.model, micro, algo, temperature, counts, precision, state.train.wrapped),
         step, rows_to_train=informative if skip else None, first_on_policy=multi_update, flops_of=forward_flops)
     flops += 3 * train_metrics.pop("_forward_flops")
-    return {**metrics, **adv_metrics, **train_metrics, "time_training": time.perf_counter() - start,
+    return {**scored.metrics, **adv_metrics, **train_metrics, "time_training": time.perf_counter() - start,
             "num_tokens": int(batch.attention_mask.sum()) * algo.num_iterations, "num_flops": flops}
 
 
-def old_logprobs(state: rl.RLState, algo: GRPOAlgoConfig, batch: rl.RLBatch, rows: torch.Tensor):
+def old_logprobs(state: rl.RLState, algo: GRPOAlgoConfig, batch: rl.TrainBatch, rows: torch.Tensor):
     """pi_old for an update phase of several updates -> ((B, C) logprobs, forward FLOPs).
 
     Computed only where it is read: ``rows`` (B,) bool, the rows that are trained, less the first
     mini-batch of the first pass, which takes pi_old from its own forward (the weights have not moved
-    yet; ``rl_update.update(first_on_policy=True)``). Other entries are 0 and never read.
+    yet; ``rl.update(first_on_policy=True)``). Other entries are 0 and never read.
     """
     # Under several ranks every rank computes all its rows (FSDP2 gathers weights inside each forward).
     need = torch.ones_like(rows) if state.run.ctx.distributed else rows.clone()

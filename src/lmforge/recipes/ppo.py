@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .. import rl, rl_config
+from .. import rl
 from ..advantages import gae, whiten_advantages
 from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, section
 from ..errors import ConfigError
@@ -27,6 +27,7 @@ from ..losses import kl_per_token, policy_loss, value_loss
 from ..ops import masked_mean, masked_sum
 from ..parallel.context import ParallelContext
 from ..parallel.wrap import full_state_dict, is_sharded, run_forward
+from ..rl import config as rl_config
 from ..train import PLAIN_HEAD_MODELS, decoder_of
 
 # Policy losses that take per-token advantages (B, T); plain "gspo" needs one per sequence.
@@ -82,14 +83,14 @@ class ValueHead(torch.nn.Module):
         return self.linear(hidden.float()).squeeze(-1)
 
 
-def _hidden_and_logits(model, value_head: ValueHead, batch: rl.RLBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def _hidden_and_logits(model, value_head: ValueHead, batch: rl.TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, H) last hidden states at the completion-predicting positions and (N,) values there."""
     hidden = decoder_of(model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
     hidden = hidden[batch.positions]  # (N, H)
     return model.get_output_embeddings()(hidden), value_head(hidden)  # (N, V), (N,)
 
 
-def policy_and_values(model, value_head: ValueHead, batch: rl.RLBatch, temperature: float, precision,
+def policy_and_values(model, value_head: ValueHead, batch: rl.TrainBatch, temperature: float, precision,
                       entropy_grad: bool = False, wrapped=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logprobs, entropy and values, each (B, C), of the completion tokens from one forward pass
     (through ``wrapped``, the parallel root, when given).
@@ -106,44 +107,50 @@ def policy_and_values(model, value_head: ValueHead, batch: rl.RLBatch, temperatu
         else:
             logits, values = run_forward(wrapped, _hidden_and_logits, model, value_head, batch)
     logprobs, entropy = rl.completion_logprobs(logits, batch, temperature, entropy_grad)
-    return logprobs, entropy, rl.scatter_completion(values, batch.completion_mask.bool())
+    return logprobs, entropy, rl.scatter_completion(values, batch.trained_mask.bool())
 
 
-def terminal_rewards(rewards: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) sequence rewards -> (B, C) per-token rewards: each on its completion's last token."""
-    last = completion_mask.sum(1).clamp(min=1) - 1  # (B,)
-    return torch.zeros(completion_mask.shape, dtype=torch.float32, device=completion_mask.device).scatter(
+def terminal_rewards(rewards: torch.Tensor, trained_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) sequence rewards -> (B, C) per-token rewards: each on its row's last trained token (the
+    policy's last action; environment tokens after it, if any, are not actions). A row with no
+    trained token puts it on column 0, which GAE skips as it skips every untrained position."""
+    columns = torch.arange(1, trained_mask.shape[1] + 1, device=trained_mask.device)
+    last = ((trained_mask > 0) * columns).amax(1).clamp(min=1) - 1  # (B,) index of the last trained token
+    return torch.zeros(trained_mask.shape, dtype=torch.float32, device=trained_mask.device).scatter(
         1, last[:, None], rewards.float()[:, None])
 
 
 @torch.no_grad()
-def add_targets(model, value_head: ValueHead, ref_model, algo: PPOAlgoConfig, batch: rl.RLBatch,
+def add_targets(model, value_head: ValueHead, ref_model, algo: PPOAlgoConfig, batch: rl.TrainBatch,
                 rewards: torch.Tensor, temperature: float, micro_batch_size: int, precision, wrapped=None,
-                ctx: ParallelContext | None = None) -> dict:
-    """Fill the batch's old logprobs and values, advantages and returns from (B,) ``rewards``.
+                ctx: ParallelContext | None = None) -> tuple[rl.TrainBatch, dict]:
+    """``batch`` with its old logprobs and values, advantages and returns from (B,) ``rewards``.
 
     PPO always needs this no-grad pass (GAE needs the rollout-time values), so its old logprobs
-    come from it at no extra cost, on-policy or not. The whitening statistics are over all ranks'
-    completion tokens (``ctx``). Returns KL / advantage metrics.
+    come from it at no extra cost, on-policy or not. GAE runs over the trained tokens only: an
+    environment token inside a row is no time step. The whitening statistics are over all ranks'
+    trained tokens (``ctx``). Returns the new batch and KL / advantage metrics.
     """
     ctx = ctx or ParallelContext()
     parts = [policy_and_values(model, value_head, batch.select(rows), temperature, precision, wrapped=wrapped)
              for rows in torch.arange(batch.num_rows).split(micro_batch_size)]
-    batch.old_logprobs = torch.cat([p[0] for p in parts])
-    batch.old_values = torch.cat([p[2] for p in parts])
-    mask = batch.completion_mask
+    old_logprobs = torch.cat([p[0] for p in parts])
+    old_values = torch.cat([p[2] for p in parts])
+    mask = batch.trained_mask
     token_rewards = terminal_rewards(rewards.to(mask.device), mask)
     metrics = {}
     if ref_model is not None:
         ref_logprobs = rl.batch_logprobs(ref_model, batch, micro_batch_size, temperature, precision)
-        kl = kl_per_token(batch.old_logprobs, ref_logprobs, mask, estimator=algo.kl_estimator)
+        kl = kl_per_token(old_logprobs, ref_logprobs, mask, estimator=algo.kl_estimator)
         token_rewards = token_rewards - algo.kl_coef * kl
         metrics["kl"] = masked_mean(kl, mask.float())
-    advantages, batch.returns = gae(token_rewards, batch.old_values, mask, gamma=algo.gamma, lam=algo.lam)
-    batch.advantages = whiten_over_ranks(advantages, mask, ctx) if algo.whiten else advantages
+    advantages, returns = gae(token_rewards, old_values, mask, gamma=algo.gamma, lam=algo.lam)
     metrics["advantage_abs_mean"] = masked_mean(advantages.abs(), mask.float())
-    metrics["return_mean"] = masked_mean(batch.returns, mask.float())
-    return metrics
+    metrics["return_mean"] = masked_mean(returns, mask.float())
+    if algo.whiten:
+        advantages = whiten_over_ranks(advantages, mask, ctx)
+    return batch.with_(old_logprobs=old_logprobs, old_values=old_values, advantages=advantages,
+                       returns=returns), metrics
 
 
 def whiten_over_ranks(advantages: torch.Tensor, mask: torch.Tensor, ctx: ParallelContext,
@@ -162,16 +169,16 @@ def whiten_over_ranks(advantages: torch.Tensor, mask: torch.Tensor, ctx: Paralle
     return torch.where(valid, centred / (std + std_eps), 0.0)
 
 
-def micro_loss(model, value_head: ValueHead, batch: rl.RLBatch, algo: PPOAlgoConfig, temperature: float,
+def micro_loss(model, value_head: ValueHead, batch: rl.TrainBatch, algo: PPOAlgoConfig, temperature: float,
                counts: dict, precision, wrapped=None) -> tuple[torch.Tensor, dict]:
     """Clipped policy loss + value_coef x clipped value loss of one micro-batch (global counts)."""
     logprobs, entropy, values = policy_and_values(model, value_head, batch, temperature, precision,
                                                   entropy_grad=algo.entropy_coef != 0, wrapped=wrapped)
     # The KL to the reference is already in the reward; it is not also a loss term here.
     kwargs = {**rl_config.policy_kwargs(algo), "kl_coef": 0.0}
-    pg_loss, metrics = policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.completion_mask,
+    pg_loss, metrics = policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.trained_mask,
                                    rollout_logprobs=batch.rollout_logprobs, entropy=entropy, **kwargs, **counts)
-    v_loss, v_metrics = value_loss(values, batch.returns, batch.completion_mask, aggregation=algo.aggregation,
+    v_loss, v_metrics = value_loss(values, batch.returns, batch.trained_mask, aggregation=algo.aggregation,
                                    old_values=batch.old_values, clip_eps=algo.value_clip, **counts)
     return pg_loss + algo.value_coef * v_loss, {**metrics, **v_metrics}
 
@@ -179,13 +186,15 @@ def micro_loss(model, value_head: ValueHead, batch: rl.RLBatch, algo: PPOAlgoCon
 def ppo_step(state: rl.RLState, value_head: ValueHead, algo: PPOAlgoConfig, step: int) -> dict:
     """Sample, score, GAE targets, update. Returns the step's metrics."""
     cfg = state.run.cfg
-    rollout, rewards, metrics = rl.rollout(state, step)
+    scored = state.source.next_batch(step)  # this rank's rows, scored (lmforge.rl.sources)
+    metrics = dict(scored.metrics)
     start = time.perf_counter()
-    batch = rl.pack_rollout(rollout, state.tokenizer.pad_token_id, need_rollout_logprobs=algo.is_level != "none")
+    batch = rl.pack_rollout(scored.rollout, state.tokenizer.pad_token_id, need_rollout_logprobs=algo.is_level != "none")
     batch = batch.to(state.run.device)
     precision, temperature = state.updater.precision, cfg.rollout.temperature
-    target_metrics = add_targets(state.model, value_head, state.ref_model, algo, batch, rewards.total, temperature,
-                                 state.micro_batch_size, precision, wrapped=state.train.wrapped, ctx=state.run.ctx)
+    batch, target_metrics = add_targets(state.model, value_head, state.ref_model, algo, batch, scored.rewards.total,
+                                        temperature, state.micro_batch_size, precision, wrapped=state.train.wrapped,
+                                        ctx=state.run.ctx)
     metrics.update(rl.reduce_rollout_metrics(target_metrics, state.run.ctx))
     train_metrics = rl.update_state(
         batch, algo, state,

@@ -17,7 +17,7 @@ from ..evaluation import task_accuracy
 from ..metrics import make_console
 from ..models import load_model
 from ..tokenizer import char_tokenizer
-from ..rl_config import RLDataConfig, RolloutConfig
+from ..rl.config import RLDataConfig, RolloutConfig
 from .grpo import GRPOConfig, run_grpo
 from .sft import SFTConfig, SFTDataConfig, run_sft
 

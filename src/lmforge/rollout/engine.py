@@ -61,17 +61,32 @@ class SamplingParams:
 
 @dataclass
 class RolloutBatch:
-    """Sampled completions. Row b belongs to prompt ``group_index[b]``; rows of a group are adjacent."""
+    """Sampled completions. Row b belongs to prompt ``group_index[b]``; rows of a group are adjacent.
+
+    A completion is every token after the prompt. From this engine they are all sampled; a
+    multi-turn row (an Atropos environment's, a tool-using episode's) interleaves the policy's turns
+    with environment tokens it did not sample, and ``trained_mask`` marks the policy's: one or
+    several separate spans per row.
+    """
 
     prompt_ids: torch.Tensor  # (B, P) long, left-padded with pad_token_id
     prompt_mask: torch.Tensor  # (B, P) long, 1 on real prompt tokens
     completion_ids: torch.Tensor  # (B, C) long, right-padded with pad_token_id
-    completion_mask: torch.Tensor  # (B, C) long, 1 on generated tokens up to and including the stop token
-    logprobs: torch.Tensor  # (B, C) float32, log p(token) under the sampling distribution (module doc); 0 off-mask
+    completion_mask: torch.Tensor  # (B, C) long, 1 on the completion's tokens (up to and including the stop token)
+    logprobs: torch.Tensor | None  # (B, C) float32, log p(token) under the sampling distribution (module doc);
+    # 0 off the trained mask; None from a source that reports none
     group_index: torch.Tensor  # (B,) long, index of the prompt each row was sampled for
     prompt_lens: torch.Tensor  # (B,) long
     completion_lens: torch.Tensor  # (B,) long, = completion_mask.sum(1)
     truncated: torch.Tensor  # (B,) bool, hit max_new_tokens without a stop token / string
+    # (B, C) long, 1 on the policy's tokens, within completion_mask; None: every completion token (single-turn
+    # sampling). Keyword-only, so that subclasses (antidistill's batch) add required fields after it.
+    trained_mask: torch.Tensor | None = field(default=None, kw_only=True)
+
+    @property
+    def trained(self) -> torch.Tensor:
+        """(B, C) long: the tokens the policy sampled, the ones a trainer trains on."""
+        return self.completion_mask if self.trained_mask is None else self.trained_mask
 
 
 # ----------------------------------------------------------------------------- model calls

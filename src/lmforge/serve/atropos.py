@@ -18,10 +18,11 @@ One batch is a list of groups (one prompt each, the group's samples adjacent). P
 
 ``batch_to_rollout`` maps row r of a group to ``prompt = tokens[:first]`` and ``completion =
 tokens[first:last + 1]``, where first / last are the first and last positions with a mask other than
--100. lmforge's trainer takes one contiguous completion per row, so a mask with -100 inside the
-completion (multi-turn rows with masked tool output) is refused with an error naming the group and
-row; per-token ``advantages`` sent by an environment are refused the same way (lmforge computes
-advantages from ``scores`` with its configured estimator).
+-100, and trains on exactly the positions whose mask is not -100 (``RolloutBatch.trained_mask``).
+A multi-turn row -- the model's turns with tool or environment output between them, masked -100 --
+is one completion whose trained tokens are several spans; the masked tokens inside it are inputs
+to the forward, never trained. Per-token ``advantages`` sent by an environment are refused (lmforge
+computes advantages from ``scores`` with its configured estimator).
 """
 from __future__ import annotations
 
@@ -87,8 +88,9 @@ def register(api_url: str, *, batch_size: int, max_token_len: int, num_steps: in
 
 # ----------------------------------------------------------------------------- batch -> rollout
 
-def _row(group: dict, g: int, r: int) -> tuple[list[int], list[int], list[float] | None]:
-    """(prompt ids, completion ids, completion logprobs or None) of row r of group g."""
+def _row(group: dict, g: int, r: int) -> tuple[list[int], list[int], list[int], list[float] | None]:
+    """(prompt ids, completion ids, trained mask over the completion, its logprobs or None) of row r
+    of group g."""
     tokens, masks = group["tokens"][r], group["masks"][r]
     if len(tokens) != len(masks):
         raise AtroposError(f"batch group {g} row {r}: {len(tokens)} tokens but {len(masks)} mask entries")
@@ -96,22 +98,21 @@ def _row(group: dict, g: int, r: int) -> tuple[list[int], list[int], list[float]
     if not trained:
         raise AtroposError(f"batch group {g} row {r}: every mask entry is {IGNORE}; nothing to train on")
     first, last = trained[0], trained[-1]
-    if last - first + 1 != len(trained):
-        raise AtroposError(f"batch group {g} row {r}: the mask has {IGNORE} inside the completion (positions "
-                           f"{first}..{last}); lmforge trains on one contiguous completion per row")
     if first == 0:
         raise AtroposError(f"batch group {g} row {r}: no prompt token before the completion (mask[0] != {IGNORE})")
+    trained_mask = [int(m != IGNORE) for m in masks[first:last + 1]]
     logprobs = None
     if group.get("inference_logprobs") is not None:
         row_logprobs = group["inference_logprobs"][r]
         if len(row_logprobs) != len(tokens):
             raise AtroposError(f"batch group {g} row {r}: {len(row_logprobs)} inference_logprobs for "
                                f"{len(tokens)} tokens (they must be aligned with tokens)")
-        logprobs = [float(x) for x in row_logprobs[first:last + 1]]
+        # the sampler's logprob on each trained token; 0 on environment tokens (placeholders there)
+        logprobs = [float(x) if t else 0.0 for x, t in zip(row_logprobs[first:last + 1], trained_mask)]
         if max(logprobs) > 1e-4:
             raise AtroposError(f"batch group {g} row {r}: an inference logprob on a completion token is "
                                f"{max(logprobs):.4g} > 0 (a placeholder where the sampler's logprob belongs?)")
-    return list(tokens[:first]), list(tokens[first:last + 1]), logprobs
+    return list(tokens[:first]), list(tokens[first:last + 1]), trained_mask, logprobs
 
 
 def batch_to_rollout(groups: list[dict], pad_token_id: int) -> tuple[RolloutBatch, torch.Tensor]:
@@ -120,7 +121,7 @@ def batch_to_rollout(groups: list[dict], pad_token_id: int) -> tuple[RolloutBatc
     ``logprobs`` is None unless every group carries ``inference_logprobs``. ``truncated`` is all False:
     Atropos does not say whether a completion hit its length limit.
     """
-    prompts, completions, logprobs, rewards, group_index = [], [], [], [], []
+    prompts, completions, trained, logprobs, rewards, group_index = [], [], [], [], [], []
     for g, group in enumerate(groups):
         num_rows = len(group.get("tokens") or [])
         if num_rows == 0 or len(group.get("masks") or []) != num_rows or len(group.get("scores") or []) != num_rows:
@@ -130,9 +131,10 @@ def batch_to_rollout(groups: list[dict], pad_token_id: int) -> tuple[RolloutBatc
             raise AtroposError(f"batch group {g} carries per-token advantages; lmforge computes advantages from "
                                f"scores with its configured estimator (algo.*), so send scores only")
         for r in range(num_rows):
-            prompt, completion, row_logprobs = _row(group, g, r)
+            prompt, completion, row_trained, row_logprobs = _row(group, g, r)
             prompts.append(prompt)
             completions.append(completion)
+            trained.append(row_trained)
             logprobs.append(row_logprobs)
             rewards.append(float(group["scores"][r]))
             group_index.append(g)
@@ -145,16 +147,19 @@ def batch_to_rollout(groups: list[dict], pad_token_id: int) -> tuple[RolloutBatc
     width = int(lengths.max())
     completion_ids = torch.full((len(completions), width), pad_token_id, dtype=torch.long)
     completion_mask = torch.zeros((len(completions), width), dtype=torch.long)
+    trained_mask = torch.zeros((len(completions), width), dtype=torch.long)
     completion_logprobs = torch.zeros((len(completions), width), dtype=torch.float32)
     for b, completion in enumerate(completions):
         completion_ids[b, :len(completion)] = torch.tensor(completion)
         completion_mask[b, :len(completion)] = 1
+        trained_mask[b, :len(completion)] = torch.tensor(trained[b])
         if logprobs[b] is not None:
             completion_logprobs[b, :len(completion)] = torch.tensor(logprobs[b])
     rollout = RolloutBatch(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask,
         logprobs=None if logprobs[0] is None else completion_logprobs, group_index=torch.tensor(group_index),
-        prompt_lens=prompt_mask.sum(1), completion_lens=lengths, truncated=torch.zeros(len(prompts), dtype=torch.bool))
+        prompt_lens=prompt_mask.sum(1), completion_lens=lengths, truncated=torch.zeros(len(prompts), dtype=torch.bool),
+        trained_mask=trained_mask)
     return rollout, torch.tensor(rewards, dtype=torch.float32)
 
 

@@ -125,7 +125,7 @@ def push_weights(server_url: str, model: torch.nn.Module | None = None, *, check
 def weights_request(server_url: str, model: torch.nn.Module | None = None, *,
                     checkpoint_dir: str | Path | None = None, version: int | None = None) -> tuple[str, dict]:
     """The POST that hands new weights to ``lmforge serve``: (url, httpx keyword arguments). Shared by
-    :func:`push_weights` and the Atropos trainer's retried push (``rl_atropos``)."""
+    :func:`push_weights` and the Atropos trainer's retried push (``lmforge.rl.sources.atropos``)."""
     if (model is None) == (checkpoint_dir is None):
         raise ValueError("push_weights needs exactly one of model= or checkpoint_dir=")
     base = server_url.rstrip("/")

@@ -2,25 +2,27 @@
 in-process sampler.
 
 The training step stays the recipe's own (``grpo_step``): only where the rollout comes from changes.
-:class:`AtroposSource` replaces :func:`rl.rollout` (the hook is one line there) and returns what it
-returns -- a :class:`RolloutBatch` with the sampler's logprobs, the rewards (the environments'
-``scores``) and the step's metrics -- so the advantages, the packing, the importance weights against
-the inference logprobs and the update are exactly the in-process path's.
+:class:`AtroposSource` is a rollout source (``lmforge.rl.sources.base``) and returns what the
+sampling sources return -- a :class:`ScoredRollout` with the sampler's logprobs, the rewards (the
+environments' ``scores``) and the step's metrics -- so the advantages, the packing, the importance
+weights against the inference logprobs and the update are exactly the in-process path's. A row's
+mask may mark several spans (a multi-turn environment's turns, with tool output between them
+masked): only the marked tokens are trained.
 
 Per step ``k`` (1-based, as the runtime loop counts; the trainer holds weights of version k - 1):
 
-1. once, before the first pull: rank 0 ``POST /register``s; if the run resumed (k - 1 > 0) and
-   ``rollout.server_url`` is set, the resumed weights are pushed as version k - 1 so the environments
-   sample from them;
+1. once, at the first ``sync_weights`` (before the first pull): rank 0 ``POST /register``s; if the
+   run resumed (k - 1 > 0) and ``rollout.server_url`` is set, the resumed weights are pushed as
+   version k - 1 so the environments sample from them;
 2. rank 0 pulls ``GET /batch`` until it holds ``rollout.num_prompts`` fresh groups of
    ``rollout.group_size`` rows (groups older than ``rollout.max_staleness`` are dropped and counted;
    groups beyond the step's need wait in memory for the next step and are re-checked then), converts
    them once to catch a malformed batch, and broadcasts them (``ParallelContext.broadcast_object``);
    an error on rank 0 stops every rank (``check_all_ok``);
-3. every rank converts its share of the groups (the same split as :func:`rl.rank_prompts`, so each
-   optimizer update's rows over all ranks are the single-process update's);
-4. after the update (:meth:`after_step`), every ``rollout.push_every`` steps, rank 0 pushes the new
-   weights to ``rollout.server_url`` (``lmforge serve``'s ``/v1/weights/tensors``) as version k.
+3. every rank converts its share of the groups (the same split as :func:`lmforge.rl.prompts.rank_prompts`,
+   so each optimizer update's rows over all ranks are the single-process update's);
+4. after the update (``sync_weights(policy, k)``), every ``rollout.push_every`` steps, rank 0 pushes
+   the new weights to ``rollout.server_url`` (``lmforge serve``'s ``/v1/weights/tensors``) as version k.
 
 Staleness of a group = (k - 1) - its ``generation_params.weight_version``: 0 when it was sampled with
 the weights being trained. Retries with backoff on connection errors / 5xx, then an ``AtroposError``
@@ -34,9 +36,12 @@ from typing import Any
 
 import torch
 
-from . import rl
-from .rollout import RewardOutput
-from .serve.atropos import AtroposError, _fetch_groups, _request, batch_to_rollout, register, weight_version
+from ...rollout import RewardOutput
+from ...serve.atropos import AtroposError, _fetch_groups, _request, batch_to_rollout, register, weight_version
+from ...serve.weights import weights_request
+from ..batch import ScoredRollout
+from ..prompts import rank_prompts
+from .base import Policy, SourceSetup
 
 
 def check_groups(groups: list[dict], group_size: int, max_new_tokens: int) -> None:
@@ -62,13 +67,14 @@ def check_groups(groups: list[dict], group_size: int, max_new_tokens: int) -> No
 
 
 class AtroposSource:
-    """The rollouts of ``rollout.backend=atropos`` (module doc); one per run, built by ``rl.prepare``."""
+    """The rollouts of ``rollout.backend=atropos`` (module doc); one per run."""
 
-    def __init__(self, cfg, run):
-        self.cfg = cfg.rollout
-        self.run = run
-        self.max_token_len = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
-        self.num_steps = cfg.train.max_steps
+    def __init__(self, setup: SourceSetup):
+        self.setup = setup
+        self.cfg = setup.rollout
+        self.ctx = setup.ctx
+        self.max_token_len = setup.max_prompt_len + setup.rollout.max_new_tokens
+        self.num_steps = setup.max_steps
         self.started = False
         self.pending: list[dict] = []  # rank 0: fresh groups pulled beyond a step's need
         self.dropped_total = 0
@@ -77,7 +83,7 @@ class AtroposSource:
 
     def _rank0(self, fn, *args) -> Any:
         """``fn(*args)`` on rank 0; its result on every rank; its error raised on every rank."""
-        ctx = self.run.ctx
+        ctx = self.ctx
         result, error = None, None
         if ctx.is_main:
             try:
@@ -96,20 +102,18 @@ class AtroposSource:
         """POST the weights (serialised once, merged if LoRA) to ``lmforge serve``; retried like every
         other call here, and a refusal (4xx: wrong names or shapes, a version that does not increase)
         is an error at once."""
-        from .serve.weights import weights_request
-
         url, request = weights_request(self.cfg.server_url, model, version=version)
         reply = _request("POST", url, self.cfg.api_retries, self.cfg.api_backoff_s, timeout=600.0, **request,
                          action=f"pushing weights version {version} to rollout.server_url={self.cfg.server_url}",
                          remedy="the last checkpoint is intact: resume the run once the inference server is back")
         return int(reply["weight_version"])
 
-    def _start(self, state, trained_steps: int) -> None:
+    def _start(self, policy: Policy, trained_steps: int) -> None:
         def start() -> None:
             uuid = register(self.cfg.api_url, batch_size=self.cfg.num_prompts * self.cfg.group_size,
                             max_token_len=self.max_token_len, num_steps=self.num_steps, starting_step=trained_steps,
                             retries=self.cfg.api_retries, backoff_s=self.cfg.api_backoff_s)
-            self.run.print(f"[atropos] registered with {self.cfg.api_url} (trainer uuid {uuid}) at step {trained_steps}")
+            self.setup.print(f"[atropos] registered with {self.cfg.api_url} (trainer uuid {uuid}) at step {trained_steps}")
             if self.cfg.server_url:
                 return self._server_version()
             return None
@@ -120,10 +124,10 @@ class AtroposSource:
                 raise AtroposError(
                     f"rollout.server_url={self.cfg.server_url} serves weight version {server_version}, but the run "
                     f"resumed at step {trained_steps} (versions must increase); restart lmforge serve on the "
-                    f"resumed checkpoint ({self.run.dir}/step-{trained_steps}) and resume again")
-            model = state.sampler_model()  # every rank (FSDP2 gathers)
+                    f"resumed checkpoint ({self.setup.run_dir}/step-{trained_steps}) and resume again")
+            model = policy()  # every rank (FSDP2 gathers)
             self._rank0(self._push, model, trained_steps)
-            self.run.print(f"[atropos] pushed the resumed weights to {self.cfg.server_url} as version {trained_steps}")
+            self.setup.print(f"[atropos] pushed the resumed weights to {self.cfg.server_url} as version {trained_steps}")
         self.started = True
 
     def _next_groups(self, trained_steps: int) -> tuple[list[dict], dict]:
@@ -160,17 +164,26 @@ class AtroposSource:
             info.update(staleness_mean=sum(versions) / len(versions), staleness_max=max(versions))
         return groups, info
 
-    # ------------------------------------------------------------------ the rollout, on every rank
+    # ------------------------------------------------------------------ the source, on every rank
 
-    def rollout(self, state, step: int) -> tuple[Any, RewardOutput, dict]:
-        """This rank's share of the next ``num_prompts`` groups, as ``rl.rollout`` returns its rollout."""
-        trained_steps = step - 1  # the optimizer steps behind the weights this step starts from
+    def sync_weights(self, policy: Policy, version: int) -> None:
+        """First call: register (and push resumed weights). Then, after step ``version``'s update, every
+        ``push_every`` steps, hand the weights (version ``version``) over."""
         if not self.started:
-            self._start(state, trained_steps)
+            self._start(policy, version)
+            return
+        if not self.cfg.server_url or version % self.cfg.push_every:
+            return
+        model = policy()  # every rank (FSDP2 gathers)
+        self._rank0(self._push, model, version)
+
+    def next_batch(self, step: int) -> ScoredRollout:
+        """This rank's share of the next ``num_prompts`` groups."""
+        trained_steps = step - 1  # the optimizer steps behind the weights this step starts from
         groups, info = self._rank0(self._next_groups, trained_steps)
         scores = torch.tensor([float(s) for g in groups for s in g["scores"]])
-        rows = rl.rank_prompts(list(range(len(groups))), self.run.cfg.algo.num_mini_batches, self.run.ctx)
-        batch, rewards = batch_to_rollout([groups[i] for i in rows], state.tokenizer.pad_token_id)
+        rows = rank_prompts(list(range(len(groups))), self.setup.num_mini_batches, self.ctx)
+        batch, rewards = batch_to_rollout([groups[i] for i in rows], self.setup.tokenizer.pad_token_id)
         output = RewardOutput(total=rewards, per_function=rewards[:, None], names=["atropos"],
                               num_failed=torch.zeros(1, dtype=torch.long))
         lengths = torch.tensor([sum(1 for m in masks if m != -100) for g in groups for masks in g["masks"]],
@@ -179,11 +192,17 @@ class AtroposSource:
         metrics = {"reward": scores.mean(), "reward_std": scores.std(correction=0),
                    "completion_len_mean": lengths.mean(), "completion_len_max": lengths.max(),
                    "time_scoring": 0.0, **info}
-        return batch, output, metrics
+        return ScoredRollout(batch, output, metrics)
 
-    def after_step(self, state, step: int) -> None:
-        """After step ``step``'s update: every ``push_every`` steps, hand the weights (version ``step``) over."""
-        if not self.cfg.server_url or step % self.cfg.push_every:
-            return
-        model = state.sampler_model()  # every rank (FSDP2 gathers)
-        self._rank0(self._push, model, step)
+    def state_dict(self) -> dict:
+        return {}  # groups held for a later step are not saved: the API has handed them out (module doc)
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def build(setup: SourceSetup) -> AtroposSource:
+    return AtroposSource(setup)

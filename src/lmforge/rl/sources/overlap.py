@@ -1,4 +1,4 @@
-"""Overlapped rollouts for the built-in sampler (``rollout.async_steps=N``, N >= 1).
+"""Overlapped rollouts (``rollout.async_steps=N``, N >= 1): a wrapper over any rollout source.
 
 Synchronous RL alternates: sample batch k with the current weights, then train on it. Here the
 rollout of step k + N is generated in a background thread while the trainer updates on batch k, so
@@ -11,10 +11,13 @@ step k, from version k - 1, so with N = 1 the batch trained at step k >= 2 was s
 k - 2, one version behind the weights being trained: ``staleness`` = (k - 1) - sampler version = N
 (less for the first N steps, whose batches come from version 0).
 
-The sampler never sees a half-updated policy: each in-flight batch has its own copy of the weights
-(a :class:`CastEngine`, in ``rollout.dtype`` or the policy's dtype), refreshed from the policy on
-the main thread when its batch is launched and not touched again until that batch has been taken.
-N copies are held in all.
+The source never sees a half-updated policy: each in-flight batch has its own copy of the weights
+(a :class:`CastEngine` in the policy's dtype), refreshed from the policy on the main thread when
+its batch is launched and not touched again until that batch has been taken. N copies are held in
+all. In the background thread the wrapped source is synced to that copy (``sync_weights``) and
+asked for the batch (``next_batch``): the in-process source samples from the copy itself, its
+bf16 variant (``rollout.dtype``) casts it into its own copy, vLLM loads it, Atropos pushes it. Batches are produced one at a time, in step
+order, so a source's own state (the prompt order) advances as in a synchronous run.
 
 Correction. The trainer recomputes ``old_logprobs`` with the weights it trains (version k - 1;
 the on-policy shortcut of a single update does so in its own forward), and ``algo.is_level``
@@ -43,36 +46,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .errors import ConfigError
-from .rollout import CastEngine
+from ...errors import ConfigError
+from ...rollout import CastEngine
+from ..batch import ScoredRollout
+from .base import Policy, RolloutSource, SourceSetup
 
 
-class _Frozen:
-    """An engine whose weights were set at launch: ``sync_weights`` (called by ``sample_and_score``
-    in the sampler thread) must not read the policy, which the trainer is updating."""
-
-    def __init__(self, engine: CastEngine):
-        self.engine = engine
-
-    def sync_weights(self, model) -> None:
-        pass
-
-    def generate(self, *args, **kwargs):
-        return self.engine.generate(*args, **kwargs)
-
-
-def check_async(cfg, algo, distributed: bool) -> None:
+def check_async(rollout, is_level: str, distributed: bool) -> None:
     """ConfigError naming the key when ``rollout.async_steps`` cannot run with the rest of the config
-    (called before the run directory is taken, and again by :class:`AsyncRollouts`)."""
-    n = getattr(cfg.rollout, "async_steps", 0)
+    (called before the run directory is taken)."""
+    n = rollout.async_steps
     if not n:
         return
-    if algo.is_level == "none":
+    if is_level == "none":
         raise ConfigError(f"rollout.async_steps={n} trains on batches sampled by weights {n} step(s) old; set "
                           "algo.is_level=token (or sequence) so that truncated importance weights "
                           "pi_trainer / pi_sampler correct for it")
-    if cfg.rollout.backend != "inprocess":
-        raise ConfigError(f"rollout.async_steps applies to rollout.backend=inprocess, not {cfg.rollout.backend}")
     if distributed:
         raise ConfigError("rollout.async_steps runs in one process for now; unset it under torchrun")
 
@@ -83,65 +72,59 @@ def async_threads(total: int, wanted: int) -> int:
     return wanted or max(total // 2, 1)
 
 
-class AsyncRollouts:
-    """Rollouts launched ``ahead`` steps early in one background thread (module doc)."""
+class Overlapped:
+    """``inner``'s batches taken ``ahead`` steps early in one background thread (module doc)."""
 
-    def __init__(self, state, algo):
-        from . import rl  # the caller's module; imported here, rl imports this one lazily
-
-        self._rl = rl
-        cfg = state.run.cfg
-        check_async(cfg, algo, state.run.ctx.distributed)
-        self.state, self.ahead, self.max_steps = state, cfg.rollout.async_steps, cfg.train.max_steps
-        policy = state.sampler_model()
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.rollout.dtype, next(policy.parameters()).dtype)
-        first = state.rollout_engine if isinstance(state.rollout_engine, CastEngine) else CastEngine(policy, dtype)
-        self.engines = [first] + [CastEngine(policy, dtype) for _ in range(self.ahead - 1)]
+    def __init__(self, inner: RolloutSource, setup: SourceSetup):
+        rollout = setup.rollout
+        self.inner, self.setup = inner, setup
+        self.ahead, self.max_steps = rollout.async_steps, setup.max_steps
+        dtype = next(setup.policy.parameters()).dtype
+        self.engines = [CastEngine(setup.policy, dtype) for _ in range(self.ahead)]
         self.threads = None  # the run's thread count, restored by close()
         note = ""
-        if state.run.device.type == "cpu":
+        if next(setup.policy.parameters()).device.type == "cpu":
             self.threads = torch.get_num_threads()
-            shared = async_threads(self.threads, cfg.rollout.async_threads)
+            shared = async_threads(self.threads, rollout.async_threads)
             torch.set_num_threads(shared)
             note = f"; {shared} intra-op thread(s) each for sampling and training (the run has {self.threads})"
-        state.run.print(f"[rollout] async: sampling {self.ahead} step(s) ahead in a background thread{note}")
+        setup.print(f"[rollout] async: sampling {self.ahead} step(s) ahead in a background thread{note}")
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="lmforge-rollout")
-        self.pending: dict[int, tuple[Future, int]] = {}  # step -> (rollout future, sampler weights version)
-        saved = state.train.saved.get("async_rollouts", {}).get("pending", {})
-        for step, item in saved.items():
-            future: Future = Future()
-            future.set_result((item["rollout"], item["rewards"], item["metrics"]))
-            self.pending[int(step)] = (future, int(item["version"]))
-        if saved:
-            state.run.print(f"[rollout] async: resumed with the saved rollouts of steps {sorted(self.pending)}")
+        self.pending: dict[int, tuple[Future, int]] = {}  # step -> (batch future, sampler weights version)
+        self.policy: Policy | None = None
+        self.version = 0  # of the weights last synced
+
+    def sync_weights(self, policy: Policy, version: int) -> None:
+        self.policy, self.version = policy, version  # read at the next launch, on the main thread
 
     def _launch(self, step: int) -> None:
-        """Take step ``step``'s prompts (in order), copy the current weights into its engine, start it."""
-        state, rl = self.state, self._rl
-        cfg = state.run.cfg
-        rows = state.next_prompts()
+        """Copy the current weights into step ``step``'s engine (this engine's last batch was taken),
+        then produce its batch in the background: sync ``inner`` to that copy, take the batch."""
         engine = self.engines[step % self.ahead]
-        engine.sync_weights(state.sampler_model())  # main thread; this engine's last batch was taken
-        seed = rl.step_seed(cfg.train.seed, step, state.run.ctx.rank)
-        future = self.executor.submit(rl.sample_and_score, engine.model, state.tokenizer, state.prompts, rows,
-                                      cfg.rollout, state.reward_set, seed, engine=_Frozen(engine))
-        self.pending[step] = (future, state.train.step)
+        engine.sync_weights(self.policy())
+        version = self.version
 
-    def take(self, step: int):
-        """Step ``step``'s rollout, rewards and metrics; then launch the batches up to ``step + ahead``
-        from the current weights (before this step's update)."""
+        def produce() -> ScoredRollout:
+            self.inner.sync_weights(lambda: engine.model, version)
+            return self.inner.next_batch(step)
+
+        self.pending[step] = (self.executor.submit(produce), version)
+
+    def next_batch(self, step: int) -> ScoredRollout:
+        """Step ``step``'s batch; then launch the batches up to ``step + ahead`` from the current
+        weights (before this step's update)."""
         if step not in self.pending:  # the first step of a run (or of a resume without saved batches)
             self._launch(step)
         start = time.perf_counter()
         future, version = self.pending.pop(step)
-        rollout, rewards, metrics = future.result()
+        scored = future.result()
         waited = time.perf_counter() - start
         for ahead in range(step + 1, min(step + self.ahead, self.max_steps) + 1):
             if ahead not in self.pending:
                 self._launch(ahead)
-        trained = self.state.train.step  # the weights version this step updates
-        metrics = {**metrics, "rollout_version": version, "staleness": trained - version, "time_rollout_wait": waited}
-        return rollout, rewards, metrics
+        metrics = {**scored.metrics, "rollout_version": version, "staleness": self.version - version,
+                   "time_rollout_wait": waited}
+        return ScoredRollout(scored.rollout, scored.rewards, metrics)
 
     def state_dict(self) -> dict:
         """The launched batches (waited for), for the checkpoint's trainer state. A batch whose sampling
@@ -151,18 +134,36 @@ class AsyncRollouts:
         pending = {}
         for step, (future, version) in sorted(self.pending.items()):
             try:
-                rollout, rewards, metrics = future.result()
-            except Exception as exc:  # noqa: BLE001 -- re-raised by take(step), after this save
-                self.state.run.print(f"[rollout] async: the batch of step {step} failed ({type(exc).__name__}: "
-                                     f"{exc}); the checkpoint is written without it")
+                scored = future.result()
+            except Exception as exc:  # noqa: BLE001 -- re-raised by next_batch(step), after this save
+                self.setup.print(f"[rollout] async: the batch of step {step} failed ({type(exc).__name__}: "
+                                 f"{exc}); the checkpoint is written without it")
                 continue
-            pending[step] = {"rollout": rollout, "rewards": rewards, "metrics": metrics, "version": version}
-        return {"async_rollouts": {"ahead": self.ahead, "pending": pending}}
+            pending[step] = {"rollout": scored.rollout, "rewards": scored.rewards, "metrics": scored.metrics,
+                             "version": version}
+        return {**self.inner.state_dict(), "async_rollouts": {"ahead": self.ahead, "pending": pending}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The batches a checkpoint holds are trained as they were (exact resume); a synchronous
+        checkpoint holds none, and the next batch is sampled from the resumed weights."""
+        self.inner.load_state_dict(state)
+        saved = state.get("async_rollouts", {}).get("pending", {})
+        for step, item in saved.items():
+            future: Future = Future()
+            future.set_result(ScoredRollout(item["rollout"], item["rewards"], item["metrics"]))
+            self.pending[int(step)] = (future, int(item["version"]))
+        if saved:
+            self.setup.print(f"[rollout] async: resumed with the saved rollouts of steps {sorted(self.pending)}")
+        elif state.get("step"):
+            self.setup.print("[rollout] async: the checkpoint holds no launched batches; the next one is "
+                             "sampled now, from the resumed weights (staleness 0)")
 
     def close(self) -> None:
-        """Stop the sampler thread (after its current batch) and give the trainer its threads back."""
+        """Stop the background thread (after its current batch), close ``inner``, give the trainer its
+        threads back."""
         for future, _ in self.pending.values():
             future.cancel()
         self.executor.shutdown(wait=True)
+        self.inner.close()
         if self.threads is not None:
             torch.set_num_threads(self.threads)

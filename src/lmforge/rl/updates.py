@@ -1,29 +1,29 @@
 """The update phase of an RL step (``lmforge grpo``, ``lmforge ppo``): passes over a rollout batch,
 mini-batches (one optimizer update each), micro-batches (gradient accumulation), the aggregation
 counts that make accumulation and data parallelism exact, skipping rows that cannot change the
-update, and the reduction of the step's metrics over micro-batches and ranks. ``lmforge.rl``
-re-exports every public name here.
+update, and the reduction of the step's metrics over micro-batches and ranks.
+
+Every count is of trained tokens (``TrainBatch.trained_mask``): a multi-turn row's environment
+tokens are in no normaliser, whichever aggregation the loss uses.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
-from .parallel.context import ParallelContext
-from .parallel.wrap import gradient_sync
-
-if TYPE_CHECKING:
-    from .rl import RLBatch
+from ..parallel.context import ParallelContext
+from ..parallel.wrap import gradient_sync
+from .batch import TrainBatch
 
 Tensor = torch.Tensor
 
 
-def global_counts(batch: RLBatch, max_new_tokens: int, num_micro_batches: int = 1,
+def global_counts(batch: TrainBatch, max_new_tokens: int, num_micro_batches: int = 1,
                   ctx: ParallelContext | None = None) -> dict:
     """The aggregation counts of one optimizer update: summed over its micro-batches and all ranks, once."""
     ctx = ctx or ParallelContext()
-    num_seqs, num_tokens, num_micro = ctx.sum_counts(batch.num_rows, int(batch.completion_mask.sum()),
+    num_seqs, num_tokens, num_micro = ctx.sum_counts(batch.num_rows, int(batch.trained_mask.sum()),
                                                      num_micro_batches)
     return {"num_seqs_global": num_seqs, "num_loss_tokens_global": num_tokens,
             "max_completion_len": max_new_tokens, "num_micro_batches_global": num_micro}
@@ -55,7 +55,7 @@ def reduce_metrics(records: list[tuple[dict, int]], ctx: ParallelContext | None 
     return {k: out[k] for k in values}  # first-seen order, as logged
 
 
-LossFn = Callable[["RLBatch", dict], tuple[Tensor, dict]]  # (micro-batch, counts) -> (loss, metrics)
+LossFn = Callable[[TrainBatch, dict], tuple[Tensor, dict]]  # (micro-batch, counts) -> (loss, metrics)
 
 
 def mini_batch_rows(num_rows: int, num_mini_batches: int) -> tuple[Tensor, ...]:
@@ -68,14 +68,14 @@ def informative_rows(advantages: Tensor) -> Tensor:
     return advantages.reshape(advantages.shape[0], -1).ne(0).any(1)
 
 
-def update(batch: RLBatch, algo, updater, micro_batch_size: int, max_new_tokens: int, loss_fn: LossFn, step: int,
+def update(batch: TrainBatch, algo, updater, micro_batch_size: int, max_new_tokens: int, loss_fn: LossFn, step: int,
            ctx: ParallelContext | None = None, wrapped=None, rows_to_train: Tensor | None = None,
-           first_on_policy: bool = False, flops_of: Callable[[RLBatch], float] | None = None) -> dict:
+           first_on_policy: bool = False, flops_of: Callable[[TrainBatch], float] | None = None) -> dict:
     """``algo.num_iterations`` passes over this rank's ``batch``, each of ``algo.num_mini_batches`` updates.
 
     Mini-batches are contiguous row ranges (a prompt's samples stay together); the rank's rows were
     chosen so that its m-th mini-batch is its share of the global m-th mini-batch
-    (:func:`rank_prompts`). Each is split into micro-batches of ``micro_batch_size`` rows whose
+    (:func:`lmforge.rl.prompts.rank_prompts`). Each is split into micro-batches of ``micro_batch_size`` rows whose
     losses, normalised by the mini-batch's global counts, are accumulated into one optimizer step;
     gradients are summed across ranks (``ctx``; ``wrapped``, the parallel root) on the last
     micro-batch. ``loss_fn(micro_batch, counts) -> (loss, metrics)``.
@@ -107,7 +107,7 @@ def update(batch: RLBatch, algo, updater, micro_batch_size: int, max_new_tokens:
         for m, mini_rows in enumerate(mini_batch_rows(batch.num_rows, algo.num_mini_batches)):
             mini = batch.select(mini_rows)
             if first_on_policy and iteration == 0 and m == 0:
-                mini.old_logprobs = None
+                mini = mini.with_(old_logprobs=None)
             if m not in plans:
                 micro_rows = list(torch.arange(mini.num_rows).split(micro_batch_size))
                 run = micro_rows if informative is None else _rows_to_run(micro_rows, informative[mini_rows], ctx)
@@ -120,7 +120,7 @@ def update(batch: RLBatch, algo, updater, micro_batch_size: int, max_new_tokens:
                     loss, metrics = loss_fn(micro, counts)
                     updater.precision.backward(loss)
                 loss_sum = loss_sum + loss.detach()
-                records.append((metrics, int(micro.completion_mask.sum())))
+                records.append((metrics, int(micro.trained_mask.sum())))
                 trained_rows += micro.num_rows
                 if flops_of is not None:
                     flops += flops_of(micro)
@@ -158,28 +158,3 @@ def _zero_missing_grads(module: torch.nn.Module) -> None:
     for param in module.parameters():
         if param.requires_grad and param.grad is None:
             param.grad = torch.zeros_like(param)
-
-
-def reduce_rollout_metrics(metrics: dict, ctx: ParallelContext) -> dict:
-    """A rank's rollout / advantage metrics -> the step's over all ranks (every rank holds the same
-    number of rows and groups): ``num_*``, ``*_failures`` and ``*_timeouts`` are summed, ``*_max`` / ``time_*`` take
-    the maximum, ``reward_std`` is recombined from the ranks' means and variances, the rest are means."""
-    if not ctx.distributed:
-        return metrics
-    keys = list(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    summed = ctx.all_reduce(values.clone())
-    highest = ctx.all_reduce(values.clone(), op=torch.distributed.ReduceOp.MAX)
-    out = {}
-    for i, key in enumerate(keys):
-        if key.startswith("num_") or key.endswith(("_failures", "_timeouts")):
-            out[key] = float(summed[i])
-        elif key.endswith("_max") or key.startswith("time_"):
-            out[key] = float(highest[i])
-        else:
-            out[key] = float(summed[i]) / ctx.world_size
-    if "reward_std" in metrics and "reward" in metrics:
-        second = ctx.all_reduce(torch.tensor([float(metrics["reward_std"]) ** 2 + float(metrics["reward"]) ** 2],
-                                             dtype=torch.float64))
-        out["reward_std"] = max(float(second) / ctx.world_size - out["reward"] ** 2, 0.0) ** 0.5
-    return out

@@ -1,16 +1,18 @@
 """Config sections shared by the RL recipes (``grpo``, ``ppo``) and how algorithm keys resolve:
-explicit key > the loss's own clip range > preset > default."""
+explicit key > the loss's own clip range > preset > default. The lowest file of the RL package: each
+component above takes the one section it needs (a source the rollout section, the update the algo
+section), resolved here once."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Literal
 
-from .advantages import ADVANTAGES
-from .config import opt, refuse_ignored
-from .data.tasks import get_task
-from .errors import ConfigError
-from .losses import AGGREGATIONS, GSPO_EPS_HIGH, GSPO_EPS_LOW, IS_LEVELS, KL_ESTIMATORS, POLICY_LOSSES
-from .rollout import SamplingParams
+from ..advantages import ADVANTAGES
+from ..config import opt, refuse_ignored
+from ..data.tasks import get_task
+from ..errors import ConfigError
+from ..losses import AGGREGATIONS, GSPO_EPS_HIGH, GSPO_EPS_LOW, IS_LEVELS, KL_ESTIMATORS, POLICY_LOSSES
+from ..rollout import SamplingParams
 
 
 @dataclasses.dataclass
@@ -21,16 +23,18 @@ class RolloutConfig:
     top_k: int = opt(0, "sample among the k most likely tokens only (0 = off; see docs/rl-recipes.md)")
     top_p: float = opt(1.0, "nucleus sampling mass (1 = off; see docs/rl-recipes.md)")
     max_new_tokens: int = opt(64, "longest completion; also the Dr. GRPO length normaliser")
-    backend: Literal["inprocess", "vllm", "atropos"] = opt(
-        "inprocess", "sampler: inprocess (any device), vllm (one CUDA GPU, unverified here; docs/vllm.md) or "
-        "atropos (scored batches pulled from an Atropos API server; docs/atropos.md)")
+    backend: str = opt(
+        "inprocess", "rollout source (lmforge.rl.sources.SOURCES): inprocess (any device), vllm (one CUDA GPU, "
+        "unverified here; docs/vllm.md) or atropos (scored batches pulled from an Atropos API server; "
+        "docs/atropos.md)")
     vllm_gpu_memory_utilization: float = opt(0.3, "vllm backend: fraction of GPU memory vLLM reserves "
                                              "(its weights + KV cache)")
     dtype: Literal["same", "bf16", "fp16"] = opt(
         "same", "inprocess backend: weights the sampler decodes with: same (the policy itself) or a bf16 / fp16 "
         "copy synced before each rollout (faster decoding where that dtype is fast; see docs/rl-recipes.md)")
-    async_steps: int = opt(0, "inprocess backend: sample the batch of step k + N in a background thread while step k "
-                           "trains (0 = off; needs algo.is_level; docs/rl-recipes.md, overlapped rollouts)")
+    async_steps: int = opt(0, "take the batch of step k + N from the source in a background thread while step k "
+                           "trains (0 = off; any backend, one process; needs algo.is_level; docs/rl-recipes.md, "
+                           "overlapped rollouts)")
     async_threads: int = opt(0, "async on CPU: intra-op threads (per process) while sampler and trainer run side by "
                              "side (0 = half of train.threads)")
 

@@ -1,0 +1,82 @@
+"""Imports only go down: the import-linter contracts of pyproject.toml hold, they can fail, and
+docs/architecture.md lists the same layers.
+
+import-linter (its graph library, grimp) reads every import statement of every module, at module
+level and inside functions, so a lazy import that climbs a layer or closes a cycle is caught too.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("importlinter.cli")
+grimp = pytest.importorskip("grimp")
+tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
+
+ROOT = Path(__file__).resolve().parents[2]
+CONTRACTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+
+
+def layered(container: str) -> list[str]:
+    return next(c["layers"] for c in CONTRACTS if c["type"] == "layers" and c["containers"] == [container])
+
+
+def grimp_layers(layers: list[str]) -> list:
+    return [grimp.Layer(*(part.strip() for part in layer.split("|"))) for layer in layers]
+
+
+def test_every_contract_is_kept():
+    """``lint-imports`` itself, in a child process (it reconfigures logging, which would silence the
+    loggers of the tests after it)."""
+    code = ("import sys; from importlinter.cli import lint_imports; "
+            f"sys.exit(lint_imports(config_filename={str(ROOT / 'pyproject.toml')!r}, no_cache=True, no_logo=True))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Contracts: 5 kept, 0 broken." in done.stdout
+
+
+def test_the_contracts_cover_the_rl_package_and_forbid_cycles():
+    kinds = {(c["type"], tuple(c.get("containers", c.get("ancestors", [])))) for c in CONTRACTS}
+    for container in ("lmforge", "lmforge.rl", "lmforge.rl.sources", "lmforge.data"):
+        assert ("layers", (container,)) in kinds
+        assert next(c for c in CONTRACTS if c.get("containers") == [container])["exhaustive"] is True
+    assert ("acyclic_siblings", ("lmforge",)) in kinds
+
+
+@pytest.mark.parametrize("importer, imported", [
+    ("lmforge.ops", "lmforge.rl.loop"),  # a tensor helper reaching for the RL loop (inside a function counts)
+    ("lmforge.rollout.engine", "lmforge.serve.app"),  # the sampler importing the server
+    ("lmforge.models", "lmforge.data.tasks"),  # models above data, as lora <-> models once was
+])
+def test_an_upward_import_breaks_the_layers(importer, imported):
+    graph = grimp.build_graph("lmforge")
+    layers = grimp_layers(layered("lmforge"))
+    assert not graph.find_illegal_dependencies_for_layers(layers, containers={"lmforge"})
+    graph.add_import(importer=importer, imported=imported)
+    assert graph.find_illegal_dependencies_for_layers(layers, containers={"lmforge"})
+
+
+def test_a_cycle_inside_the_rl_package_is_caught():
+    """The circle of the old rl.py / rl_update.py / rl_async.py (updates -> loop) cannot come back."""
+    graph = grimp.build_graph("lmforge")
+    layers = grimp_layers(layered("lmforge.rl"))
+    assert not graph.find_illegal_dependencies_for_layers(layers, containers={"lmforge.rl"})
+    assert not graph.nominate_cycle_breakers("lmforge.rl")
+    graph.add_import(importer="lmforge.rl.updates", imported="lmforge.rl.loop")
+    assert graph.find_illegal_dependencies_for_layers(layers, containers={"lmforge.rl"})
+    assert graph.nominate_cycle_breakers("lmforge.rl")
+
+
+def test_architecture_doc_lists_the_contract_layers():
+    """docs/architecture.md's layer list is the contract's, in order (a line per layer, names as in
+    pyproject.toml)."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    for container in ("lmforge", "lmforge.rl"):
+        block = re.search(rf"```text\n# layers of {re.escape(container)}, top to bottom\n(.*?)```", doc, re.S)
+        assert block, f"docs/architecture.md has no layer block for {container}"
+        lines = [line.split("#")[0].strip() for line in block.group(1).splitlines() if line.split("#")[0].strip()]
+        assert lines == layered(container)
