@@ -73,14 +73,13 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> torch.
     return model
 
 
-def check_settings(cfg, ctx=None) -> None:
-    """ConfigError for the settings ``model.lora`` cannot run with (QAT / quantized copies; FSDP2).
-    Called by ``start_run`` before the run directory is touched, and again by :func:`apply_for_run`."""
-    lora_cfg = getattr(getattr(cfg, "model", None), "lora", None)
+def check_settings(lora_cfg: LoraConfig | None, train_cfg, ctx=None) -> None:
+    """ConfigError for the settings ``model.lora`` cannot run with (QAT / quantized copies in the
+    ``train`` section; FSDP2). Called by ``start_run`` before the run directory is touched, and again
+    by :func:`apply_for_run`."""
     if lora_cfg is None or not lora_cfg.r:
         return
-    tcfg = cfg.train
-    if getattr(tcfg, "qat", "none") != "none" or getattr(tcfg, "save_quantized", None):
+    if getattr(train_cfg, "qat", "none") != "none" or getattr(train_cfg, "save_quantized", None):
         raise ConfigError("model.lora with train.qat or train.save_quantized is not supported: train the adapters, "
                           "write the merged model (model.lora.save_merged=true) and run `lmforge quantize` on "
                           "final/merged")
@@ -89,13 +88,13 @@ def check_settings(cfg, ctx=None) -> None:
                           "adapters, so use parallel.strategy=ddp (each rank holds the frozen base model)")
 
 
-def apply_for_run(model: torch.nn.Module, cfg, ctx=None) -> torch.nn.Module:
-    """``model`` with the adapters ``cfg.model.lora`` asks for (unchanged while r = 0)."""
-    check_settings(cfg, ctx)
-    lora_cfg = getattr(getattr(cfg, "model", None), "lora", None)
+def apply_for_run(model: torch.nn.Module, lora_cfg: LoraConfig | None, train_cfg, ctx=None) -> torch.nn.Module:
+    """``model`` with the adapters ``lora_cfg`` (the run's ``model.lora``) asks for (unchanged while
+    r = 0), seeded by ``train_cfg.seed``."""
+    check_settings(lora_cfg, train_cfg, ctx)
     if lora_cfg is None or not lora_cfg.r:
         return model
-    return apply_lora(model, lora_cfg, cfg.train.seed)
+    return apply_lora(model, lora_cfg, train_cfg.seed)
 
 
 def count_trainable(model: torch.nn.Module) -> tuple[int, int]:

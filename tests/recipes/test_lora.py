@@ -159,11 +159,11 @@ def test_config_errors_and_the_install_hint(monkeypatch):
 
     cfg = load_config(SFTConfig, None, ["data.task=addition", "model.lora.r=4"])
     with pytest.raises(ConfigError, match="fsdp2"):
-        lora.apply_for_run(tiny()[0], cfg, FSDP2())
+        lora.apply_for_run(tiny()[0], cfg.model.lora, cfg.train, FSDP2())
     for override in ("train.qat=int4", "train.save_quantized=[int8]"):
+        cfg = load_config(SFTConfig, None, ["data.task=addition", "model.lora.r=4", override])
         with pytest.raises(ConfigError, match="lmforge quantize"):
-            lora.apply_for_run(tiny()[0], load_config(SFTConfig, None, ["data.task=addition", "model.lora.r=4",
-                                                                        override]))
+            lora.apply_for_run(tiny()[0], cfg.model.lora, cfg.train)
     monkeypatch.setitem(__import__("sys").modules, "peft", None)  # "not installed"
     with pytest.raises(ConfigError, match=r"pip install 'lmforge\[lora\]'"):
         lora.apply_lora(tiny()[0], LoraConfig(r=4))

@@ -105,7 +105,7 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
     check_source(cfg.rollout, algo.is_level, world_size > 1)  # before start_run takes the run directory
     run = start_run(cfg, name, model, seq_len=seq_len, console=console, update_rows=update_rows,
                     update_label="rollout rows per update (num_prompts x group_size / num_mini_batches)")
-    model = lora.apply_for_run(model, cfg, run.ctx).to(run.device)  # model.lora: adapters (docs/lora.md)
+    model = lora.apply_for_run(model, cfg.model.lora, cfg.train, run.ctx).to(run.device)  # model.lora: adapters (docs/lora.md)
     ref_model = reference_model(model, algo.kl_coef)  # before resume: the reference is the start
     num_updates = cfg.train.max_steps * algo.num_iterations * algo.num_mini_batches
     order = BatchOrder(len(prompts.prompt_ids), cfg.rollout.num_prompts, cfg.train.seed)

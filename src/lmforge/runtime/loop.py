@@ -21,7 +21,7 @@ from ..metrics import RunLogger, StepTimer, plot_run, print_summary, summary, tr
 from ..parallel.wrap import Root, full_state_dict, is_sharded, unwrap, wrap
 from ..train import BatchOrder, Precision, Updater
 from .quant_hooks import apply_train_qat, write_quantized_copies
-from .run import Run, release_run_lock
+from .run import Run, lora_section, release_run_lock
 
 
 @dataclasses.dataclass
@@ -76,7 +76,7 @@ def build_state(run: Run, model, tokenizer, order: BatchOrder, num_updates: int,
 
     ``extra_modules`` (PPO's value head) are trained, clipped and checkpointed with the model.
     """
-    model = lora.apply_for_run(model, run.cfg, run.ctx).to(run.device)  # LoRA: adapters only train
+    model = lora.apply_for_run(model, lora_section(run.cfg), run.cfg.train, run.ctx).to(run.device)  # LoRA: adapters only train
     apply_train_qat(run, model)  # train.qat: before the optimizer and the wrapping
     if run.choices.gradient_checkpointing:
         model.gradient_checkpointing_enable()

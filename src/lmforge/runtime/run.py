@@ -78,6 +78,11 @@ class Run:
         return 6.0 * params
 
 
+def lora_section(cfg):
+    """The run's ``model.lora`` section, or None for a recipe whose config has none."""
+    return getattr(getattr(cfg, "model", None), "lora", None)
+
+
 def split_batch(global_rows: int, micro_batch_size: int, world_size: int, what: str) -> int:
     """Micro-batches per rank (the accumulation) for ``global_rows`` rows per update over ``world_size`` ranks.
 
@@ -122,7 +127,7 @@ def start_run(cfg, name: str, model=None, seq_len: int = 256, console=None, upda
     pcfg = getattr(cfg, "parallel", None)
     ctx, device = init_parallel(getattr(pcfg, "strategy", "ddp"), torch.device(hw.device),
                                 getattr(pcfg, "timeout_s", 600.0))
-    lora.check_settings(cfg, ctx)  # before the run directory is locked or written
+    lora.check_settings(lora_section(cfg), cfg.train, ctx)  # before the run directory is locked or written
     mcfg = getattr(model, "config", None)
     # Several ranks on one CPU share its cores: each gets its part unless threads are set.
     threads = tcfg.threads or (max(hw.num_cores // local_world_size(), 1) if hw.device == "cpu" and ctx.distributed else 0)
