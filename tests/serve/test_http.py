@@ -71,8 +71,8 @@ def test_concurrent_requests_share_model_steps(server):
 
 
 @pytest.mark.parametrize("body, status, needle", [
-    ({"prompt": [1, 2], "frequency_penalty": 0.5}, 400, "unknown or unsupported field 'frequency_penalty'"),
-    ({"prompt": [1, 2], "stream": True}, 400, "streaming is not supported"),
+    ({"prompt": [1, 2], "suffix": "x"}, 400, "unknown or unsupported field 'suffix'"),
+    ({"prompt": [1, 2], "stream": "yes"}, 400, "stream: Input should be a valid boolean"),
     ({"prompt": [1, 2], "temperature": -1}, 400, "temperature"),
     ({"prompt": [1, 2], "n": 0}, 400, "n: "),
     ({"prompt": [1, 2], "n": 33}, 400, "n must be in [1, 32] (the server's max batch rows), got 33"),

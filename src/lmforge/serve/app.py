@@ -1,6 +1,7 @@
 """The HTTP layer of ``lmforge serve`` (FastAPI): routes, request checks, error bodies, lifecycle.
 
-Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
+Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (both also streamed: ``stream.py``),
 ``GET /v1/weights`` (current version), ``POST /v1/weights`` (load a checkpoint directory),
 ``POST /v1/weights/tensors`` (safetensors body), ``GET /health``. The wire format is in
 ``protocol.py``, the batching in ``scheduler.py``, the weight loading in ``weights.py``.
@@ -16,6 +17,7 @@ running batch.
 # string annotation.
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 from .protocol import (
@@ -28,6 +30,7 @@ from .protocol import (
     sampling_params,
 )
 from .scheduler import BatchScheduler, GenerationRequest, ServeError
+from .stream import feed, sse_events
 from .weights import WeightsError, check_state, copy_state, read_checkpoint_dir, read_tensor_bytes
 
 INSTALL_HINT = "lmforge serve needs FastAPI and uvicorn: pip install 'lmforge[serve]' (or: pip install fastapi uvicorn)"
@@ -56,6 +59,7 @@ class ServedModel:
 
     def __init__(self, model, tokenizer, name: str, max_batch_rows: int = 64, gather_s: float = 0.005):
         self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.created = int(time.time())  # the model object's `created`: when this server loaded it
         self.max_model_len = int(getattr(model.config, "max_position_embeddings", 0) or 0)
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
@@ -94,13 +98,38 @@ class ServedModel:
                 param="max_tokens" if room > 0 else "prompt", code="context_length_exceeded")
         return max_tokens
 
-    async def generate(self, prompt: list[int], request, max_tokens: int):
-        params = sampling_params(request, max_tokens, self.stop_token_ids)
+    def request(self, prompt: list[int], body, max_tokens: int, on_token=None) -> GenerationRequest:
+        """The scheduler's request for one prompt of ``body`` (a CompletionRequest or ChatRequest)."""
+        bad = [t for t in body.logit_bias if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"logit_bias names token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
+                               param="logit_bias")
+        return GenerationRequest(prompt, sampling_params(body, max_tokens, self.stop_token_ids), n=body.n,
+                                 frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+                                 logit_bias=dict(body.logit_bias), top_logprobs=body.top_logprobs or 0,
+                                 on_token=on_token)
+
+    def submit(self, request: GenerationRequest):
         try:
-            future = self.scheduler.submit(GenerationRequest(prompt, params, n=request.n))
+            return self.scheduler.submit(request)
         except ValueError as exc:  # n larger than the batch
             raise RequestError(str(exc), param="n") from exc
-        return await asyncio.wrap_future(future)
+
+    async def generate(self, prompt: list[int], body, max_tokens: int):
+        return await asyncio.wrap_future(self.submit(self.request(prompt, body, max_tokens)))
+
+    def stream(self, kind: str, prompts: list[list[int]], budgets: list[int], body):
+        """A StreamingResponse of server-sent events for ``prompts`` (``stream.py``)."""
+        from fastapi.responses import StreamingResponse
+
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        callbacks = [feed(queue, loop, index, self.scheduler) for index in range(len(prompts))]
+        requests = [self.request(prompt, body, budget, on_token)
+                    for prompt, budget, (on_token, _) in zip(prompts, budgets, callbacks)]
+        for request, (_, on_done) in zip(requests, callbacks):  # all checked before any is submitted
+            self.submit(request).add_done_callback(on_done)
+        events = sse_events(kind, self.name, requests, body, prompts, self.decode_text, self.decode_token, queue)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
 
 def build_app(served: ServedModel):
@@ -147,6 +176,10 @@ def add_error_handlers(app) -> None:
         if first.get("type") == "json_invalid":
             return JSONResponse(error_body(f"the request body is not valid JSON ({message}, at character "
                                            f"{loc[0] if loc else '?'})"), status_code=400)
+        if first.get("type") == "missing" and param is None:  # no body at all
+            needs = "'messages'" if request.url.path.endswith("/chat/completions") else "'prompt'"
+            return JSONResponse(error_body(f"the request body is missing: send a JSON object with {needs}",
+                                           param=needs.strip("'")), status_code=400)
         if first.get("type") == "extra_forbidden":
             message = f"unknown or unsupported field '{param}'"
         elif param:
@@ -179,10 +212,21 @@ def add_generation_routes(app, served: ServedModel) -> None:
         return {"status": "ok", "weight_version": served.scheduler.weight_version,
                 "running_rows": served.scheduler.num_running}
 
+    def model_object() -> dict:
+        return {"id": served.name, "object": "model", "created": served.created, "owned_by": "lmforge",
+                "max_model_len": served.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served.name, "object": "model", "owned_by": "lmforge",
-                                            "max_model_len": served.max_model_len}]}
+        return {"object": "list", "data": [model_object()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != served.name:
+            from starlette.exceptions import HTTPException
+
+            raise HTTPException(404, f"the model '{model_id}' does not exist; this server serves '{served.name}'")
+        return model_object()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
@@ -192,6 +236,11 @@ def add_generation_routes(app, served: ServedModel) -> None:
             raise RequestError(str(exc), param="prompt") from exc
         budgets = [served.check_prompt(p, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, i)
                    for i, p in enumerate(prompts)]
+        if body.echo and body.logprobs is not None:
+            raise RequestError("echo with logprobs (the prompt tokens' logprobs) is not supported; send one of them",
+                               param="echo")
+        if body.stream:  # one version per request is not retried here: each chunk names its weight_version
+            return served.stream("completion", prompts, budgets, body)
         for _ in range(MAX_RETRIES):  # the prompts of one request run as separate rows; if a weight update
             # fell between them, the whole request is sampled again so that one version answers it
             results = await asyncio.gather(*(served.generate(p, body, m) for p, m in zip(prompts, budgets)))
@@ -211,6 +260,8 @@ def add_generation_routes(app, served: ServedModel) -> None:
             raise RequestError(f"the chat template could not render these messages: {exc}", param="messages") from exc
         prompt = served.encode(text)
         max_tokens = served.check_prompt(prompt, body.max_completion_tokens or body.max_tokens, None)
+        if body.stream:
+            return served.stream("chat", [prompt], [max_tokens], body)
         result = await served.generate(prompt, body, max_tokens)
         return _reply(chat_body(served.name, prompt, result, body, served.decode_text, served.decode_token))
 

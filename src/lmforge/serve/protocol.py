@@ -1,21 +1,29 @@
 """The OpenAI wire format that ``lmforge serve`` speaks: request models, validation, response bodies.
 
 Requests are pydantic models that forbid unknown fields: a sampling option the server would silently
-ignore (``presence_penalty``, ``logit_bias``, ...) would give a trainer samples from a distribution
-other than the one it asked for, so it is a 400 that names the field instead.
+ignore (``best_of``, ``suffix``, ``tools``, ...) would give a trainer samples from a distribution
+other than the one it asked for, so it is a 400 that names the field instead. Types are strict: a
+string where a number belongs (``"max_tokens": "4"``) is a 400 too, not coerced.
+
+Supported OpenAI sampling options: ``n``, ``temperature``, ``top_p``, ``max_tokens`` /
+``max_completion_tokens``, ``stop``, ``seed``, ``frequency_penalty`` and ``presence_penalty``
+(OpenAI's definition, ``scheduler.py``), ``logit_bias``, ``logprobs`` / ``top_logprobs`` (the N most
+likely alternatives of the distribution each token was drawn from), ``echo`` (completions, without
+logprobs), ``stream`` with ``stream_options.include_usage`` (server-sent events in OpenAI's chunk
+format, ``stream.py``).
 
 Extensions to the OpenAI format, all additive (the ``openai`` client ignores them, or exposes them as
 extra attributes): every response carries ``weight_version``; every choice carries ``token_ids``
 (the sampled ids, stop token included) and the response ``prompt_token_ids``, so that a trainer
 gets exactly the tokens that were scored, without re-tokenising text; completions' ``logprobs`` and
 chat's ``logprobs.content`` hold the logprob of each sampled token under the sampling distribution
-(see ``rollout/engine.py``). ``top_logprobs`` are not computed and are returned empty.
+(see ``rollout/engine.py``).
 """
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Union
+from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -24,7 +32,11 @@ from .scheduler import GenerationResult
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False  # a last chunk with the usage and no choices
 
 
 class _Sampling(_Strict):
@@ -35,8 +47,12 @@ class _Sampling(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     stop: Union[str, list[str], None] = Field(default_factory=list)  # validated into a list
     seed: int | None = None
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(default_factory=dict)  # token id (as a string, OpenAI's JSON) -> added to its logit
     ignore_eos: bool = False  # vLLM's extension: decode max_tokens tokens (benchmarks, fixed-length tests)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     user: str | None = None  # accepted (clients send it), unused
 
     @field_validator("stop")
@@ -49,18 +65,33 @@ class _Sampling(_Strict):
             raise ValueError(f"at most 4 stop strings (OpenAI's limit), got {len(stops)}")
         return stops
 
-    @field_validator("stream")
+    @field_validator("logit_bias")
     @classmethod
-    def _no_stream(cls, value):
-        if value:
-            raise ValueError("streaming is not supported by lmforge serve; send stream=false")
-        return value
+    def _bias(cls, value):
+        if not value:
+            return {}
+        bias = {}
+        for key, amount in value.items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids (as strings), got {key!r}")
+            if not -100 <= amount <= 100:
+                raise ValueError(f"biases must be in [-100, 100] (OpenAI's range), got {amount} for token {key}")
+            bias[int(key)] = float(amount)
+        return bias
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    logprobs: int | None = Field(None, ge=0, le=20)  # any value returns the sampled tokens' logprobs
-    echo: Literal[False] = False
+    logprobs: int | None = Field(None, ge=0, le=20)  # the sampled tokens' logprobs and N alternatives each
+    echo: bool = False  # the prompt's text before the completion's (not with logprobs)
+
+    @property
+    def top_logprobs(self) -> int:
+        return self.logprobs or 0
 
 
 class ChatMessage(_Strict):
@@ -72,8 +103,15 @@ class ChatMessage(_Strict):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # needs logprobs=true (as OpenAI)
     max_completion_tokens: int | None = Field(None, ge=1)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value, info):
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs=true")
+        return value
 
 
 def prompts_of(request: CompletionRequest, encode) -> list[list[int]]:
@@ -104,9 +142,30 @@ def cut_at_stop(text: str, stops: list[str]) -> str:
     return text[:min(cuts)] if cuts else text
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]],
+                        request: CompletionRequest, decode_token) -> dict[str, Any] | None:
+    """A completion choice's ``logprobs`` object (None unless the request asked for logprobs)."""
+    if request.logprobs is None:
+        return None
+    return {"tokens": [decode_token(t) for t in token_ids], "token_logprobs": logprobs,
+            "top_logprobs": [{decode_token(i): lp for i, lp in alternatives} for alternatives in top]
+            if request.logprobs else None, "text_offset": None}
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]],
+                  request: ChatRequest, decode_token) -> dict[str, Any] | None:
+    """A chat choice's ``logprobs`` object (None unless the request asked for logprobs)."""
+    if not request.logprobs:
+        return None
+    entry = lambda t, lp: {"token": decode_token(t), "logprob": lp, "bytes": list(decode_token(t).encode())}  # noqa: E731
+    alternatives = top if request.top_logprobs else [[] for _ in token_ids]
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in alt]}
+                        for t, lp, alt in zip(token_ids, logprobs, alternatives)]}
 
 
 def completion_body(model_name: str, prompts: list[list[int]], results: list[GenerationResult],
@@ -114,19 +173,18 @@ def completion_body(model_name: str, prompts: list[list[int]], results: list[Gen
     """The /v1/completions response for ``results[i]`` = the n samples of ``prompts[i]``."""
     choices, completion_tokens = [], 0
     for prompt_index, result in enumerate(results):
+        echoed = decode(prompts[prompt_index]) if request.echo else ""
         for sample in result.samples:
             completion_tokens += len(sample.token_ids)
-            choice = {"index": len(choices), "text": cut_at_stop(decode(sample.token_ids), request.stop),
+            choice = {"index": len(choices), "text": echoed + cut_at_stop(decode(sample.token_ids), request.stop),
                       "finish_reason": sample.finish_reason, "token_ids": sample.token_ids,
-                      "prompt_index": prompt_index, "logprobs": None}
-            if request.logprobs is not None:
-                choice["logprobs"] = {"tokens": [decode_token(t) for t in sample.token_ids],
-                                      "token_logprobs": sample.logprobs, "top_logprobs": None,
-                                      "text_offset": None}
+                      "prompt_index": prompt_index,
+                      "logprobs": completion_logprobs(sample.token_ids, sample.logprobs, sample.top_logprobs,
+                                                      request, decode_token)}
             choices.append(choice)
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": model_name, "choices": choices, "prompt_token_ids": prompts,
-            "usage": _usage(sum(map(len, prompts)), completion_tokens),
+            "usage": usage(sum(map(len, prompts)), completion_tokens),
             "weight_version": results[0].weight_version}
 
 
@@ -137,15 +195,12 @@ def chat_body(model_name: str, prompt: list[int], result: GenerationResult, requ
     for sample in result.samples:
         choice = {"index": len(choices), "finish_reason": sample.finish_reason, "token_ids": sample.token_ids,
                   "message": {"role": "assistant", "content": cut_at_stop(decode(sample.token_ids), request.stop)},
-                  "logprobs": None}
-        if request.logprobs:
-            choice["logprobs"] = {"content": [
-                {"token": decode_token(t), "logprob": lp, "bytes": list(decode_token(t).encode()), "top_logprobs": []}
-                for t, lp in zip(sample.token_ids, sample.logprobs)]}
+                  "logprobs": chat_logprobs(sample.token_ids, sample.logprobs, sample.top_logprobs, request,
+                                            decode_token)}
         choices.append(choice)
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": model_name, "choices": choices, "prompt_token_ids": prompt,
-            "usage": _usage(len(prompt), sum(len(s.token_ids) for s in result.samples)),
+            "usage": usage(len(prompt), sum(len(s.token_ids) for s in result.samples)),
             "weight_version": result.weight_version}
 
 

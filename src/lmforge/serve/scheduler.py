@@ -11,7 +11,16 @@ request never waits for a whole batch to drain, and a long request never holds s
 Sampling reuses the engine's ``sample_token`` and stores the same logprobs (``rollout/engine.py``,
 module doc): ``log p(token)`` of the processed distribution (temperature, then top-p) the token was
 drawn from; for temperature 0 the untempered model logprob. Rows with different sampling settings
-share the model call and are sampled in groups of equal settings.
+share the model call and are sampled in groups of equal settings. OpenAI's logit adjustments come
+first, per row, on the raw logits: ``logit_bias[j]`` is added, and ``frequency_penalty * c[j] +
+presence_penalty * (c[j] > 0)`` subtracted, where c[j] counts token j among the row's sampled
+tokens so far; the stored logprobs (and ``top_logprobs`` alternatives) are of the distribution after
+them, the one the token was drawn from.
+
+Streaming: a request's ``on_token(sample, token, logprob, top, finish_reason)`` is called from this
+thread after every token of every sample (``finish_reason`` is None until its last). A request whose
+client left is ``cancel()``-ed: a waiting one is never admitted, running rows leave the batch at the
+next step, so its slots go to other requests.
 
 Weight updates are never mixed into a sequence: an update waits until the running rows have finished
 (no new request is admitted meanwhile), is applied between steps, and raises the version. Every
@@ -31,28 +40,51 @@ from typing import Callable
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from ..rollout.engine import SamplingParams, decode_step, left_pad, prefill, sample_token
+from ..rollout.engine import SamplingParams, decode_step, left_pad, prefill, process_logits, sample_token
 
 
 class ServeError(RuntimeError):
     """The scheduler cannot serve a request (shut down, model failure); the HTTP layer maps it to 5xx."""
 
 
+TokenCallback = Callable[[int, int, float, list, "str | None"], None]  # (sample, token, logprob, top, finish)
+
+
 @dataclasses.dataclass
 class GenerationRequest:
-    """``n`` samples for one prompt. ``params.max_new_tokens`` is the per-sample token budget."""
+    """``n`` samples for one prompt. ``params.max_new_tokens`` is the per-sample token budget.
+
+    ``logit_bias`` maps token ids to what is added to their logits; the penalties are OpenAI's
+    (module doc); ``top_logprobs`` asks for that many most likely alternatives at each position.
+    """
 
     prompt_ids: list[int]
     params: SamplingParams
     n: int = 1
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
+    top_logprobs: int = 0
+    on_token: TokenCallback | None = None
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
+
+    def cancel(self) -> None:
+        """The client is gone: never start, or free the running rows at the next step."""
+        self.cancelled.set()
+        self.future.cancel()
 
 
 @dataclasses.dataclass
 class Sample:
     token_ids: list[int]  # generated tokens, the stop token (if any) included
     logprobs: list[float]  # one per token, of the sampling distribution (module doc)
-    finish_reason: str  # "stop" (stop token or string) or "length" (max_new_tokens)
+    finish_reason: str  # "stop" (stop token or string), "length" (max_new_tokens) or "cancelled"
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)  # per token, best first
 
 
 @dataclasses.dataclass
@@ -66,8 +98,11 @@ class _Row:
     request: GenerationRequest
     generator: torch.Generator | None
     siblings: list["_Row"] = dataclasses.field(repr=False, compare=False)  # the request's rows, in order
+    index: int = 0  # this row's place among its siblings (the sample's index in the request)
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    counts: torch.Tensor | None = None  # (V,) float32: how often each token was sampled (penalised rows only)
     finish_reason: str | None = None
 
 
@@ -254,7 +289,10 @@ class BatchScheduler:
             if request.params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(request.params.seed)
             siblings: list[_Row] = []
-            siblings += [_Row(request, generator, siblings) for _ in range(request.n)]
+            siblings += [_Row(request, generator, siblings, index=i) for i in range(request.n)]
+            if request.frequency_penalty or request.presence_penalty:
+                for row in siblings:
+                    row.counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=self.device)
             new_rows += siblings
         if not self._rows:
             self._cache, self._mask, self._logits = cache, mask, logits
@@ -271,6 +309,18 @@ class BatchScheduler:
         self._rows += new_rows
         self._admitting = []
 
+    def _adjusted(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """(R, V) logits of ``rows`` with their requests' logit bias and penalties applied (module doc)."""
+        for i, b in enumerate(rows):
+            row = self._rows[b]
+            request = row.request
+            if request.logit_bias:
+                ids = torch.tensor(list(request.logit_bias), device=self.device)
+                logits[i, ids] += torch.tensor(list(request.logit_bias.values()), device=self.device, dtype=logits.dtype)
+            if row.counts is not None:
+                logits[i] -= request.frequency_penalty * row.counts + request.presence_penalty * (row.counts > 0)
+        return logits
+
     def _sample(self) -> torch.Tensor:
         """One token per running row, each from its request's settings. Returns tokens (B,) long."""
         tokens = torch.empty(len(self._rows), dtype=torch.long, device=self.device)
@@ -282,15 +332,30 @@ class BatchScheduler:
         for rows in groups.values():
             first = self._rows[rows[0]]
             index = torch.tensor(rows, device=self.device)
-            picked, logprobs = sample_token(self._logits[index], first.request.params, first.generator)
+            logits = self._logits[index]  # (R, V), a copy
+            if any(self._rows[b].request.adjusts_logits for b in rows):
+                logits = self._adjusted(logits.float(), rows)
+            picked, logprobs = sample_token(logits, first.request.params, first.generator)
             tokens[index] = picked
-            for b, token, logprob in zip(rows, picked.tolist(), logprobs.tolist()):
-                self._rows[b].tokens.append(token)
-                self._rows[b].logprobs.append(logprob)
+            wanted = max(self._rows[b].request.top_logprobs for b in rows)
+            top = None
+            if wanted:  # the most likely alternatives of the distribution each token was drawn from
+                values, ids = torch.topk(process_logits(logits, first.request.params), wanted, dim=-1)
+                top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+            for i, (b, token, logprob) in enumerate(zip(rows, picked.tolist(), logprobs.tolist())):
+                row = self._rows[b]
+                row.tokens.append(token)
+                row.logprobs.append(logprob)
+                if row.request.top_logprobs:
+                    row.top_logprobs.append(top[i][:row.request.top_logprobs])
+                if row.counts is not None:
+                    row.counts[token] += 1
         return tokens
 
     def _finish_reason(self, row: _Row) -> str | None:
         params = row.request.params
+        if row.request.cancelled.is_set():
+            return "cancelled"
         if row.tokens[-1] in params.stop_token_ids:
             return "stop"
         if params.stop_strings:
@@ -309,6 +374,9 @@ class BatchScheduler:
         keep = []
         for b, row in enumerate(self._rows):
             row.finish_reason = self._finish_reason(row)
+            if row.request.on_token is not None and row.finish_reason != "cancelled":
+                top = row.top_logprobs[-1] if row.top_logprobs else []
+                row.request.on_token(row.index, row.tokens[-1], row.logprobs[-1], top, row.finish_reason)
             if row.finish_reason is None:
                 keep.append(b)
         if len(keep) < len(self._rows):
@@ -333,5 +401,5 @@ class BatchScheduler:
         """Resolve the requests whose every sample has now finished."""
         for row in finished:
             if all(r.finish_reason is not None for r in row.siblings) and not row.request.future.done():
-                samples = [Sample(r.tokens, r.logprobs, r.finish_reason) for r in row.siblings]
+                samples = [Sample(r.tokens, r.logprobs, r.finish_reason, r.top_logprobs) for r in row.siblings]
                 row.request.future.set_result(GenerationResult(samples, self.weight_version))

@@ -1,0 +1,132 @@
+"""Streaming (``"stream": true``): server-sent events in OpenAI's chunk format, one chunk per sampled
+token, sent as the continuous batch decodes it.
+
+The scheduler thread calls each request's ``on_token`` after every token (``scheduler.py``); the
+callback hands the event to the request's asyncio queue, and :func:`sse_events` turns events into
+``data: {...}`` lines: a ``text_completion`` chunk (completions) or a ``chat.completion.chunk`` (chat,
+whose first chunk per choice carries ``delta.role``), then, with ``stream_options.include_usage``, a
+chunk with the usage and no choices, then ``data: [DONE]``. Each chunk carries lmforge's extensions
+too: the token's id (``token_ids``) and ``weight_version``.
+
+Text. A choice's text is decoded from all its tokens so far and the new part sent. Held back: a
+character still incomplete in UTF-8 (a multi-byte character split over tokens), and, when the
+request has stop strings, the last ``len(longest stop) - 1`` characters, which may yet start a stop
+string; the text the client ends with is the non-streamed response's (cut before the stop string).
+
+A client that disconnects closes the generator: its requests are cancelled and their rows leave the
+batch at the next step. A generation failure mid-stream ends the stream with an ``error`` event.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from .protocol import chat_logprobs, completion_logprobs, cut_at_stop, usage
+from .scheduler import GenerationRequest
+
+
+class ChoiceText:
+    """Incremental text of one streamed choice (module doc)."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stops: list[str]):
+        self.decode, self.stops = decode, stops
+        self.hold = max(map(len, stops)) - 1 if stops else 0
+        self.tokens: list[int] = []
+        self.sent = 0  # characters of the text sent so far
+
+    def push(self, token: int, finished: bool) -> str:
+        """Add ``token``; the text to send now."""
+        self.tokens.append(token)
+        text = self.decode(self.tokens)
+        if finished:
+            final = cut_at_stop(text, self.stops)
+            delta, self.sent = final[self.sent:], max(self.sent, len(final))
+            return delta
+        safe = len(text) - self.hold
+        if text.endswith("\ufffd"):  # a character whose remaining bytes come with the next token
+            safe = min(safe, len(text.rstrip("\ufffd")))
+        if safe <= self.sent:
+            return ""
+        delta, self.sent = text[self.sent:safe], safe
+        return delta
+
+
+def _sse(payload: dict[str, Any] | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def sse_events(kind: str, model_name: str, requests: list[GenerationRequest], body, prompts: list[list[int]],
+                     decode: Callable, decode_token: Callable, queue: asyncio.Queue) -> AsyncIterator[str]:
+    """The event stream of ``requests`` (one per prompt, each with ``body.n`` samples), whose
+    ``on_token`` callbacks feed ``queue`` with ``(prompt, sample, token, logprob, top, finish, version)``
+    and whose futures add ``("done", prompt, future)`` when they end."""
+    chat = kind == "chat"
+    ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    n = body.n
+    texts = {(p, i): ChoiceText(decode, list(body.stop)) for p in range(len(requests)) for i in range(n)}
+    open_choices, completion_tokens, finished_requests = set(texts), 0, 0
+
+    def chunk(index: int, piece: dict, finish: str | None, token: int | None, version: int) -> dict:
+        choice = {"index": index, **piece, "finish_reason": finish}
+        if token is not None:
+            choice["token_ids"] = [token]
+        return {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                "model": model_name, "choices": [choice], "weight_version": version}
+
+    try:
+        if chat:
+            for (p, i) in texts:  # OpenAI opens each choice with its role
+                yield _sse(chunk(p * n + i, {"delta": {"role": "assistant", "content": ""}, "logprobs": None}, None,
+                                 None, 0))
+        elif body.echo:
+            for (p, i) in texts:
+                yield _sse(chunk(p * n + i, {"text": decode(prompts[p]), "logprobs": None}, None, None, 0))
+        version = 0
+        while open_choices or finished_requests < len(requests):
+            event = await queue.get()
+            if event[0] == "done":
+                _, p, future = event
+                finished_requests += 1
+                if not future.cancelled() and future.exception() is not None:
+                    error = future.exception()
+                    yield _sse({"error": {"message": f"generation failed: {type(error).__name__}: {error}",
+                                          "type": "server_error", "param": None, "code": None}})
+                    return
+                continue
+            p, i, token, logprob, top, finish, version = event
+            completion_tokens += 1
+            delta = texts[(p, i)].push(token, finish is not None)
+            if chat:
+                piece = {"delta": {"content": delta}, "logprobs": chat_logprobs([token], [logprob], [top], body,
+                                                                                  decode_token)}
+            else:
+                piece = {"text": delta, "logprobs": completion_logprobs([token], [logprob], [top], body, decode_token)}
+            yield _sse(chunk(p * n + i, piece, finish, token, version))
+            if finish is not None:
+                open_choices.discard((p, i))
+        if body.include_usage:
+            yield _sse({"id": ident, "object": "chat.completion.chunk" if chat else "text_completion",
+                        "created": created, "model": model_name, "choices": [], "weight_version": version,
+                        "usage": usage(sum(map(len, prompts)), completion_tokens)})
+        yield _sse("[DONE]")
+    finally:  # the client left (or the stream ended): free whatever still runs
+        for request in requests:
+            if not request.future.done():
+                request.cancel()
+
+
+def feed(queue: asyncio.Queue, loop: asyncio.AbstractEventLoop, prompt_index: int, scheduler) -> tuple:
+    """(on_token callback, future done-callback) that put a prompt's events on ``queue`` from the
+    scheduler thread."""
+    def on_token(sample: int, token: int, logprob: float, top: list, finish: str | None) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, (prompt_index, sample, token, logprob, top, finish,
+                                                     scheduler.weight_version))
+
+    def on_done(future) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, ("done", prompt_index, future))
+
+    return on_token, on_done
