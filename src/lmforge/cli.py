@@ -37,6 +37,28 @@ ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, err
                       errno.EISDIR, errno.EEXIST}
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions and epilogs as written; every option's default after its help text (unless the
+    text already says what the default is, or there is none)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS, False) and action.nargs == 0:
+            return text
+        if action.default is None:
+            return text
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose subcommands use :class:`HelpFormatter` too (subparsers are built with
+    the parent's class)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def _options_epilog(config_cls) -> str:
     rows = describe(config_cls)
     width = max(len(k) for k, _, _ in rows)
@@ -47,9 +69,7 @@ def _options_epilog(config_cls) -> str:
 
 
 def _config_command(sub, name: str, help_text: str, config_cls, runner: Callable) -> None:
-    parser = sub.add_parser(name, help=help_text, description=help_text,
-                            epilog=_options_epilog(config_cls),
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = sub.add_parser(name, help=help_text, description=help_text, epilog=_options_epilog(config_cls))
     parser.add_argument("config", nargs="?", help="YAML config file (optional: every key has a default)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 train.max_steps=100")
 
@@ -111,10 +131,11 @@ def _hardware(args) -> None:
 
 
 def _export(args) -> None:
-    from .checkpoint import export_checkpoint
+    from .checkpoint import export_checkpoint, latest_or_given
 
-    out = export_checkpoint(args.run_dir, args.out)
-    print(f"wrote {out} (a Hugging Face model directory)")
+    source = latest_or_given(Path(args.run_dir))  # the run's newest checkpoint, or the one named
+    out = export_checkpoint(source, args.out)
+    print(f"wrote {out} (a Hugging Face model directory) from checkpoint {source}")
 
 
 def _plot(args) -> None:
@@ -134,7 +155,7 @@ def _quant_commands(sub) -> None:
 
     formats = "\n".join(f"  {f.name:<14} {f.description}" for f in FORMATS.values())
     q = sub.add_parser("quantize", help="write a quantized checkpoint (compressed-tensors, GGUF, ternary)",
-                       epilog="formats:\n" + formats, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog="formats:\n" + formats)
     q.add_argument("model", help="HF directory, a run's final/ directory, a .gguf file or smollm2-135m-instruct")
     q.add_argument("--format", required=True, metavar="F", help="one of the formats listed below")
     q.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
@@ -146,9 +167,11 @@ def _quant_commands(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lmforge", description=textwrap.dedent(__doc__ or ""),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    from . import __version__
+
+    parser = Parser(prog="lmforge", description=textwrap.dedent(__doc__ or ""))
+    parser.add_argument("--version", action="version", version=f"lmforge {__version__}",
+                        help="print lmforge's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text, config_cls, runner in _recipes():
         _config_command(sub, name, help_text, config_cls, runner)

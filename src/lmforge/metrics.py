@@ -222,6 +222,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 PLOT_KEYS = ("loss", "val_loss", "lr", "accuracy", "pass_at_k", "eval_reward", "reward", "grad_norm")
+# An RL run's loss panel: near 0 by construction, which reads like a bug without a word.
+RL_LOSS_NOTE = ("RL: the policy loss is ~0 by construction (advantages are centred per group and the ratio is 1 "
+                "on-policy);\nits gradient is not. Follow reward and accuracy.")
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
@@ -243,6 +246,8 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
         ax.set_ylabel(key)
         ax.legend(loc="best", fontsize=7)
         ax.grid(alpha=0.3)
+        if key == "loss" and "reward" in keys:
+            ax.set_title(RL_LOSS_NOTE, fontsize=7, loc="left")
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
     out = Path(out) if out else Path(run_dir) / "curves.png"

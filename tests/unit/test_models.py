@@ -92,3 +92,21 @@ def test_smollm2_second_resolve_reads_the_cache_without_converting(smollm2, mode
     monkeypatch.setattr(models, "_convert_gguf", lambda *a: pytest.fail("the cached copy was not reused"))
     cached = Path(models.resolve_pretrained("smollm2-135m-instruct"))
     assert cached.is_relative_to(model_cache / "gguf") and (cached / "config.json").is_file()
+
+
+def test_saved_weights_have_their_neighbours_mode_and_a_loaded_model_names_its_spec(tmp_path):
+    """transformers writes model.safetensors 0600 while the config follows the umask; save_model aligns
+    them. A model loaded from a directory names that directory as what a LoRA adapter's base is
+    (peft reads model.name_or_path), and an alias names its hub id, not this machine's cache."""
+    import stat
+
+    from lmforge.models import ALIAS_HUB_IDS, save_model
+
+    model, tokenizer = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=1,
+                                              num_heads=2))
+    out = save_model(model, tokenizer, tmp_path / "saved")
+    mode = lambda name: stat.S_IMODE((out / name).stat().st_mode)  # noqa: E731
+    assert mode("model.safetensors") == mode("config.json")
+    loaded, _ = load_model(ModelConfig(name=str(out)))
+    assert loaded.name_or_path == str(out)
+    assert ALIAS_HUB_IDS["smollm2-135m-instruct"] == "HuggingFaceTB/SmolLM2-135M-Instruct"

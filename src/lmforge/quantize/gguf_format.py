@@ -246,6 +246,5 @@ def formats() -> list[Format]:
         return lambda model, tok, out: write_gguf(model, tok, out, qtype)
 
     readers = {t: "llama.cpp, Ollama, transformers" for t in _TYPES}
-    readers.update(TQ1_0="llama.cpp; transformers cannot load TQ types", TQ2_0="llama.cpp; transformers "
-                   "cannot load TQ types")
+    readers.update(TQ1_0="llama.cpp, transformers >= 5.24", TQ2_0="llama.cpp, transformers >= 5.24")
     return [Format(f"gguf-{t.lower()}", "gguf", bits[t], f"GGUF {t} ({readers[t]})", make(t)) for t in _TYPES]

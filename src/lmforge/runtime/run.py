@@ -138,12 +138,16 @@ def start_run(cfg, name: str, model=None, seq_len: int = 256, console=None, upda
         hidden=getattr(mcfg, "hidden_size", 128), layers=getattr(mcfg, "num_hidden_layers", 4),
     )
     choices.device = device
+    if threads and not tcfg.threads:  # chosen here, not set: say so
+        choices.reasons["threads"] = (f"{hw.num_cores} usable cores shared by the {local_world_size()} ranks on "
+                                      "this machine (train.threads sets it)")
     if update_rows is None:
         tcfg.batch_size = tcfg.batch_size or DEFAULT_BATCH_SIZE
         update_rows = tcfg.batch_size
     per_rank = update_rows // ctx.world_size if update_rows % ctx.world_size == 0 else update_rows
     wanted = tcfg.micro_batch_size or largest_divisor_at_most(per_rank, choices.micro_batch_size)
-    micro, accum = wanted, split_batch(update_rows, wanted, ctx.world_size, update_label)
+    accum = split_batch(update_rows, wanted, ctx.world_size, update_label)
+    micro = min(wanted, update_rows // ctx.world_size)  # a micro-batch is at most a rank's share
     choices.micro_batch_size = micro
     hardware.apply(choices)
     tcfg.micro_batch_size, tcfg.threads = micro, choices.threads

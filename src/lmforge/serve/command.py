@@ -17,14 +17,15 @@ def add_parser(sub) -> None:
     parser.add_argument("--tokenizer", default="", help="tokenizer spec (default: the model's own)")
     parser.add_argument("--name", default=None, help="model id reported by /v1/models (default: MODEL)")
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 for every interface)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | mps")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights' dtype while serving")
     parser.add_argument("--max-batch-rows", type=int, default=64, help="most sequences decoded in one step")
     parser.add_argument("--gather-ms", type=float, default=5.0,
                         help="an idle server waits this long after a request for others to batch with it")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: as torch chooses)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                        help="uvicorn's log level (warning: no line per request)")
     parser.set_defaults(func=run)
 
 
