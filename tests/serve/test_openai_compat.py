@@ -175,3 +175,18 @@ def test_an_empty_body_names_what_is_missing(server):
         response = httpx.post(server.url + path, timeout=30)
         assert response.status_code == 400
         assert response.json()["error"]["param"] == field and f"'{field}'" in response.json()["error"]["message"]
+
+
+def test_langchain_clients_complete_and_stream(server):
+    """langchain-openai's completions class (it sends frequency_penalty=0 and friends on every call) and
+    its chat class streaming. Optional: skips unless langchain-openai is installed."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.OpenAI(base_url=server.url + "/v1", api_key="unused", model="tiny-test", max_tokens=5,
+                                  temperature=0, max_retries=0)
+    text = llm.invoke("1+2=")
+    assert isinstance(text, str)
+    chat = langchain_openai.ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="tiny-test",
+                                       max_tokens=6, temperature=0, max_retries=0)
+    pieces = [chunk.content for chunk in chat.stream("3+4=")]
+    assert "".join(pieces) == chat.invoke("3+4=").content
+    assert len(pieces) > 1  # streamed, not one piece
