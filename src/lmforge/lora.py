@@ -48,6 +48,29 @@ def has_adapters(model: torch.nn.Module) -> bool:
     return any(".lora_" in name for name, _ in model.named_parameters())
 
 
+def check_targets(model: torch.nn.Module, targets: list[str]) -> None:
+    """ConfigError for a ``model.lora.target_modules`` name that matches no linear layer of ``model``
+    (PEFT adapts the names that match and silently skips the rest) or that names an embedding (not
+    supported: docs/lora.md); the message lists the names that can be adapted."""
+    linear, other = set(), {}
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, torch.nn.Linear):
+            linear.add(leaf)
+        elif name:
+            other.setdefault(leaf, type(module).__name__)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is head}
+    choices = ", ".join(sorted(linear - head_names)) + " (or all-linear)"
+    for target in targets:
+        if target in head_names or other.get(target) == "Embedding":
+            raise ConfigError(f"model.lora.target_modules: {target!r} is an embedding or the LM head, which LoRA "
+                              f"does not adapt here (docs/lora.md); this model's linear layers: {choices}")
+        if target not in linear:
+            raise ConfigError(f"model.lora.target_modules: {target!r} matches no linear layer of this "
+                              f"{type(model).__name__}; its linear layers: {choices}")
+
+
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> torch.nn.Module:
     """Inject LoRA adapters into ``model`` in place and freeze everything else; returns ``model``.
 
@@ -58,6 +81,8 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> torch.
         return model
     peft = _peft()
     targets = cfg.target_modules
+    if targets != ["all-linear"]:
+        check_targets(model, list(targets))
     target = "all-linear" if targets == ["all-linear"] else list(targets)
     config = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha or 2 * cfg.r, lora_dropout=cfg.dropout,
                              target_modules=target, bias="none", task_type="CAUSAL_LM")

@@ -153,6 +153,12 @@ def test_config_errors_and_the_install_hint(monkeypatch):
     model, _ = tiny()
     with pytest.raises(ConfigError, match="target_modules"):
         lora.apply_lora(model, LoraConfig(r=4, target_modules=["no_such_proj"]))
+    # one good name and one that matches nothing: PEFT would adapt q_proj alone, silently
+    with pytest.raises(ConfigError, match=r"'nope' matches no linear layer .*its linear layers: .*q_proj"):
+        lora.apply_lora(tiny()[0], LoraConfig(r=4, target_modules=["q_proj", "nope"]))
+    for embedding in ("embed_tokens", "lm_head"):
+        with pytest.raises(ConfigError, match="embedding or the LM head"):
+            lora.apply_lora(tiny()[0], LoraConfig(r=4, target_modules=[embedding]))
 
     class FSDP2:
         distributed, strategy = True, "fsdp2"
