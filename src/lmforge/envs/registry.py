@@ -1,0 +1,65 @@
+"""Environments by name: ``env.name`` is a built-in name of :data:`ENVIRONMENTS` or a user class given
+as ``package.module:Class``; ``env.args`` go to its constructor (docs/environments.md)."""
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+from ..errors import ConfigError
+from .base import Environment
+
+# Built-in environments: name -> class (one line each).
+ENVIRONMENTS: dict[str, type] = {}
+
+
+def resolve_environment(name: str) -> type:
+    """The class ``name`` stands for (a built-in name, or ``package.module:Class``); ConfigError when
+    it cannot be found or has no ``reset`` / ``step``."""
+    if name in ENVIRONMENTS:
+        return ENVIRONMENTS[name]
+    if ":" not in name:
+        raise ConfigError(f"env.name={name!r} is not a built-in environment ({', '.join(sorted(ENVIRONMENTS)) or 'none'})"
+                          " nor a 'package.module:Class'")
+    module_name, _, attr = name.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"env.name={name!r}: expected 'package.module:Class' with both parts non-empty")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"env.name={name!r}: cannot import module {module_name!r} ({exc}); is it installed or on "
+                          "PYTHONPATH?") from exc
+    except Exception as exc:  # the module itself raises on import
+        raise ConfigError(f"env.name={name!r}: importing module {module_name!r} failed: "
+                          f"{type(exc).__name__}: {exc}") from exc
+    cls = getattr(module, attr, None)
+    if not inspect.isclass(cls):
+        where = getattr(module, "__file__", None) or module_name
+        raise ConfigError(f"env.name={name!r}: module {module_name!r} ({where}) has no class {attr!r}")
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ConfigError(f"env.name={name!r}: class {cls.__name__} has no {' and no '.join(missing)} method; an "
+                          "environment needs reset(problem, state) and step(state, message) "
+                          "(lmforge.envs.base.Environment)")
+    return cls
+
+
+def make_environment(name: str, args: dict[str, Any] | None = None) -> Environment:
+    """An instance of the environment ``name`` built with ``args``; ConfigError for arguments its
+    constructor does not take, or when it raises."""
+    cls = resolve_environment(name)
+    args = dict(args or {})
+    params = inspect.signature(cls).parameters.values()
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        accepted = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        unknown = sorted(set(args) - accepted)
+        if unknown:
+            raise ConfigError(f"env.args: {cls.__name__} takes no argument(s) {unknown}; it takes "
+                              f"{sorted(accepted) or 'none'}")
+    try:
+        env = cls(**args)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"env.name={name!r}: {cls.__name__}(**env.args) failed: {exc}") from exc
+    if not isinstance(getattr(env, "tools", []), list):
+        raise ConfigError(f"env.name={name!r}: {cls.__name__}.tools must be a list of tool schemas")
+    return env
