@@ -287,7 +287,8 @@ class LoraConfig:
 @dataclasses.dataclass
 class ModelConfig:
     name: str = opt("tiny:llama", "model spec: tiny:llama | tiny:qwen2 | HF dir | hub id | file.gguf | smollm2-135m-instruct")
-    tokenizer: str = opt("", "tokenizer spec (HF dir, hub id, 'char', or a trained BPE dir); empty = the model's own")
+    tokenizer: str = opt("", "tokenizer spec (HF dir, hub id, 'char', 'char:ascii' = printable ASCII, or a "
+                         "trained BPE dir); empty = the model's own")
     hidden_size: int = opt(128, "tiny models: hidden size")
     num_layers: int = opt(4, "tiny models: number of transformer layers")
     num_heads: int = opt(4, "tiny models: attention heads")

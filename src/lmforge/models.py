@@ -216,11 +216,11 @@ def _from_hub(loader, spec: str, **kwargs):
 
 def load_tokenizer_for(cfg: ModelConfig):
     """The tokenizer named by ``cfg.tokenizer``, else the model's own."""
-    from .tokenizer import ensure_chat_template, load_tokenizer
+    from .tokenizer import CHAR_ALPHABETS, ensure_chat_template, load_tokenizer
 
     if cfg.tokenizer:
         spec = cfg.tokenizer
-        if spec != "char" and not Path(spec).is_dir():
+        if spec not in CHAR_ALPHABETS and not Path(spec).is_dir():
             spec = resolve_pretrained(spec)
             return ensure_chat_template(_tokenizer_from(spec))
         return ensure_chat_template(load_tokenizer(spec))

@@ -20,6 +20,10 @@ from .fileio import read_text
 # (``-``, ``*``, space) and the newline the default chat template uses. ``load_tokenizer("char")``
 # builds its vocabulary from this string.
 DEFAULT_ALPHABET = "0123456789+-*= \n"
+# Printable ASCII and the newline: for char-level models that read and write more than digits, e.g.
+# the built-in tool-use environments' tool calls (JSON) and messages. ``load_tokenizer("char:ascii")``.
+ASCII_ALPHABET = "".join(map(chr, range(32, 127))) + "\n"
+CHAR_ALPHABETS = {"char": DEFAULT_ALPHABET, "char:ascii": ASCII_ALPHABET}  # char-level tokenizer specs
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 
@@ -129,12 +133,13 @@ def ensure_chat_template(tok):
 
 
 def load_tokenizer(spec: str):
-    """``"char"`` -> :func:`char_tokenizer` over the default task alphabet; a directory -> AutoTokenizer.
+    """``"char"`` -> :func:`char_tokenizer` over the default task alphabet, ``"char:ascii"`` over printable
+    ASCII (:data:`CHAR_ALPHABETS`); a directory -> AutoTokenizer.
 
     Hub ids and GGUF files are resolved by the model loader, not here.
     """
-    if spec == "char":
-        return char_tokenizer(DEFAULT_ALPHABET)
+    if spec in CHAR_ALPHABETS:
+        return char_tokenizer(CHAR_ALPHABETS[spec])
     path = Path(spec).expanduser()
     if path.is_dir():
         from transformers import AutoTokenizer
@@ -147,7 +152,8 @@ def load_tokenizer(spec: str):
                               "tokenizer_config.json)") from exc
     raise ConfigError(
         f"tokenizer spec {spec!r} is neither 'char' nor an existing directory; accepted: 'char' "
-        "(character-level, synthetic tasks) or a directory saved with save_pretrained "
+        "(character-level, synthetic tasks), 'char:ascii' (character-level over printable ASCII: tool calls, "
+        "messages) or a directory saved with save_pretrained "
         "(hub ids and GGUF files are loaded together with the model)"
     )
 

@@ -140,6 +140,11 @@ def test_ensure_chat_template_sets_only_when_missing():
 def test_load_tokenizer_specs(bpe_dir):
     char = load_tokenizer("char")
     assert char.decode(char("12+3=15\n")["input_ids"]) == "12+3=15\n"
+    ascii_char = load_tokenizer("char:ascii")  # tool calls and messages: every printable character
+    text = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>\n'
+    ids = ascii_char(text)["input_ids"]
+    assert ascii_char.unk_token_id not in ids and ascii_char.decode(ids) == text
+    assert char.unk_token_id in char(text)["input_ids"]
     assert len(load_tokenizer(str(bpe_dir / "tok"))) == len(AutoTokenizer.from_pretrained(bpe_dir / "tok"))
 
 
