@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Protocol
 
+from ..tokenizer import ASCII_ALPHABET
 from .problem import SPLITS, Problem, split_of  # noqa: F401 (split_of: re-exported)
 from .rg import rg_task
 
@@ -276,9 +277,116 @@ class ArithChat:
         return self.score(completion_text, problem) == 1.0
 
 
+# ----------------------------------------------------------------------------- multiplication (a tool-use task)
+
+
+@dataclass(frozen=True)
+class Multiplication:
+    """``digits`` x ``digits``-digit multiplication: the problems of the ``calculator`` environment
+    (lmforge.envs.calculator), where a tiny model cannot compute the product but can call a tool for it.
+
+    Prompt ``"123*456="``; completion and answer ``"56088"`` (the product, in the normal order).
+
+    Score: 1.0 if the completion with surrounding whitespace stripped equals the answer exactly, else
+    0.0 (``"56088."`` or ``"56088 "`` followed by more text score 0.0).
+
+    Alphabet: printable ASCII and the newline (:data:`lmforge.tokenizer.ASCII_ALPHABET`), since in the
+    environment a char-level model reads and writes tool calls (JSON) and messages, not only digits.
+    """
+
+    digits: int = 3
+    name: ClassVar[str] = "multiplication"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.digits <= 9:
+            raise ValueError(f"multiplication: digits must be between 1 and 9, got {self.digits}")
+
+    @property
+    def spec(self) -> str:
+        return f"{self.name}:digits={self.digits}"
+
+    @property
+    def alphabet(self) -> str:
+        return ASCII_ALPHABET
+
+    def _problem_at(self, index: int) -> Problem:
+        low = 0 if self.digits == 1 else 10 ** (self.digits - 1)
+        a, b = divmod(index, 10**self.digits - low)
+        a, b = a + low, b + low
+        return Problem(prompt=f"{a}*{b}=", completion=str(a * b), answer=str(a * b))
+
+    def make_problems(self, n: int, seed: int, split: str) -> list[Problem]:
+        low = 0 if self.digits == 1 else 10 ** (self.digits - 1)
+        return _sample_split(self._problem_at, (10**self.digits - low) ** 2, n, seed, split, self.spec)
+
+    def score(self, completion_text: str, problem: Problem) -> float:
+        return 1.0 if completion_text.strip() == problem.answer else 0.0
+
+    def is_correct(self, completion_text: str, problem: Problem) -> bool:
+        return self.score(completion_text, problem) == 1.0
+
+
+# ----------------------------------------------------------------------------- guess_number (a multi-turn game)
+
+
+@dataclass(frozen=True)
+class GuessNumber:
+    """The secrets of the ``guess_number`` game (lmforge.envs.guess_number): a number from 1 to ``high``
+    that the model finds by guessing, told "higher" or "lower" after each wrong guess.
+
+    Prompt ``"guess 1-100"`` for every problem (the model must not see the secret); completion and
+    answer: the secret, e.g. ``"37"``.
+
+    Splits: since every prompt is the same, the split of a problem is that of the text ``"secret 37"``
+    (the same hash, :func:`split_of`), so the held-out games have secrets no training game has.
+    ``make_problems`` cycles through its split's secrets when ``n`` is larger (with ``high=100``, the
+    test split holds 11 secrets).
+
+    Score (a single-turn guess, one shot): 1.0 if the completion, stripped, is the secret, else 0.0.
+    """
+
+    high: int = 100
+    name: ClassVar[str] = "guess_number"
+
+    def __post_init__(self) -> None:
+        if not 10 <= self.high <= 10_000:
+            raise ValueError(f"guess_number: high must be between 10 and 10000, got {self.high}")
+
+    @property
+    def spec(self) -> str:
+        return f"{self.name}:high={self.high}"
+
+    @property
+    def prompt(self) -> str:
+        return f"guess 1-{self.high}"
+
+    @property
+    def alphabet(self) -> str:
+        return ASCII_ALPHABET
+
+    def make_problems(self, n: int, seed: int, split: str) -> list[Problem]:
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+        if n < 0:
+            raise ValueError(f"number of problems must be >= 0, got {n}")
+        pool = [s for s in range(1, self.high + 1) if split_of(f"secret {s}") == split]
+        if not pool and n > 0:
+            raise ValueError(f"task {self.spec!r} has no {split} secrets; use a larger high")
+        random.Random(f"{self.spec}|{seed}|{split}").shuffle(pool)
+        return [Problem(prompt=self.prompt, completion=str(s), answer=str(s))
+                for s in (pool[k % len(pool)] for k in range(n))]
+
+    def score(self, completion_text: str, problem: Problem) -> float:
+        return 1.0 if completion_text.strip() == problem.answer else 0.0
+
+    def is_correct(self, completion_text: str, problem: Problem) -> bool:
+        return self.score(completion_text, problem) == 1.0
+
+
 # ----------------------------------------------------------------------------- registry
 
-TASKS: dict[str, type] = {Addition.name: Addition, AdditionTrace.name: AdditionTrace, ArithChat.name: ArithChat}
+TASKS: dict[str, type] = {Addition.name: Addition, AdditionTrace.name: AdditionTrace, ArithChat.name: ArithChat,
+                          Multiplication.name: Multiplication, GuessNumber.name: GuessNumber}
 
 
 def get_task(spec: str) -> Task:
