@@ -39,6 +39,9 @@ class EpisodeState:
     messages: list[Message] = dataclasses.field(default_factory=list)  # reset's messages, then every turn's
     turn: int = 0  # assistant turns taken so far
     info: dict = dataclasses.field(default_factory=dict)  # the environment's own scratch space
+    # events the environment counts, summed into the step's metrics: "tool_calls", "invalid_tool_calls"
+    # (the runner ends the episode at env.max_invalid_calls), "tool_errors" (lmforge.envs.tool_env)
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,6 +63,8 @@ class PPOConfig:
     data: rl_config.RLDataConfig = section(rl_config.RLDataConfig, "prompts")
     rollout: rl_config.RolloutConfig = section(rl_config.RolloutConfig, "sampling")
     rewards: rl_config.RewardsConfig = section(rl_config.RewardsConfig, "reward functions")
+    env: rl_config.EnvConfig = section(rl_config.EnvConfig, "multi-turn environment and its limits "
+                                       "(env.name '' = single-turn; docs/environments.md)")
     algo: PPOAlgoConfig = section(PPOAlgoConfig, "GAE, policy and value losses")
     optim: OptimConfig = section(OptimConfig, "optimizer and LR schedule (one scheduler step per update)")
     train: TrainConfig = section(TrainConfig, "loop, evaluation and checkpoints (max_steps = RL steps)")

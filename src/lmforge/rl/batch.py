@@ -43,7 +43,7 @@ class ScoredRollout:
 
 def reduce_rollout_metrics(metrics: dict, ctx: ParallelContext) -> dict:
     """A rank's rollout / advantage metrics -> the step's over all ranks (every rank holds the same
-    number of rows and groups): ``num_*``, ``*_failures`` and ``*_timeouts`` are summed, ``*_max`` / ``time_*`` take
+    number of rows and groups): ``num_*``, ``*_failures``, ``*_errors`` and ``*_timeouts`` are summed, ``*_max`` / ``time_*`` take
     the maximum, ``reward_std`` is recombined from the ranks' means and variances, the rest are means."""
     if not ctx.distributed:
         return metrics
@@ -53,7 +53,7 @@ def reduce_rollout_metrics(metrics: dict, ctx: ParallelContext) -> dict:
     highest = ctx.all_reduce(values.clone(), op=torch.distributed.ReduceOp.MAX)
     out = {}
     for i, key in enumerate(keys):
-        if key.startswith("num_") or key.endswith(("_failures", "_timeouts")):
+        if key.startswith("num_") or key.endswith(("_failures", "_errors", "_timeouts")):
             out[key] = float(summed[i])
         elif key.endswith("_max") or key.startswith("time_"):
             out[key] = float(highest[i])

@@ -9,7 +9,9 @@ from typing import Any, Literal
 
 from ..advantages import ADVANTAGES
 from ..config import opt, refuse_ignored
+from ..data.prompts import COLUMN_NAMES as PROMPT_COLUMNS
 from ..data.tasks import get_task
+from ..envs.episode import EpisodeLimits
 from ..errors import ConfigError
 from ..losses import AGGREGATIONS, GSPO_EPS_HIGH, GSPO_EPS_LOW, IS_LEVELS, KL_ESTIMATORS, POLICY_LOSSES
 from ..rollout import SamplingParams
@@ -101,10 +103,12 @@ class RewardsConfig:
                            "(0 = no timeout: calls run one by one in the training process)")
     workers: int = opt(0, "reward threads, and processes for executor=process functions (0 = cores, at most 8)")
 
-    def specs(self) -> list[tuple]:
-        """``RewardSet`` specs ``(name, weight, kwargs, options)`` from ``functions``."""
-        if not self.functions:
-            raise ConfigError("rewards.functions is empty; name at least one reward, e.g. [exact]")
+    def specs(self, allow_empty: bool = False) -> list[tuple]:
+        """``RewardSet`` specs ``(name, weight, kwargs, options)`` from ``functions`` (an environment run
+        may have none: ``allow_empty``, its episodes are scored by the environment alone)."""
+        if not self.functions and not allow_empty:
+            raise ConfigError("rewards.functions is empty; name at least one reward, e.g. [exact] (an env run "
+                              "may set [] to use the environment's reward alone)")
         specs = []
         for i, item in enumerate(self.functions):
             if isinstance(item, str):
@@ -124,8 +128,9 @@ class RewardsConfig:
             specs.append((str(item["name"]), weight, {**flat, **kwargs}, options))
         return specs
 
-    def validate(self) -> None:
-        self.specs()
+    def validate(self, allow_empty: bool = True) -> None:
+        """(At load, an empty list passes: whether the run has an environment is known in check_rl_config.)"""
+        self.specs(allow_empty)
         if not 0.0 <= self.max_failure_fraction <= 1.0:
             raise ConfigError(f"rewards.max_failure_fraction must be in [0, 1], got {self.max_failure_fraction}")
         if self.timeout_s < 0:
@@ -145,7 +150,8 @@ class RLDataConfig:
     eval_fraction: float = opt(0.1, "path: fraction of rows held out for evaluation when they have an 'answer' "
                                "(seeded by train.seed; at most data.num_eval)")
     subset: str = opt("", "path: the hub dataset's config name (e.g. main)")
-    columns: dict[str, str] = opt({}, "path: lmforge name -> the data's column, e.g. {prompt: question, answer: answer}")
+    columns: dict[str, str] = opt({}, "path: lmforge name -> the data's column, e.g. {prompt: question, answer: answer}",
+                                  keys=PROMPT_COLUMNS)
     num_train: int = opt(4000, "task: training prompts")
     num_eval: int = opt(200, "held-out problems for greedy accuracy (task: generated; path: at most this many) "
                          "(0 = none)")
@@ -172,6 +178,62 @@ class RLDataConfig:
                 raise ConfigError(f"data.task: {exc}") from exc
             refuse_ignored(self, "data", ("split", "eval_split", "eval_fraction", "subset", "columns"),
                            f"with data.task={self.task!r} (they select and map the rows of data.path)")
+
+
+@dataclasses.dataclass
+class EnvConfig:
+    name: str = opt("", "multi-turn environment: a built-in name (lmforge.envs.registry) or package.module:Class "
+                    "('' = single-turn completions); its reset() turns each data.task problem into the first "
+                    "messages (docs/environments.md)")
+    args: dict[str, Any] = opt({}, "keyword arguments for the environment's class")
+    max_turns: int = opt(8, "assistant turns per episode; the episode ends there (counted: num_truncated_turns)")
+    max_episode_tokens: int = opt(512, "tokens an episode adds after its first prompt (the policy's turns and the "
+                                  "environment's messages); a turn that would pass it is cut and the episode ends "
+                                  "(num_truncated_episode_tokens)")
+    max_tool_result_tokens: int = opt(256, "a tool message longer than this is cut to it (num_tool_results_cut; "
+                                      "0 = no limit)")
+    tool_timeout_s: float = opt(10.0, "longest an environment call (reset, or step with its tool calls) may run; "
+                                "a slower one ends its episode (tool_timeouts; 0 = no limit)")
+    max_invalid_calls: int = opt(3, "invalid tool calls (bad JSON, unknown tool, wrong arguments) that end an "
+                                 "episode (num_truncated_invalid_calls; 0 = no limit)")
+    workers: int = opt(0, "threads calling the environment in parallel (0 = the cores, at most 8)")
+
+    def validate(self) -> None:
+        if not self.name:
+            refuse_ignored(self, "env", tuple(f.name for f in dataclasses.fields(self) if f.name != "name"),
+                           "without env.name (they configure a multi-turn environment)")
+            return
+        for key in ("max_turns", "max_episode_tokens"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"env.{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("max_tool_result_tokens", "max_invalid_calls", "workers"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"env.{key} must be >= 0 (0 = {'automatic' if key == 'workers' else 'no limit'}), "
+                                  f"got {getattr(self, key)}")
+        if not self.tool_timeout_s >= 0:
+            raise ConfigError(f"env.tool_timeout_s must be >= 0 (0 = no limit), got {self.tool_timeout_s}")
+        if not isinstance(self.args, dict):
+            raise ConfigError(f"env.args must be a mapping of keyword arguments, got {self.args!r}")
+
+    def limits(self) -> EpisodeLimits:
+        return EpisodeLimits(max_turns=self.max_turns, max_episode_tokens=self.max_episode_tokens,
+                             max_tool_result_tokens=self.max_tool_result_tokens, timeout_s=self.tool_timeout_s,
+                             max_invalid_calls=self.max_invalid_calls)
+
+
+def check_env(env: EnvConfig | None, cfg) -> None:
+    """ConfigError for settings an environment run cannot take (called with the other cross-section checks)."""
+    if env is None or not env.name:
+        return
+    if cfg.rollout.backend != "inprocess":
+        raise ConfigError(f"env.name={env.name!r} runs episodes on the inprocess sampler; rollout.backend="
+                          f"{cfg.rollout.backend} is not supported with an environment (set rollout.backend=inprocess)")
+    if not cfg.data.task:
+        raise ConfigError(f"env.name={env.name!r} takes its problems from data.task (the environment's reset turns "
+                          "each into messages; held-out problems come from the same task); set data.task")
+    if cfg.data.use_chat_template == "off":
+        raise ConfigError("data.use_chat_template=off: an environment's conversation is rendered through the chat "
+                          "template; set it to auto or on")
 
 
 # The algorithm keys both recipes share. Keys that a preset may set default to None ("unset") so
@@ -245,8 +307,11 @@ def check_algo(algo) -> None:
 def check_rl_config(cfg, algo) -> None:
     """Validate the sections (again: a config built in Python skips ``validate``), then the checks
     that span sections."""
-    for section_cfg in (cfg.data, cfg.rollout, cfg.rewards, cfg.optim, cfg.train):
+    env = getattr(cfg, "env", None)
+    for section_cfg in (cfg.data, cfg.rollout, cfg.optim, cfg.train, *([env] if env else [])):
         section_cfg.validate()
+    cfg.rewards.validate(allow_empty=bool(env and env.name))
+    check_env(env, cfg)
     if algo.is_level != "none" and cfg.rollout.truncates:
         raise ConfigError(
             f"algo.is_level={algo.is_level} weights by pi_trainer / pi_rollout, but with rollout.top_k / "

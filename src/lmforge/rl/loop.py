@@ -18,8 +18,9 @@ import torch
 
 from .. import lora
 from ..errors import ConfigError
+from ..envs.episode import save_episodes
 from ..evaluation import held_out_evaluator, save_samples
-from ..models import load_model
+from ..models import context_length, load_model
 from ..parallel.context import torchrun_world
 from ..rollout import RewardSet
 from ..runtime.loop import Trainer, TrainState, build_state, full_model, train_loop
@@ -30,6 +31,7 @@ from .config import check_rl_config
 from .forward import reference_model
 from .prompts import PromptSet, build_prompts, prompt_budget
 from .sources import RolloutSource, SourceSetup, check_source, make_source, resume_source
+from .sources.episodes import episode_evaluator
 from .updates import LossFn, update
 
 
@@ -40,7 +42,7 @@ class RLState:
     train: TrainState
     ref_model: torch.nn.Module | None
     prompts: PromptSet
-    reward_set: RewardSet
+    reward_set: RewardSet | None  # None: an env run scored by its environment alone
     source: RolloutSource  # where each step's rows come from (lmforge.rl.sources)
 
     @property
@@ -93,7 +95,12 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
         model, tokenizer = load_model(cfg.model)
     cfg.data.max_prompt_len = prompt_budget(cfg.data.max_prompt_len, cfg.rollout.max_new_tokens, model)  # resolved
     prompts = build_prompts(cfg.data, tokenizer, cfg.train.seed, cfg.data.max_prompt_len)
-    seq_len = max(len(p) for p in prompts.prompt_ids) + cfg.rollout.max_new_tokens
+    env = getattr(cfg, "env", None)  # env.name set: rows are episodes (sources/episodes.py)
+    completion_len = env.max_episode_tokens if env is not None and env.name else cfg.rollout.max_new_tokens
+    if completion_len != cfg.rollout.max_new_tokens and completion_len >= (context_length(model) or completion_len + 1):
+        raise ConfigError(f"env.max_episode_tokens={completion_len} leaves no room for a prompt in the model's "
+                          f"context of {context_length(model)} tokens; lower it")
+    seq_len = max(len(p) for p in prompts.prompt_ids) + completion_len
     cfg.algo = algo  # the saved config holds the resolved algo (presets applied)
     rows = cfg.rollout.num_prompts * cfg.rollout.group_size
     if cfg.train.batch_size not in (0, rows):
@@ -110,13 +117,14 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
     num_updates = cfg.train.max_steps * algo.num_iterations * algo.num_mini_batches
     order = BatchOrder(len(prompts.prompt_ids), cfg.rollout.num_prompts, cfg.train.seed)
     train = build_state(run, model, tokenizer, order, num_updates, extra_modules)
-    reward_set = RewardSet(cfg.rewards.specs(), cfg.rewards.max_failure_fraction, cfg.rewards.timeout_s,
-                           cfg.rewards.workers)
+    specs = cfg.rewards.specs(allow_empty=True)  # (empty only in an env run: check_rl_config)
+    reward_set = RewardSet(specs, cfg.rewards.max_failure_fraction, cfg.rewards.timeout_s,
+                           cfg.rewards.workers) if specs else None
     setup = SourceSetup(rollout=cfg.rollout, prompts=prompts, order=order, tokenizer=tokenizer, reward_set=reward_set,
                         ctx=run.ctx, policy=full_model(train), seed=cfg.train.seed,
                         num_mini_batches=algo.num_mini_batches, is_level=algo.is_level,
                         max_prompt_len=cfg.data.max_prompt_len, max_steps=cfg.train.max_steps, run_dir=run.dir,
-                        bf16_native=run.hw.bf16_supported, print=run.print)
+                        bf16_native=run.hw.bf16_supported, print=run.print, env=env)
     source = make_source(setup)
     resume_source(source, train.saved, run.print)
     if prompts.eval_note:
@@ -136,6 +144,8 @@ def make_evaluate(state: RLState) -> Callable[[int], dict] | None:
     if not prompts.eval_problems:
         return None
     cfg = run.cfg
+    if getattr(cfg, "env", None) is not None and cfg.env.name:
+        return make_episode_evaluate(state)
     evaluator = held_out_evaluator(state.tokenizer, prompts.eval_problems, prompts.chat, cfg.train.max_new_tokens,
                                    task=prompts.task, reward_specs=cfg.rewards.specs(), pass_k=cfg.data.pass_k,
                                    temperature=cfg.rollout.temperature, seed=cfg.train.seed,
@@ -153,6 +163,25 @@ def make_evaluate(state: RLState) -> Callable[[int], dict] | None:
 
     evaluate.close = evaluator.close  # the evaluation's reward workers: stopped with the run
 
+    return evaluate
+
+
+def make_episode_evaluate(state: RLState) -> Callable[[int], dict]:
+    """Held-out success of the policy's greedy episodes (``sources.episodes.episode_evaluator``), a few
+    whole episodes written to samples.jsonl."""
+    run, cfg = state.run, state.run.cfg
+    evaluator = episode_evaluator(cfg.env, state.tokenizer, state.prompts.eval_problems, state.prompts.task,
+                                  cfg.rewards.specs(allow_empty=True), cfg.rollout.max_new_tokens,
+                                  context_length(state.model), cfg.rewards.timeout_s, cfg.rewards.workers)
+
+    def evaluate(step: int) -> dict:
+        metrics, episodes, totals = evaluator(state.sampler_model())
+        k = cfg.train.num_samples
+        if run.ctx.is_main:
+            save_episodes(run.dir, step, episodes[:k], totals[:k], run.print)
+        return metrics
+
+    evaluate.close = evaluator.close
     return evaluate
 
 
@@ -206,6 +235,7 @@ def train_rl(state: RLState, step_fn: Callable[[int], dict], extra_state: Callab
         return train_loop(state.train, trainer)
     finally:  # on errors too: the source first (a background sampler scores with the reward set), then the rewards
         source.close()
-        state.reward_set.close()
+        if state.reward_set is not None:
+            state.reward_set.close()
         if evaluate is not None:
             evaluate.close()

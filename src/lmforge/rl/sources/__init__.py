@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ...errors import ConfigError
-from . import atropos, inprocess, vllm
+from . import atropos, episodes, inprocess, vllm
 from .base import Policy, RolloutSource, SourceSetup
 from .overlap import Overlapped, check_async
 
@@ -20,21 +20,30 @@ SOURCES: dict[str, Callable[[SourceSetup], RolloutSource]] = {
     "inprocess": inprocess.build,  # the built-in sampler, on the policy or a bf16 / fp16 copy (rollout.dtype)
     "vllm": vllm.build,  # vLLM in the training process (one CUDA GPU)
     "atropos": atropos.build,  # scored groups pulled from an Atropos API server
+    "episodes": episodes.build,  # multi-turn episodes of env.name on the inprocess engines (chosen by env.name)
 }
+
+
+def source_name(rollout, env) -> str:
+    """The source a run uses: ``episodes`` when ``env.name`` is set, else ``rollout.backend``."""
+    return "episodes" if env is not None and env.name else rollout.backend
 
 
 def check_source(rollout, is_level: str, distributed: bool) -> None:
     """ConfigError for an unknown ``rollout.backend`` or an overlap that cannot run (before the run
     directory is taken)."""
-    if rollout.backend not in SOURCES:
-        raise ConfigError(f"rollout.backend={rollout.backend!r} is not a rollout source; valid: {', '.join(SOURCES)}")
+    if rollout.backend not in SOURCES or rollout.backend == "episodes":
+        valid = ", ".join(name for name in SOURCES if name != "episodes")
+        raise ConfigError(f"rollout.backend={rollout.backend!r} is not a rollout source; valid: {valid} (episodes "
+                          "of an environment: set env.name)")
     check_async(rollout, is_level, distributed)
 
 
 def make_source(setup: SourceSetup) -> RolloutSource:
-    """The source ``setup.rollout.backend`` names, overlapped when ``rollout.async_steps > 0``."""
+    """The source ``setup.rollout.backend`` names (episodes when ``setup.env.name`` is set), overlapped
+    when ``rollout.async_steps > 0``."""
     check_source(setup.rollout, setup.is_level, setup.ctx.distributed)
-    source = SOURCES[setup.rollout.backend](setup)
+    source = SOURCES[source_name(setup.rollout, setup.env)](setup)
     if setup.rollout.async_steps:
         return Overlapped(source, setup)
     return source

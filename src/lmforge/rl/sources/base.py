@@ -31,7 +31,7 @@ from ...parallel.context import ParallelContext
 from ...rollout import RewardSet
 from ...train import BatchOrder
 from ..batch import ScoredRollout
-from ..config import RolloutConfig
+from ..config import EnvConfig, RolloutConfig
 from ..prompts import PromptSet
 
 Policy = Callable[[], torch.nn.Module]
@@ -75,3 +75,4 @@ class SourceSetup:
     run_dir: Path
     bf16_native: bool  # the device multiplies bf16 natively (hardware.HardwareInfo.bf16_supported)
     print: Callable[[str], None]  # the run's console (rank 0 prints)
+    env: EnvConfig | None = None  # the env section: env.name set -> episodes of that environment (sources/episodes.py)

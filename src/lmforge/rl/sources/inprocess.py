@@ -46,8 +46,12 @@ def cast_engine(model: torch.nn.Module, dtype_name: str, is_level: str, bf16_nat
     return CastEngine(model, dtype)
 
 
-def build(setup: SourceSetup) -> SampledSource:
+def make_engine(setup: SourceSetup) -> PolicyEngine | CastEngine:
+    """The policy itself, or its ``rollout.dtype`` copy (also the episode source's engine)."""
     if setup.rollout.dtype == "same":
-        return SampledSource(setup, PolicyEngine(setup.policy))
-    return SampledSource(setup, cast_engine(setup.policy, setup.rollout.dtype, setup.is_level, setup.bf16_native,
-                                            setup.print))
+        return PolicyEngine(setup.policy)
+    return cast_engine(setup.policy, setup.rollout.dtype, setup.is_level, setup.bf16_native, setup.print)
+
+
+def build(setup: SourceSetup) -> SampledSource:
+    return SampledSource(setup, make_engine(setup))

@@ -9,6 +9,7 @@ one does the rest.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from ...errors import DataError, TrainingError
 from ...evaluation import completion_texts
@@ -53,10 +54,11 @@ def sample_and_score(engine, tokenizer, prompts: PromptSet, rows: list[int], cfg
 
 
 class SampledSource:
-    """A :class:`~lmforge.rl.sources.base.RolloutSource` that samples the run's prompts with ``engine``."""
+    """A :class:`~lmforge.rl.sources.base.RolloutSource` that samples the run's prompts with ``engine``:
+    ``sample`` (default :func:`sample_and_score`, same arguments) makes and scores a rank's rows."""
 
-    def __init__(self, setup: SourceSetup, engine):
-        self.setup, self.engine = setup, engine
+    def __init__(self, setup: SourceSetup, engine, sample: Callable = sample_and_score):
+        self.setup, self.engine, self.sample = setup, engine, sample
         self.policy: Policy | None = None  # new weights not yet handed to the engine
 
     def sync_weights(self, policy: Policy, version: int) -> None:
@@ -70,8 +72,8 @@ class SampledSource:
         rows = rank_prompts(s.order.next(), s.num_mini_batches, s.ctx)  # the same global order on every rank
         error, result = None, None
         try:
-            result = sample_and_score(self.engine, s.tokenizer, s.prompts, rows, s.rollout, s.reward_set,
-                                      step_seed(s.seed, step, s.ctx.rank))
+            result = self.sample(self.engine, s.tokenizer, s.prompts, rows, s.rollout, s.reward_set,
+                                 step_seed(s.seed, step, s.ctx.rank))
         except (DataError, TrainingError) as exc:  # e.g. too many reward failures on this rank alone
             error = exc
         s.ctx.check_all_ok(error)

@@ -1,0 +1,369 @@
+"""Running episodes token-in / token-out: every active episode decodes in one engine call per round,
+the environment steps of a round run in parallel with a timeout, and the tokens of an episode are
+exactly what the policy sampled plus the template's rendering of the environment's messages.
+
+The token rule (docs/environments.md, "Tokens and masks"). An episode's ids are its first prompt
+(``reset``'s messages rendered with the generation prompt), then, turn after turn, the ids the
+policy sampled -- appended verbatim, stop token included, never decoded and encoded again -- and
+the environment's tokens: the conversation with the new messages is rendered in full
+(``toolcalls.render_messages``), the text the episode's tokens stand for so far (the first prompt,
+each turn's decoded sample with its stop token, each earlier delta) must be a prefix of it, and
+the rest of the rendering, tokenized alone, is the delta. A template that does not render the
+conversation prefix by prefix (one that rewrites earlier turns, e.g. drops old ``<think>`` blocks)
+fails that check: the episode then ends there, counted as ``num_template_mismatches`` (its tokens
+so far are kept and trained), rather than train on ids the policy never saw.
+
+Limits, each counted when hit, each ending the episode cleanly: turns (``max_turns``), tokens after
+the first prompt (``max_episode_tokens``: a turn that would pass it is cut to fit), invalid tool
+calls (``max_invalid_calls``, counted by the environment in ``state.counts``), seconds per
+environment call (``timeout_s``). A tool result longer than ``max_tool_result_tokens`` is cut to
+that many tokens (counted) and the episode goes on. An environment that raises, hangs or returns
+something malformed ends its episode, counted and logged; the others go on.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import json
+import logging
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..rollout import RewardOutput, RolloutBatch, SamplingParams
+from ..rollout.engine import left_pad
+from ..rollout.reward_pool import DaemonThreadPool
+from .base import EpisodeState, MalformedReply, Message, check_messages, check_step_result
+from .toolcalls import render_messages
+from .tool_env import INVALID_CALLS, TOOL_CALLS, TOOL_ERRORS
+
+logger = logging.getLogger(__name__)
+
+# How an episode ended: the environment said done, a limit was hit, or something failed.
+LIMITS = ("turns", "episode_tokens", "invalid_calls")
+FAILURES = {"env_error": "env_errors", "timeout": "tool_timeouts", "malformed": "num_malformed_replies",
+            "template": "num_template_mismatches"}
+GenerateFn = Callable[[list[list[int]], SamplingParams, int], RolloutBatch]  # (prompts, params, num_samples)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeLimits:
+    """The ``env.*`` limits (rl/config.py EnvConfig); 0 means no limit for the counts and the timeout."""
+
+    max_turns: int = 8
+    max_episode_tokens: int = 512
+    max_tool_result_tokens: int = 256
+    timeout_s: float = 10.0
+    max_invalid_calls: int = 3
+
+
+@dataclasses.dataclass
+class Episode:
+    """One episode's conversation, tokens and outcome (``ids`` etc. are everything after the prompt)."""
+
+    state: EpisodeState
+    prompt_ids: list[int] = dataclasses.field(default_factory=list)
+    ids: list[int] = dataclasses.field(default_factory=list)
+    trained: list[int] = dataclasses.field(default_factory=list)  # 1 on the policy's sampled ids
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # the sampler's, 0 off the trained ids
+    text: str = ""  # what the ids stand for, as the template renders it (the prefix check)
+    budget: int = 0  # tokens this episode may still add after its prompt
+    rewards: dict[str, float] = dataclasses.field(default_factory=dict)  # the environment's parts, summed
+    end: str = ""  # "" while running, "done", a limit of LIMITS or a failure of FAILURES
+    num_empty: int = 0  # replies with no text
+    num_cut_results: int = 0  # tool results cut to max_tool_result_tokens
+    final_text: str = ""  # the last reply without special tokens (what the reward functions score)
+
+    @property
+    def num_trained(self) -> int:
+        return sum(self.trained)
+
+
+class EpisodeRunner:
+    """Runs a batch of episodes of ``env`` (module doc). ``workers`` threads call the environment."""
+
+    def __init__(self, env, tokenizer, limits: EpisodeLimits, workers: int, context: int | None = None):
+        self.env, self.tokenizer, self.limits, self.context = env, tokenizer, limits, context
+        self.tools = list(getattr(env, "tools", None) or [])
+        self.workers = workers
+        self.pool = DaemonThreadPool(workers, name="env")
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+    # ------------------------------------------------------------------------- environment calls
+
+    def _call_all(self, calls: list[Callable[[], Any]]) -> list[tuple[str, Any]]:
+        """Run ``calls`` on the pool: each ``("ok", value)``, ``("error", text)`` or ``("timeout", text)``.
+        A call's clock starts when a worker takes it; an overdue call is abandoned (its thread finishes
+        in the background) and the pool replaced, so that the next round has all its workers."""
+        futures = [self.pool.submit(_traced, call) for call in calls]
+        results: dict[int, tuple[str, Any]] = {}
+        started: dict[int, float] = {}
+        pending = set(range(len(futures)))
+        limit = self.limits.timeout_s
+        while pending:
+            cf.wait([futures[i] for i in pending], timeout=0.01 if limit else None,
+                    return_when=cf.FIRST_COMPLETED if limit else cf.ALL_COMPLETED)
+            now = time.monotonic()
+            for i in list(pending):
+                future = futures[i]
+                if future.done():
+                    results[i] = future.result()
+                    pending.discard(i)
+                elif future.running():
+                    started.setdefault(i, now)
+                    if limit and now - started[i] > limit:
+                        results[i] = ("timeout", f"no answer after {limit:g} s (env.tool_timeout_s)")
+                        pending.discard(i)
+        if any(status == "timeout" for status, _ in results.values()):
+            self.pool.shutdown()  # the stuck thread finishes in the background
+            self.pool = DaemonThreadPool(self.workers, name="env")
+        return [results[i] for i in range(len(futures))]
+
+    # ------------------------------------------------------------------------- the token rule
+
+    def render(self, messages: list[Message]) -> str:
+        return render_messages(self.tokenizer, messages, self.tools, add_generation_prompt=True)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _start(self, episode: Episode, outcome: tuple[str, Any]) -> None:
+        """Fill the episode from its ``reset`` outcome: messages, prompt ids, budget; or end it."""
+        status, value = outcome
+        if status == "ok":
+            try:
+                episode.state.messages = list(check_messages(value, "reset"))
+                if not episode.state.messages:
+                    raise MalformedReply("reset returned no messages")
+                episode.text = self.render(episode.state.messages)
+                episode.prompt_ids = self.encode(episode.text)
+            except MalformedReply as exc:
+                status, value = "malformed", str(exc)
+        if status != "ok":
+            _log_failure(episode, status, "reset", value)
+            episode.end = "env_error" if status == "error" else status
+            episode.prompt_ids = [self.tokenizer.eos_token_id]  # a row with nothing to train
+        budget = self.limits.max_episode_tokens
+        if self.context is not None:
+            budget = min(budget, self.context - len(episode.prompt_ids))
+        episode.budget = budget
+        if budget < 1 and not episode.end:
+            episode.end = "episode_tokens"
+
+    def _add_turn(self, episode: Episode, sampled: list[int], logprobs: list[float], stop_ids: set[int]) -> None:
+        """Append the policy's sampled ids verbatim (cut to the episode's budget) and its message."""
+        if len(sampled) > episode.budget:
+            sampled, logprobs = sampled[:episode.budget], logprobs[:episode.budget]
+            episode.end = "episode_tokens"
+        episode.ids += sampled
+        episode.trained += [1] * len(sampled)
+        episode.logprobs += logprobs
+        episode.budget -= len(sampled)
+        body = sampled[:-1] if sampled and sampled[-1] in stop_ids else sampled
+        # The message holds the reply as sampled, special tokens too, so that the template renders
+        # exactly the sampled stream; the reward functions read it without them, as in single-turn runs.
+        content = self.tokenizer.decode(body, skip_special_tokens=False)
+        episode.final_text = self.tokenizer.decode(body, skip_special_tokens=True)
+        episode.num_empty += not episode.final_text.strip()
+        episode.text += self.tokenizer.decode(sampled, skip_special_tokens=False)
+        episode.state.messages.append({"role": "assistant", "content": content})
+        episode.state.turn += 1
+
+    def _cap_results(self, episode: Episode, messages: list[Message]) -> list[Message]:
+        """Tool results longer than ``max_tool_result_tokens`` cut to that many tokens (counted)."""
+        cap, out = self.limits.max_tool_result_tokens, []
+        for message in messages:
+            if cap and message["role"] == "tool":
+                ids = self.encode(message["content"])
+                if len(ids) > cap:
+                    episode.num_cut_results += 1
+                    message = {**message, "content": self.tokenizer.decode(ids[:cap]) + " [cut]"}
+            out.append(message)
+        return out
+
+    def _answer(self, episode: Episode, outcome: tuple[str, Any]) -> None:
+        """Apply the environment's answer to the last turn: rewards, limits, the delta tokens."""
+        status, value = outcome
+        if status == "ok":
+            try:
+                value = check_step_result(value)
+            except MalformedReply as exc:
+                status, value = "malformed", str(exc)
+        if status != "ok":
+            _log_failure(episode, status, "step", value)
+            episode.end = "env_error" if status == "error" else status
+            return
+        for name, part in value.reward.items():
+            episode.rewards[name] = episode.rewards.get(name, 0.0) + float(part)
+        limits, state = self.limits, episode.state
+        if value.done:
+            episode.end = "done"
+        elif limits.max_invalid_calls and state.counts.get(INVALID_CALLS, 0) >= limits.max_invalid_calls:
+            episode.end = "invalid_calls"
+        elif limits.max_turns and state.turn >= limits.max_turns:
+            episode.end = "turns"
+        if episode.end:
+            return
+        state.messages.extend(self._cap_results(episode, value.messages))
+        full = self.render(state.messages)
+        if not full.startswith(episode.text):
+            _log_failure(episode, "template", "render", "the chat template's rendering of the conversation does "
+                         "not start with the episode's tokens so far (it rewrites earlier turns)")
+            episode.end = "template"
+            return
+        delta = self.encode(full[len(episode.text):])
+        if len(delta) >= episode.budget:  # no room left for a reply after it
+            episode.end = "episode_tokens"
+            return
+        episode.ids += delta
+        episode.trained += [0] * len(delta)
+        episode.logprobs += [0.0] * len(delta)
+        episode.budget -= len(delta)
+        episode.text = full
+
+    # ------------------------------------------------------------------------- a batch
+
+    def run(self, generate: GenerateFn, problems: Sequence[Any], group_size: int,
+            params: SamplingParams) -> tuple[list[Episode], dict]:
+        """``group_size`` episodes of each problem (a problem's adjacent), run to their ends.
+
+        Round r samples every active episode in one ``generate`` call (seed ``params.seed + r``; in
+        round 0 a group shares its prompt, sampled ``group_size`` times, as a single-turn rollout
+        is), then steps their environments in parallel. Returns the episodes and the batch's
+        timings (``time_generation``, ``time_env``).
+        """
+        episodes = [Episode(EpisodeState(problem)) for problem in problems for _ in range(group_size)]
+        start = time.perf_counter()
+        outcomes = self._call_all([_bind(self.env.reset, e.state.problem, e.state) for e in episodes])
+        for episode, outcome in zip(episodes, outcomes):
+            self._start(episode, outcome)
+        times = {"time_generation": 0.0, "time_env": time.perf_counter() - start}
+        stop_ids = set(params.stop_token_ids)
+        for round_ in range(self.limits.max_turns or 1 << 30):
+            active = [e for e in episodes if not e.end]
+            if not active:
+                break
+            start = time.perf_counter()
+            self._sample(generate, active, group_size if round_ == 0 else 1, params, round_, stop_ids)
+            taking = [e for e in active if not e.end]
+            middle = time.perf_counter()
+            outcomes = self._call_all([_bind(self.env.step, e.state, e.state.messages[-1]) for e in taking])
+            for episode, outcome in zip(taking, outcomes):
+                self._answer(episode, outcome)
+            times["time_generation"] += middle - start
+            times["time_env"] += time.perf_counter() - middle
+        return episodes, times
+
+    def _sample(self, generate: GenerateFn, active: list[Episode], group_size: int, params: SamplingParams,
+                round_: int, stop_ids: set[int]) -> None:
+        """One engine call for every active episode; a group whose prompts are one is prefilled once."""
+        histories = [e.prompt_ids + e.ids for e in active]
+        shared = group_size > 1 and len(active) % group_size == 0 and all(
+            histories[i] == histories[i - i % group_size] for i in range(len(active)))
+        prompts = histories[::group_size] if shared else histories
+        most = max(e.budget for e in active)
+        params = dataclasses.replace(params, seed=None if params.seed is None else params.seed + round_,
+                                     max_new_tokens=min(params.max_new_tokens, most))
+        rollout = generate(prompts, params, group_size if shared else 1)
+        for row, episode in enumerate(active):
+            n = int(rollout.completion_lens[row])
+            self._add_turn(episode, rollout.completion_ids[row, :n].tolist(), rollout.logprobs[row, :n].tolist(),
+                           stop_ids)
+
+
+def _bind(fn: Callable, *args) -> Callable[[], Any]:
+    return lambda: fn(*args)
+
+
+def _traced(call: Callable[[], Any]) -> tuple[str, Any]:
+    """``("ok", value)``, or ``("error", text)`` with where the call raised."""
+    try:
+        return "ok", call()
+    except Exception as exc:  # noqa: BLE001 -- an environment's bug ends its episode, not the run
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        return "error", f"{type(exc).__name__}: {exc} (at {frame.filename}:{frame.lineno})"
+
+
+def _log_failure(episode: Episode, status: str, call: str, text: Any) -> None:
+    logger.warning("environment %s failed (%s) in turn %d; the episode ends: %s", call, status,
+                   episode.state.turn, str(text)[:300])
+
+
+# ----------------------------------------------------------------------------- a batch's rows and metrics
+
+def episode_rollout(episodes: list[Episode], group_size: int, pad_token_id: int) -> RolloutBatch:
+    """The episodes as rows: the first prompt as ``prompt_ids``, every later token as the completion,
+    ``trained_mask`` 1 on the sampled ids only, the sampler's logprobs there and 0 elsewhere."""
+    prompt_ids, prompt_mask = left_pad([e.prompt_ids for e in episodes], pad_token_id)
+    width = max(1, max(len(e.ids) for e in episodes))
+    shape = (len(episodes), width)
+    ids = torch.full(shape, pad_token_id, dtype=torch.long)
+    mask, trained = torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
+    logprobs = torch.zeros(shape, dtype=torch.float32)
+    for row, e in enumerate(episodes):
+        n = len(e.ids)
+        ids[row, :n] = torch.tensor(e.ids, dtype=torch.long)
+        mask[row, :n] = 1
+        trained[row, :n] = torch.tensor(e.trained, dtype=torch.long)
+        logprobs[row, :n] = torch.tensor(e.logprobs, dtype=torch.float32)
+    return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=ids, completion_mask=mask,
+                        logprobs=logprobs, group_index=torch.arange(len(episodes)) // group_size,
+                        prompt_lens=prompt_mask.sum(1), completion_lens=mask.sum(1),
+                        truncated=torch.tensor([e.end != "done" for e in episodes]), trained_mask=trained)
+
+
+def combine_rewards(episodes: list[Episode], functions: RewardOutput | None) -> RewardOutput:
+    """The episode rewards: the environment's parts (summed over turns; a part an episode never got is
+    0), each a column ``env_<name>`` of weight 1, plus the configured reward functions' columns."""
+    names = sorted({name for e in episodes for name in e.rewards})
+    env_parts = torch.tensor([[e.rewards.get(n, 0.0) for n in names] for e in episodes],
+                             dtype=torch.float32).reshape(len(episodes), len(names))
+    total = env_parts.sum(1)
+    env_names = [f"env_{n}" for n in names]
+    if functions is None:
+        return RewardOutput(total=total, per_function=env_parts, names=env_names,
+                            num_failed=torch.zeros(len(names), dtype=torch.int64),
+                            num_timed_out=torch.zeros(len(names), dtype=torch.int64))
+    zeros = torch.zeros(len(names), dtype=torch.int64)
+    return RewardOutput(total=functions.total + total, per_function=torch.cat([functions.per_function, env_parts], 1),
+                        names=[*functions.names, *env_names], num_failed=torch.cat([functions.num_failed, zeros]),
+                        num_timed_out=torch.cat([functions.num_timed_out, zeros]))
+
+
+def episode_metrics(episodes: list[Episode], times: dict) -> dict:
+    """The batch's episode metrics (docs/environments.md, "Limits, and what is counted")."""
+    n = len(episodes)
+    counts = [e.state.counts for e in episodes]
+    ends = [e.end for e in episodes]
+    busy = times["time_generation"] + times["time_env"]
+    metrics = {
+        "turns_per_episode": sum(e.state.turn for e in episodes) / n,
+        "tool_calls_per_episode": sum(c.get(TOOL_CALLS, 0) for c in counts) / n,
+        "num_invalid_tool_calls": sum(c.get(INVALID_CALLS, 0) for c in counts),
+        "tool_errors": sum(c.get(TOOL_ERRORS, 0) for c in counts),
+        "num_empty_replies": sum(e.num_empty for e in episodes),
+        "num_tool_results_cut": sum(e.num_cut_results for e in episodes),
+        "episodes_done_frac": ends.count("done") / n,
+        "time_env": times["time_env"],
+        "env_time_share": times["time_env"] / busy if busy > 0 else 0.0,
+    }
+    metrics.update({f"num_truncated_{limit}": ends.count(limit) for limit in LIMITS})
+    metrics.update({key: ends.count(end) for end, key in FAILURES.items()})
+    return metrics
+
+
+def save_episodes(run_dir: Path, step: int, episodes: list[Episode], totals: Sequence[float],
+                  printer=print) -> None:
+    """Append whole episodes (every message with its role, the reward, how it ended) to ``samples.jsonl``
+    and print the last message of each."""
+    with open(Path(run_dir) / "samples.jsonl", "a") as handle:
+        for episode, total in zip(episodes, totals):
+            handle.write(json.dumps({"step": step, "messages": episode.state.messages, "reward": float(total),
+                                     "turns": episode.state.turn, "end": episode.end}, default=str) + "\n")
+            printer(f"  episode | {episode.state.turn} turn(s), {episode.end}, reward {float(total):g} | "
+                    f"{episode.final_text!r}")

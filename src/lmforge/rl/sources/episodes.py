@@ -1,0 +1,144 @@
+"""The episode source, chosen when ``env.name`` is set: ``rollout.group_size`` episodes of the
+environment for each of this rank's next problems, run token-in / token-out on the ``inprocess``
+engines (the policy, or its ``rollout.dtype`` copy) by :class:`~lmforge.envs.episode.EpisodeRunner`,
+scored by the environment's reward parts plus ``rewards.functions`` on each episode's last assistant
+message. Rows are whole episodes: the first prompt, then the policy's turns (trained) and the
+environment's messages (not trained) -- docs/environments.md.
+
+The step's seed, the prompt order, the rank's share (groups whole) and the weight syncs are the
+in-process source's (``sampled.SampledSource``), so an overlapped run, a run under torchrun and a
+resumed run behave as they do for single-turn rows; a one-turn environment gives exactly the rows,
+rewards and losses of the plain source (tests/recipes/test_episodes.py).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from ...envs.episode import Episode, EpisodeRunner, combine_rewards, episode_metrics, episode_rollout
+from ...envs.registry import make_environment
+from ...errors import TrainingError
+from ...models import context_length
+from ...rollout import RewardOutput, RewardSet, RolloutBatch, SamplingParams, generate
+from ...rollout.rewards import default_workers
+from ..config import RolloutConfig
+from ..prompts import PromptSet
+from .base import SourceSetup
+from .inprocess import make_engine
+from .sampled import SampledSource
+
+
+def score_episodes(episodes: list[Episode], reward_set: RewardSet | None, task, max_new_tokens: int) -> RewardOutput:
+    """The environment's parts plus the reward functions on each episode's last assistant message (its
+    length: the policy's tokens of the whole episode)."""
+    functions = None
+    if reward_set is not None:
+        shared = {} if task is None else {"task": task}
+        functions = reward_set([e.final_text for e in episodes], [e.state.problem for e in episodes],
+                               completion_lens=[e.num_trained for e in episodes], max_new_tokens=max_new_tokens,
+                               **shared)
+    return combine_rewards(episodes, functions)
+
+
+def rollout_metrics(rollout: RolloutBatch, rewards: RewardOutput, episodes: list[Episode], times: dict) -> dict:
+    """The single-turn source's metrics (reward, lengths of the policy's tokens, timings) and the episodes'."""
+    policy_tokens = rollout.trained.sum(1).float()
+    return {
+        "reward": rewards.total.mean(),
+        "reward_std": rewards.total.std(correction=0),
+        **{f"reward_{name}": rewards.per_function[:, f].mean() for f, name in enumerate(rewards.names)},
+        "reward_failures": rewards.num_failed.sum(),
+        "reward_timeouts": rewards.num_timed_out.sum(),
+        "completion_len_mean": policy_tokens.mean(),
+        "completion_len_max": policy_tokens.max(),
+        "episode_len_mean": rollout.completion_lens.float().mean(),
+        "truncated_frac": rollout.truncated.float().mean(),
+        **episode_metrics(episodes, times),
+        "time_generation": times["time_generation"],
+    }
+
+
+def episode_sampler(runner: EpisodeRunner) -> Callable:
+    """``SampledSource``'s ``sample``: run and score episodes of this rank's problems ``rows``."""
+
+    def sample(engine, tokenizer, prompts: PromptSet, rows: list[int], cfg: RolloutConfig,
+               reward_set: RewardSet | None, seed: int) -> tuple[RolloutBatch, RewardOutput, dict]:
+        params = cfg.sampling([tokenizer.eos_token_id], seed)
+        problems = [prompts.problems[i] for i in rows]
+        def sample_turns(ids, turn_params, num_samples):
+            return engine.generate(ids, turn_params, num_samples=num_samples, pad_token_id=tokenizer.pad_token_id)
+
+        episodes, times = runner.run(sample_turns, problems, cfg.group_size, params)
+        if not any(e.num_trained for e in episodes):
+            ends = sorted({e.end for e in episodes})
+            raise TrainingError(f"no episode of this batch has a policy token to train on (they ended as: "
+                                f"{', '.join(ends)}); the environment fails on every problem (see the warnings "
+                                "above, and env.tool_timeout_s / env.max_episode_tokens)")
+        rollout = episode_rollout(episodes, cfg.group_size, tokenizer.pad_token_id)
+        start = time.perf_counter()
+        rewards = score_episodes(episodes, reward_set, prompts.task, cfg.max_new_tokens)
+        metrics = rollout_metrics(rollout, rewards, episodes, times)
+        metrics["time_scoring"] = time.perf_counter() - start
+        return rollout, rewards, metrics
+
+    return sample
+
+
+def make_runner(setup: SourceSetup) -> EpisodeRunner:
+    """The runner of ``setup.env``'s environment on ``setup.tokenizer``, within the policy's context."""
+    env = setup.env
+    return EpisodeRunner(make_environment(env.name, env.args), setup.tokenizer, env.limits(),
+                         env.workers or default_workers(), context_length(setup.policy))
+
+
+class EpisodeSource(SampledSource):
+    """The in-process source with episodes for rows (module doc); closes its environment threads."""
+
+    def __init__(self, setup: SourceSetup):
+        self.runner = make_runner(setup)
+        super().__init__(setup, make_engine(setup), sample=episode_sampler(self.runner))
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def build(setup: SourceSetup) -> EpisodeSource:
+    return EpisodeSource(setup)
+
+
+def episode_evaluator(env_cfg, tokenizer, problems: list, task, reward_specs: list[tuple], max_new_tokens: int,
+                      context: int | None, reward_timeout_s: float, reward_workers: int, batch_size: int = 64):
+    """``evaluate(model) -> (metrics, episodes, rewards)``: one greedy episode per held-out problem.
+
+    A success is an episode whose reward (the environment's parts plus the weighted reward functions)
+    reaches 1, full marks: ``accuracy`` is the success rate; also ``eval_reward`` (mean reward),
+    ``eval_turns`` (mean turns) and ``eval_tool_calls`` (mean tool calls per episode). Turns are
+    ``max_new_tokens`` long at most; the rewards run with failures scored, never stopping the run.
+    The function has a ``close()`` for the environment threads and reward workers.
+    """
+    runner = EpisodeRunner(make_environment(env_cfg.name, env_cfg.args), tokenizer, env_cfg.limits(),
+                           env_cfg.workers or default_workers(), context)
+    reward_set = RewardSet(reward_specs, max_failure_fraction=1.0, timeout_s=reward_timeout_s,
+                           workers=reward_workers) if reward_specs else None
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=[tokenizer.eos_token_id])
+
+    def evaluate(model) -> tuple[dict, list[Episode], list[float]]:
+        def generate_fn(ids, turn_params, num_samples):
+            return generate(model, ids, turn_params, num_samples=num_samples, pad_token_id=tokenizer.pad_token_id)
+
+        episodes: list[Episode] = []
+        for start in range(0, len(problems), batch_size):
+            episodes += runner.run(generate_fn, problems[start:start + batch_size], 1, params)[0]
+        totals = score_episodes(episodes, reward_set, task, max_new_tokens).total
+        metrics = episode_metrics(episodes, {"time_generation": 0.0, "time_env": 0.0})
+        return ({"accuracy": (totals >= 1.0).float().mean().item(), "eval_reward": totals.mean().item(),
+                 "eval_turns": metrics["turns_per_episode"], "eval_tool_calls": metrics["tool_calls_per_episode"]},
+                episodes, totals.tolist())
+
+    def close() -> None:
+        runner.close()
+        if reward_set is not None:
+            reward_set.close()
+
+    evaluate.close = close
+    return evaluate
