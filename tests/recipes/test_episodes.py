@@ -1,0 +1,218 @@
+"""Episodes token-in / token-out, and the three proofs of issue 21: (a) the history holds the sampled
+ids verbatim under a tokenizer whose decode -> encode is not the identity; (b) the loss trains exactly
+the policy's tokens, and the same check catches a mask with one environment token switched on;
+(c) a one-turn environment gives exactly the single-turn GRPO run."""
+import types
+
+import pytest
+import torch
+
+from lmforge import rl
+from lmforge.config import ModelConfig, load_config
+from lmforge.envs.episode import EpisodeLimits, EpisodeRunner, episode_rollout
+from lmforge.errors import ConfigError
+from lmforge.losses import policy_loss
+from lmforge.models import load_model
+from lmforge.recipes.grpo import GRPOConfig, run_grpo
+from lmforge.rollout import RolloutBatch, SamplingParams, generate
+from lmforge.tokenizer import DEFAULT_CHAT_TEMPLATE
+from lmforge.train import Precision
+from episode_envs import Again, Hangs, Malformed, Raises
+from run_records import records
+
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<|user|>", "<|assistant|>", "<|system|>", "<|tool|>"]
+
+
+def merging_tokenizer():
+    """A BPE tokenizer with the merge a + b -> ab: the ids [a, b] decode to "ab", which encodes to [ab]."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + list("\nab+=0123456789egin") + ["ab"])}
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")]))
+    bpe.decoder = decoders.Fuse()
+    bpe.add_special_tokens(SPECIALS)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    tok.chat_template = DEFAULT_CHAT_TEMPLATE
+    return tok, vocab
+
+
+def scripted(turns: list[list[int]], pad: int):
+    """A generate function that answers round r with the ids ``turns[r]`` in every row (logprob -0.5 - i/10
+    for the i-th id), and records the prompts it was given."""
+    seen = []
+
+    def generate_fn(prompts, params, num_samples):
+        seen.append([list(p) for p in prompts])
+        sampled = turns[len(seen) - 1]
+        rows, n = len(prompts) * num_samples, len(sampled)
+        ids = torch.tensor([sampled] * rows)
+        ones = torch.ones(rows, n, dtype=torch.long)
+        logprobs = torch.tensor([[-0.5 - i / 10 for i in range(n)]] * rows)
+        prompt_ids = torch.full((rows, 1), pad)
+        return RolloutBatch(prompt_ids, torch.ones(rows, 1, dtype=torch.long), ids, ones, logprobs,
+                            torch.arange(rows), torch.ones(rows, dtype=torch.long), torch.full((rows,), n),
+                            torch.zeros(rows, dtype=torch.bool))
+
+    return generate_fn, seen
+
+
+def test_history_holds_the_sampled_ids_verbatim_under_a_non_identity_tokenizer():
+    tok, vocab = merging_tokenizer()
+    a, b, eos = vocab["a"], vocab["b"], vocab["<eos>"]
+    turns = [[a, b, eos], [b, a, b, eos], [a, b, a, eos]]  # every turn has a, b as two tokens
+    generate_fn, seen = scripted(turns, tok.pad_token_id)
+    runner = EpisodeRunner(Again(turns=3), tok, EpisodeLimits(max_turns=3), workers=2)
+    problem = types.SimpleNamespace(prompt="1+2=", answer="3")
+    episodes, _ = runner.run(generate_fn, [problem], 2, SamplingParams(max_new_tokens=8, stop_token_ids=[eos], seed=0))
+    runner.close()
+    for episode in episodes:
+        assert episode.end == "done" and episode.state.turn == 3
+        sampled = [i for i, t in zip(episode.ids, episode.trained) if t]
+        assert sampled == [i for turn in turns for i in turn]  # verbatim, stop tokens included
+        assert [lp for lp, t in zip(episode.logprobs, episode.trained) if t] == pytest.approx(
+            [-0.5 - i / 10 for turn in turns for i in range(len(turn))], abs=1e-7)
+        assert all(lp == 0.0 for lp, t in zip(episode.logprobs, episode.trained) if not t)
+        history = episode.prompt_ids + episode.ids
+        # the ids stand for the template's rendering of the whole conversation...
+        assert tok.decode(history) == runner.render(episode.state.messages[:-1]).rsplit("<|assistant|>", 1)[0] \
+            + "<|assistant|>\n" + tok.decode(turns[-1])
+        # ...yet re-encoding that text would change them: the tokenizer merges a, b into ab
+        assert tok(tok.decode(history), add_special_tokens=False)["input_ids"] != history
+        # each round's engine input was the previous history plus the new tokens, never re-encoded
+        assert seen[2][0] == episode.prompt_ids + episode.ids[:len(seen[2][0]) - len(episode.prompt_ids)]
+    assert seen[0] == [episodes[0].prompt_ids]  # round 0: a group's shared prompt, sampled twice
+
+
+def tiny(max_positions=256):
+    return load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2, num_heads=2,
+                                  max_position_embeddings=max_positions))
+
+
+def run_tiny_episodes(env, limits=EpisodeLimits(max_turns=3, max_episode_tokens=64), group_size=2, seed=0):
+    torch.manual_seed(0)
+    model, tok = tiny()
+    problems = [types.SimpleNamespace(prompt=f"{i}+{i}=", answer=str(2 * i)) for i in (1, 2)]
+    runner = EpisodeRunner(env, tok, limits, workers=2)
+    params = SamplingParams(max_new_tokens=6, stop_token_ids=[tok.eos_token_id], seed=seed)
+    episodes, times = runner.run(
+        lambda ids, p, n: generate(model, ids, p, num_samples=n, pad_token_id=tok.pad_token_id), problems,
+        group_size, params)
+    runner.close()
+    return model, tok, episodes, times
+
+
+def reference_grad(model, episodes, advantages, temperature):
+    """The GRPO policy gradient written out over the episodes' own record of the policy's tokens: for
+    each episode, -A * (mean over its sampled tokens of log p(token | everything before it)), averaged
+    over the episodes (seq_mean_token_mean, ratio 1 on-policy)."""
+    model.zero_grad()
+    total = 0.0
+    for episode, advantage in zip(episodes, advantages):
+        ids = torch.tensor([episode.prompt_ids + episode.ids])
+        logprobs = torch.log_softmax(model(input_ids=ids).logits[0].float() / temperature, -1)
+        offset = len(episode.prompt_ids)
+        sampled = [offset + t for t, trained in enumerate(episode.trained) if trained]
+        token_logprobs = torch.stack([logprobs[p - 1, ids[0, p]] for p in sampled])
+        total = total - advantage * token_logprobs.mean()
+    (total / len(episodes)).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def loss_grad(model, rollout, advantages, temperature, pad):
+    """The training path: pack the rollout, the logprobs of its trained tokens, the GRPO loss, backward."""
+    model.zero_grad()
+    batch = rl.pack_rollout(rollout, pad, need_rollout_logprobs=False).with_(advantages=advantages)
+    logprobs, _ = rl.policy_logprobs(model, batch, temperature, Precision(torch.device("cpu"), torch.float32))
+    loss, _ = policy_loss(logprobs, logprobs.detach(), batch.advantages, batch.trained_mask, loss_type="token_clip",
+                          aggregation="seq_mean_token_mean", eps_low=0.2, eps_high=0.2)
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def assert_trains_exactly_the_policy_tokens(model, episodes, rollout, pad):
+    advantages = torch.tensor([1.0, -0.5, 2.0, -1.5])
+    expected = reference_grad(model, episodes, advantages, 0.7)
+    got = loss_grad(model, rollout, advantages, 0.7, pad)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def multi_turn():
+    model, tok, episodes, _ = run_tiny_episodes(Again(turns=3))
+    assert all(e.state.turn == 3 and 0 in e.trained for e in episodes), "need episodes with environment tokens"
+    return model, tok, episodes, episode_rollout(episodes, 2, tok.pad_token_id)
+
+
+def test_loss_trains_exactly_the_policy_tokens_of_every_turn(multi_turn):
+    model, tok, episodes, rollout = multi_turn
+    assert int(rl.trained_spans(rollout.trained).amax()) == 3  # three separate spans per row
+    assert_trains_exactly_the_policy_tokens(model, episodes, rollout, tok.pad_token_id)
+
+
+def test_a_mask_with_one_environment_token_switched_on_is_caught(multi_turn):
+    model, tok, episodes, rollout = multi_turn
+    trained = rollout.trained_mask.clone()
+    environment = ((trained == 0) & (rollout.completion_mask == 1)).nonzero()[0]  # the first environment token
+    trained[environment[0], environment[1]] = 1
+    broken = RolloutBatch(**{**vars(rollout), "trained_mask": trained})
+    with pytest.raises(AssertionError):
+        assert_trains_exactly_the_policy_tokens(model, episodes, broken, tok.pad_token_id)
+
+
+@pytest.mark.parametrize("env, end, metric", [(Raises(), "env_error", "env_errors"),
+                                              (Malformed(), "malformed", "num_malformed_replies"),
+                                              (Hangs(), "timeout", "tool_timeouts")])
+def test_a_broken_environment_ends_its_episodes_counted(env, end, metric):
+    from lmforge.envs.episode import episode_metrics
+
+    limits = EpisodeLimits(max_turns=3, max_episode_tokens=64, timeout_s=0.3)
+    _, _, episodes, times = run_tiny_episodes(env, limits)
+    assert [e.end for e in episodes] == [end] * 4
+    assert all(e.num_trained > 0 for e in episodes)  # the turn that was sampled is kept
+    assert episode_metrics(episodes, times)[metric] == 4
+
+
+def test_limits_end_episodes_and_are_counted():
+    from lmforge.envs.episode import episode_metrics
+
+    _, _, episodes, times = run_tiny_episodes(Again(turns=5), EpisodeLimits(max_turns=2, max_episode_tokens=200))
+    assert [e.end for e in episodes] == ["turns"] * 4 and episode_metrics(episodes, times)["num_truncated_turns"] == 4
+    _, _, episodes, times = run_tiny_episodes(Again(turns=5), EpisodeLimits(max_turns=9, max_episode_tokens=20))
+    assert all(e.end == "episode_tokens" and len(e.ids) <= 20 for e in episodes)
+    assert episode_metrics(episodes, times)["num_truncated_episode_tokens"] == 4
+
+
+TINY = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
+        "model.max_position_embeddings=64"]
+ARGS = TINY + [
+    "data.task=addition", "data.num_train=64", "data.num_eval=4", "data.use_chat_template=on",
+    "rollout.num_prompts=2", "rollout.group_size=4", "rollout.max_new_tokens=4", "rewards.functions=[parity]",
+    "train.max_steps=3", "train.micro_batch_size=2", "train.eval_every=0", "train.threads=1", "optim.lr=1e-2",
+    "logging.progress=false", "algo.preset=grpo", "algo.num_iterations=2", "algo.num_mini_batches=2",
+]
+
+
+def test_a_one_turn_environment_gives_exactly_the_single_turn_run(tmp_path):
+    plain = run_grpo(load_config(GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path / 'plain'}"]))
+    env = run_grpo(load_config(GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path / 'env'}",
+                                                         "env.name=episode_envs:OneTurn", "env.max_episode_tokens=8"]))
+    plain_steps, env_steps = records(plain["run_dir"]), records(env["run_dir"])
+    assert sorted(plain_steps) == sorted(env_steps) == [1, 2, 3]
+    for step in plain_steps:
+        for key in ("loss", "pg_loss", "kl", "reward", "reward_std", "grad_norm", "ratio_max", "completion_len_mean"):
+            assert env_steps[step][key] == plain_steps[step][key], (step, key)
+        assert env_steps[step]["turns_per_episode"] == 1.0
+
+
+@pytest.mark.parametrize("override, match", [
+    (["env.max_turns=4"], "not used without env.name"),
+    (["env.name=episode_envs:OneTurn", "rollout.backend=vllm"], "rollout.backend=vllm is not supported"),
+    (["env.name=episode_envs:OneTurn", "data.use_chat_template=off"], "rendered through the chat template"),
+    (["env.name=no_such_env"], "not a built-in environment"),
+    (["rollout.backend=episodes"], "set env.name"),
+])
+def test_env_config_errors(tmp_path, override, match):
+    with pytest.raises(ConfigError, match=match):
+        run_grpo(load_config(GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path / 'run'}"] + override))
