@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib
 import os
 import statistics
 import tempfile
@@ -294,8 +295,9 @@ def main() -> None:
     torch.manual_seed(0)
     model, tokenizer = load(args.quick)
     total = args.warmup + args.steps
-    import trl
     import transformers
+
+    trl_version = "-" if args.no_trl else importlib.import_module("trl").__version__  # --no-trl runs without trl
 
     with tempfile.TemporaryDirectory() as out_dir:
         trl_model = None if args.no_trl else copy.deepcopy(model)
@@ -303,7 +305,7 @@ def main() -> None:
                                     total + int(args.profile))
         print(f"[bench] model={'tiny' if args.quick else 'SmolLM2-135M-Instruct'} "
               f"params={count_parameters(model) / 1e6:.1f}M fp32 threads={torch.get_num_threads()} "
-              f"torch={torch.__version__} transformers={transformers.__version__} trl={trl.__version__} "
+              f"torch={torch.__version__} transformers={transformers.__version__} trl={trl_version} "
               f"rows={args.prompts}x{args.samples} new_tokens={args.new_tokens} steps={args.warmup}+{args.steps} "
               f"lmforge rollout.dtype={args.rollout_dtype}",
               flush=True)
