@@ -216,3 +216,30 @@ def test_a_one_turn_environment_gives_exactly_the_single_turn_run(tmp_path):
 def test_env_config_errors(tmp_path, override, match):
     with pytest.raises(ConfigError, match=match):
         run_grpo(load_config(GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path / 'run'}"] + override))
+
+
+MULTI = [a for a in ARGS if not a.startswith(("model.max_position_embeddings", "train.max_steps"))] + [
+    "model.max_position_embeddings=128", "train.max_steps=4", "train.save_every=2", "train.keep_last=10",
+    "env.name=episode_envs:Again", "env.args={turns: 2}", "env.max_episode_tokens=40"]
+
+
+@pytest.mark.parametrize("overlap", [[], ["rollout.async_steps=1", "algo.is_level=token"]], ids=["sync", "async"])
+def test_episode_runs_resume_bit_for_bit(tmp_path, overlap):
+    from run_records import assert_resume_is_bit_exact
+
+    args = MULTI + overlap
+    out = tmp_path / "run"
+    run_grpo(load_config(GRPOConfig, None, args + [f"train.output_dir={out}"]))
+    steps = records(out)
+    assert all(r["turns_per_episode"] > 1 for r in steps.values())
+    assert_resume_is_bit_exact(run_grpo, GRPOConfig, args, out, tmp_path / "resumed", 2,
+                               ("loss", "reward", "kl", "grad_norm", "turns_per_episode"))
+
+
+def test_ppo_trains_on_episodes(tmp_path):
+    from lmforge.recipes.ppo import PPOConfig, run_ppo
+
+    args = [a for a in MULTI if not a.startswith(("algo.", "train.save_every", "train.max_steps"))]
+    run_ppo(load_config(PPOConfig, None, args + ["train.max_steps=2", f"train.output_dir={tmp_path / 'ppo'}"]))
+    steps = records(tmp_path / "ppo")
+    assert sorted(steps) == [1, 2] and all(r["turns_per_episode"] > 1 and r["grad_norm"] > 0 for r in steps.values())
