@@ -22,7 +22,7 @@ from .fileio import read_text
 DEFAULT_ALPHABET = "0123456789+-*= \n"
 # Printable ASCII and the newline: for char-level models that read and write more than digits, e.g.
 # the built-in tool-use environments' tool calls (JSON) and messages. ``load_tokenizer("char:ascii")``.
-ASCII_ALPHABET = "".join(map(chr, range(32, 127))) + "\n"
+ASCII_ALPHABET = "".join(map(chr, range(32, 127))) + "\n"  # (with TOOLS_CHAT_TEMPLATE, below)
 CHAR_ALPHABETS = {"char": DEFAULT_ALPHABET, "char:ascii": ASCII_ALPHABET}  # char-level tokenizer specs
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -38,6 +38,17 @@ DEFAULT_CHAT_TEMPLATE = (
     "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+# The default template that also renders ``tools`` (OpenAI schemas), as one short system turn listing each
+# tool with its parameters, e.g. ``<|system|>\ncalculator(expression)<eos>\n``: the tool format of the
+# ``char:ascii`` tokenizer, which a tiny model learns from demonstrations rather than reads (the default
+# tool format of lmforge.envs.toolcalls, a JSON system block of some 600 characters, is for models that read).
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|system|>\n' }}{% for tool in tools %}{% set fn = tool.get('function', tool) %}"
+    "{{ fn['name'] + '(' + (fn.get('parameters', {}).get('properties', {}) | join(', ')) + ')' }}"
+    "{% if not loop.last %}{{ ' ' }}{% endif %}{% endfor %}{{ eos_token + '\n' }}{% endif %}"
+    + DEFAULT_CHAT_TEMPLATE
 )
 
 
@@ -139,7 +150,10 @@ def load_tokenizer(spec: str):
     Hub ids and GGUF files are resolved by the model loader, not here.
     """
     if spec in CHAR_ALPHABETS:
-        return char_tokenizer(CHAR_ALPHABETS[spec])
+        tokenizer = char_tokenizer(CHAR_ALPHABETS[spec])
+        if spec == "char:ascii":
+            tokenizer.chat_template = TOOLS_CHAT_TEMPLATE
+        return tokenizer
     path = Path(spec).expanduser()
     if path.is_dir():
         from transformers import AutoTokenizer

@@ -9,7 +9,9 @@ mapped with ``data.columns`` where they are named otherwise; other keys are igno
 How rows become tokens:
 
 - ``messages`` rows are rendered with the tokenizer's chat template (or :data:`DEFAULT_CHAT_TEMPLATE`
-  when it has none) and encoded without adding special tokens (the template adds what it wants).
+  when it has none) and encoded without adding special tokens (the template adds what it wants). A
+  row's optional ``tools`` (OpenAI tool schemas) go to the template too (``apply_chat_template(...,
+  tools=...)``; a template without tool support ignores them).
 - ``prompt``/``completion`` rows use the chat format (as one user and one assistant message) when
   :func:`uses_chat_format` says so, else the raw format ``ids(prompt) + ids(completion) + [eos]``,
   each piece encoded without special tokens.
@@ -68,6 +70,9 @@ def _check_row(row: object, where: str) -> dict:
                     raise DataError(f"{where}: messages[{i}].{key} must be a string, got {kind}")
         if not any(m["role"] == "assistant" for m in messages):
             raise DataError(f"{where}: 'messages' has no assistant message, so there is nothing to train on")
+        tools = row.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise DataError(f"{where}: 'tools' must be a list of OpenAI tool schemas (objects), got {tools!r:.80}")
         return row
     if has_pair:
         for key in ("prompt", "completion"):
@@ -143,10 +148,10 @@ def uses_chat_format(tokenizer, use_chat_template: str = "auto") -> bool:
     return use_chat_template == "on"
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
     template = getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
     return tokenizer.apply_chat_template(
-        messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt
+        messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools
     )
 
 
@@ -161,8 +166,8 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     return _encode(tokenizer, prompt)
 
 
-def _chat_example(tokenizer, messages: list[dict], completion_only: bool) -> SFTExample:
-    text = _render(tokenizer, messages, add_generation_prompt=False)
+def _chat_example(tokenizer, messages: list[dict], completion_only: bool, tools: list[dict] | None = None) -> SFTExample:
+    text = _render(tokenizer, messages, add_generation_prompt=False, tools=tools)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
     if not completion_only:
@@ -171,8 +176,8 @@ def _chat_example(tokenizer, messages: list[dict], completion_only: bool) -> SFT
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        through = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
+        through = _render(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
         if not (text.startswith(before) and text.startswith(through) and through.startswith(before)):
             raise ValueError(
                 "the chat template does not render conversations prefix by prefix (rendering the first "
@@ -218,7 +223,7 @@ def tokenize_sft(
     for number, row in enumerate(rows, start=1):
         row = _check_row(row, f"row {number}")
         if "messages" in row:
-            example = _chat_example(tokenizer, row["messages"], completion_only)
+            example = _chat_example(tokenizer, row["messages"], completion_only, row.get("tools"))
         elif chat:
             messages = [
                 {"role": "user", "content": row["prompt"]},

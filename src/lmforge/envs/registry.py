@@ -8,9 +8,14 @@ from typing import Any
 
 from ..errors import ConfigError
 from .base import Environment
+from .calculator import Calculator
+from .guess_number import GuessNumber
 
 # Built-in environments: name -> class (one line each).
-ENVIRONMENTS: dict[str, type] = {}
+ENVIRONMENTS: dict[str, type] = {
+    "calculator": Calculator,  # multiplication with a calculator tool (data.task: multiplication)
+    "guess_number": GuessNumber,  # guess a secret number, told higher / lower (data.task: guess_number)
+}
 
 
 def resolve_environment(name: str) -> type:

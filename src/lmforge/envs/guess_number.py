@@ -1,0 +1,86 @@
+"""``guess_number``: find a secret number from 1 to N, told "higher" or "lower" after each wrong guess.
+
+The problems are the ``guess_number`` task's (``data.task: guess_number:high=100``): every game opens
+with the same user message, ``"guess 1-100"``, and the secret is the problem's answer. Each assistant
+message is one guess, a number written alone::
+
+    user       guess 1-100
+    assistant  50
+    user       lower
+    assistant  25
+    user       higher
+    assistant  37            (the secret: the episode ends)
+
+Rewards (parts of the last step): ``solved`` 1.0 when a guess is the secret, and then ``speed``:
+``speed_bonus`` for every guess of ``max_guesses`` left unused, so of two games that both solve, the
+shorter scores higher, and an episode reaches full marks (reward >= 1, the held-out ``accuracy``)
+exactly when it solves. A reply that is not a whole number from 1 to N is answered ``"invalid"``, counted
+in ``state.counts["invalid_guesses"]`` and costs its guess. After ``max_guesses`` guesses without the
+secret the episode ends unsolved (reward 0).
+
+:meth:`GuessNumber.demonstration` is the scripted player of the SFT warm-up (lmforge.envs.demos): it
+guesses uniformly among the numbers the feedback so far leaves possible, a valid but slow strategy
+(about 2 ln N guesses; halving the range takes about log2 N), which RL can then shorten.
+"""
+from __future__ import annotations
+
+import random
+import re
+
+from ..errors import ConfigError
+from .base import EpisodeState, Message, StepResult
+
+_OPENING = re.compile(r"guess 1-(\d+)")
+INVALID_GUESSES = "invalid_guesses"  # the state.counts key of replies that are not a number in range
+
+
+class GuessNumber:
+    """The guessing game of the module doc; ``max_guesses`` ends an unsolved game, ``speed_bonus`` is the
+    reward per unused guess of a solved one."""
+
+    tools: list[dict] = []
+
+    def __init__(self, max_guesses: int = 8, speed_bonus: float = 0.1):
+        if max_guesses < 1:
+            raise ValueError(f"max_guesses must be >= 1, got {max_guesses}")
+        if not speed_bonus >= 0:
+            raise ValueError(f"speed_bonus must be >= 0, got {speed_bonus}")
+        self.max_guesses = max_guesses
+        self.speed_bonus = speed_bonus
+
+    def reset(self, problem, state: EpisodeState) -> list[Message]:
+        prompt, answer = (problem["prompt"], problem["answer"]) if isinstance(problem, dict) \
+            else (problem.prompt, problem.answer)
+        opening = _OPENING.fullmatch(prompt.strip())
+        if not opening or not str(answer).isdigit() or not 1 <= int(answer) <= int(opening.group(1)):
+            raise ConfigError(f"guess_number: a problem needs the prompt 'guess 1-N' and a secret from 1 to N as "
+                              f"its answer, got prompt {prompt!r} and answer {answer!r}; use "
+                              "data.task=guess_number (lmforge.data.tasks.GuessNumber)")
+        state.info.update(high=int(opening.group(1)), secret=int(answer), guesses=[], low_bound=1,
+                          high_bound=int(opening.group(1)))
+        return [{"role": "user", "content": prompt.strip()}]
+
+    def step(self, state: EpisodeState, message: Message) -> StepResult:
+        info = state.info
+        text = message["content"].strip()
+        guess = int(text) if text.isascii() and text.isdigit() else None
+        info["guesses"].append(guess)
+        if guess is None or not 1 <= guess <= info["high"]:
+            state.counts[INVALID_GUESSES] = state.counts.get(INVALID_GUESSES, 0) + 1
+            reply = "invalid"
+        elif guess == info["secret"]:
+            unused = self.max_guesses - len(info["guesses"])
+            return StepResult([], {"solved": 1.0, "speed": self.speed_bonus * unused}, done=True)
+        elif guess < info["secret"]:
+            info["low_bound"] = max(info["low_bound"], guess + 1)
+            reply = "higher"
+        else:
+            info["high_bound"] = min(info["high_bound"], guess - 1)
+            reply = "lower"
+        if len(info["guesses"]) >= self.max_guesses:
+            return StepResult([], {"solved": 0.0, "speed": 0.0}, done=True)
+        return StepResult([{"role": "user", "content": reply}], {}, done=False)
+
+    def demonstration(self, state: EpisodeState, rng: random.Random) -> str:
+        """The scripted player's next guess: uniform among the numbers still possible (module doc)."""
+        return str(rng.randint(state.info["low_bound"], state.info["high_bound"]))
