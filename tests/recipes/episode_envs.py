@@ -72,3 +72,24 @@ class Hangs(Raises):
 class Malformed(Raises):
     def step(self, state, message):
         return StepResult([{"role": "user", "content": 42}], {}, done=False)
+
+
+class Recorder(Again):
+    """``Again``, writing each episode's prompt to ``<path>.<pid>`` when it starts (which process
+    played which problems)."""
+
+    def __init__(self, path: str, turns: int = 2):
+        super().__init__(turns)
+        self.path = path
+
+    def reset(self, problem, state):
+        import os
+        import threading
+
+        with _LOCK.setdefault("lock", threading.Lock()):
+            with open(f"{self.path}.{os.getpid()}", "a") as handle:
+                handle.write(problem.prompt + "\n")
+        return super().reset(problem, state)
+
+
+_LOCK: dict = {}

@@ -98,8 +98,8 @@ class EpisodeRunner:
 
     def _call_all(self, calls: list[Callable[[], Any]]) -> list[tuple[str, Any]]:
         """Run ``calls`` on the pool: each ``("ok", value)``, ``("error", text)`` or ``("timeout", text)``.
-        A call's clock starts when a worker takes it; an overdue call is abandoned (its thread finishes
-        in the background) and the pool replaced, so that the next round has all its workers."""
+        A call's clock starts when a worker takes it. An overdue call is abandoned (its thread finishes
+        in the background): the pool is replaced and the calls still waiting move to the new one."""
         futures = [self.pool.submit(_traced, call) for call in calls]
         results: dict[int, tuple[str, Any]] = {}
         started: dict[int, float] = {}
@@ -108,7 +108,7 @@ class EpisodeRunner:
         while pending:
             cf.wait([futures[i] for i in pending], timeout=0.01 if limit else None,
                     return_when=cf.FIRST_COMPLETED if limit else cf.ALL_COMPLETED)
-            now = time.monotonic()
+            now, overdue = time.monotonic(), False
             for i in list(pending):
                 future = futures[i]
                 if future.done():
@@ -119,9 +119,13 @@ class EpisodeRunner:
                     if limit and now - started[i] > limit:
                         results[i] = ("timeout", f"no answer after {limit:g} s (env.tool_timeout_s)")
                         pending.discard(i)
-        if any(status == "timeout" for status, _ in results.values()):
-            self.pool.shutdown()  # the stuck thread finishes in the background
-            self.pool = DaemonThreadPool(self.workers, name="env")
+                        overdue = True
+            if overdue:
+                self.pool.shutdown()  # the stuck thread finishes in the background
+                self.pool = DaemonThreadPool(self.workers, name="env")
+                for i in pending:
+                    if futures[i].cancel():  # not started yet: run it on the new pool
+                        futures[i] = self.pool.submit(_traced, calls[i])
         return [results[i] for i in range(len(futures))]
 
     # ------------------------------------------------------------------------- the token rule
