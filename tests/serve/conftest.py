@@ -68,3 +68,21 @@ def server():
     running = ThreadServer(ServedModel(model, tokenizer, "tiny-test", max_batch_rows=32, gather_s=0.005))
     yield running
     running.stop()
+
+
+@pytest.fixture
+def serve_model():
+    """Start a server on a given (model, tokenizer); every server started is stopped after the test."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from lmforge.serve.app import ServedModel
+
+    started = []
+
+    def start(model, tokenizer, name: str = "tiny-test") -> ThreadServer:
+        started.append(ThreadServer(ServedModel(model, tokenizer, name, max_batch_rows=8, gather_s=0.005)))
+        return started[-1]
+
+    yield start
+    for running in started:
+        running.stop()

@@ -31,6 +31,7 @@ from .protocol import (
 )
 from .scheduler import BatchScheduler, GenerationRequest, ServeError
 from .stream import feed, sse_events
+from .tools import ToolRequestError, continue_prompt, render_chat, request_tools
 from .weights import WeightsError, check_state, copy_state, read_checkpoint_dir, read_tensor_bytes
 
 INSTALL_HINT = "lmforge serve needs FastAPI and uvicorn: pip install 'lmforge[serve]' (or: pip install fastapi uvicorn)"
@@ -118,7 +119,7 @@ class ServedModel:
     async def generate(self, prompt: list[int], body, max_tokens: int):
         return await asyncio.wrap_future(self.submit(self.request(prompt, body, max_tokens)))
 
-    def stream(self, kind: str, prompts: list[list[int]], budgets: list[int], body):
+    def stream(self, kind: str, prompts: list[list[int]], budgets: list[int], body, parse_tools: bool = False):
         """A StreamingResponse of server-sent events for ``prompts`` (``stream.py``)."""
         from fastapi.responses import StreamingResponse
 
@@ -128,7 +129,8 @@ class ServedModel:
                     for prompt, budget, (on_token, _) in zip(prompts, budgets, callbacks)]
         for request, (_, on_done) in zip(requests, callbacks):  # all checked before any is submitted
             self.submit(request).add_done_callback(on_done)
-        events = sse_events(kind, self.name, requests, body, prompts, self.decode_text, self.decode_token, queue)
+        events = sse_events(kind, self.name, requests, body, prompts, self.decode_text, self.decode_token, queue,
+                            parse_tools)
         return StreamingResponse(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
 
@@ -255,15 +257,20 @@ def add_generation_routes(app, served: ServedModel) -> None:
     async def chat(body: ChatRequest):
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
-            text = served.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # a template error is about the request's messages
-            raise RequestError(f"the chat template could not render these messages: {exc}", param="messages") from exc
-        prompt = served.encode(text)
+            tools, parse_tools = request_tools(body)
+            if body.prefix_token_ids is None:
+                prompt = served.encode(render_chat(served.tokenizer, messages, tools))
+            else:  # token-in: the conversation so far as ids, only the new messages rendered (tools.py)
+                prompt = continue_prompt(served.tokenizer, messages, tools, body.prefix_token_ids,
+                                         served.stop_token_ids, served.encode)
+        except ToolRequestError as exc:
+            raise RequestError(str(exc), param=exc.param) from exc
         max_tokens = served.check_prompt(prompt, body.max_completion_tokens or body.max_tokens, None)
         if body.stream:
-            return served.stream("chat", [prompt], [max_tokens], body)
+            return served.stream("chat", [prompt], [max_tokens], body, parse_tools)
         result = await served.generate(prompt, body, max_tokens)
-        return _reply(chat_body(served.name, prompt, result, body, served.decode_text, served.decode_token))
+        return _reply(chat_body(served.name, prompt, result, body, served.decode_text, served.decode_token,
+                                parse_tools))
 
 
 def add_weight_routes(app, served: ServedModel) -> None:

@@ -1,7 +1,7 @@
 """The OpenAI wire format that ``lmforge serve`` speaks: request models, validation, response bodies.
 
 Requests are pydantic models that forbid unknown fields: a sampling option the server would silently
-ignore (``best_of``, ``suffix``, ``tools``, ...) would give a trainer samples from a distribution
+ignore (``best_of``, ``suffix``, ``parallel_tool_calls``, ...) would give a trainer samples from a distribution
 other than the one it asked for, so it is a 400 that names the field instead. Types are strict: a
 string where a number belongs (``"max_tokens": "4"``) is a 400 too, not coerced.
 
@@ -10,25 +10,27 @@ Supported OpenAI sampling options: ``n``, ``temperature``, ``top_p``, ``max_toke
 (OpenAI's definition, ``scheduler.py``), ``logit_bias``, ``logprobs`` / ``top_logprobs`` (the N most
 likely alternatives of the distribution each token was drawn from), ``echo`` (completions, without
 logprobs), ``stream`` with ``stream_options.include_usage`` (server-sent events in OpenAI's chunk
-format, ``stream.py``).
+format, ``stream.py``), ``tools`` with ``tool_choice`` "auto" / "none" (``tools.py``).
 
 Extensions to the OpenAI format, all additive (the ``openai`` client ignores them, or exposes them as
 extra attributes): every response carries ``weight_version``; every choice carries ``token_ids``
 (the sampled ids, stop token included) and the response ``prompt_token_ids``, so that a trainer
 gets exactly the tokens that were scored, without re-tokenising text; completions' ``logprobs`` and
 chat's ``logprobs.content`` hold the logprob of each sampled token under the sampling distribution
-(see ``rollout/engine.py``).
+(see ``rollout/engine.py``). A chat request may carry ``prefix_token_ids``: the conversation's ids
+through its last assistant message, to which only the newer messages' tokens are added (``tools.py``).
 """
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Union
+from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..rollout.engine import SamplingParams
 from .scheduler import GenerationResult
+from .tools import tool_reply
 
 
 class _Strict(BaseModel):
@@ -94,10 +96,41 @@ class CompletionRequest(_Sampling):
         return self.logprobs or 0
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object, as a string (OpenAI's format)
+
+
+class ToolCallPart(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: str
-    content: str
+    content: str | None = None  # None: an assistant message that only calls tools
     name: str | None = None
+    tool_calls: list[ToolCallPart] | None = None  # an assistant's calls, sent back in the conversation
+    tool_call_id: str | None = None  # a role "tool" message: the call it answers
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        return self
+
+
+class FunctionSpec(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema, given to the chat template as is
+    strict: bool | None = None  # only false or absent: decoding is not constrained to the schema
+
+
+class ToolSpec(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
 
 
 class ChatRequest(_Sampling):
@@ -105,6 +138,9 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)  # needs logprobs=true (as OpenAI)
     max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[ToolSpec] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None  # "auto" or "none" (tools.py says why not more)
+    prefix_token_ids: list[int] | None = None  # extension: the conversation's ids through its last reply
 
     @field_validator("top_logprobs")
     @classmethod
@@ -189,19 +225,33 @@ def completion_body(model_name: str, prompts: list[list[int]], results: list[Gen
 
 
 def chat_body(model_name: str, prompt: list[int], result: GenerationResult, request: ChatRequest,
-              decode, decode_token) -> dict[str, Any]:
-    """The /v1/chat/completions response for the n samples of one conversation."""
+              decode, decode_token, parse_tools: bool = False) -> dict[str, Any]:
+    """The /v1/chat/completions response for the n samples of one conversation; with ``parse_tools``
+    each reply's ``<tool_call>`` blocks become ``tool_calls`` (``tools.tool_reply``)."""
     choices = []
     for sample in result.samples:
-        choice = {"index": len(choices), "finish_reason": sample.finish_reason, "token_ids": sample.token_ids,
-                  "message": {"role": "assistant", "content": cut_at_stop(decode(sample.token_ids), request.stop)},
-                  "logprobs": chat_logprobs(sample.token_ids, sample.logprobs, sample.top_logprobs, request,
-                                            decode_token)}
+        choice = chat_choice(len(choices), cut_at_stop(decode(sample.token_ids), request.stop),
+                             sample.finish_reason, parse_tools)
+        choice["token_ids"] = sample.token_ids
+        choice["logprobs"] = chat_logprobs(sample.token_ids, sample.logprobs, sample.top_logprobs, request,
+                                           decode_token)
         choices.append(choice)
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": model_name, "choices": choices, "prompt_token_ids": prompt,
             "usage": usage(len(prompt), sum(len(s.token_ids) for s in result.samples)),
             "weight_version": result.weight_version}
+
+
+def chat_choice(index: int, text: str, finish_reason: str, parse_tools: bool) -> dict[str, Any]:
+    """A chat choice's ``index``, ``message`` and ``finish_reason`` (and ``tool_call_errors``, an
+    extension, when a reply's tool call was malformed)."""
+    if not parse_tools:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+    message, finish_reason, errors = tool_reply(text, finish_reason)
+    choice = {"index": index, "message": message, "finish_reason": finish_reason}
+    if errors:
+        choice["tool_call_errors"] = errors
+    return choice
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,

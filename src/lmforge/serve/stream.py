@@ -13,6 +13,11 @@ character still incomplete in UTF-8 (a multi-byte character split over tokens), 
 request has stop strings, the last ``len(longest stop) - 1`` characters, which may yet start a stop
 string; the text the client ends with is the non-streamed response's (cut before the stop string).
 
+Tools (chat with ``tools`` and ``tool_choice`` "auto"). Whether a reply is text or tool calls is known
+only at its end, so each token's chunk carries its id and logprob with an empty delta, and the choice's
+last chunk carries the whole reply as the non-streamed response has it: ``delta.content`` and/or
+``delta.tool_calls`` (each with its ``index``), ``finish_reason: "tool_calls"``.
+
 A client that disconnects closes the generator: its requests are cancelled and their rows leave the
 batch at the next step. A generation failure mid-stream ends the stream with an ``error`` event.
 """
@@ -24,7 +29,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable
 
-from .protocol import chat_logprobs, completion_logprobs, cut_at_stop, usage
+from .protocol import chat_choice, chat_logprobs, completion_logprobs, cut_at_stop, usage
 from .scheduler import GenerationRequest
 
 
@@ -58,11 +63,23 @@ def _sse(payload: dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
+def tool_delta(index: int, text: ChoiceText, finish: str) -> dict[str, Any]:
+    """A tools choice's last chunk piece: the whole reply as ``delta`` (module doc), and its finish."""
+    choice = chat_choice(index, cut_at_stop(text.decode(text.tokens), text.stops), finish, parse_tools=True)
+    message = choice.pop("message")
+    delta = {"content": message["content"]}
+    if "tool_calls" in message:
+        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+    return {"delta": delta, **{k: v for k, v in choice.items() if k != "index"}}
+
+
 async def sse_events(kind: str, model_name: str, requests: list[GenerationRequest], body, prompts: list[list[int]],
-                     decode: Callable, decode_token: Callable, queue: asyncio.Queue) -> AsyncIterator[str]:
+                     decode: Callable, decode_token: Callable, queue: asyncio.Queue,
+                     parse_tools: bool = False) -> AsyncIterator[str]:
     """The event stream of ``requests`` (one per prompt, each with ``body.n`` samples), whose
     ``on_token`` callbacks feed ``queue`` with ``(prompt, sample, token, logprob, top, finish, version)``
-    and whose futures add ``("done", prompt, future)`` when they end."""
+    and whose futures add ``("done", prompt, future)`` when they end. ``parse_tools``: chat replies
+    are parsed for tool calls (module doc)."""
     chat = kind == "chat"
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -101,8 +118,11 @@ async def sse_events(kind: str, model_name: str, requests: list[GenerationReques
             completion_tokens += 1
             delta = texts[(p, i)].push(token, finish is not None)
             if chat:
-                piece = {"delta": {"content": delta}, "logprobs": chat_logprobs([token], [logprob], [top], body,
-                                                                                  decode_token)}
+                piece = {"delta": {"content": "" if parse_tools else delta},
+                         "logprobs": chat_logprobs([token], [logprob], [top], body, decode_token)}
+                if parse_tools and finish is not None:
+                    piece.update(tool_delta(p * n + i, texts[(p, i)], finish))
+                    finish = piece.pop("finish_reason")
             else:
                 piece = {"text": delta, "logprobs": completion_logprobs([token], [logprob], [top], body, decode_token)}
             yield _sse(chunk(p * n + i, piece, finish, token, version))
