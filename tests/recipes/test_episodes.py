@@ -89,30 +89,49 @@ def tiny(max_positions=256):
                                   max_position_embeddings=max_positions))
 
 
-def run_tiny_episodes(env, limits=EpisodeLimits(max_turns=3, max_episode_tokens=64), group_size=2, seed=0):
+def run_tiny_episodes(env, limits=EpisodeLimits(max_turns=3, max_episode_tokens=64), group_size=2, seed=0,
+                      calls=None):
+    """Episodes of two problems with a tiny model; each engine call's (prompts, rollout) goes to ``calls``."""
     torch.manual_seed(0)
     model, tok = tiny()
     problems = [types.SimpleNamespace(prompt=f"{i}+{i}=", answer=str(2 * i)) for i in (1, 2)]
     runner = EpisodeRunner(env, tok, limits, workers=2)
     params = SamplingParams(max_new_tokens=6, stop_token_ids=[tok.eos_token_id], seed=seed)
-    episodes, times = runner.run(
-        lambda ids, p, n: generate(model, ids, p, num_samples=n, pad_token_id=tok.pad_token_id), problems,
-        group_size, params)
+
+    def sample(ids, p, n):
+        rollout = generate(model, ids, p, num_samples=n, pad_token_id=tok.pad_token_id)
+        if calls is not None:
+            calls.append(([list(i) for i in ids for _ in range(n)], rollout))
+        return rollout
+
+    episodes, times = runner.run(sample, problems, group_size, params)
     runner.close()
     return model, tok, episodes, times
 
 
-def reference_grad(model, episodes, advantages, temperature):
-    """The GRPO policy gradient written out over the episodes' own record of the policy's tokens: for
-    each episode, -A * (mean over its sampled tokens of log p(token | everything before it)), averaged
-    over the episodes (seq_mean_token_mean, ratio 1 on-policy)."""
+def sampled_positions(episode, calls) -> list[int]:
+    """Where the engine's samples sit in the episode's ids (prompt included), found from the engine
+    calls alone: a row's sample follows its input, and both are a prefix of the episode's ids."""
+    full, positions = episode.prompt_ids + episode.ids, set()
+    for inputs, rollout in calls:
+        for row, history in enumerate(inputs):
+            sample = rollout.completion_ids[row, :int(rollout.completion_lens[row])].tolist()
+            kept = sample[:len(full) - len(history)]  # (a last reply may be cut to the token budget)
+            if kept and full[:len(history)] == history and full[len(history):len(history) + len(kept)] == kept:
+                positions.update(range(len(history), len(history) + len(kept)))
+    return sorted(positions)
+
+
+def reference_grad(model, episodes, calls, advantages, temperature):
+    """The GRPO policy gradient written out over the tokens the engine sampled: for each episode, -A *
+    (mean over its sampled tokens of log p(token | everything before it)), averaged over the episodes
+    (seq_mean_token_mean, ratio 1 on-policy)."""
     model.zero_grad()
     total = 0.0
     for episode, advantage in zip(episodes, advantages):
         ids = torch.tensor([episode.prompt_ids + episode.ids])
         logprobs = torch.log_softmax(model(input_ids=ids).logits[0].float() / temperature, -1)
-        offset = len(episode.prompt_ids)
-        sampled = [offset + t for t, trained in enumerate(episode.trained) if trained]
+        sampled = sampled_positions(episode, calls)
         token_logprobs = torch.stack([logprobs[p - 1, ids[0, p]] for p in sampled])
         total = total - advantage * token_logprobs.mean()
     (total / len(episodes)).backward()
@@ -130,9 +149,9 @@ def loss_grad(model, rollout, advantages, temperature, pad):
     return [p.grad.clone() for p in model.parameters()]
 
 
-def assert_trains_exactly_the_policy_tokens(model, episodes, rollout, pad):
+def assert_trains_exactly_the_policy_tokens(model, episodes, calls, rollout, pad):
     advantages = torch.tensor([1.0, -0.5, 2.0, -1.5])
-    expected = reference_grad(model, episodes, advantages, 0.7)
+    expected = reference_grad(model, episodes, calls, advantages, 0.7)
     got = loss_grad(model, rollout, advantages, 0.7, pad)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
@@ -140,25 +159,26 @@ def assert_trains_exactly_the_policy_tokens(model, episodes, rollout, pad):
 
 @pytest.fixture(scope="module")
 def multi_turn():
-    model, tok, episodes, _ = run_tiny_episodes(Again(turns=3))
+    calls = []
+    model, tok, episodes, _ = run_tiny_episodes(Again(turns=3), calls=calls)
     assert all(e.state.turn == 3 and 0 in e.trained for e in episodes), "need episodes with environment tokens"
-    return model, tok, episodes, episode_rollout(episodes, 2, tok.pad_token_id)
+    return model, tok, episodes, calls, episode_rollout(episodes, 2, tok.pad_token_id)
 
 
 def test_loss_trains_exactly_the_policy_tokens_of_every_turn(multi_turn):
-    model, tok, episodes, rollout = multi_turn
+    model, tok, episodes, calls, rollout = multi_turn
     assert int(rl.trained_spans(rollout.trained).amax()) == 3  # three separate spans per row
-    assert_trains_exactly_the_policy_tokens(model, episodes, rollout, tok.pad_token_id)
+    assert_trains_exactly_the_policy_tokens(model, episodes, calls, rollout, tok.pad_token_id)
 
 
 def test_a_mask_with_one_environment_token_switched_on_is_caught(multi_turn):
-    model, tok, episodes, rollout = multi_turn
+    model, tok, episodes, calls, rollout = multi_turn
     trained = rollout.trained_mask.clone()
     environment = ((trained == 0) & (rollout.completion_mask == 1)).nonzero()[0]  # the first environment token
     trained[environment[0], environment[1]] = 1
     broken = RolloutBatch(**{**vars(rollout), "trained_mask": trained})
     with pytest.raises(AssertionError):
-        assert_trains_exactly_the_policy_tokens(model, episodes, broken, tok.pad_token_id)
+        assert_trains_exactly_the_policy_tokens(model, episodes, calls, broken, tok.pad_token_id)
 
 
 @pytest.mark.parametrize("env, end, metric", [(Raises(), "env_error", "env_errors"),
