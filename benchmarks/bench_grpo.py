@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import importlib
 import os
 import statistics
@@ -95,7 +96,8 @@ def lmforge_state(model, tokenizer, args, out_dir: str, total_steps: int):
     cfg = load_config(GRPOConfig, None, overrides)
     algo = cfg.algo.resolved()
     state = rl.prepare(cfg, "bench_grpo", algo, model=model, tokenizer=tokenizer)
-    state.train.tokenizer = NoStopTokenizer(tokenizer)
+    # The sampler reads its stop token from the source's setup (rl.sources.SourceSetup), built by prepare.
+    state.source.setup = dataclasses.replace(state.source.setup, tokenizer=NoStopTokenizer(tokenizer))
     return state, algo
 
 
