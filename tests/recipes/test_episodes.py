@@ -263,3 +263,15 @@ def test_ppo_trains_on_episodes(tmp_path):
     run_ppo(load_config(PPOConfig, None, args + ["train.max_steps=2", f"train.output_dir={tmp_path / 'ppo'}"]))
     steps = records(tmp_path / "ppo")
     assert sorted(steps) == [1, 2] and all(r["turns_per_episode"] > 1 and r["grad_norm"] > 0 for r in steps.values())
+
+
+def test_a_first_prompt_that_fills_the_context_gives_a_row_that_fits():
+    tok, vocab = merging_tokenizer()
+    generate_fn, seen = scripted([[vocab["a"], vocab["<eos>"]]], tok.pad_token_id)
+    runner = EpisodeRunner(Again(turns=1), tok, EpisodeLimits(max_turns=2), workers=1, context=12)
+    problems = [types.SimpleNamespace(prompt="1+2=", answer="3"), types.SimpleNamespace(prompt="1+2=1+2=1+2=", answer="")]
+    episodes, _ = runner.run(generate_fn, problems, 1, SamplingParams(max_new_tokens=8, stop_token_ids=[2], seed=0))
+    runner.close()
+    assert [e.end for e in episodes] == ["done", "episode_tokens"]
+    assert episodes[1].prompt_ids == [tok.eos_token_id] and episodes[1].ids == []
+    assert seen == [[episodes[0].prompt_ids]]  # the long one was never sampled

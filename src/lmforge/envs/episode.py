@@ -156,8 +156,9 @@ class EpisodeRunner:
         if self.context is not None:
             budget = min(budget, self.context - len(episode.prompt_ids))
         episode.budget = budget
-        if budget < 1 and not episode.end:
+        if budget < 1 and not episode.end:  # the first prompt alone fills the model's context
             episode.end = "episode_tokens"
+            episode.prompt_ids = [self.tokenizer.eos_token_id]  # a row with nothing to train, that fits
 
     def _add_turn(self, episode: Episode, sampled: list[int], logprobs: list[float], stop_ids: set[int]) -> None:
         """Append the policy's sampled ids verbatim (cut to the episode's budget) and its message."""
