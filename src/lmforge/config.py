@@ -6,13 +6,17 @@ declared with :func:`opt`, which records a one-line help text used by ``lmforge 
     cfg = load_config(SFTConfig, "run.yaml", ["optim.lr=3e-4", "train.max_steps=100"])
 
 Unknown keys are errors that name the key and suggest the closest valid ones; values of the wrong
-type are errors that name the key and the expected type.
+type are errors that name the key and the expected type. YAML is read as YAML 1.2 reads scalars, not
+1.1: only ``true`` / ``false`` are booleans (``on``, ``off``, ``yes``, ``no`` stay words, so
+``gradient_checkpointing: on`` means "on") and ``1e-4`` is a number; a key given twice in one mapping
+is an error naming both lines (PyYAML would keep the last one silently).
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -24,12 +28,14 @@ from .errors import ConfigError
 from .fileio import read_text
 
 
-def opt(default: Any, help: str) -> Any:  # noqa: A002 - "help" reads best at call sites
-    """A config field with a default and a one-line help text."""
+def opt(default: Any, help: str, keys: tuple[str, ...] = ()) -> Any:  # noqa: A002 - "help" reads best at call sites
+    """A config field with a default and a one-line help text. ``keys``: for a mapping field, the only
+    keys it may hold (e.g. the names ``data.columns`` can map); any other is an unknown-key error."""
+    metadata = {"help": help, **({"keys": tuple(keys)} if keys else {})}
     if isinstance(default, (list, dict)):
         value = default
-        return dataclasses.field(default_factory=lambda: type(value)(value), metadata={"help": help})
-    return dataclasses.field(default=default, metadata={"help": help})
+        return dataclasses.field(default_factory=lambda: type(value)(value), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def section(cls: type, help: str = "") -> Any:  # noqa: A002
@@ -68,7 +74,18 @@ def _type_name(tp: Any) -> str:
         return f"mapping of {_type_name(key_tp)} to {_type_name(value_tp)}"
     if tp is type(None):
         return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a section (a mapping of its keys)"
     return getattr(tp, "__name__", str(tp))
+
+
+def _shown(value: Any) -> str:
+    """``value`` for an error message; an empty YAML value (``key:`` with nothing after it) says so."""
+    if value is None:
+        return "an empty value (null)"
+    if isinstance(value, (list, dict)):
+        return f"a {'list' if isinstance(value, list) else 'mapping'} {value!r:.80}"
+    return repr(value)
 
 
 class _NonFinite(ConfigError):
@@ -93,28 +110,28 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 raise  # a float given nan/inf: say so, rather than "expected float or ..."
             except ConfigError:
                 continue
-        raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {_shown(value)}")
     if origin is Literal:
         if value in get_args(tp):
             return value
-        raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {_shown(value)}")
     if origin is list:
         (inner,) = get_args(tp) or (Any,)
         if isinstance(value, str):  # "a,b,c" from the command line
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
+            raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {_shown(value)}")
         return [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:  # e.g. data.columns: {prompt: question}
         key_tp, value_tp = get_args(tp) or (Any, Any)
         if not isinstance(value, dict):
-            raise ConfigError(f"config key '{key}': expected {_type_name(tp)} (e.g. {{a: b}}), got {value!r}")
+            raise ConfigError(f"config key '{key}': expected {_type_name(tp)} (e.g. {{a: b}}), got {_shown(value)}")
         return {_coerce(k, key_tp, key): _coerce(v, value_tp, f"{key}.{k}") for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0"):
+            return value.lower() in ("true", "yes", "on", "1")
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -146,16 +163,21 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
     elif dataclasses.is_dataclass(tp):
+        if value is None:  # "train:" with every key below it commented out
+            value = {}
         if isinstance(value, dict):
             return _build(tp, value, key + ".")
-    raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
+        first = dataclasses.fields(tp)[0].name
+        raise ConfigError(f"config section '{key}' must be a mapping of its keys, e.g. '{key}: {{{first}: ...}}' "
+                          f"or {key}.{first}=... on the command line; got {_shown(value)}")
+    raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {_shown(value)}")
 
 
-def _unknown_key(key: str, prefix: str, valid: list[str]) -> ConfigError:
+def _unknown_key(key: str, prefix: str, valid: list[str], note: str = "") -> ConfigError:
     close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
     hint = f" Did you mean: {', '.join(prefix + c for c in close)}?" if close else ""
     return ConfigError(
-        f"unknown config key '{prefix}{key}'.{hint} Valid keys here: {', '.join(sorted(valid))}."
+        f"unknown config key '{prefix}{key}'.{hint} Valid keys here: {', '.join(sorted(valid))}.{note}"
     )
 
 
@@ -169,6 +191,12 @@ def _build(cls: type, values: dict, prefix: str = "") -> Any:
         if key not in fields:
             raise _unknown_key(str(key), prefix, list(fields))
         kwargs[key] = _coerce(value, hints[key], prefix + key)
+        allowed = fields[key].metadata.get("keys")
+        for inner in kwargs[key] if allowed and isinstance(kwargs[key], dict) else ():
+            if inner not in allowed:
+                raise _unknown_key(str(inner), f"{prefix}{key}.", list(allowed),
+                                   f" ({prefix}{key} maps these names to the data's own names; the data's other "
+                                   "columns pass through as they are)")
     for name in fields:  # sections left out of the file are built too, so that they get validated
         if name not in kwargs and dataclasses.is_dataclass(hints[name]):
             kwargs[name] = _build(hints[name], {}, prefix + name + ".")
@@ -181,6 +209,63 @@ def _build(cls: type, values: dict, prefix: str = "") -> Any:
 
 # ----------------------------------------------------------------------------- loading
 
+_BOOL, _FLOAT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:float"
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 scalars: booleans are only true / false (1.1 also turns on,
+    off, yes, no, y, n into booleans, so ``gradient_checkpointing: on`` arrived as True), and ``1e-4``
+    is a float (1.1 needs a dot: ``1.0e-4``)."""
+
+
+_ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_ConfigLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_ConfigLoader.add_implicit_resolver(  # after int: only numbers with an exponent and no dot are new here
+    _FLOAT, re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"), list("-+0123456789."))
+
+
+def _duplicate_key(node: Any, path: tuple = ()) -> tuple[str, int, int] | None:
+    """(dotted key, first line, second line) of the first key given twice in one mapping of ``node``."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                line = key_node.start_mark.line + 1
+                if key_node.value in seen:
+                    return ".".join((*path, key_node.value)), seen[key_node.value], line
+                seen[key_node.value] = line
+            found = _duplicate_key(value_node, (*path, str(getattr(key_node, "value", "?"))))
+            if found:
+                return found
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            found = _duplicate_key(item, (*path[:-1], f"{path[-1]}[{i}]") if path else (f"[{i}]",))
+            if found:
+                return found
+    return None
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """``text`` as YAML (1.2 scalars, see :class:`_ConfigLoader`); a key given twice in a mapping is a
+    ConfigError naming it, ``where`` (the file or override) and both lines."""
+    loader = _ConfigLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        duplicate = _duplicate_key(node)
+        if duplicate:
+            key, first, second = duplicate
+            raise ConfigError(f"{where}: key '{key}' is given twice (lines {first} and {second}); YAML would keep "
+                              "only the last value without a word. Keep one of them")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """'optim.lr=3e-4' -> (['optim', 'lr'], '3e-4' parsed as YAML)."""
     if "=" not in text:
@@ -190,7 +275,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not path:
         raise ConfigError(f"override '{text}' has an empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = parse_yaml(raw, f"override '{text}'") if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return path, value
@@ -215,11 +300,12 @@ def read_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(read_text(path, "config file (YAML)", ConfigError))
+        data = parse_yaml(read_text(path, "config file (YAML)", ConfigError), f"config file {path}")
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
-    if data is None:
-        return {}
+    if data is None:  # naming a file that sets nothing is more likely a mistake than a wish for defaults
+        raise ConfigError(f"config file {path} is empty (or only comments): it sets no key. Add the settings, "
+                          "or leave the file out to run with every default")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping (key: value lines) at the top level, "
                           f"not a {type(data).__name__}")
@@ -340,6 +426,9 @@ class TrainConfig:
     save_every: int = opt(100, "checkpoint every N steps (0 = only best and final)")
     keep_last: int = opt(2, "periodic checkpoints kept on disk")
     resume: str = opt("", "'' = fresh run, 'auto' = latest checkpoint in output_dir, or a checkpoint path")
+    resume_accept: list[str] = opt([], "on resume: settings (keys or whole sections, e.g. [optim.lr] or [optim]) "
+                                    "allowed to differ from the run's saved config.yaml; any other difference that "
+                                    "changes the computation is an error (docs/training.md)")
     log_every: int = opt(10, "print a metrics line every N steps")
     on_nonfinite: Literal["stop", "skip"] = opt("stop", "a nan / inf loss or gradient norm: stop before the update, "
                                                 "or skip that update (counted as skipped_updates)")

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from .errors import ConfigError, DataError, ModelLoadError
 from .fileio import read_text
@@ -180,3 +183,121 @@ def tokenizer_fingerprint(tok) -> str:
     else:  # a slow tokenizer: its vocabulary and added tokens are the best available summary
         state = json.dumps(sorted(tok.get_vocab().items())) + type(tok).__name__
     return hashlib.sha256(f"{state}|eos={tok.eos_token_id}".encode("utf-8")).hexdigest()
+
+
+# ----------------------------------------------------------------------------- unknown tokens
+
+# Shares of the sampled data's tokens that are the tokenizer's unknown token: above the first a run
+# stops at start (nothing is learnt from <unk>; the tokenizer does not fit the data), above the
+# second it warns with the share. Not settings: a run that needs more than 5% unknown tokens is
+# better served by a tokenizer that covers its text (a byte-level BPE has none).
+UNKNOWN_ERROR_SHARE = 0.05
+UNKNOWN_WARN_SHARE = 0.001
+SAMPLE_TEXTS = 1000  # texts (rows, documents) tokenized for the check, spread evenly over the data
+SAMPLE_CHARS = 20_000  # of each text at most
+
+
+@dataclass
+class UnknownTokens:
+    """What a tokenizer could not represent in a sample of texts."""
+
+    num_unknown: int = 0
+    num_tokens: int = 0
+    num_texts: int = 0
+    pieces: Counter = field(default_factory=Counter)  # text that became the unknown token -> count
+    example: str = ""  # the word around the first unknown piece
+
+    @property
+    def share(self) -> float:
+        return self.num_unknown / self.num_tokens if self.num_tokens else 0.0
+
+
+def sample_texts(texts: list[str], num: int = SAMPLE_TEXTS) -> list[str]:
+    """At most ``num`` of ``texts``, evenly spaced (so the check sees the whole data, not its start),
+    each cut to its first :data:`SAMPLE_CHARS` characters."""
+    step = max(len(texts) / num, 1.0)
+    return [texts[int(i * step)][:SAMPLE_CHARS] for i in range(min(num, len(texts)))]
+
+
+def _word_at(text: str, start: int, end: int) -> str:
+    """The whitespace-delimited word of ``text`` around ``text[start:end]`` (at most 40 characters)."""
+    lo, hi = start, end
+    while lo > 0 and not text[lo - 1].isspace() and start - lo < 20:
+        lo -= 1
+    while hi < len(text) and not text[hi].isspace() and hi - end < 20:
+        hi += 1
+    return text[lo:hi]
+
+
+def count_unknown(tok, texts: list[str]) -> UnknownTokens:
+    """The unknown tokens of ``tok`` in ``texts`` (encoded without special tokens). A tokenizer with
+    no unknown token (byte-level BPE, byte fallback) has none by construction."""
+    found = UnknownTokens(num_texts=len(texts))
+    unk = getattr(tok, "unk_token_id", None)
+    if not texts:
+        return found
+    fast = bool(getattr(tok, "is_fast", False))
+    enc = tok(texts, add_special_tokens=False, return_offsets_mapping=fast, verbose=False)
+    for i, ids in enumerate(enc["input_ids"]):
+        found.num_tokens += len(ids)
+        if unk is None:
+            continue
+        for j, token in enumerate(ids):
+            if token != unk:
+                continue
+            found.num_unknown += 1
+            if fast:
+                start, end = enc["offset_mapping"][i][j]
+                found.pieces[texts[i][start:end]] += 1
+                found.example = found.example or _word_at(texts[i], start, end)
+    if found.num_unknown and not fast:  # a slow tokenizer has no offsets: the words that encode to <unk>
+        for word in (w for text in texts for w in text.split()):
+            if unk in tok(word, add_special_tokens=False)["input_ids"]:
+                found.pieces[word] += 1
+                found.example = found.example or word
+            if sum(found.pieces.values()) >= 50:
+                break
+    return found
+
+
+def tokenizer_label(model_cfg) -> str:
+    """How the run chose its tokenizer, as a user would change it (``model_cfg``: a ModelConfig)."""
+    if model_cfg.tokenizer:
+        return f"model.tokenizer={model_cfg.tokenizer}"
+    if model_cfg.name.startswith("tiny:"):
+        return f"the char tokenizer (model.name={model_cfg.name} uses it unless model.tokenizer is set)"
+    return f"the tokenizer of model.name={model_cfg.name}"
+
+
+def _unknown_fix(model_cfg, source: str) -> str:
+    is_char = model_cfg.tokenizer == "char" or (not model_cfg.tokenizer and model_cfg.name.startswith("tiny:"))
+    text_file = Path(source).suffix.lower() in (".txt", ".jsonl", ".json", ".ndjson") and Path(source).is_file()
+    local = source if text_file else "your_text.txt"  # a file the BPE trainer reads as text
+    bpe = (f"a byte-level BPE trained on the text (it has no unknown tokens): python -c \"from lmforge.tokenizer "
+           f"import train_bpe_tokenizer; train_bpe_tokenizer(['{local}'], 2048, 'my_tokenizer')\", then "
+           "model.tokenizer=my_tokenizer (lmforge pretrain tokenizer.train=true also trains one on .txt files)")
+    if is_char:
+        return (f"the char tokenizer knows only the characters {DEFAULT_ALPHABET!r} of the built-in tasks. Give "
+                f"the model a tokenizer that covers this text: {bpe}; or fine-tune a pretrained model with its own "
+                "tokenizer (e.g. model.name=smollm2-135m-instruct)")
+    return f"use a tokenizer that covers this text, e.g. {bpe}; or clean the data of what it cannot represent"
+
+
+def check_unknown_tokens(tok, texts: list[str], model_cfg, source: str,
+                         say: Callable[[str], None] = print) -> UnknownTokens:
+    """Measure the unknown tokens of ``tok`` in a sample of ``texts`` (the training data's text) and
+    stop above :data:`UNKNOWN_ERROR_SHARE` (ConfigError), or warn through ``say`` above
+    :data:`UNKNOWN_WARN_SHARE`. Both name the tokenizer (``model_cfg``: the run's ModelConfig), the
+    share, what became unknown and the fix; ``source`` names the data."""
+    found = count_unknown(tok, sample_texts(texts))
+    if found.share <= UNKNOWN_WARN_SHARE:
+        return found
+    common = ", ".join(f"{piece!r} x{n}" for piece, n in found.pieces.most_common(5))
+    what = (f"{tokenizer_label(model_cfg)} turns {100 * found.share:.1f}% of the tokens of {source} into its "
+            f"unknown token {getattr(tok, 'unk_token', '<unk>')} ({found.num_unknown:,} of {found.num_tokens:,} "
+            f"tokens in {found.num_texts:,} sampled texts; e.g. {found.example!r}; most frequent: {common})")
+    if found.share > UNKNOWN_ERROR_SHARE:
+        raise ConfigError(f"{what}: the model would learn nothing from that text. Fix: {_unknown_fix(model_cfg, source)}")
+    say(f"[data] warning: {what}; above {100 * UNKNOWN_ERROR_SHARE:g}% this stops the run. To avoid it: "
+        f"{_unknown_fix(model_cfg, source)}")
+    return found

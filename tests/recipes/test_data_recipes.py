@@ -98,7 +98,7 @@ def test_sft_from_a_saved_dataset_dict_with_mapped_columns_and_a_named_eval_spli
 
 
 def test_pretraining_streams_a_dataset_and_resumes_mid_stream(tmp_path, capsys):
-    docs = [f"line {i}: " + "the quick brown fox " * (1 + i % 3) for i in range(60)]
+    docs = [f"{i}+1={i + 1} " + "12+34=46 " * (1 + i % 3) for i in range(60)]  # text the char tokenizer knows
     datasets.Dataset.from_dict({"body": docs}).to_parquet(str(tmp_path / "corpus.parquet"))
     base = TINY + [f"data.path={tmp_path / 'corpus.parquet'}", "data.columns={text: body}", "data.streaming=true",
                    "data.seq_len=16", "data.val_fraction=0.1", "data.val_blocks=4", "train.batch_size=4",

@@ -14,7 +14,7 @@ from lmforge.rollout import RewardSet  # noqa: E402
 from run_records import records  # noqa: E402
 
 TASK = "rg:basic_arithmetic:min_terms=2,max_terms=2,max_digits=1,answer_format=plain"
-TINY = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
+TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
         "model.max_position_embeddings=96"]
 ARGS = TINY + [
     f"data.task={TASK}", "data.num_train=16", "data.num_eval=4", "rollout.num_prompts=2",
@@ -24,6 +24,20 @@ ARGS = TINY + [
     "rewards.functions=[exact, {name: format, weight: 0.5, pattern: '^-?[0-9]+$', match: full},"
     " {name: overlong, weight: 1.0, cache: 2}]",
 ]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    """A byte-level BPE for the task's English prompts (the char tokenizer knows only digits and
+    +-*=, so it would turn most of them into <unk>: a start-up error)."""
+    from lmforge.data.tasks import get_task
+    from lmforge.tokenizer import train_bpe_tokenizer
+
+    root = tmp_path_factory.mktemp("bpe")
+    text = root / "prompts.txt"
+    text.write_text("\n".join(p.prompt + " " + p.answer for p in get_task(TASK).make_problems(64, 0, "train")))
+    train_bpe_tokenizer([text], 300, root / "tok")
+    return [f"model.tokenizer={root / 'tok'}"]
 
 
 @pytest.fixture
@@ -39,9 +53,9 @@ def closes(monkeypatch):
     return calls
 
 
-def test_grpo_on_a_reasoning_gym_task(tmp_path, closes):
+def test_grpo_on_a_reasoning_gym_task(tmp_path, closes, tok):
     out = tmp_path / "run"
-    result = run_grpo(load_config(GRPOConfig, None, ARGS + [f"train.output_dir={out}"]))
+    result = run_grpo(load_config(GRPOConfig, None, tok + ARGS + [f"train.output_dir={out}"]))
     train, evals = records(out, "train"), records(out, "eval")
     assert sorted(train) == [1, 2] and sorted(evals) == [0, 2]
     for record in train.values():
@@ -58,16 +72,16 @@ def test_grpo_on_a_reasoning_gym_task(tmp_path, closes):
     assert len(closes) == 1  # the reward workers stop with the run
 
 
-def test_reward_workers_are_closed_when_the_run_fails(tmp_path, monkeypatch, closes):
+def test_reward_workers_are_closed_when_the_run_fails(tmp_path, monkeypatch, closes, tok):
     (tmp_path / "broken_rewards.py").write_text("def broken(completion, problem):\n    raise RuntimeError('verifier down')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     args = ARGS[:-1] + ["rewards.functions=[exact, 'broken_rewards:broken']"]
     with pytest.raises(TrainingError, match="broken_rewards:broken.*RuntimeError: verifier down"):
-        run_grpo(load_config(GRPOConfig, None, args + [f"train.output_dir={tmp_path / 'fails'}"]))
+        run_grpo(load_config(GRPOConfig, None, tok + args + [f"train.output_dir={tmp_path / 'fails'}"]))
     assert len(closes) == 1, "the reward workers were not closed after the error"
 
 
-def test_sft_on_a_reasoning_gym_task(tmp_path, monkeypatch):
+def test_sft_on_a_reasoning_gym_task(tmp_path, monkeypatch, tok):
     """The SFT rows are the rg problems' prompt -> plain answer pairs, the answers are the value of
     the arithmetic in the question (computed here, not by reasoning-gym), and the logged accuracy is
     the task's scorer on the saved greedy completions of the held-out problems."""
@@ -86,7 +100,7 @@ def test_sft_on_a_reasoning_gym_task(tmp_path, monkeypatch):
 
     monkeypatch.setattr(sft_recipe, "sft_rows_from_task", rows_of)
     out = tmp_path / "sft"
-    cfg = load_config(SFTConfig, None, TINY + [
+    cfg = load_config(SFTConfig, None, tok + TINY + [
         f"data.task={TASK}", "data.num_train=32", "data.num_val=4", "data.num_eval=4", "train.max_steps=2",
         "train.batch_size=8", "train.micro_batch_size=8", "train.threads=1", "train.eval_every=2",
         "train.max_new_tokens=4", "train.num_samples=4", "train.save_every=0", "logging.progress=false",

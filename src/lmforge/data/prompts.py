@@ -16,6 +16,9 @@ from __future__ import annotations
 from ..errors import DataError
 from .source import read_rows, split_by_fraction, string_column
 
+# The names lmforge itself reads from an RL row (the prompt; the built-in rewards' answer and task):
+# what data.columns may map. The other columns reach the reward functions under their own names.
+COLUMN_NAMES = ("prompt", "answer", "task")
 _PROMPT_HINT = " (plus what the rewards read, e.g. 'answer'; map columns with data.columns={prompt: <column>})"
 
 
@@ -28,6 +31,11 @@ def load_prompt_rows(path: str, split: str = "train", subset: str = "",
             raise DataError(f"{where}: each row needs a 'prompt' string{_PROMPT_HINT}; got {type(row).__name__}")
         string_column(row, "prompt", where, f": each row needs a 'prompt' string{_PROMPT_HINT}")
     return found.rows
+
+
+def prompt_texts(problems: list) -> list[str]:
+    """The prompt strings of a task's problems or a file's rows (for the tokenizer check)."""
+    return [p["prompt"] if isinstance(p, dict) else p.prompt for p in problems]
 
 
 def held_out_split(data, num_rows: int, has_answers: bool, seed: int) -> tuple[list[int], list[int], str]:

@@ -21,6 +21,7 @@ from ..errors import DataError
 from .source import read_rows, string_column
 from .problem import SPLITS, Problem, split_of
 
+COLUMN_NAMES = ("prompt", "answer")  # what data.columns may map
 _HINT = " (map the data's columns with data.columns={prompt: <column>, answer: <column>})"
 
 

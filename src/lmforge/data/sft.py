@@ -40,6 +40,8 @@ _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 # A small chat dataset (320 rows of short arithmetic, unit, capital and spelling Q&A) shipped with
 # lmforge for the SFT examples: load_sft_rows(CHAT_SMALL).
 CHAT_SMALL = Path(__file__).resolve().parent.parent / "assets" / "chat_small.jsonl"
+# The names SFT reads from a row: what data.columns may map (lmforge.config.opt's keys).
+COLUMN_NAMES = ("messages", "prompt", "completion")
 _ROW_FORMATS = (
     "each row needs either 'messages' (a list of {role, content}) or 'prompt' and 'completion' (strings)"
 )
@@ -98,6 +100,13 @@ def load_sft_rows(path: str | Path, split: str = "train", subset: str = "",
         raise DataError(f"{local}: SFT data file not found")
     found = read_rows(str(path), split, subset, columns, what="SFT data file")
     return [_check_row(row, where) for row, where in zip(found.rows, found.where)]
+
+
+def row_texts(rows: list[dict]) -> list[str]:
+    """The text of validated SFT rows as the data gives it: every message's content, or the prompt
+    and completion (for the tokenizer check, :func:`lmforge.tokenizer.check_unknown_tokens`)."""
+    return [text for row in rows for text in
+            ([m["content"] for m in row["messages"]] if "messages" in row else [row["prompt"], row["completion"]])]
 
 
 def sft_rows_from_task(task, n: int, seed: int, split: str) -> list[dict]:

@@ -42,6 +42,7 @@ from ..fileio import text_lines
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 DATASETS_BUILDERS = {".csv": "csv", ".tsv": "csv", ".arrow": "arrow", ".json": "json", ".txt": "text"}
+TEXT_COLUMN_NAMES = ("text",)  # pretraining reads one column: what data.columns may map
 INSTALL_HINT = "pip install 'lmforge[data]' (or pip install datasets)"
 
 

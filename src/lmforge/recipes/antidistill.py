@@ -30,6 +30,7 @@ from .. import antidistill_pipeline as pipe
 from ..antidistill import (ads_generate, check_same_tokenizer, load_gradient, perturbed_copies, proxy_gradient,
                            random_direction, save_gradient)
 from ..config import LoggingConfig, ModelConfig, OptimConfig, TrainConfig, opt, refuse_ignored, section, to_dict
+from ..data.rows_task import COLUMN_NAMES as ROWS_COLUMNS
 from ..data.sft import encode_prompt, tokenize_sft, uses_chat_format
 from ..data.tasks import SPLITS, get_task
 from ..errors import ConfigError
@@ -53,7 +54,8 @@ class AdsDataConfig:
                     "hash of its prompt (80/10/10)")
     source_split: str = opt("train", "path: the split of the source to read")
     subset: str = opt("", "path: the hub dataset's config name")
-    columns: dict[str, str] = opt({}, "path: lmforge name -> the data's column, e.g. {prompt: question, answer: solution}")
+    columns: dict[str, str] = opt({}, "path: lmforge name -> the data's column, e.g. {prompt: question, answer: solution}",
+                                  keys=ROWS_COLUMNS)
     reward: str = opt("exact", "path: how a trace is scored: exact (stripped completion == answer), math (math-verify: "
                       "boxed or last number) or package.module:function; correct = 1")
     heldout_split: Split = opt("val", "split of the held-out prompts whose teacher traces give the proxy gradient")

@@ -9,20 +9,21 @@ built from nothing but text.
 from __future__ import annotations
 
 import dataclasses
+from itertools import islice
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, section
-from ..data.source import read_text_column
+from ..data.source import TEXT_COLUMN_NAMES, read_text_column
 from ..data.stream import StreamingBlocks, first_blocks, held_out
 from ..data.text import load_text_files, pack_documents
 from ..errors import ConfigError, DataError
 from ..evaluation import save_samples
 from ..models import cache_dir, context_length, load_model
 from ..rollout.engine import SamplingParams, generate
-from ..tokenizer import train_bpe_tokenizer
+from ..tokenizer import SAMPLE_TEXTS, check_unknown_tokens, train_bpe_tokenizer
 from ..runtime.run import start_run
 from .supervised import SupervisedData, train_supervised
 
@@ -35,7 +36,8 @@ class TextDataConfig:
     split: str = opt("train", "path: the split to train on (a single file is split 'train')")
     eval_split: str = opt("", "path: a named split for the validation text instead of data.val_fraction")
     subset: str = opt("", "path: the hub dataset's config name")
-    columns: dict[str, str] = opt({}, "path: {text: <column>} when the text column is named otherwise")
+    columns: dict[str, str] = opt({}, "path: {text: <column>} when the text column is named otherwise",
+                                  keys=TEXT_COLUMN_NAMES)
     streaming: bool = opt(False, "path: read and pack the text as training consumes it (corpora larger than "
                           "memory; no shuffle, no disk cache; docs/data.md)")
     val_blocks: int = opt(64, "streaming: validation blocks, packed from the first held-out documents")
@@ -150,6 +152,8 @@ def run_pretrain(cfg: PretrainConfig, console=None) -> dict:
                           f"fit the model's context of {context} (model.max_position_embeddings); set "
                           f"data.seq_len <= {context - 1}")
     run = start_run(cfg, "pretrain", model, seq_len=cfg.data.seq_len, console=console)
+    sample = docs if docs is not None else list(islice(dataset_docs(d, d.split, streaming=True), SAMPLE_TEXTS))
+    check_unknown_tokens(tokenizer, sample, cfg.model, d.path or "data.files", run.print)
     if d.streaming:
         data = streaming_data(cfg, tokenizer, run)
         val = torch.stack(data.val_rows) if data.val_rows else torch.empty(0, d.seq_len + 1, dtype=torch.long)

@@ -11,13 +11,15 @@ import random
 from typing import Literal
 
 from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, refuse_ignored, section
-from ..data.sft import (CHAT_SMALL, collate_sft, encode_prompt, load_sft_rows, sft_rows_from_task, tokenize_sft,
-                        uses_chat_format)
+from ..data.sft import COLUMN_NAMES as SFT_COLUMNS
+from ..data.sft import (CHAT_SMALL, collate_sft, encode_prompt, load_sft_rows, row_texts, sft_rows_from_task,
+                        tokenize_sft, uses_chat_format)
 from ..data.tasks import get_task
 from ..errors import ConfigError
 from ..evaluation import complete_ids, save_samples, task_accuracy
 from ..models import context_length, load_model
 from ..runtime.run import start_run
+from ..tokenizer import check_unknown_tokens
 from .supervised import SupervisedData, train_supervised
 
 
@@ -28,7 +30,8 @@ class SFTDataConfig:
     split: str = opt("train", "path: the split to train on (a single file is split 'train')")
     eval_split: str = opt("", "path: a named split for the validation rows instead of data.val_fraction")
     subset: str = opt("", "path: the hub dataset's config name (e.g. main)")
-    columns: dict[str, str] = opt({}, "path: lmforge name -> the data's column, e.g. {prompt: question, completion: answer}")
+    columns: dict[str, str] = opt({}, "path: lmforge name -> the data's column, e.g. {prompt: question, completion: answer}",
+                                  keys=SFT_COLUMNS)
     task: str = opt("", "built-in synthetic task instead of a file, e.g. addition or addition:digits=3")
     num_train: int = opt(8000, "task: training problems")
     num_val: int = opt(200, "task: validation problems (loss)")
@@ -83,6 +86,7 @@ def build_data(cfg: SFTConfig, tokenizer, printer=print) -> tuple[SupervisedData
             val_rows = load_sft_rows(path, d.eval_split, d.subset, d.columns)
         else:
             train_rows, val_rows = split_rows(train_rows, d.val_fraction, cfg.train.seed)
+    check_unknown_tokens(tokenizer, row_texts(train_rows), cfg.model, d.path or f"data.task={d.task}", printer)
     parts = []
     for rows in (train_rows, val_rows):
         data = tokenize_sft(rows, tokenizer, d.max_len, completion_only=d.completion_only,

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from .. import lora
+from ..data.prompts import prompt_texts
 from ..errors import ConfigError
 from ..envs.episode import save_episodes
 from ..evaluation import held_out_evaluator, save_samples
@@ -25,6 +26,7 @@ from ..parallel.context import torchrun_world
 from ..rollout import RewardSet
 from ..runtime.loop import Trainer, TrainState, build_state, full_model, train_loop
 from ..runtime.run import Run, start_run
+from ..tokenizer import check_unknown_tokens
 from ..train import BatchOrder
 from .batch import TrainBatch
 from .config import check_rl_config
@@ -112,6 +114,8 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
     check_source(cfg.rollout, algo.is_level, world_size > 1)  # before start_run takes the run directory
     run = start_run(cfg, name, model, seq_len=seq_len, console=console, update_rows=update_rows,
                     update_label="rollout rows per update (num_prompts x group_size / num_mini_batches)")
+    source_name = cfg.data.path or f"data.task={cfg.data.task}"
+    check_unknown_tokens(tokenizer, prompt_texts(prompts.problems), cfg.model, source_name, run.print)
     model = lora.apply_for_run(model, cfg.model.lora, cfg.train, run.ctx).to(run.device)  # model.lora: adapters (docs/lora.md)
     ref_model = reference_model(model, algo.kl_coef)  # before resume: the reference is the start
     num_updates = cfg.train.max_steps * algo.num_iterations * algo.num_mini_batches

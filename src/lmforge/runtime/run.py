@@ -21,6 +21,7 @@ from ..metrics import make_console
 from ..models import count_parameters
 from ..parallel.context import ParallelContext, init_parallel
 from .quant_hooks import check_quant_settings
+from .resume_check import check_resume_settings
 
 DEFAULT_BATCH_SIZE = 32
 
@@ -158,6 +159,7 @@ def start_run(cfg, name: str, model=None, seq_len: int = 256, console=None, upda
     error = None
     if ctx.is_main:
         try:
+            check_resume_settings(cfg, run_dir, run.print)  # before config.yaml is overwritten below
             acquire_run_lock(run_dir, run.print)
         except (ConfigError, OSError) as exc:
             error = exc if isinstance(exc, ConfigError) else ConfigError(
