@@ -258,6 +258,13 @@ def test_calls_already_in_the_text_are_not_rendered_twice(default_tok, tools_tok
         assert render_messages(tok, [msg], TOOLS, add_generation_prompt=False).count('"a": 1') == 1
 
 
+def test_calls_in_the_history_without_tools(default_tok, tools_tok):
+    assert render_messages(tools_tok, CONVERSATION[1:2], [], add_generation_prompt=False) == (
+        '<|assistant|>\n[multiply {"a": 12, "b": 34}]<eos>\n')
+    assert render_messages(default_tok, CONVERSATION[1:2], None, add_generation_prompt=False) == (
+        '<|assistant|>\n<tool_call>\n{"name": "multiply", "arguments": {"a": 12, "b": 34}}\n</tool_call><eos>\n')
+
+
 def test_no_tools_is_the_plain_template(default_tok, tools_tok):
     msgs = [{"role": "user", "content": "hi"}]
     for tok in (default_tok, tools_tok):

@@ -275,7 +275,8 @@ def render_messages(tokenizer, messages: list[dict], tools: list[dict] | None,
 
     A template that renders tools (:func:`supports_tools`) receives them through
     ``apply_chat_template(..., tools=tools)``, and assistant ``tool_calls`` with their ``arguments``
-    as objects (a JSON string is decoded; templates expect objects). Otherwise the default format of
+    as objects (a JSON string is decoded; templates expect objects), also when ``tools`` is empty.
+    Otherwise the default format of
     the module docstring. ``content: None`` (an OpenAI assistant message that only calls tools) renders
     as "". An assistant message carries its calls either as ``<tool_call>`` text in its content or as
     ``tool_calls``: a message with both keeps its content and its ``tool_calls`` are not rendered again.
@@ -283,7 +284,8 @@ def render_messages(tokenizer, messages: list[dict], tools: list[dict] | None,
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError("render_messages: the tokenizer has no chat template; give it one "
                           "(lmforge.tokenizer.ensure_chat_template adds the default)")
-    native = bool(tools) and supports_tools(tokenizer)
+    has_calls = any(m.get("tool_calls") for m in messages)
+    native = bool(tools or has_calls) and supports_tools(tokenizer)
     msgs = [_normalize(m, calls_as_text=not native) for m in messages]
     kwargs = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
     if native:
