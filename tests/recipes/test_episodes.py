@@ -231,6 +231,8 @@ def test_a_one_turn_environment_gives_exactly_the_single_turn_run(tmp_path):
     (["env.name=episode_envs:OneTurn", "rollout.backend=vllm"], "rollout.backend=vllm is not supported"),
     (["env.name=episode_envs:OneTurn", "data.use_chat_template=off"], "rendered through the chat template"),
     (["env.name=no_such_env"], "not a built-in environment"),
+    (["env.name=episode_envs:Again", "env.args={rounds: 2}"], r"takes no argument\(s\) \['rounds'\]"),
+    (["env.name=episode_envs:Recorder"], r"needs argument\(s\) \['path'\]"),
     (["rollout.backend=episodes"], "set env.name"),
 ])
 def test_env_config_errors(tmp_path, override, match):

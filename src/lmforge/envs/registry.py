@@ -24,8 +24,8 @@ def resolve_environment(name: str) -> type:
     if name in ENVIRONMENTS:
         return ENVIRONMENTS[name]
     if ":" not in name:
-        raise ConfigError(f"env.name={name!r} is not a built-in environment ({', '.join(sorted(ENVIRONMENTS)) or 'none'})"
-                          " nor a 'package.module:Class'")
+        builtin = ", ".join(sorted(ENVIRONMENTS)) or "none"
+        raise ConfigError(f"env.name={name!r} is not a built-in environment ({builtin}) nor a 'package.module:Class'")
     module_name, _, attr = name.partition(":")
     if not module_name or not attr:
         raise ConfigError(f"env.name={name!r}: expected 'package.module:Class' with both parts non-empty")
@@ -49,9 +49,9 @@ def resolve_environment(name: str) -> type:
     return cls
 
 
-def make_environment(name: str, args: dict[str, Any] | None = None) -> Environment:
-    """An instance of the environment ``name`` built with ``args``; ConfigError for arguments its
-    constructor does not take, or when it raises."""
+def check_environment(name: str, args: dict[str, Any] | None = None) -> type:
+    """The class of ``name`` after checking ``args`` against its constructor: ConfigError for an
+    argument it does not take or a required one missing (at config load, before the run starts)."""
     cls = resolve_environment(name)
     args = dict(args or {})
     params = inspect.signature(cls).parameters.values()
@@ -61,8 +61,19 @@ def make_environment(name: str, args: dict[str, Any] | None = None) -> Environme
         if unknown:
             raise ConfigError(f"env.args: {cls.__name__} takes no argument(s) {unknown}; it takes "
                               f"{sorted(accepted) or 'none'}")
+    missing = sorted(p.name for p in params if p.default is p.empty and p.name not in args
+                     and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    if missing:
+        raise ConfigError(f"env.args: {cls.__name__} needs argument(s) {missing}; set them in env.args")
+    return cls
+
+
+def make_environment(name: str, args: dict[str, Any] | None = None) -> Environment:
+    """An instance of the environment ``name`` built with ``args`` (:func:`check_environment`);
+    ConfigError when its constructor raises."""
+    cls = check_environment(name, args)
     try:
-        env = cls(**args)
+        env = cls(**dict(args or {}))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"env.name={name!r}: {cls.__name__}(**env.args) failed: {exc}") from exc
     if not isinstance(getattr(env, "tools", []), list):

@@ -12,7 +12,7 @@ from ..config import opt, refuse_ignored
 from ..data.prompts import COLUMN_NAMES as PROMPT_COLUMNS
 from ..data.tasks import get_task
 from ..envs.episode import EpisodeLimits
-from ..envs.registry import resolve_environment
+from ..envs.registry import check_environment
 from ..errors import ConfigError
 from ..losses import AGGREGATIONS, GSPO_EPS_HIGH, GSPO_EPS_LOW, IS_LEVELS, KL_ESTIMATORS, POLICY_LOSSES
 from ..rollout import SamplingParams
@@ -215,7 +215,7 @@ class EnvConfig:
             raise ConfigError(f"env.tool_timeout_s must be >= 0 (0 = no limit), got {self.tool_timeout_s}")
         if not isinstance(self.args, dict):
             raise ConfigError(f"env.args must be a mapping of keyword arguments, got {self.args!r}")
-        resolve_environment(self.name)  # an unknown name or a class without reset / step: a ConfigError now
+        check_environment(self.name, self.args)  # unknown name, no reset / step, wrong args: ConfigError now
 
     def limits(self) -> EpisodeLimits:
         return EpisodeLimits(max_turns=self.max_turns, max_episode_tokens=self.max_episode_tokens,
