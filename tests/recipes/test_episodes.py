@@ -277,3 +277,29 @@ def test_a_first_prompt_that_fills_the_context_gives_a_row_that_fits():
     assert [e.end for e in episodes] == ["done", "episode_tokens"]
     assert episodes[1].prompt_ids == [tok.eos_token_id] and episodes[1].ids == []
     assert seen == [[episodes[0].prompt_ids]]  # the long one was never sampled
+
+
+def test_per_turn_rewards_sit_on_their_turns_last_policy_token():
+    from lmforge.envs.episode import combine_rewards
+    from lmforge.recipes.ppo import episode_rewards
+
+    tok, vocab = merging_tokenizer()
+    a, eos = vocab["a"], vocab["<eos>"]
+    generate_fn, _ = scripted([[a, a, eos], [a, eos]], tok.pad_token_id)
+    runner = EpisodeRunner(Again(turns=2), tok, EpisodeLimits(max_turns=3), workers=1)
+    problem = types.SimpleNamespace(prompt="1+2=", answer="3")
+    (episode,), _ = runner.run(generate_fn, [problem], 1, SamplingParams(max_new_tokens=8, stop_token_ids=[eos]))
+    runner.close()
+    rollout = episode_rollout([episode], 1, tok.pad_token_id)
+    rewards = combine_rewards([episode], None, rollout.completion_ids.shape[1])
+    assert rewards.names == ["env_said", "env_turn"] and rewards.total.tolist() == [1.25]
+    # Again gives 0.25 after turn 1 (ids 0-2: a a eos), 1.0 after turn 2 (the last two trained ids)
+    last = int(rollout.trained[0].nonzero().max())
+    expected = torch.zeros_like(rewards.turn_rewards)
+    expected[0, 2], expected[0, last] = 0.25, 1.0
+    assert torch.equal(rewards.turn_rewards, expected)
+    # PPO: the turn's part on its turn, the rest (here: nothing) at the end; summed it is the episode's reward
+    placed = episode_rewards(rewards.total, rewards.turn_rewards, rollout.trained)
+    assert torch.equal(placed, expected)
+    with_functions = episode_rewards(rewards.total + 0.5, rewards.turn_rewards, rollout.trained)
+    assert with_functions[0, last] == 1.5 and with_functions[0, 2] == 0.25

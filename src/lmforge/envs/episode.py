@@ -76,6 +76,8 @@ class Episode:
     num_empty: int = 0  # replies with no text
     num_cut_results: int = 0  # tool results cut to max_tool_result_tokens
     final_text: str = ""  # the last reply without special tokens (what the reward functions score)
+    turn_rewards: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (index in ids of a turn's
+    # last sampled token, the sum of the reward parts of the step that answered it)
 
     @property
     def num_trained(self) -> int:
@@ -205,6 +207,8 @@ class EpisodeRunner:
             return
         for name, part in value.reward.items():
             episode.rewards[name] = episode.rewards.get(name, 0.0) + float(part)
+        if value.reward:
+            episode.turn_rewards.append((len(episode.ids) - 1, sum(map(float, value.reward.values()))))
         limits, state = self.limits, episode.state
         if value.done:
             episode.end = "done"
@@ -322,22 +326,26 @@ def episode_rollout(episodes: list[Episode], group_size: int, pad_token_id: int)
                         truncated=torch.tensor([e.end != "done" for e in episodes]), trained_mask=trained)
 
 
-def combine_rewards(episodes: list[Episode], functions: RewardOutput | None) -> RewardOutput:
+def combine_rewards(episodes: list[Episode], functions: RewardOutput | None, width: int) -> RewardOutput:
     """The episode rewards: the environment's parts (summed over turns; a part an episode never got is
-    0), each a column ``env_<name>`` of weight 1, plus the configured reward functions' columns."""
+    0), each a column ``env_<name>`` of weight 1, plus the configured reward functions' columns.
+    ``turn_rewards`` (B, ``width``) holds each step's parts on the last token of the turn it answered."""
     names = sorted({name for e in episodes for name in e.rewards})
     env_parts = torch.tensor([[e.rewards.get(n, 0.0) for n in names] for e in episodes],
                              dtype=torch.float32).reshape(len(episodes), len(names))
-    total = env_parts.sum(1)
+    turn_rewards = torch.zeros(len(episodes), width, dtype=torch.float32)
+    for row, episode in enumerate(episodes):
+        for index, reward in episode.turn_rewards:
+            turn_rewards[row, index] += reward
     env_names = [f"env_{n}" for n in names]
-    if functions is None:
-        return RewardOutput(total=total, per_function=env_parts, names=env_names,
-                            num_failed=torch.zeros(len(names), dtype=torch.int64),
-                            num_timed_out=torch.zeros(len(names), dtype=torch.int64))
     zeros = torch.zeros(len(names), dtype=torch.int64)
-    return RewardOutput(total=functions.total + total, per_function=torch.cat([functions.per_function, env_parts], 1),
+    if functions is None:
+        return RewardOutput(total=env_parts.sum(1), per_function=env_parts, names=env_names, num_failed=zeros,
+                            num_timed_out=zeros.clone(), turn_rewards=turn_rewards)
+    return RewardOutput(total=functions.total + env_parts.sum(1),
+                        per_function=torch.cat([functions.per_function, env_parts], 1),
                         names=[*functions.names, *env_names], num_failed=torch.cat([functions.num_failed, zeros]),
-                        num_timed_out=torch.cat([functions.num_timed_out, zeros]))
+                        num_timed_out=torch.cat([functions.num_timed_out, zeros]), turn_rewards=turn_rewards)
 
 
 def episode_metrics(episodes: list[Episode], times: dict) -> dict:

@@ -122,11 +122,24 @@ def terminal_rewards(rewards: torch.Tensor, trained_mask: torch.Tensor) -> torch
         1, last[:, None], rewards.float()[:, None])
 
 
+def episode_rewards(rewards: torch.Tensor, turn_rewards: torch.Tensor | None,
+                    trained_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) rewards -> (B, C) per-token rewards: an environment's per-turn parts ``turn_rewards`` (B, C),
+    already on the last policy token of their turn, and the rest of each reward on the row's last
+    trained token (:func:`terminal_rewards`). Without per-turn parts (None), all at the end."""
+    if turn_rewards is None:
+        return terminal_rewards(rewards, trained_mask)
+    turn = turn_rewards.to(device=trained_mask.device, dtype=torch.float32)
+    return terminal_rewards(rewards.to(trained_mask.device).float() - turn.sum(1), trained_mask) + turn
+
+
 @torch.no_grad()
 def add_targets(model, value_head: ValueHead, ref_model, algo: PPOAlgoConfig, batch: rl.TrainBatch,
                 rewards: torch.Tensor, temperature: float, micro_batch_size: int, precision, wrapped=None,
-                ctx: ParallelContext | None = None) -> tuple[rl.TrainBatch, dict]:
-    """``batch`` with its old logprobs and values, advantages and returns from (B,) ``rewards``.
+                ctx: ParallelContext | None = None, turn_rewards: torch.Tensor | None = None
+                ) -> tuple[rl.TrainBatch, dict]:
+    """``batch`` with its old logprobs and values, advantages and returns from (B,) ``rewards`` (an
+    environment's per-turn parts of them, ``turn_rewards`` (B, C), credited on their turns).
 
     PPO always needs this no-grad pass (GAE needs the rollout-time values), so its old logprobs
     come from it at no extra cost, on-policy or not. GAE runs over the trained tokens only: an
@@ -139,7 +152,7 @@ def add_targets(model, value_head: ValueHead, ref_model, algo: PPOAlgoConfig, ba
     old_logprobs = torch.cat([p[0] for p in parts])
     old_values = torch.cat([p[2] for p in parts])
     mask = batch.trained_mask
-    token_rewards = terminal_rewards(rewards.to(mask.device), mask)
+    token_rewards = episode_rewards(rewards.to(mask.device), turn_rewards, mask)
     metrics = {}
     if ref_model is not None:
         ref_logprobs = rl.batch_logprobs(ref_model, batch, micro_batch_size, temperature, precision)
@@ -196,7 +209,7 @@ def ppo_step(state: rl.RLState, value_head: ValueHead, algo: PPOAlgoConfig, step
     precision, temperature = state.updater.precision, cfg.rollout.temperature
     batch, target_metrics = add_targets(state.model, value_head, state.ref_model, algo, batch, scored.rewards.total,
                                         temperature, state.micro_batch_size, precision, wrapped=state.train.wrapped,
-                                        ctx=state.run.ctx)
+                                        ctx=state.run.ctx, turn_rewards=scored.rewards.turn_rewards)
     metrics.update(rl.reduce_rollout_metrics(target_metrics, state.run.ctx))
     train_metrics = rl.update_state(
         batch, algo, state,

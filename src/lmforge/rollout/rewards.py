@@ -268,6 +268,9 @@ class RewardOutput:
     num_failed: torch.Tensor  # (F,) int64: failures per function in this batch (timeouts included)
     num_timed_out: torch.Tensor = dataclasses.field(  # (F,) int64: the failures that were timeouts
         default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    # (B, C) float32 or None: the parts of ``total`` an environment gave after each turn, on that turn's last
+    # policy token (PPO credits them there; the rest of ``total`` goes on the last one). None: all at the end.
+    turn_rewards: torch.Tensor | None = None
 
 
 def _accepted_kwargs(fn: RewardFn) -> set[str] | None:

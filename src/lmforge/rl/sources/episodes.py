@@ -28,16 +28,17 @@ from .inprocess import make_engine
 from .sampled import SampledSource
 
 
-def score_episodes(episodes: list[Episode], reward_set: RewardSet | None, task, max_new_tokens: int) -> RewardOutput:
+def score_episodes(episodes: list[Episode], reward_set: RewardSet | None, task, max_new_tokens: int,
+                   width: int) -> RewardOutput:
     """The environment's parts plus the reward functions on each episode's last assistant message (its
-    length: the policy's tokens of the whole episode)."""
+    length: the policy's tokens of the whole episode); ``width``: the rows' completion width."""
     functions = None
     if reward_set is not None:
         shared = {} if task is None else {"task": task}
         functions = reward_set([e.final_text for e in episodes], [e.state.problem for e in episodes],
                                completion_lens=[e.num_trained for e in episodes], max_new_tokens=max_new_tokens,
                                **shared)
-    return combine_rewards(episodes, functions)
+    return combine_rewards(episodes, functions, width)
 
 
 def rollout_metrics(rollout: RolloutBatch, rewards: RewardOutput, episodes: list[Episode], times: dict) -> dict:
@@ -76,7 +77,8 @@ def episode_sampler(runner: EpisodeRunner) -> Callable:
                                 "above, and env.tool_timeout_s / env.max_episode_tokens)")
         rollout = episode_rollout(episodes, cfg.group_size, tokenizer.pad_token_id)
         start = time.perf_counter()
-        rewards = score_episodes(episodes, reward_set, prompts.task, cfg.max_new_tokens)
+        rewards = score_episodes(episodes, reward_set, prompts.task, cfg.max_new_tokens,
+                                 rollout.completion_ids.shape[1])
         metrics = rollout_metrics(rollout, rewards, episodes, times)
         metrics["time_scoring"] = time.perf_counter() - start
         return rollout, rewards, metrics
@@ -129,7 +131,8 @@ def episode_evaluator(env_cfg, tokenizer, problems: list, task, reward_specs: li
         episodes: list[Episode] = []
         for start in range(0, len(problems), batch_size):
             episodes += runner.run(generate_fn, problems[start:start + batch_size], 1, params)[0]
-        totals = score_episodes(episodes, reward_set, task, max_new_tokens).total
+        width = max(1, max(len(e.ids) for e in episodes))
+        totals = score_episodes(episodes, reward_set, task, max_new_tokens, width).total
         metrics = episode_metrics(episodes, {"time_generation": 0.0, "time_env": 0.0})
         return ({"accuracy": (totals >= 1.0).float().mean().item(), "eval_reward": totals.mean().item(),
                  "eval_turns": metrics["turns_per_episode"], "eval_tool_calls": metrics["tool_calls_per_episode"]},
