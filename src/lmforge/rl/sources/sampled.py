@@ -57,8 +57,9 @@ class SampledSource:
     """A :class:`~lmforge.rl.sources.base.RolloutSource` that samples the run's prompts with ``engine``:
     ``sample`` (default :func:`sample_and_score`, same arguments) makes and scores a rank's rows."""
 
-    def __init__(self, setup: SourceSetup, engine, sample: Callable = sample_and_score):
-        self.setup, self.engine, self.sample = setup, engine, sample
+    def __init__(self, setup: SourceSetup, engine, sample: Callable | None = None):
+        self.setup, self.engine = setup, engine
+        self.sample = sample_and_score if sample is None else sample  # (looked up now: tests patch it)
         self.policy: Policy | None = None  # new weights not yet handed to the engine
 
     def sync_weights(self, policy: Policy, version: int) -> None:
