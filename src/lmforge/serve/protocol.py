@@ -1,8 +1,8 @@
 """The OpenAI wire format that ``lmforge serve`` speaks: request models, validation, response bodies.
 
 Requests are pydantic models that forbid unknown fields: a sampling option the server would silently
-ignore (``best_of``, ``suffix``, ``parallel_tool_calls``, ...) would give a trainer samples from a distribution
-other than the one it asked for, so it is a 400 that names the field instead. Types are strict: a
+ignore (``best_of``, ``suffix``, ``parallel_tool_calls``, ...) would give a trainer samples from a
+distribution other than the one it asked for, so it is a 400 that names the field instead. Types are strict: a
 string where a number belongs (``"max_tokens": "4"``) is a 400 too, not coerced.
 
 Supported OpenAI sampling options: ``n``, ``temperature``, ``top_p``, ``max_tokens`` /
