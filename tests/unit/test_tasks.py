@@ -38,7 +38,7 @@ def test_make_problems_is_deterministic_and_seed_dependent():
     assert task.make_problems(100, 3, "train") != task.make_problems(100, 4, "train")
 
 
-@pytest.mark.parametrize("spec", ["addition", "addition:digits=1", "arith_chat", "addition:digits=5"])
+@pytest.mark.parametrize("spec", ["addition", "addition:digits=1", "arith_chat", "addition:digits=5", "seeds"])
 def test_splits_are_disjoint_across_seeds(spec):
     task = get_task(spec)
     prompts = {
@@ -130,7 +130,7 @@ def test_arith_chat_negative_integer_is_parsed():
 # ----------------------------------------------------------------------------- alphabets and specs
 
 
-@pytest.mark.parametrize("spec", ["addition", "addition:digits=4", "arith_chat:ops=+"])
+@pytest.mark.parametrize("spec", ["addition", "addition:digits=4", "arith_chat:ops=+", "seeds:count=1000"])
 def test_alphabet_covers_all_text(spec):
     task = get_task(spec)
     for p in task.make_problems(300, seed=0, split="train"):
@@ -162,7 +162,8 @@ def test_unknown_param_lists_valid_ones():
 @pytest.mark.parametrize(
     "spec, message",
     [("addition:digits=three", "digits must be an integer"), ("addition:digits=0", "between 1 and 9"),
-     ("arith_chat:ops=*", "ops must be"), ("arith_chat:max_operand=0", "max_operand must be >= 1")],
+     ("arith_chat:ops=*", "ops must be"), ("arith_chat:max_operand=0", "max_operand must be >= 1"),
+     ("seeds:count=5", "count must be between 10")],
 )
 def test_bad_param_values(spec, message):
     with pytest.raises(ValueError, match=message):

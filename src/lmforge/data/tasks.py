@@ -383,10 +383,53 @@ class GuessNumber:
         return self.score(completion_text, problem) == 1.0
 
 
+# ----------------------------------------------------------------------------- seeds (games that deal themselves)
+
+
+@dataclass(frozen=True)
+class Seeds:
+    """Seeds for environments that build each game from a seed themselves (e.g. ``env.name=textarena``,
+    lmforge.envs.textarena): problem ``k`` is the game dealt by seed ``k``, for ``k`` below ``count``.
+
+    Prompt ``"seed 17"`` (the environment's ``reset`` writes the real first messages); completion and
+    answer: the seed, ``"17"``. Splits by the prompt's hash, so the held-out games are dealt by seeds no
+    training game uses.
+
+    Score (a single-turn completion, which has no game to play): 1.0 if the completion, stripped, is the
+    seed, else 0.0.
+    """
+
+    count: int = 10_000
+    name: ClassVar[str] = "seeds"
+
+    def __post_init__(self) -> None:
+        if not 10 <= self.count <= _ENUMERATE_LIMIT:
+            raise ValueError(f"seeds: count must be between 10 and {_ENUMERATE_LIMIT}, got {self.count}")
+
+    @property
+    def spec(self) -> str:
+        return f"{self.name}:count={self.count}"
+
+    @property
+    def alphabet(self) -> str:
+        return ASCII_ALPHABET
+
+    def make_problems(self, n: int, seed: int, split: str) -> list[Problem]:
+        return _sample_split(lambda k: Problem(prompt=f"seed {k}", completion=str(k), answer=str(k)), self.count,
+                             n, seed, split, self.spec)
+
+    def score(self, completion_text: str, problem: Problem) -> float:
+        return 1.0 if completion_text.strip() == problem.answer else 0.0
+
+    def is_correct(self, completion_text: str, problem: Problem) -> bool:
+        return self.score(completion_text, problem) == 1.0
+
+
 # ----------------------------------------------------------------------------- registry
 
 TASKS: dict[str, type] = {Addition.name: Addition, AdditionTrace.name: AdditionTrace, ArithChat.name: ArithChat,
-                          Multiplication.name: Multiplication, GuessNumber.name: GuessNumber}
+                          Multiplication.name: Multiplication, GuessNumber.name: GuessNumber,
+                          Seeds.name: Seeds}
 
 
 def get_task(spec: str) -> Task:

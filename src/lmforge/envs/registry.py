@@ -10,11 +10,13 @@ from ..errors import ConfigError
 from .base import Environment
 from .calculator import Calculator
 from .guess_number import GuessNumber
+from .textarena import TextArenaGame
 
 # Built-in environments: name -> class (one line each).
 ENVIRONMENTS: dict[str, type] = {
     "calculator": Calculator,  # multiplication with a calculator tool (data.task: multiplication)
     "guess_number": GuessNumber,  # guess a secret number, told higher / lower (data.task: guess_number)
+    "textarena": TextArenaGame,  # a TextArena single-player game, unmodified (env.args: game; data.task: seeds)
 }
 
 
