@@ -79,12 +79,20 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _shown(value: Any) -> str:
-    """``value`` for an error message; an empty YAML value (``key:`` with nothing after it) says so."""
+def _shown(value: Any, key: str = "") -> str:
+    """``value`` for an error message; an empty YAML value (``key:`` with nothing after it) and a
+    missing space after a colon (YAML reads ``lr:1e-4`` as one word) say so."""
     if value is None:
+        if ":" in key.rsplit(".", 1)[-1]:
+            name, _, rest = key.rsplit(".", 1)[-1].partition(":")
+            return (f"an empty value: YAML needs a space after the colon, '{name}: {rest}' (without it, "
+                    f"'{name}:{rest}' is one key with no value)")
         return "an empty value (null)"
     if isinstance(value, (list, dict)):
         return f"a {'list' if isinstance(value, list) else 'mapping'} {value!r:.80}"
+    if isinstance(value, str) and re.fullmatch(r"[A-Za-z_][\w.]*:\S.*", value):
+        name, _, rest = value.partition(":")
+        return f"{value!r} (YAML needs a space after the colon: '{name}: {rest}')"
     return repr(value)
 
 
@@ -110,22 +118,22 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 raise  # a float given nan/inf: say so, rather than "expected float or ..."
             except ConfigError:
                 continue
-        raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {_shown(value)}")
+        raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {_shown(value, key)}")
     if origin is Literal:
         if value in get_args(tp):
             return value
-        raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {_shown(value)}")
+        raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {_shown(value, key)}")
     if origin is list:
         (inner,) = get_args(tp) or (Any,)
         if isinstance(value, str):  # "a,b,c" from the command line
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {_shown(value)}")
+            raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {_shown(value, key)}")
         return [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:  # e.g. data.columns: {prompt: question}
         key_tp, value_tp = get_args(tp) or (Any, Any)
         if not isinstance(value, dict):
-            raise ConfigError(f"config key '{key}': expected {_type_name(tp)} (e.g. {{a: b}}), got {_shown(value)}")
+            raise ConfigError(f"config key '{key}': expected {_type_name(tp)} (e.g. {{a: b}}), got {_shown(value, key)}")
         return {_coerce(k, key_tp, key): _coerce(v, value_tp, f"{key}.{k}") for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
@@ -169,8 +177,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return _build(tp, value, key + ".")
         first = dataclasses.fields(tp)[0].name
         raise ConfigError(f"config section '{key}' must be a mapping of its keys, e.g. '{key}: {{{first}: ...}}' "
-                          f"or {key}.{first}=... on the command line; got {_shown(value)}")
-    raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {_shown(value)}")
+                          f"or {key}.{first}=... on the command line; got {_shown(value, key)}")
+    raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {_shown(value, key)}")
 
 
 def _unknown_key(key: str, prefix: str, valid: list[str], note: str = "") -> ConfigError:

@@ -35,6 +35,10 @@ REFUSED = {
                                r"Valid keys here: completion, messages, prompt"),
     "a misspelt column name, dotted": (None, ["data.path=x.jsonl", "data.columns.complettion=a"],
                                        r"Did you mean: data.columns.completion\?"),
+    "no space after a colon in a mapping": (None, ["data.path=x.jsonl", "data.columns={prompt:question}"],
+                                            r"YAML needs a space after the colon, 'prompt: question'"),
+    "no space after a colon in a file": ("data:\n  task: addition\noptim:\n  lr:1e-4\n", [],
+                                         r"got 'lr:1e-4' \(YAML needs a space after the colon: 'lr: 1e-4'\)"),
 }
 
 
@@ -92,3 +96,11 @@ def test_on_off_on_the_command_line_and_numbers_inside_free_form_settings():
     assert cfg.train.gradient_checkpointing == "on"  # docs/training.md's own example was an error before
     cfg = load_config(GRPOConfig, None, ["data.task=addition", "rewards.functions=[{name: format, scale: 1e-4}]"])
     assert cfg.rewards.functions[0]["scale"] == 1e-4  # a reward's kwargs: a float, not the string '1e-4'
+
+
+def test_a_json_file_holding_one_object_says_so_instead_of_blaming_line_1(tmp_path, capsys):
+    """A pretty-printed {"rows": [...]} .json file: before, only 'line 1: invalid JSON'."""
+    path = tmp_path / "rows.json"
+    path.write_text('{\n  "rows": [{"prompt": "1+1=", "completion": "2"}]\n}\n')
+    assert main(["sft", f"data.path={path}", f"train.output_dir={tmp_path / 'run'}"]) == EXIT_USER_ERROR
+    assert "The file is one JSON object (keys 'rows'), not rows" in capsys.readouterr().err

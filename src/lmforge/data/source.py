@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import DataError
-from ..fileio import text_lines
+from ..fileio import read_text, text_lines
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 DATASETS_BUILDERS = {".csv": "csv", ".tsv": "csv", ".arrow": "arrow", ".json": "json", ".txt": "text"}
@@ -215,7 +215,21 @@ def _jsonl_rows(path: Path, what: str) -> Iterator[tuple[str, Any]]:
             yield f"{path}:{number}", json.loads(line)
         except json.JSONDecodeError as err:
             raise DataError(f"{path}:{number}: invalid JSON ({err.msg} at column {err.colno}); each line must "
-                            "hold one JSON object") from None
+                            f"hold one JSON object{_whole_document(path) if number == 1 else ''}") from None
+
+
+def _whole_document(path: Path) -> str:
+    """When a file that fails as JSON Lines is one JSON object (pretty-printed, rows under a key):
+    what it holds, for the error message; else ''."""
+    try:
+        document = json.loads(read_text(path, "data file"))
+    except (DataError, ValueError):
+        return ""
+    if not isinstance(document, dict):
+        return ""
+    keys = ", ".join(map(repr, list(document)[:5]))
+    return (f". The file is one JSON object (keys {keys}), not rows: write its rows as JSON Lines (one object "
+            "per line) or as one JSON array of row objects in a .json file")
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
