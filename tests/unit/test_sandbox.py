@@ -123,6 +123,55 @@ def test_namespace_mode_cannot_undo_its_mounts_or_see_host_processes():
     assert result.output.splitlines() == ["-1 1", "[1]", "0000000000000000"]  # EPERM, only itself, no caps
 
 
+# Runs in a child process that made itself an unprivileged user (uid 1000 in a user namespace of its own,
+# no capabilities), then uses the sandbox: the path a non-root user takes, with its own user namespace.
+AS_NON_ROOT = r"""
+import json, os, sys
+from lmforge.envs import sandbox as sb
+try:
+    sb._unshare(sb.CLONE_NEWUSER)
+    for name, text in (("setgroups", "deny"), ("uid_map", "1000 0 1"), ("gid_map", "1000 0 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+    sb._drop_capabilities()
+except OSError as exc:
+    print(json.dumps({"skip": str(exc)}))
+    sys.exit(0)
+limits = sb.SandboxLimits(wall_s=5)
+checks = {
+    "write": f"open({sys.argv[1]!r}, 'w').write('x')",
+    "network": "import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)",
+    "inside": "import os, ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+              "print(libc.mount(None, b'/', None, 32 | 4096, None), ctypes.get_errno())\n"
+              "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()), os.geteuid())\n"
+              "open('kept.txt', 'w').write('1')\nprint(os.listdir('.'))",
+}
+results = {name: sb.run_python(code, limits) for name, code in checks.items()}
+print(json.dumps({"euid": os.geteuid(), "isolation": results["inside"].isolation,
+                  **{name: r.output for name, r in results.items()}}))
+"""
+
+
+def test_a_non_root_user_gets_namespaces_through_a_user_namespace(tmp_path):
+    import subprocess
+    import sys
+
+    target = tmp_path / "escaped.txt"
+    done = subprocess.run([sys.executable, "-c", AS_NON_ROOT, str(target)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    if "skip" in seen:
+        pytest.skip(f"cannot make a user namespace here to act as a non-root user: {seen['skip']}")
+    assert seen["euid"] == 1000
+    assert seen["isolation"] == {"network": "new network namespace (no interfaces up)",
+                                 "processes": "new PID namespace, fresh /proc, no capabilities",
+                                 "files": "read-only, nodev mounts except the temporary directory"}
+    assert "Read-only file system" in seen["write"] and not target.exists()
+    assert "Network is unreachable" in seen["network"]
+    assert seen["inside"].splitlines() == ["-1 1", "[1] 1000", "['kept.txt']"]  # EPERM: the mounts stay
+
+
 def test_fallback_refuses_new_processes():
     result = run_python("import subprocess\nsubprocess.run(['true'])", MODES["audit-hook"])
     assert "PermissionError: sandbox: subprocess.Popen is refused" in result.output

@@ -8,8 +8,9 @@ rest, and removes the directory. ``python_tool`` wraps that as a typed tool func
 
 Inside, the child is a supervisor that forks the process running the code and SIGKILLs it at the
 wall-clock limit (the parent kills the whole process group two seconds later should the supervisor not
-have answered). Linux only for what follows. Where the kernel allows it
-(root, or CAP_SYS_ADMIN), the supervisor first moves into new network, mount and PID namespaces:
+have answered). Linux only for what follows. Where the kernel allows it (as root; as another user
+through a user namespace of its own, where unprivileged user namespaces are enabled), the supervisor
+first moves into new network, mount and PID namespaces:
 - network: a fresh namespace has only a loopback device, and it is down -- no connection goes anywhere;
 - files: every mount is remounted read-only, nodev and nosuid, except a bind of the temporary directory;
   /dev is replaced by a tmpfs holding only null, zero, full, random and urandom;
@@ -19,7 +20,7 @@ The code process then drops every capability (and the bounding set, with no_new_
 undo the mounts, mount anything, or enter another namespace; and it runs under RLIMIT_CPU, RLIMIT_AS,
 RLIMIT_FSIZE and RLIMIT_CORE = 0.
 
-Where namespaces are not available (not root, a container that forbids unshare, or ``namespaces=False``),
+Where namespaces are not available (a kernel or container that forbids unshare, or ``namespaces=False``),
 the code process installs an audit hook that refuses writes outside the directory, sockets other than
 AF_UNIX pairs, and starting processes -- a best effort: code can get around an in-process hook (ctypes,
 interpreter internals). Each result says which protection was in force and why (``isolation``).
@@ -272,12 +273,16 @@ def _no_namespaces(reason: str) -> dict:
 def _isolate(work: str) -> dict:
     """Move this process into new namespaces (applies to its children) and lock the file system down;
     what could not be done falls back to the audit hook, with the reason."""
-    if os.geteuid() != 0:
-        return _no_namespaces("not root (new namespaces need CAP_SYS_ADMIN)")
-    try:
-        _unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID)
+    uid, gid = os.geteuid(), os.getegid()
+    try:  # not root: a user namespace of our own gives the capabilities the others need
+        _unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID | (CLONE_NEWUSER if uid else 0))
+        if uid:  # map our ids to themselves, the one mapping an unprivileged process may write
+            for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
     except (OSError, AttributeError) as exc:  # AttributeError: a libc without unshare (not Linux)
-        return _no_namespaces(f"unshare failed ({exc})")
+        reason = "unshare failed" + (" (unprivileged user namespaces may be disabled)" if uid else "")
+        return _no_namespaces(f"{reason}: {exc}")
     isolation = {"network": "new network namespace (no interfaces up)",
                  "processes": "new PID namespace, fresh /proc, no capabilities"}
     try:
@@ -300,7 +305,7 @@ def _enter_code_process(isolation: dict, config: dict) -> dict:
             isolation["processes"] = f"new PID namespace, host /proc read-only ({exc}), no capabilities"
     if sys.platform == "linux":
         _check(_libc().prctl(1, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")  # dies with the supervisor
-        if os.geteuid() == 0:
+        if _has_capabilities():  # root, or the owner of a new user namespace
             _drop_capabilities()
     mb = 1024 * 1024
     resource.setrlimit(resource.RLIMIT_CPU, (config["cpu_s"],) * 2)  # SIGKILL at the hard limit
@@ -371,9 +376,9 @@ def _run_code(code: str) -> None:
 # Linux system calls through ctypes (Python 3.11 has no os.unshare, no mount)
 # ---------------------------------------------------------------------------------------------------
 
-CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
-    1, 2, 4, 8, 32, 4096, 16384, 1 << 18)
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE, MS_STRICTATIME = (
+    1, 2, 4, 8, 32, 4096, 16384, 1 << 18, 1 << 24)
 # Per-mount flags a bind remount must repeat (the kernel refuses to clear some of them).
 _KEPT_FLAGS = {"noexec": MS_NOEXEC, "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
 MNT_DETACH = 2
@@ -438,12 +443,20 @@ def _read_only_except(work: str) -> None:
         if point in keep:
             continue
         flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV
-        flags |= sum(bit for opt, bit in _KEPT_FLAGS.items() if opt in fields[5].split(","))
+        options = fields[5].split(",")
+        flags |= sum(bit for opt, bit in _KEPT_FLAGS.items() if opt in options)
+        if not any(opt in options for opt in ("noatime", "relatime")):  # a user namespace may not change it
+            flags |= MS_STRICTATIME
         try:
             _mount(None, point, None, flags)
         except FileNotFoundError:  # hidden under the new /dev (e.g. /dev/shm): out of reach anyway
             continue
     _mount(None, work, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
+
+
+def _has_capabilities() -> bool:
+    with open("/proc/self/status") as f:
+        return any(line.startswith("CapEff:") and int(line.split()[1], 16) for line in f)
 
 
 def _drop_capabilities() -> None:
