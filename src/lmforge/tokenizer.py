@@ -270,16 +270,19 @@ def tokenizer_label(model_cfg) -> str:
 
 
 def _unknown_fix(model_cfg, source: str) -> str:
-    is_char = model_cfg.tokenizer == "char" or (not model_cfg.tokenizer and model_cfg.name.startswith("tiny:"))
+    spec = model_cfg.tokenizer or ("char" if model_cfg.name.startswith("tiny:") else "")
     text_file = Path(source).suffix.lower() in (".txt", ".jsonl", ".json", ".ndjson") and Path(source).is_file()
     local = source if text_file else "your_text.txt"  # a file the BPE trainer reads as text
     bpe = (f"a byte-level BPE trained on the text (it has no unknown tokens): python -c \"from lmforge.tokenizer "
            f"import train_bpe_tokenizer; train_bpe_tokenizer(['{local}'], 2048, 'my_tokenizer')\", then "
            "model.tokenizer=my_tokenizer (lmforge pretrain tokenizer.train=true also trains one on .txt files)")
-    if is_char:
-        return (f"the char tokenizer knows only the characters {DEFAULT_ALPHABET!r} of the built-in tasks. Give "
-                f"the model a tokenizer that covers this text: {bpe}; or fine-tune a pretrained model with its own "
-                "tokenizer (e.g. model.name=smollm2-135m-instruct)")
+    pretrained = "or fine-tune a pretrained model with its own tokenizer (e.g. model.name=smollm2-135m-instruct)"
+    if spec == "char":
+        return (f"the char tokenizer knows only the characters {CHAR_ALPHABETS['char']!r} of the built-in tasks. "
+                f"For English text set model.tokenizer=char:ascii (every printable ASCII character); for any text, "
+                f"{bpe}; {pretrained}")
+    if spec in CHAR_ALPHABETS:
+        return f"{spec} knows only printable ASCII and the newline; for other text, {bpe}; {pretrained}"
     return f"use a tokenizer that covers this text, e.g. {bpe}; or clean the data of what it cannot represent"
 
 

@@ -44,7 +44,8 @@ CASES = {
     "sft, char tokenizer on English chat": (
         ["sft", "data.path=builtin:chat_small", "model.tokenizer=char"], EXIT_USER_ERROR,
         [r"model.tokenizer=char turns 7\d\.\d% of the tokens of builtin:chat_small into its unknown token <unk>",
-         r"most frequent: 'e' x\d+", r"train_bpe_tokenizer", r"model.name=smollm2-135m-instruct"]),
+         r"most frequent: 'e' x\d+", r"For English text set model.tokenizer=char:ascii", r"train_bpe_tokenizer",
+         r"model.name=smollm2-135m-instruct"]),
     "grpo, the tiny model's implicit char tokenizer on English prompts": (
         ["grpo", "data.path={root}/prompts.jsonl"] + RL, EXIT_USER_ERROR,
         [r"the char tokenizer \(model.name=tiny:llama uses it unless model.tokenizer is set\) turns \d+\.\d% of "
@@ -56,6 +57,8 @@ CASES = {
         ["sft", "data.path={root}/few.jsonl", "model.tokenizer=char"], 0,
         [r"\[data\] warning: model.tokenizer=char turns 0\.\d% of the tokens of .*few.jsonl .*e.g. '0x'; most "
          r"frequent: 'x' x1\); above 5% this stops the run"]),
+    "sft, char:ascii on English chat: silent": (["sft", "data.path=builtin:chat_small", "model.tokenizer=char:ascii"],
+                                                0, []),
     "sft, a BPE that covers the text: silent": (["sft", "data.path=builtin:chat_small", "model.tokenizer={root}/bpe"],
                                                 0, []),
 }
