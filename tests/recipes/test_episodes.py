@@ -3,6 +3,7 @@ ids verbatim under a tokenizer whose decode -> encode is not the identity; (b) t
 the policy's tokens, and the same check catches a mask with one environment token switched on;
 (c) a one-turn environment gives exactly the single-turn GRPO run."""
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -224,6 +225,11 @@ def test_a_one_turn_environment_gives_exactly_the_single_turn_run(tmp_path):
         for key in ("loss", "pg_loss", "kl", "reward", "reward_std", "grad_norm", "ratio_max", "completion_len_mean"):
             assert env_steps[step][key] == plain_steps[step][key], (step, key)
         assert env_steps[step]["turns_per_episode"] == 1.0
+    from safetensors.torch import load_file
+
+    plain_weights, env_weights = (load_file(Path(r["run_dir"]) / "final" / "model.safetensors") for r in (plain, env))
+    assert plain_weights.keys() == env_weights.keys()
+    assert all(torch.equal(plain_weights[k], env_weights[k]) for k in plain_weights)
 
 
 @pytest.mark.parametrize("override, match", [
