@@ -24,8 +24,9 @@ from typing import Callable
 
 import torch
 
-from .errors import ConfigError, TrainingError
+from .errors import ConfigError, LmforgeError, SaveError, TrainingError, describe_errno, environment_errno
 from .models import save_merged, save_model, save_model_config
+from .parallel.context import deferred_signals
 from .parallel.wrap import full_state_dict, is_sharded
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -50,15 +51,17 @@ def _tmp_dir(final: Path) -> Path:
 
 
 def _commit(tmp: Path, final: Path) -> Path:
-    """fsync ``tmp`` and rename it to ``final`` (replacing it): all or nothing under ``final``."""
+    """fsync ``tmp`` and rename it to ``final`` (replacing it): all or nothing under ``final``. A signal
+    is held from the first rename until the replaced directory is gone."""
     _fsync_tree(tmp)
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(final)
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    with deferred_signals():
+        if final.exists():
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
     return final
 
 
@@ -74,17 +77,34 @@ def _write_dir(final: Path, write) -> Path:
 
 @contextlib.contextmanager
 def _cleaned_on_failure(tmp: Path, final: Path):
-    """A write that fails (disk full, permissions) removes its temporary directory and says what
-    happened; whatever was under ``final`` before is untouched."""
+    """Whatever stops a write into ``tmp`` (an error of any type, a signal) removes ``tmp``; what was
+    under ``final`` before is untouched. The machine's failures (disk full, quota, permissions, a
+    read-only file system: :func:`lmforge.errors.environment_errno`) become a SaveError naming
+    ``final`` and the cause; any other error is re-raised with a note naming ``final``."""
     try:
         yield
-    except OSError as exc:
+    except BaseException as exc:
+        ours = isinstance(exc, LmforgeError) or not isinstance(exc, Exception)  # a QuantizeError, an interrupt
+        code = None if ours else environment_errno(exc, tmp)  # probed while the failed write holds its space
         shutil.rmtree(tmp, ignore_errors=True)
-        if exc.errno == errno.ENOSPC:
-            raise TrainingError(f"disk full while writing {final}: nothing was written there and the last "
-                                f"checkpoint is intact; free space on {final.parent} and resume "
-                                "(train.resume=auto)") from exc
-        raise TrainingError(f"could not write {final}: {exc}; the last checkpoint is intact") from exc
+        if ours:
+            raise
+        if code is None:
+            exc.add_note(f"while writing {final}: its temporary directory {tmp} was removed; what was there "
+                         "before is intact")
+            raise
+        raise SaveError(save_failure_message(final, code, exc)) from exc
+
+
+def save_failure_message(final: Path, code: int, exc: BaseException) -> str:
+    """'disk full while writing PATH (cause); ...; what to do': the message of a SaveError."""
+    head = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded"}.get(code)
+    what = f"{head} while writing {final}" if head else f"could not write {final}: {describe_errno(code)}"
+    fix = (f"Free space on the file system of {final.parent}" if head else
+           f"Make {final.parent} writable (or choose another directory)")
+    return (f"{what} ({type(exc).__name__}: {str(exc).strip()[:200]}); nothing was written under that name, its "
+            f"temporary directory was removed and the last checkpoint is intact. {fix}, then run the command "
+            "again (a training run continues with train.resume=auto)")
 
 
 def _fsync_tree(root: Path) -> None:
@@ -214,7 +234,8 @@ def remove_checkpoint(path: Path) -> None:
     """Rename first, then delete: a kill mid-delete leaves a ``.deleting`` directory (removed by the
     next :func:`clean_checkpoints`), never a half-deleted one under a checkpoint's name."""
     doomed = path.with_name(f".{path.name}.deleting-{os.getpid()}")
-    path.rename(doomed)
+    with deferred_signals():
+        path.rename(doomed)
     shutil.rmtree(doomed, ignore_errors=True)
 
 
@@ -345,7 +366,7 @@ def resume_training(resume: str, run_dir: Path, state, printer) -> dict:
         state.updater.load_counters(saved)
     elif is_sharded(state.wrapped):
         raise ConfigError(f"checkpoint {path} was written without FSDP2 (no dcp/ directory): resume it with "
-                          "parallel.strategy=ddp, or start a new run from its weights (model.name={path}/model)")
+                          f"parallel.strategy=ddp, or start a new run from its weights (model.name={path}/model)")
     else:
         load_model_weights(state.model, path)
         state.updater.load_state_dict(saved)

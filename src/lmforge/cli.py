@@ -16,8 +16,8 @@
 from __future__ import annotations
 
 import argparse
-import errno
 import os
+import signal
 import sys
 import tempfile
 import textwrap
@@ -27,14 +27,12 @@ from pathlib import Path
 from typing import Callable
 
 from .config import describe, load_config
-from .errors import LmforgeError
+from .errors import Interrupted, LmforgeError, describe_errno, environment_errno
 
-EXIT_USER_ERROR = 2  # bad config, data, model or paths: LmforgeError, FileNotFoundError, a missing extra
+# The exit codes (docs/reliability.md): one mapping for every command, in one process and under torchrun.
+EXIT_USER_ERROR = 2  # config, data, model, paths, a missing extra, the machine (disk full, permissions): LmforgeError
 EXIT_INTERNAL_ERROR = 1  # anything else: a bug, reported with a traceback log
-EXIT_INTERRUPTED = 130
-# OSErrors that are about the machine, not lmforge: reported as user errors (exit 2), without a log
-ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR,
-                      errno.EISDIR, errno.EEXIST}
+# SIGINT / SIGTERM: 128 + the signal's number (130, 143), the shell's convention: Interrupted.exit_code
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -202,29 +200,62 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    from .parallel.context import end_process_group, rank_prefix, should_report
+    from .parallel.context import (disarm_signals, end_process_group, ignore_signals, install_signal_handlers,
+                                   restore_signal_handlers, torchrun_world)
 
+    previous = install_signal_handlers()  # SIGTERM stops a run like SIGINT, in one process and under torchrun
     try:
         args.func(args)
-    except (LmforgeError, FileNotFoundError, ImportError) as exc:
-        if should_report(exc):  # under torchrun: once, not once per rank
-            print(f"lmforge {args.command}: error: {rank_prefix()}{exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        if should_report(KeyboardInterrupt()):
-            print(f"lmforge {args.command}: interrupted; completed checkpoints are intact", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except OSError as exc:
-        if exc.errno not in ENVIRONMENT_ERRNOS:
-            return _internal_error(args, argv, exc)
-        if should_report(exc):  # disk full, permissions, read-only: the machine, not lmforge
-            print(f"lmforge {args.command}: error: {rank_prefix()}{exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    except Exception as exc:  # a bug in lmforge (or a library): keep the traceback, print one line
-        return _internal_error(args, argv, exc)
+    except BaseException as exc:  # noqa: BLE001 - every way a command ends is mapped to its exit code here
+        disarm_signals()  # a signal during the report is noted, never a second traceback
+        return report(args, argv, exc)
     finally:
-        end_process_group()
+        try:
+            end_process_group()
+        except Exception:  # noqa: BLE001 - a peer already gone makes the teardown fail: nothing to report
+            pass
+        if torchrun_world()[1] > 1:  # a rank's run is over: torchrun's SIGTERM must not replace its exit code
+            ignore_signals()
+        else:
+            restore_signal_handlers(previous)
     return 0
+
+
+def report(args, argv: list[str] | None, exc: BaseException) -> int:
+    """Print ``exc`` as its kind deserves (once under torchrun) and return the exit code."""
+    from .parallel.context import is_peer_loss, peers_note, rank_prefix, should_report
+
+    name = f"lmforge {args.command}"
+    if isinstance(exc, SystemExit):
+        raise exc
+    if isinstance(exc, (Interrupted, KeyboardInterrupt)):
+        signum = exc.signum if isinstance(exc, Interrupted) else 2
+        gone = peers_note()
+        if should_report(exc):
+            why = f"; {gone} (torchrun stops every rank when one fails)" if gone else ""
+            print(f"{name}: {rank_prefix()}stopped by {signal.Signals(signum).name}{why}; completed checkpoints are intact "
+                  "and nothing half-written is left (resume with train.resume=auto)", file=sys.stderr)
+        return Interrupted(signum).exit_code
+    if not isinstance(exc, LmforgeError) and is_peer_loss(exc):
+        who = peers_note(wait_s=2.0) or ("another rank stopped or lost contact (torchrun's summary names it and "
+                                         "its exit code or signal)")
+        if should_report(exc):  # after peers_note: a rank 0 that is gone is known to be gone
+            print(f"{name}: {rank_prefix()}stopping: {who}. Completed checkpoints are intact (resume with "
+                  "train.resume=auto)", file=sys.stderr)
+        return EXIT_USER_ERROR
+    if isinstance(exc, (LmforgeError, FileNotFoundError, ImportError)):
+        if should_report(exc):  # under torchrun: once, not once per rank
+            print(f"{name}: error: {rank_prefix()}{exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    if not isinstance(exc, Exception):
+        raise exc
+    code = environment_errno(exc)  # disk full, permissions, read-only: the machine, not lmforge
+    if code is not None:
+        if should_report(exc):
+            print(f"{name}: error: {rank_prefix()}{describe_errno(code)}: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
+        return EXIT_USER_ERROR
+    return _internal_error(args, argv, exc)
 
 
 def _internal_error(args, argv: list[str] | None, exc: Exception) -> int:
@@ -234,7 +265,8 @@ def _internal_error(args, argv: list[str] | None, exc: Exception) -> int:
     log = write_error_log(getattr(args, "run_dir", None), command, exc)
     if should_report(exc):
         summary = (str(exc).strip().splitlines() or [""])[0]
-        print(f"lmforge {args.command}: internal error: {rank_prefix()}{type(exc).__name__}: {summary}\n"
+        notes = "".join(f"\n  {note}" for note in getattr(exc, "__notes__", ()))
+        print(f"lmforge {args.command}: internal error: {rank_prefix()}{type(exc).__name__}: {summary}{notes}\n"
               f"  full traceback: {log}\n  this is a bug in lmforge: please report it to the maintainers, "
               "with that file attached", file=sys.stderr)
     return EXIT_INTERNAL_ERROR

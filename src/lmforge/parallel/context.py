@@ -11,18 +11,21 @@ batch. ``mesh`` is the 1-D device mesh FSDP2 shards over; ``group`` the data-par
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
 import os
+import re
 import signal
 import socket
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError, TrainingError
+from ..errors import ConfigError, Interrupted, TrainingError
 
 
 @dataclasses.dataclass
@@ -140,8 +143,9 @@ def init_parallel(strategy: str, device: torch.device, timeout_s: float = 600.0)
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
-    install_signal_handlers()
-    return ParallelContext(rank, world, local_rank, strategy, mesh, None), device
+    ctx = ParallelContext(rank, world, local_rank, strategy, mesh, None)
+    record_peers(ctx)
+    return ctx, device
 
 
 def free_port() -> int:
@@ -165,12 +169,14 @@ class PeerFailed(TrainingError):
 def should_report(error: BaseException) -> bool:
     """Whether this process prints ``error``: once per run, not once per rank. An error raised through
     :meth:`ParallelContext.check_all_ok` is printed by the lowest failing rank; one every rank hits
-    alike (a config error at start-up, an interrupt) by rank 0; ``PeerFailed`` by nobody."""
+    alike (a config error at start-up, an interrupt, a lost peer) by rank 0, or by the lowest rank still
+    running when rank 0 is gone; ``PeerFailed`` by nobody."""
     if isinstance(error, PeerFailed):
         return False
     if hasattr(error, "lmforge_report"):
         return error.lmforge_report
-    return torchrun_world()[0] == 0
+    gone = {rank for rank, _, _ in gone_peers()}  # rank 0 killed: the next rank still running reports
+    return torchrun_world()[0] == min((r for r in range(len(_PEERS)) if r not in gone), default=0)
 
 
 def rank_prefix() -> str:
@@ -178,17 +184,129 @@ def rank_prefix() -> str:
     return f"[rank {rank}] " if world > 1 else ""
 
 
-class Interrupted(TrainingError):
-    """SIGTERM / SIGINT: raised between operations, so no checkpoint is ever half-written by us."""
+# ------------------------------------------------------------------ signals and lost peers
+# SIGINT and SIGTERM raise Interrupted in the main thread, in one process and under torchrun alike.
+# Inside deferred_signals() (renames that must happen together) the signal is held until the block
+# ends; once the command is reporting an error (disarm_signals), a signal no longer raises, so exit
+# handlers never print a traceback of their own.
+_SIGNALS = {"armed": False, "deferring": 0, "pending": None}
+_PEERS: list[tuple[str, int]] = []  # (host, PID) of every rank, gathered at start under torchrun
 
 
-def install_signal_handlers() -> None:
-    """torchrun forwards SIGTERM (and SIGINT) to every rank: turn it into an exception raised in the
-    main thread. Checkpoints are written to a temporary directory and renamed, so a signal during a
-    save leaves the last good checkpoint as it was."""
+def _on_signal(signum, _frame) -> None:
+    if not _SIGNALS["armed"]:
+        return
+    if _SIGNALS["deferring"]:
+        _SIGNALS["pending"] = signum
+        return
+    _SIGNALS["armed"] = False  # one Interrupted per run: the cleanup it starts is not interrupted again
+    raise Interrupted(signum)
 
-    def handler(signum, _frame):
-        raise Interrupted(f"received {signal.Signals(signum).name}; the last complete checkpoint is intact "
-                          "(resume with train.resume=auto)")
 
-    signal.signal(signal.SIGTERM, handler)
+def install_signal_handlers() -> dict:
+    """Route SIGINT and SIGTERM to :class:`Interrupted` (main thread only); returns the previous
+    handlers for :func:`restore_signal_handlers`. torchrun forwards SIGTERM to every rank."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    _SIGNALS.update(armed=True, deferring=0, pending=None)
+    return previous
+
+
+def restore_signal_handlers(previous: dict) -> None:
+    _SIGNALS["armed"] = False
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def ignore_signals() -> None:
+    """SIGINT / SIGTERM ignored from now on: a rank whose command is over exits with its own code
+    (Python restores the default action of a handled signal while it shuts down, not of an ignored one)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def disarm_signals() -> None:
+    """From now on a signal is noted, not raised (the command is already stopping)."""
+    _SIGNALS["armed"] = False
+
+
+@contextlib.contextmanager
+def deferred_signals():
+    """Hold SIGINT / SIGTERM until the block ends (a few renames that must happen together), then raise."""
+    _SIGNALS["deferring"] += 1
+    try:
+        yield
+    finally:
+        _SIGNALS["deferring"] -= 1
+    if not _SIGNALS["deferring"] and _SIGNALS["pending"] is not None and _SIGNALS["armed"]:
+        signum, _SIGNALS["pending"], _SIGNALS["armed"] = _SIGNALS["pending"], None, False
+        raise Interrupted(signum)
+
+
+def record_peers(ctx: "ParallelContext") -> None:
+    """Remember every rank's host and PID, so that a rank whose peer vanished can say which one."""
+    _PEERS[:] = ctx.gather_objects((socket.gethostname(), os.getpid()))
+
+
+def gone_peers() -> list[tuple[int, int, str]]:
+    """``(rank, PID, how)`` of the ranks on this host whose process no longer runs; ``how`` says how it
+    ended when the process is still a zombie ("killed by SIGKILL", "exit code 1"), else "stopped"."""
+    host, gone = socket.gethostname(), []
+    for rank, (peer_host, pid) in enumerate(_PEERS):
+        if peer_host == host and pid != os.getpid():
+            how = _how_it_ended(pid)
+            if how is not None:
+                gone.append((rank, pid, how))
+    return gone
+
+
+def _how_it_ended(pid: int) -> str | None:
+    """None while ``pid`` runs; else how it ended, as far as /proc still tells."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return "stopped"
+    except PermissionError:
+        return None
+    try:  # a zombie (ended, not yet reaped by torchrun): the kernel still holds its exit status
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] != "Z":
+        return None
+    status = int(fields[49]) if len(fields) > 49 else None  # exit_code, field 52 of proc(5)
+    if status is None:
+        return "stopped"
+    if status & 0x7F:
+        return f"killed by {signal.Signals(status & 0x7F).name}"
+    return f"exited with code {status >> 8}"
+
+
+def peers_note(wait_s: float = 0.0) -> str:
+    """'rank 1 (PID 4242) killed by SIGKILL' for each vanished rank on this host ('' when none is
+    known). ``wait_s``: how long to wait for one to show: a killed process closes its sockets, which
+    is what the survivors notice, a little before it ends."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while not (gone := gone_peers()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return "; ".join(f"rank {rank} (PID {pid}) {how}" for rank, pid, how in gone)
+
+
+# what gloo / NCCL / the store raise when a peer's process is gone
+_PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Connection refused|"
+                        r"NCCL communicator was aborted|Socket Timeout|timed out|Timeout|"
+                        r"failed to recv|failed to send|read error|Connection reset", re.IGNORECASE)
+
+
+def is_peer_loss(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that failed because another rank went away (under torchrun)."""
+    if torchrun_world()[1] <= 1:
+        return False
+    if dist.is_available() and isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and bool(_PEER_LOST.search(str(exc)))

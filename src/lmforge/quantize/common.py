@@ -57,7 +57,7 @@ def load_source(spec: str):
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..models import resolve_pretrained
+    from ..models import _from_hub, require_model_files, resolve_pretrained
 
     source = Path(resolve_pretrained(spec))
     if not source.is_dir():
@@ -68,7 +68,8 @@ def load_source(spec: str):
         method = config["quantization_config"].get("quant_method", "?")
         raise QuantizeError(f"{source} is already quantized (quantization_config.quant_method = {method!r}); "
                             f"run `lmforge dequantize {source} --out DIR` and quantize DIR instead")
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    require_model_files(source, tokenizer=False)  # the formats that need a tokenizer say so themselves
+    model = _from_hub(AutoModelForCausalLM, str(source), dtype=torch.float32).eval()
     scheme = getattr(model.config, "lmforge_qat", None)
     if scheme:
         from .qat import apply_qat, bake_qat
@@ -77,7 +78,7 @@ def load_source(spec: str):
         bake_qat(model)
         print(f"[lmforge] {source}: trained with {scheme} QAT; exporting its fake-quantized weights")
     has_tokenizer = any((source / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
-    tokenizer = AutoTokenizer.from_pretrained(source) if has_tokenizer else None
+    tokenizer = _from_hub(AutoTokenizer, str(source)) if has_tokenizer else None
     return model, tokenizer
 
 

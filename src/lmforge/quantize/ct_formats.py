@@ -36,8 +36,19 @@ def check_group_size(model, group_size: int) -> None:
            and module.in_features % group_size]
     if bad:
         raise QuantizeError(f"group size {group_size} does not divide the input width of {len(bad)} layer(s): "
-                            f"{', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}; choose a group size "
-                            f"that divides them (e.g. int4-g32)")
+                            f"{', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}; {_group_hint(model)}")
+
+
+def _group_hint(model) -> str:
+    """The int4 formats whose group size divides every quantized input width, or what to use instead."""
+    widths = {module.in_features for name, module in model.named_modules()
+              if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")}
+    fitting = [name for name, scheme in SCHEMES.items() if scheme.get("group_size")
+               and all(width % scheme["group_size"] == 0 for width in widths)]
+    if fitting:
+        return f"use {' or '.join(fitting)}, whose group size divides them"
+    return (f"no int4 group size lmforge offers divides the widths {sorted(widths)}: use int8 or fp8 "
+            "(per channel), or a GGUF format")
 
 
 def _min_max(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:

@@ -209,12 +209,14 @@ def read_gguf(path: Path):
     """``(state_dict in HF names, config, tokenizer)`` from a llama / qwen2 GGUF, weights in fp32."""
     require("gguf", "gguf", "reading GGUF")
     import gguf
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..models import gguf_tokenizer
 
     try:
         reader = gguf.GGUFReader(str(path))
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = gguf_tokenizer(path)
     except (ValueError, OSError, KeyError, IndexError) as exc:
         raise QuantizeError(f"{path}: not a readable GGUF file (corrupt or truncated?): {exc}") from exc
     if config.model_type not in ARCHS:
