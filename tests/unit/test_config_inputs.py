@@ -104,3 +104,33 @@ def test_a_json_file_holding_one_object_says_so_instead_of_blaming_line_1(tmp_pa
     path.write_text('{\n  "rows": [{"prompt": "1+1=", "completion": "2"}]\n}\n')
     assert main(["sft", f"data.path={path}", f"train.output_dir={tmp_path / 'run'}"]) == EXIT_USER_ERROR
     assert "The file is one JSON object (keys 'rows'), not rows" in capsys.readouterr().err
+
+
+# (command line) -> message fragment, exit 2; before: "no SFT rows to tokenize", an internal error
+# (exit 1, "a bug in lmforge"), and JSON syntax pretrained on as text
+DATA_SETTINGS = {
+    "sft: a percentage for a fraction": (["sft", "data.path=x.jsonl", "data.val_fraction=5"],
+                                         r"data.val_fraction must be in \[0, 1\) .*got 5.0"),
+    "pretrain: a percentage for a fraction": (["pretrain", "data.files=[x.txt]", "data.val_fraction=5"],
+                                              r"data.val_fraction must be in \[0, 1\)"),
+    "antidistill: a percentage for a fraction": (["antidistill", "distill", "distill.val_fraction=2"],
+                                                 r"distill.val_fraction must be in \[0, 1\)"),
+    "pretrain: a dataset file among the text files": (["pretrain", "data.files=[{tmp}/rows.jsonl]"],
+                                                      r"rows.jsonl: data.files takes plain text files, and this is a "
+                                                      r"dataset file; read its text column with data.path="),
+}
+
+
+@pytest.mark.parametrize("case", list(DATA_SETTINGS))
+def test_careless_data_settings_are_exit_2_with_the_fix(case, tmp_path, capsys, monkeypatch):
+    args, fragment = DATA_SETTINGS[case]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rows.jsonl").write_text('{"text": "1+1=2"}\n' * 50)
+    args = [a.format(tmp=tmp_path) for a in args]
+    if args[0] == "antidistill":
+        args += [f"run.workdir={tmp_path / 'work'}", "distill.max_steps=1"]
+    else:
+        args += ["model.tokenizer=char:ascii", "train.max_steps=1", "logging.progress=false",
+                 f"train.output_dir={tmp_path / 'run'}"]
+    assert main(args) == EXIT_USER_ERROR
+    assert re.search(fragment, capsys.readouterr().err)

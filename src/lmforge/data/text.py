@@ -31,13 +31,15 @@ from ..fileio import read_text
 from ..tokenizer import tokenizer_fingerprint
 
 logger = logging.getLogger(__name__)
+DATASET_SUFFIXES = (".jsonl", ".json", ".ndjson", ".parquet", ".csv", ".tsv", ".arrow")  # data.path's, not text
 _CACHE_VERSION = 1  # bump when the packing rule changes so that old cache files are not reused
 
 
 def load_text_files(paths: list[str]) -> list[str]:
     """One document per ``.txt`` file; directories are searched recursively. Sorted, deterministic.
 
-    Files named directly are used whatever their suffix; inside directories only ``*.txt`` files.
+    Files named directly are used whatever their suffix, but a dataset file (``.jsonl``, ``.csv``, ...:
+    :data:`DATASET_SUFFIXES`) is an error pointing to ``data.path``; inside directories only ``*.txt``.
     Files with only whitespace are skipped; if nothing is left, that is an error.
     """
     if not paths:
@@ -50,6 +52,9 @@ def load_text_files(paths: list[str]) -> list[str]:
             if not found:
                 raise DataError(f"{path}: directory contains no .txt files")
             files.extend(found)
+        elif path.suffix.lower() in DATASET_SUFFIXES:  # JSON / CSV syntax would be trained on as text
+            raise DataError(f"{path}: data.files takes plain text files, and this is a dataset file; read its text "
+                            f"column with data.path={path} (data.columns={{text: <column>}} if it is named otherwise)")
         elif path.is_file():
             files.append(path)
         else:

@@ -137,6 +137,11 @@ class DistillConfig:
     val_fraction: float = opt(0.05, "fraction of each trace set held out for the student's validation loss")
     seed: int = opt(-1, "seed of the student's training (data order); -1 = data.seed")
 
+    def validate(self) -> None:
+        if not 0 <= self.val_fraction < 1:
+            raise ConfigError(f"distill.val_fraction must be in [0, 1) (a fraction: 0.05 holds out 5%), got "
+                              f"{self.val_fraction}")
+
 
 @dataclasses.dataclass
 class RunConfig:

@@ -46,6 +46,8 @@ class TextDataConfig:
     cache: bool = opt(True, "cache tokenized blocks on disk ($LMFORGE_CACHE/text)")
 
     def validate(self) -> None:
+        if not 0 <= self.val_fraction < 1:
+            raise ConfigError(f"data.val_fraction must be in [0, 1) (a fraction: 0.05 holds out 5%), got {self.val_fraction}")
         if self.seq_len < 8:
             raise ConfigError(f"data.seq_len must be >= 8, got {self.seq_len}")
         if self.files and self.path:

@@ -43,6 +43,8 @@ class SFTDataConfig:
     truncation: Literal["right", "drop"] = opt("right", "over-long rows: cut on the right, or drop them")
 
     def validate(self) -> None:
+        if not 0 <= self.val_fraction < 1:
+            raise ConfigError(f"data.val_fraction must be in [0, 1) (a fraction: 0.05 holds out 5%), got {self.val_fraction}")
         if bool(self.path) == bool(self.task):
             raise ConfigError("set exactly one of data.path (rows from any source of docs/data.md: JSONL, Parquet, "
                               "CSV, Arrow, a save_to_disk dir, a cached hub id) and data.task (e.g. addition)")
