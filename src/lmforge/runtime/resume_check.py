@@ -17,7 +17,7 @@ from typing import Any, Callable
 import yaml
 
 from ..checkpoint import STEP_DIR, list_checkpoints
-from ..config import describe, read_yaml, to_dict
+from ..config import describe, parse_yaml, read_yaml, to_dict
 from ..errors import ConfigError
 
 # Settings that do not change the math of a step (each section's keys read one by one).
@@ -52,7 +52,7 @@ def flat_settings(cfg: Any) -> dict[str, Any]:
     """Every leaf setting of a config dataclass as {dotted key: value}, values as YAML reads them
     back (so a fresh config compares equal to the saved copy of itself)."""
     leaves = {key for key, _, _ in describe(type(cfg))}
-    return _flatten(yaml.safe_load(yaml.safe_dump(to_dict(cfg), sort_keys=False)), leaves)
+    return _flatten(parse_yaml(yaml.safe_dump(to_dict(cfg), sort_keys=False), "the resolved config"), leaves)
 
 
 def _flatten(values: dict, leaves: set[str]) -> dict[str, Any]:
