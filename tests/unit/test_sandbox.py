@@ -178,6 +178,19 @@ def test_fallback_refuses_new_processes():
     assert result.isolation["processes"].startswith("audit hook")
 
 
+def test_fallback_refuses_signals_to_other_processes():
+    """Without a PID namespace a signal reaches any process of the same user (kill(-1) as root: all of
+    them); signal 0 only checks that it would, so this test cannot hurt anything if the guard breaks."""
+    code = ("import os\n"
+            f"for pid in ({os.getpid()}, -1):\n"
+            "    try:\n        os.kill(pid, 0)\n        print('reached', pid)\n"
+            "    except PermissionError as exc:\n        print(exc)\n"
+            "os.kill(os.getpid(), 0)\nprint('self ok')")
+    result = run_python(code, MODES["audit-hook"])
+    refused = "sandbox: signalling another process is refused"
+    assert [line.split(" (")[0] for line in result.output.splitlines()] == [refused, refused, "self ok"]
+
+
 def test_the_python_tool_function():
     schema = function_schema(python)["function"]
     assert schema["name"] == "python"

@@ -327,10 +327,13 @@ _PROCESS_EVENTS = {"subprocess.Popen", "os.system", "os.exec", "os.posix_spawn",
 
 def _audit_hook(work: str, hooked: set[str]):
     """An audit hook refusing, per ``hooked`` area: writes outside ``work`` ("files"), sockets other than
-    AF_UNIX ("network"), new processes and loading C libraries through ctypes ("processes")."""
+    AF_UNIX ("network"), new processes, signals to other processes and loading C libraries through ctypes
+    ("processes"). Signals matter most: without a PID namespace ``os.kill(-1, SIGKILL)`` reaches every
+    process of the user (as root, every process on the machine)."""
     import socket
 
     root = os.path.realpath(work)
+    me = os.getpid()  # fork is refused too, so this stays the code's only pid
 
     def outside(path) -> bool:
         if isinstance(path, int):  # an open file descriptor
@@ -350,6 +353,8 @@ def _audit_hook(work: str, hooked: set[str]):
             raise PermissionError("sandbox: network access is refused")
         if "processes" in hooked and event in _PROCESS_EVENTS:
             raise PermissionError(f"sandbox: {event} is refused")
+        if "processes" in hooked and (event == "os.killpg" or (event == "os.kill" and args[0] != me)):
+            raise PermissionError(f"sandbox: signalling another process is refused ({event}{args})")
 
     return hook
 
