@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.envs.sandbox import SandboxLimits, python, python_tool, run_python
+from lmforge.envs.sandbox import SandboxLimits, SandboxResult, describe, python, python_tool, run_python
 from lmforge.envs.toolcalls import function_schema
 from lmforge.errors import ConfigError
 
@@ -189,6 +189,21 @@ def test_fallback_refuses_signals_to_other_processes():
     result = run_python(code, MODES["audit-hook"])
     refused = "sandbox: signalling another process is refused"
     assert [line.split(" (")[0] for line in result.output.splitlines()] == [refused, refused, "self ok"]
+
+
+def test_code_cannot_stop_its_supervisor(limits):
+    """kill(0) signals the caller's process group; the supervisor must not be in it (with namespaces) or
+    the call must be refused (fallback), so that the result still says how the code ended."""
+    result = run_python("import os, signal\ntry:\n    os.kill(0, signal.SIGKILL)\n"
+                        "except PermissionError as exc:\n    print(exc)\nprint('still here')", limits)
+    assert result.output.endswith("still here\n")
+    assert (result.exit_code, result.signal) == (0, None) and result.cpu_s is not None
+
+
+def test_a_result_without_status_says_so():
+    result = SandboxResult(output="", truncated_bytes=0, exit_code=None, signal=None, timed_out=False,
+                           cpu_limit=False, cpu_s=None, wall_s=0.1)
+    assert describe(result, FAST) == "[ended without an exit status: the sandbox's supervisor was stopped]"
 
 
 def test_the_python_tool_function():

@@ -218,6 +218,8 @@ def describe(result: SandboxResult, limits: SandboxLimits) -> str:
         notes.append(f"[killed by {result.signal}]")
     elif result.exit_code:
         notes.append(f"[exit code {result.exit_code}]")
+    elif result.exit_code is None:  # no signal, no exit code: the supervisor never reported
+        notes.append("[ended without an exit status: the sandbox's supervisor was stopped]")
     return "\n".join([result.output.rstrip("\n"), *notes]).strip("\n")
 
 
@@ -299,6 +301,7 @@ def _enter_code_process(isolation: dict, config: dict) -> dict:
 
     os.chdir(config["work"])  # the cwd inherited from Popen is the directory under the new bind mount
     if isolation["processes"].startswith("new PID"):
+        os.setsid()  # out of the supervisor's process group, so kill(0) cannot reach the supervisor
         try:
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY)
         except OSError as exc:
