@@ -151,6 +151,13 @@ def test_parse_two_calls_and_the_text_around_them():
     assert parse_tool_calls(text) == reply  # ids are a function of the text
 
 
+def test_arguments_as_a_json_string_are_read_as_openai_sends_them():
+    reply = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
+                             '<tool_call>{"name": "g", "arguments": "a=1"}</tool_call>')
+    assert [(c.name, c.arguments) for c in reply.calls] == [("f", {"a": 1})]
+    assert reply.errors == ['tool call 2 (g): "arguments" must be a JSON object, got "a=1"']
+
+
 def test_parse_plain_text_has_no_calls():
     assert parse_tool_calls("  408  ") == ParsedReply(content="408", calls=[], errors=[])
 

@@ -189,7 +189,7 @@ def parse_tool_calls(text: str) -> ParsedReply:
     A block whose JSON does not parse, is not an object, has no non-empty string ``name``, or whose
     ``arguments`` is not an object, becomes an entry of ``errors`` (numbered by its position among the
     blocks, 1-based); so does a ``<tool_call>`` left unclosed. ``arguments`` may be left out (a call
-    without arguments). Ids are ``call_`` + a hash of the text and the block's position: the same
+    without arguments), or be a string holding a JSON object (OpenAI's wire format). Ids are ``call_`` + a hash of the text and the block's position: the same
     reply always gets the same ids.
     """
     calls, errors, pieces = [], [], []
@@ -225,6 +225,11 @@ def _parse_block(body: str, number: int) -> tuple[tuple[str, dict] | None, str |
     if not isinstance(name, str) or not name.strip():
         return None, f"tool call {number}: \"name\" is missing or not a non-empty string"
     arguments = obj.get("arguments", {})
+    if isinstance(arguments, str):  # OpenAI's wire format, which models trained on it copy: a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass  # reported below as not an object
     if not isinstance(arguments, dict):
         return None, (f"tool call {number} ({name}): \"arguments\" must be a JSON object, "
                       f"got {json.dumps(arguments)[:200]}")
