@@ -2,19 +2,22 @@
 
 Data is any source of docs/data.md (JSONL, Parquet, CSV, Arrow, a ``save_to_disk`` directory, a cached hub
 id) of chat (``messages``) or ``prompt``/``completion`` rows, or a
-built-in synthetic task (``data.task=addition``), whose held-out accuracy is then reported.
+built-in synthetic task (``data.task=addition``), whose held-out accuracy is then reported, or an
+environment's scripted demonstrations of a task's problems (``data.env=calculator``, lmforge.envs.demos).
 """
 from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Literal
+from typing import Any, Literal
 
 from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, refuse_ignored, section
 from ..data.sft import COLUMN_NAMES as SFT_COLUMNS
 from ..data.sft import (CHAT_SMALL, collate_sft, encode_prompt, load_sft_rows, row_texts, sft_rows_from_task,
                         tokenize_sft, uses_chat_format)
 from ..data.tasks import get_task
+from ..envs.demos import demonstration_rows
+from ..envs.registry import make_environment, resolve_environment
 from ..errors import ConfigError
 from ..evaluation import complete_ids, save_samples, task_accuracy
 from ..models import context_length, load_model
@@ -36,6 +39,9 @@ class SFTDataConfig:
     num_train: int = opt(8000, "task: training problems")
     num_val: int = opt(200, "task: validation problems (loss)")
     num_eval: int = opt(200, "task: held-out problems for exact-match accuracy")
+    env: str = opt("", "task: train on this environment's scripted demonstrations of the task's problems instead "
+                   "(whole episodes; built-ins with an expert: calculator, guess_number; docs/environments.md)")
+    env_args: dict[str, Any] = opt({}, "env: the environment's arguments, e.g. {max_guesses: 8}")
     val_fraction: float = opt(0.05, "path: fraction of rows held out for validation loss (seeded by train.seed)")
     max_len: int = opt(256, "longest tokenized row (prompt + completion)")
     completion_only: bool = opt(True, "loss only on assistant / completion tokens")
@@ -55,6 +61,14 @@ class SFTDataConfig:
                 raise ConfigError(f"data.task: {exc}") from exc
             refuse_ignored(self, "data", ("split", "eval_split", "val_fraction", "subset", "columns"),
                            f"with data.task={self.task!r} (they select and map the rows of data.path)")
+            if self.env:
+                try:  # an unknown environment: a ConfigError now, not after the model loads
+                    resolve_environment(self.env)
+                except ConfigError as exc:
+                    raise ConfigError(f"data.env: {exc}") from exc
+        elif self.env or self.env_args:
+            raise ConfigError("data.env needs data.task: the environment plays the task's problems "
+                              "(e.g. data.task=multiplication data.env=calculator)")
 
 
 @dataclasses.dataclass
@@ -81,6 +95,11 @@ def build_data(cfg: SFTConfig, tokenizer, printer=print) -> tuple[SupervisedData
         task = get_task(d.task)
         train_rows = sft_rows_from_task(task, d.num_train, cfg.train.seed, "train")
         val_rows = sft_rows_from_task(task, d.num_val, cfg.train.seed, "val")
+        if d.env:  # the environment's expert plays the same problems: whole episodes as chat rows
+            env = make_environment(d.env, d.env_args)
+            train_rows, val_rows = (demonstration_rows(env, task.make_problems(n, cfg.train.seed, split),
+                                                       cfg.train.seed, tokenizer)
+                                    for n, split in ((d.num_train, "train"), (d.num_val, "val")))
     else:
         path = CHAT_SMALL if d.path == "builtin:chat_small" else d.path
         train_rows = load_sft_rows(path, d.split, d.subset, d.columns)
@@ -119,9 +138,18 @@ def prompt_ids_of(row: dict, tokenizer, chat: bool) -> list[int]:
         messages = row["messages"]
         if messages and messages[-1].get("role") == "assistant":
             messages = messages[:-1]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tools=row.get("tools"), tokenize=False,
+                                             add_generation_prompt=True)
         return tokenizer.encode(text, add_special_tokens=False)
     return encode_prompt(tokenizer, row["prompt"], chat)
+
+
+def first_turn(row: dict) -> dict:
+    """A messages row cut before its first assistant message (other rows as they are)."""
+    if "messages" not in row:
+        return row
+    roles = [m["role"] for m in row["messages"]]
+    return {**row, "messages": row["messages"][:roles.index("assistant")]} if "assistant" in roles else row
 
 
 def make_eval(cfg: SFTConfig, tokenizer, run, val_rows: list[dict]):
@@ -129,8 +157,9 @@ def make_eval(cfg: SFTConfig, tokenizer, run, val_rows: list[dict]):
     accuracy on held-out problems."""
     chat = uses_chat_format(tokenizer, cfg.data.use_chat_template)
     k, max_new = cfg.train.num_samples, cfg.train.max_new_tokens
-    if not cfg.data.task:
-        rows = val_rows[:k]
+    if not cfg.data.task or cfg.data.env:
+        # an environment's episodes (data.env): samples of their first turn
+        rows = [first_turn(row) for row in val_rows[:k]] if cfg.data.env else val_rows[:k]
 
         def sample_only(model, step: int) -> dict:
             prompts = [prompt_ids_of(row, tokenizer, chat) for row in rows]
