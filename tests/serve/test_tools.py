@@ -117,8 +117,9 @@ def test_streamed_tool_call_is_the_non_streamed_one(caller):
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
     [call] = last.delta.tool_calls
-    assert (call.index, call.id, call.function.name, call.function.arguments) == (
-        0, whole.message.tool_calls[0].id, "multiply", whole.message.tool_calls[0].function.arguments)
+    assert (call.index, call.type, call.function.name, call.function.arguments) == (
+        0, "function", "multiply", whole.message.tool_calls[0].function.arguments)
+    assert call.id.startswith("call_") and call.id != whole.message.tool_calls[0].id  # each response's own
 
 
 def test_prefix_token_ids_keep_the_sampled_ids_and_add_only_the_new_messages(caller):
@@ -141,6 +142,8 @@ def test_prefix_token_ids_keep_the_sampled_ids_and_add_only_the_new_messages(cal
                             add_special_tokens=False)
     assert rerendered != prompt and len(rerendered) > len(prompt)
     assert second.choices[0].finish_reason == "tool_calls"
+    # the same call again: a new id, so a client matching results to calls by id keeps the two apart
+    assert second.choices[0].message.tool_calls[0].id != assistant["tool_calls"][0]["id"]
 
 
 def test_a_reply_cut_by_max_tokens_gets_the_whole_end_of_turn(caller):

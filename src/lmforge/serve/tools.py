@@ -17,6 +17,7 @@ server's ``prompt_token_ids`` / ``token_ids`` scores exactly the tokens that wer
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 from ..envs.toolcalls import ParsedReply, parse_tool_calls, render_messages
@@ -111,7 +112,8 @@ def _assistant_closing(tokenizer, history: list[dict], tools: list[dict] | None)
 def tool_reply(text: str, finish_reason: str) -> tuple[dict[str, Any], str, list[str]]:
     """(the choice's message, its finish_reason, parse errors) for a reply ``text`` when tools are on.
 
-    Well-formed calls become ``tool_calls`` (arguments as a JSON string, as OpenAI sends them), the
+    Well-formed calls become ``tool_calls`` (arguments as a JSON string, as OpenAI sends them; ids unique
+    to the response), the
     text around them ``content`` (None when empty), and a reply that stopped normally gets
     ``finish_reason: "tool_calls"``. A reply with any malformed block is returned as text, untouched,
     with the errors: taking only part of it would answer a call the model did not make as written.
@@ -119,7 +121,9 @@ def tool_reply(text: str, finish_reason: str) -> tuple[dict[str, Any], str, list
     parsed: ParsedReply = parse_tool_calls(text)
     if parsed.errors or not parsed.calls:
         return {"role": "assistant", "content": text}, finish_reason, parsed.errors
-    calls = [{"id": c.id, "type": "function",
+    # Fresh ids, not parse_tool_calls' text-derived ones: a model that repeats a call in a later turn would
+    # repeat its id, and clients match results to calls by id across the conversation.
+    calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
               "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
              for c in parsed.calls]
     message = {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}
