@@ -15,7 +15,8 @@ first moves into new network, mount and PID namespaces:
 - files: every mount is remounted read-only, nodev and nosuid, except a bind of the temporary directory;
   /dev is replaced by a tmpfs holding only null, zero, full, random and urandom;
 - processes: the code runs as PID 1 of its own PID namespace with a fresh /proc, so it sees no other
-  process, and everything it starts dies with it.
+  process, and everything it starts dies with it; in a session of its own, so that kill(0) does not reach
+  the supervisor (the code dies with the supervisor, PR_SET_PDEATHSIG, in both modes).
 The code process then drops every capability (and the bounding set, with no_new_privs), so it cannot
 undo the mounts, mount anything, or enter another namespace; and it runs under RLIMIT_CPU, RLIMIT_AS,
 RLIMIT_FSIZE and RLIMIT_CORE = 0.
