@@ -469,6 +469,7 @@ def export_checkpoint(run_or_checkpoint: Path, out: Path) -> Path:
     """
     path = latest_or_given(run_or_checkpoint)
     out = Path(out)
+    _check_replaceable(out)
 
     def write(tmp: Path) -> None:
         from .lora import is_adapter_dir
@@ -499,6 +500,16 @@ def export_checkpoint(run_or_checkpoint: Path, out: Path) -> Path:
             torch.save(extras, tmp / "extra_modules.pt")
 
     return _write_dir(out, write)
+
+
+def _check_replaceable(out: Path) -> None:
+    """An export replaces its target whole: only a new or empty directory, or a model directory (an
+    earlier export), may be replaced; never a file or a directory of other things."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a directory to create (or an earlier export to replace)")
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        raise ConfigError(f"--out {out} is a directory that holds other things (no config.json): an export replaces "
+                          "its target whole, so it is left alone; give a new or empty directory, or an earlier export")
 
 
 def _export_merged_lora(path: Path, out: Path) -> None:

@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "model directory; gathers FSDP2 shards", description="consolidate a checkpoint into a "
                             "Hugging Face model directory (safetensors + config + tokenizer)")
     export.add_argument("run_dir", help="run directory (its newest checkpoint) or a checkpoints/step-N directory")
-    export.add_argument("--out", required=True, help="output directory (replaced atomically)")
+    export.add_argument("--out", required=True, help="output directory: new, empty, or an earlier export (replaced atomically)")
     export.set_defaults(func=_export)
     plot = sub.add_parser("plot", help="write a PNG of loss / lr / accuracy curves of a run")
     plot.add_argument("run_dir", help="run directory holding metrics.jsonl")

@@ -240,6 +240,10 @@ def test_model_directories_missing_files_are_named_not_blamed_on_lmforge(tmp_pat
          ["model.safetensors' is a file, not a model", "(here "]),
         (["export", str(final / "config.json"), "--out", str(tmp_path / "e")], 2,
          ["neither a checkpoint"]),
+        (["export", str(final.parent), "--out", str(final.parent / "config.yaml")], 2,  # replaced it, before
+         ["config.yaml is a file; give a directory"]),
+        (["export", str(final.parent), "--out", str(tmp_path)], 2,  # deleted tmp_path, before
+         ["holds other things (no config.json)"]),
     ]
     for command, code, fragments in cases:
         assert main(command) == code, command
@@ -248,3 +252,4 @@ def test_model_directories_missing_files_are_named_not_blamed_on_lmforge(tmp_pat
             assert fragment in err, (command, err)
         assert "internal error" not in err and "sentencepiece" not in err, (command, err)
     assert not (tmp_path / "q1").exists() and not (tmp_path / "q2").exists()
+    assert (final.parent / "config.yaml").is_file() and no_weights.is_dir() and leftovers(final.parent) == []
