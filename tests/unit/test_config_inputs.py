@@ -134,3 +134,19 @@ def test_careless_data_settings_are_exit_2_with_the_fix(case, tmp_path, capsys, 
                  f"train.output_dir={tmp_path / 'run'}"]
     assert main(args) == EXIT_USER_ERROR
     assert re.search(fragment, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("line, key", [
+    ('{"prompt": "1+1=", "completion": "2", "prompt": "3+3="}', "prompt"),
+    ('{"messages": [{"role": "user", "content": "a", "content": "b"}, {"role": "assistant", "content": "c"}]}',
+     "content"),
+])
+def test_a_key_given_twice_in_a_jsonl_row_names_the_line(line, key, tmp_path):
+    """The data-file side of the duplicate-key class: json kept the last value silently."""
+    from lmforge.data.sft import load_sft_rows
+    from lmforge.errors import DataError
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "1+1=", "completion": "2"}\n' + line + "\n")
+    with pytest.raises(DataError, match=rf"rows.jsonl:2: key '{key}' is given twice in one object"):
+        load_sft_rows(path)

@@ -212,10 +212,27 @@ def _jsonl_rows(path: Path, what: str) -> Iterator[tuple[str, Any]]:
         if not line.strip():
             continue
         try:
-            yield f"{path}:{number}", json.loads(line)
+            row = json.loads(line, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as err:
             raise DataError(f"{path}:{number}: invalid JSON ({err.msg} at column {err.colno}); each line must "
                             f"hold one JSON object{_whole_document(path) if number == 1 else ''}") from None
+        except _DuplicateKey as dup:
+            raise DataError(f"{path}:{number}: key {dup.args[0]!r} is given twice in one object; JSON keeps only the "
+                            "last value without a word. Keep one of them") from None
+        yield f"{path}:{number}", row
+
+
+class _DuplicateKey(ValueError):
+    """A JSON object with a key given twice (``json`` would keep the last value silently)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen
 
 
 def _whole_document(path: Path) -> str:
