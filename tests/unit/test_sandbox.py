@@ -178,6 +178,15 @@ def test_fallback_refuses_new_processes():
     assert result.isolation["processes"].startswith("audit hook")
 
 
+def test_fallback_refuses_changing_attributes_outside(tmp_path):
+    target = tmp_path / "outside.txt"
+    target.write_text("x")
+    code = f"import os\nos.setxattr({str(target)!r}, 'user.lmforge', b'1')\nprint('set')"
+    result = run_python(code, MODES["audit-hook"])
+    assert "sandbox: os.setxattr outside the working directory is refused" in result.output
+    assert "set" not in result.output.splitlines()
+
+
 def test_fallback_refuses_signals_to_other_processes():
     """Without a PID namespace a signal reaches any process of the same user (kill(-1) as root: all of
     them); signal 0 only checks that it would, so this test cannot hurt anything if the guard breaks."""

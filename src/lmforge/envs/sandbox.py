@@ -324,7 +324,8 @@ def _enter_code_process(isolation: dict, config: dict) -> dict:
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 _PATH_EVENTS = {"os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.chmod", "os.chown", "os.symlink",
-                "os.link", "os.truncate", "os.utime", "shutil.rmtree", "shutil.copyfile", "shutil.move"}
+                "os.link", "os.truncate", "os.utime", "os.setxattr", "os.removexattr", "shutil.rmtree",
+                "shutil.copyfile", "shutil.move"}  # os.mkfifo and os.mknod raise no audit event
 _PROCESS_EVENTS = {"subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
                    "os.forkpty", "pty.spawn", "ctypes.dlopen"}
 
