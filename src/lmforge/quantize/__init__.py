@@ -33,6 +33,8 @@ class QuantizeResult:
 
 def _fresh_dir(out_dir: Path) -> Path:
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise QuantizeError(f"output directory {out_dir} is a file; choose a new directory")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise QuantizeError(f"output directory {out_dir} exists and is not empty; choose a new one")
     tmp = out_dir.with_name(out_dir.name + ".tmp")
