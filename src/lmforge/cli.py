@@ -33,6 +33,7 @@ from .errors import Interrupted, LmforgeError, describe_errno, environment_errno
 EXIT_USER_ERROR = 2  # config, data, model, paths, a missing extra, the machine (disk full, permissions): LmforgeError
 EXIT_INTERNAL_ERROR = 1  # anything else: a bug, reported with a traceback log
 # SIGINT / SIGTERM: 128 + the signal's number (130, 143), the shell's convention: Interrupted.exit_code
+OWN_SIGNAL_HANDLING = {"serve"}  # commands that handle SIGINT / SIGTERM themselves
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -203,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     from .parallel.context import (disarm_signals, end_process_group, ignore_signals, install_signal_handlers,
                                    restore_signal_handlers, torchrun_world)
 
-    previous = install_signal_handlers()  # SIGTERM stops a run like SIGINT, in one process and under torchrun
+    # SIGTERM stops a command like SIGINT, in one process and under torchrun; serve's server (uvicorn)
+    # shuts down gracefully on both by itself and exits 0
+    previous = install_signal_handlers() if args.command not in OWN_SIGNAL_HANDLING else {}
     try:
         args.func(args)
     except BaseException as exc:  # noqa: BLE001 - every way a command ends is mapped to its exit code here
