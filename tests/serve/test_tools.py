@@ -74,10 +74,11 @@ def caller(serve_model):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0), tok
 
 
-def test_tool_call_comes_back_as_openai_tool_calls(caller):
+@pytest.mark.parametrize("parallel", [{}, {"parallel_tool_calls": True}])  # true: OpenAI's default, accepted
+def test_tool_call_comes_back_as_openai_tool_calls(caller, parallel):
     client, tok = caller
     reply = client.chat.completions.create(model="tiny-test", messages=QUESTION, tools=TOOLS, temperature=0,
-                                           max_tokens=8)
+                                           max_tokens=8, **parallel)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content is None
@@ -172,7 +173,7 @@ def test_a_reply_cut_by_max_tokens_gets_the_whole_end_of_turn(caller):
      "tools.0.function.strict", "strict function schemas are not supported"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type", "tools.0.type"),
     ({"extra_body": {"prefix_token_ids": [5, 6]}}, "prefix_token_ids", "messages has none"),
-    ({"extra_body": {"parallel_tool_calls": False}}, "parallel_tool_calls", "unknown or unsupported field"),
+    ({"tools": TOOLS, "parallel_tool_calls": False}, "parallel_tool_calls", "parallel_tool_calls=false is not supported"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_the_parameter(caller, kwargs, param, message):
     client, _ = caller

@@ -1,7 +1,7 @@
 """The OpenAI wire format that ``lmforge serve`` speaks: request models, validation, response bodies.
 
 Requests are pydantic models that forbid unknown fields: a sampling option the server would silently
-ignore (``best_of``, ``suffix``, ``parallel_tool_calls``, ...) would give a trainer samples from a
+ignore (``best_of``, ``suffix``, ``top_k``, ...) would give a trainer samples from a
 distribution other than the one it asked for, so it is a 400 that names the field instead. Types are strict: a
 string where a number belongs (``"max_tokens": "4"``) is a 400 too, not coerced.
 
@@ -140,6 +140,7 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[ToolSpec] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None  # "auto" or "none" (tools.py says why not more)
+    parallel_tool_calls: bool | None = None  # true (OpenAI's default: every call of a reply is returned); false: 400
     prefix_token_ids: list[int] | None = None  # extension: the conversation's ids through its last reply
 
     @field_validator("top_logprobs")

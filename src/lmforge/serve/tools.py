@@ -44,6 +44,10 @@ def request_tools(body) -> tuple[list[dict] | None, bool]:
         raise ToolRequestError(
             f"tool_choice {json.dumps(choice)} is not supported: lmforge serve cannot force a tool call (that "
             "needs constrained decoding); use \"auto\" (the model decides) or \"none\"", "tool_choice")
+    if body.parallel_tool_calls is False:  # true is what the parser does anyway: every call of a reply
+        raise ToolRequestError("parallel_tool_calls=false is not supported: lmforge serve cannot hold a reply to "
+                               "one call (that needs constrained decoding); leave it out or true",
+                               "parallel_tool_calls")
     for i, tool in enumerate(tools):
         if tool["function"].get("strict"):
             raise ToolRequestError("strict function schemas are not supported: lmforge serve does not constrain "
