@@ -255,3 +255,15 @@ def test_model_directories_missing_files_are_named_not_blamed_on_lmforge(tmp_pat
         assert "internal error" not in err and "sentencepiece" not in err, (command, err)
     assert not (tmp_path / "q1").exists() and not (tmp_path / "q2").exists()
     assert (final.parent / "config.yaml").is_file() and no_weights.is_dir() and leftovers(final.parent) == []
+
+
+def test_a_machine_without_what_the_config_asks_for_is_a_user_error(tmp_path, monkeypatch, capsys):
+    """rollout.backend=vllm without a GPU was 'internal error ... a bug in lmforge' (a RuntimeError)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = ["grpo", *TINY, "data.task=addition", "rollout.backend=vllm", "rollout.num_prompts=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
+            "train.max_steps=1", "logging.progress=false", f"train.output_dir={tmp_path / 'run'}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "rollout.backend=vllm needs a CUDA GPU" in err and "internal error" not in err

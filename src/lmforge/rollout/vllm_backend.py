@@ -43,6 +43,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import lora
+from ..errors import ConfigError
 from .engine import RolloutBatch, SamplingParams, left_pad
 
 INSTALL_HINT = ("the vLLM rollout backend needs vLLM >= 0.10.2 on a CUDA machine: pip install vllm "
@@ -58,8 +59,8 @@ def import_vllm():
     afterwards runs in this process, which the weight sync relies on.
     """
     if not torch.cuda.is_available():
-        raise RuntimeError("rollout.backend=vllm needs a CUDA GPU and this machine has none; "
-                           "use rollout.backend=inprocess")
+        raise ConfigError("rollout.backend=vllm needs a CUDA GPU and this machine has none; "
+                          "use rollout.backend=inprocess")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
         import vllm
