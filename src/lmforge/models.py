@@ -206,7 +206,9 @@ def resolve_pretrained(spec: str) -> str:
             raise ModelLoadError(f"'{spec}' is a file, not a model: give the directory that holds config.json, the "
                                  f"weights and the tokenizer{hint}, or a .gguf file")
         if not (path / "config.json").is_file():
-            raise ModelLoadError(f"'{spec}' is a path but not a Hugging Face model directory (no config.json)")
+            inner = path / "model" if (path / "model" / "config.json").is_file() else None  # a checkpoint directory
+            raise ModelLoadError(f"'{spec}' is a path but not a Hugging Face model directory (no config.json)"
+                                 + (f"; it is a checkpoint: its model is {inner}" if inner else ""))
         _check_config_json(path / "config.json")
         return str(path)
     if spec.startswith(("./", "/", "../", "~")):

@@ -244,6 +244,8 @@ def test_model_directories_missing_files_are_named_not_blamed_on_lmforge(tmp_pat
          ["config.yaml is a file; give a directory"]),
         (["export", str(final.parent), "--out", str(tmp_path)], 2,  # deleted tmp_path, before
          ["holds other things (no config.json)"]),
+        (["quantize", str(final.parent / "checkpoints" / "step-000001"), "--format", "int8", "--out",
+          str(tmp_path / "q4")], 2, ["it is a checkpoint: its model is", "step-000001/model"]),
         (["quantize", str(final), "--format", "int8", "--out", str(final.parent / "config.yaml")], 2,
          ["config.yaml is a file; choose a new directory"]),
     ]
