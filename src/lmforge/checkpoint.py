@@ -465,15 +465,20 @@ def export_checkpoint(run_or_checkpoint: Path, out: Path) -> Path:
     """Write a consolidated HF directory (safetensors + config + tokenizer) of a checkpoint.
 
     Sharded (FSDP2) checkpoints are gathered from ``dcp/`` in this one process, whatever the world
-    size that wrote them; others already hold an HF directory (``model/``), which is copied.
+    size that wrote them; others already hold an HF directory (``model/``), which is copied. A
+    checkpoint that cannot be resumed (no weights, non-finite weights) is not exported either.
     """
+    from .lora import is_adapter_dir
+
     path = latest_or_given(run_or_checkpoint)
+    problem = None if is_adapter_dir(path / "model") else checkpoint_problem(path)
+    if problem is not None:  # a weightless or non-finite export would look like a model
+        raise ConfigError(f"cannot export checkpoint {path}: {problem}; export another checkpoint of the run "
+                          "(lmforge export RUN_DIR/checkpoints/step-N)")
     out = Path(out)
     _check_replaceable(out)
 
     def write(tmp: Path) -> None:
-        from .lora import is_adapter_dir
-
         if is_adapter_dir(path / "model"):
             _export_merged_lora(path, tmp)
             return

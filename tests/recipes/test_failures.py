@@ -227,6 +227,9 @@ def test_model_directories_missing_files_are_named_not_blamed_on_lmforge(tmp_pat
     (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
     (sharded / "model.safetensors.index.json").write_text(
         '{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}')
+    weightless_run = tmp_path / "weightless_run"
+    shutil.copytree(final.parent / "checkpoints", weightless_run / "checkpoints")
+    (weightless_run / "checkpoints" / "step-000001" / "model" / "model.safetensors").unlink()
     cases = [  # (command, exit code, message fragments)
         (["quantize", str(no_weights), "--format", "int8", "--out", str(tmp_path / "q1")], 2,
          ["no_weights: not a complete model directory", "lacks its weights"]),
@@ -244,6 +247,8 @@ def test_model_directories_missing_files_are_named_not_blamed_on_lmforge(tmp_pat
          ["config.yaml is a file; give a directory"]),
         (["export", str(final.parent), "--out", str(tmp_path)], 2,  # deleted tmp_path, before
          ["holds other things (no config.json)"]),
+        (["export", str(weightless_run), "--out", str(tmp_path / "e2")], 2,  # exported a model without weights
+         ["cannot export checkpoint", "step-000001: no model weights"]),
         (["quantize", str(final.parent / "checkpoints" / "step-000001"), "--format", "int8", "--out",
           str(tmp_path / "q4")], 2, ["it is a checkpoint: its model is", "step-000001/model"]),
         (["quantize", str(final), "--format", "int8", "--out", str(final.parent / "config.yaml")], 2,
@@ -255,7 +260,7 @@ def test_model_directories_missing_files_are_named_not_blamed_on_lmforge(tmp_pat
         for fragment in fragments:
             assert fragment in err, (command, err)
         assert "internal error" not in err and "sentencepiece" not in err, (command, err)
-    assert not (tmp_path / "q1").exists() and not (tmp_path / "q2").exists()
+    assert not any((tmp_path / name).exists() for name in ("q1", "q2", "q4", "e", "e2"))
     assert (final.parent / "config.yaml").is_file() and no_weights.is_dir() and leftovers(final.parent) == []
 
 
