@@ -203,6 +203,18 @@ def test_a_signal_during_the_renames_of_a_save_waits_until_they_are_done(tmp_pat
         restore_signal_handlers(previous)
 
 
+def test_a_second_signal_while_stopping_ends_the_process_at_once(tmp_path):
+    """The first SIGTERM starts a clean stop; a second one (the user insists, e.g. while a long native
+    call holds the first) exits 143 at once with a line saying so, never a traceback."""
+    script = ("import os, signal, time\nfrom lmforge.parallel.context import install_signal_handlers\n"
+              "install_signal_handlers()\ntry:\n    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(5)\n"
+              "finally:\n    os.kill(os.getpid(), signal.SIGTERM)  # during the cleanup\n    time.sleep(5)\n"
+              "    print('not reached')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 143 and "not reached" not in proc.stdout
+    assert "SIGTERM again: stopping now" in proc.stderr and "Traceback" not in proc.stderr
+
+
 # ----------------------------------------------------------------------------- models without their files
 
 def _model_dir(tmp_path: Path) -> Path:

@@ -188,18 +188,23 @@ def rank_prefix() -> str:
 # SIGINT and SIGTERM raise Interrupted in the main thread, in one process and under torchrun alike.
 # Inside deferred_signals() (renames that must happen together) the signal is held until the block
 # ends; once the command is reporting an error (disarm_signals), a signal no longer raises, so exit
-# handlers never print a traceback of their own.
-_SIGNALS = {"armed": False, "deferring": 0, "pending": None}
+# handlers never print a traceback of their own. A second signal after an Interrupted (a user who
+# insists while a long native call, e.g. BPE training, holds the first) ends the process at once.
+_SIGNALS = {"armed": False, "deferring": 0, "pending": None, "stopping": False}
 _PEERS: list[tuple[str, int]] = []  # (host, PID) of every rank, gathered at start under torchrun
 
 
 def _on_signal(signum, _frame) -> None:
     if not _SIGNALS["armed"]:
+        if _SIGNALS["stopping"] and not _SIGNALS["deferring"]:  # a second signal: the user insists, stop now
+            os.write(2, f"lmforge: {signal.Signals(signum).name} again: stopping now, without cleaning up "
+                        "(the next run clears what is left)\n".encode())
+            os._exit(128 + signum)
         return
     if _SIGNALS["deferring"]:
         _SIGNALS["pending"] = signum
         return
-    _SIGNALS["armed"] = False  # one Interrupted per run: the cleanup it starts is not interrupted again
+    _SIGNALS.update(armed=False, stopping=True)  # one Interrupted per run: its cleanup is not interrupted again
     raise Interrupted(signum)
 
 
@@ -211,7 +216,7 @@ def install_signal_handlers() -> dict:
     if threading.current_thread() is not threading.main_thread():
         return {}
     previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    _SIGNALS.update(armed=True, deferring=0, pending=None)
+    _SIGNALS.update(armed=True, deferring=0, pending=None, stopping=False)
     return previous
 
 
@@ -242,7 +247,8 @@ def deferred_signals():
     finally:
         _SIGNALS["deferring"] -= 1
     if not _SIGNALS["deferring"] and _SIGNALS["pending"] is not None and _SIGNALS["armed"]:
-        signum, _SIGNALS["pending"], _SIGNALS["armed"] = _SIGNALS["pending"], None, False
+        signum = _SIGNALS["pending"]
+        _SIGNALS.update(pending=None, armed=False, stopping=True)
         raise Interrupted(signum)
 
 
