@@ -11,7 +11,7 @@ import torch
 from lmforge import rl
 from lmforge.config import ModelConfig, load_config
 from lmforge.envs.episode import EpisodeLimits, EpisodeRunner, episode_rollout
-from lmforge.errors import ConfigError
+from lmforge.errors import ConfigError, TrainingError
 from lmforge.losses import policy_loss
 from lmforge.models import load_model
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
@@ -230,6 +230,14 @@ def test_a_one_turn_environment_gives_exactly_the_single_turn_run(tmp_path):
     plain_weights, env_weights = (load_file(Path(r["run_dir"]) / "final" / "model.safetensors") for r in (plain, env))
     assert plain_weights.keys() == env_weights.keys()
     assert all(torch.equal(plain_weights[k], env_weights[k]) for k in plain_weights)
+
+
+@pytest.mark.parametrize("env", ["Raises", "Malformed"])
+def test_a_batch_whose_environment_fails_on_every_episode_stops_the_run(tmp_path, env):
+    # every episode has its first turn to train on, but no reward an environment gave
+    with pytest.raises(TrainingError, match="no episode of this batch is usable.*they ended as"):
+        run_grpo(load_config(GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path / 'run'}",
+                                                        f"env.name=episode_envs:{env}", "env.max_episode_tokens=8"]))
 
 
 @pytest.mark.parametrize("override, match", [

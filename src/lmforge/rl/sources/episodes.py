@@ -28,6 +28,11 @@ from .inprocess import make_engine
 from .sampled import SampledSource
 
 
+# Ends where the environment failed (raised, hung, answered something malformed): a batch of only these
+# trains on rewards no environment gave, so it stops the run as a batch with nothing to train on does.
+BROKEN = ("env_error", "timeout", "malformed")
+
+
 def score_episodes(episodes: list[Episode], reward_set: RewardSet | None, task, max_new_tokens: int,
                    width: int) -> RewardOutput:
     """The environment's parts plus the reward functions on each episode's last assistant message (its
@@ -70,11 +75,12 @@ def episode_sampler(runner: EpisodeRunner) -> Callable:
             return engine.generate(ids, turn_params, num_samples=num_samples, pad_token_id=tokenizer.pad_token_id)
 
         episodes, times = runner.run(sample_turns, problems, cfg.group_size, params)
-        if not any(e.num_trained for e in episodes):
+        if not any(e.num_trained and e.end not in BROKEN for e in episodes):
             ends = sorted({e.end for e in episodes})
-            raise TrainingError(f"no episode of this batch has a policy token to train on (they ended as: "
-                                f"{', '.join(ends)}); the environment fails on every problem (see the warnings "
-                                "above, and env.tool_timeout_s / env.max_episode_tokens)")
+            raise TrainingError(f"no episode of this batch is usable: each has no policy token to train on or its "
+                                f"environment failed (they ended as: {', '.join(ends)}); the environment fails on "
+                                "every problem (see the warnings above, and env.tool_timeout_s / "
+                                "env.max_episode_tokens)")
         rollout = episode_rollout(episodes, cfg.group_size, tokenizer.pad_token_id)
         start = time.perf_counter()
         rewards = score_episodes(episodes, reward_set, prompts.task, cfg.max_new_tokens,
