@@ -10,13 +10,15 @@ import torch
 
 from lmforge import rl
 from lmforge.config import ModelConfig, load_config
+from lmforge.envs.base import StepResult
 from lmforge.envs.episode import EpisodeLimits, EpisodeRunner, episode_rollout
+from lmforge.envs.tool_env import ToolEnv
 from lmforge.errors import ConfigError, TrainingError
 from lmforge.losses import policy_loss
 from lmforge.models import load_model
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
 from lmforge.rollout import RolloutBatch, SamplingParams, generate
-from lmforge.tokenizer import DEFAULT_CHAT_TEMPLATE
+from lmforge.tokenizer import ASCII_ALPHABET, DEFAULT_CHAT_TEMPLATE, char_tokenizer
 from lmforge.train import Precision
 from episode_envs import Again, Hangs, Malformed, Raises
 from run_records import records
@@ -193,6 +195,75 @@ def test_a_broken_environment_ends_its_episodes_counted(env, end, metric):
     assert [e.end for e in episodes] == [end] * 4
     assert all(e.num_trained > 0 for e in episodes)  # the turn that was sampled is kept
     assert episode_metrics(episodes, times)[metric] == 4
+
+
+def shout(text: str) -> str:
+    """Shout, at length.
+
+    Args:
+        text: what to shout
+    """
+    return text.upper() * 100_000
+
+
+class Loud(ToolEnv):
+    def __init__(self):
+        super().__init__([shout])
+
+    def finish(self, state, message):
+        return StepResult([], {"answered": 1.0}, done=True)
+
+
+def test_a_megabyte_tool_result_is_cut_and_invalid_calls_end_the_episode_counted():
+    from lmforge.envs.episode import episode_metrics
+
+    tok = char_tokenizer(ASCII_ALPHABET)
+    eos = tok.eos_token_id
+    call = '<tool_call>\n{"name": "shout", "arguments": {"text": "ab"}}\n</tool_call>'
+    unknown = '<tool_call>\n{"name": "whisper", "arguments": {}}\n</tool_call>'
+    turns = [tok(t, add_special_tokens=False)["input_ids"] + [eos] for t in (call, unknown, unknown, "never")]
+    generate_fn, seen = scripted(turns, tok.pad_token_id)
+    limits = EpisodeLimits(max_turns=8, max_episode_tokens=4000, max_tool_result_tokens=64, max_invalid_calls=2)
+    runner = EpisodeRunner(Loud(), tok, limits, workers=1)
+    episodes, times = runner.run(generate_fn, [types.SimpleNamespace(prompt="hi", answer="")], 1,
+                                 SamplingParams(max_new_tokens=100, stop_token_ids=[eos]))
+    runner.close()
+    (episode,) = episodes
+    assert episode.end == "invalid_calls" and episode.state.turn == 3 and len(seen) == 3  # the 4th turn never ran
+    result = episode.state.messages[2]
+    assert result["role"] == "tool" and result["content"] == "AB" * 32 + " [cut]"
+    assert [i for i, t in zip(episode.ids, episode.trained) if t] == [i for turn in turns[:3] for i in turn]
+    metrics = episode_metrics(episodes, times)
+    assert metrics["num_tool_results_cut"] == 1 and metrics["num_invalid_tool_calls"] == 2
+    assert metrics["num_truncated_invalid_calls"] == 1 and metrics["episodes_done_frac"] == 0.0
+
+
+class BadReset(Again):
+    """``Again``, whose reset raises on the prompt "raise" and returns no messages on "empty"."""
+
+    def reset(self, problem, state):
+        if problem.prompt == "raise":
+            raise KeyError("no such problem")
+        return [] if problem.prompt == "empty" else super().reset(problem, state)
+
+
+def test_a_failed_reset_and_an_empty_reply_are_counted_and_the_others_go_on():
+    from lmforge.envs.episode import episode_metrics
+
+    tok = char_tokenizer(ASCII_ALPHABET)
+    eos = tok.eos_token_id
+    generate_fn, seen = scripted([[eos], [tok.convert_tokens_to_ids("x"), eos]], tok.pad_token_id)
+    runner = EpisodeRunner(BadReset(turns=2), tok, EpisodeLimits(max_turns=3), workers=2)
+    problems = [types.SimpleNamespace(prompt=p, answer="") for p in ("raise", "ok", "empty")]
+    episodes, times = runner.run(generate_fn, problems, 2, SamplingParams(max_new_tokens=8, stop_token_ids=[eos]))
+    runner.close()
+    assert [e.end for e in episodes] == ["env_error", "env_error", "done", "done", "malformed", "malformed"]
+    assert seen[0] == [episodes[2].prompt_ids]  # only the good group was sampled, its prompt shared
+    assert all(e.prompt_ids == [eos] and e.ids == [] for e in episodes[::4] + episodes[1::4])
+    assert episodes[2].state.messages[1] == {"role": "assistant", "content": ""}  # the empty reply was stepped
+    metrics = episode_metrics(episodes, times)
+    assert metrics["env_errors"] == 2 and metrics["num_malformed_replies"] == 2 and metrics["num_empty_replies"] == 2
+    assert episode_rollout(episodes, 2, tok.pad_token_id).trained[[0, 1, 4, 5]].sum() == 0
 
 
 def test_limits_end_episodes_and_are_counted():
