@@ -87,6 +87,30 @@ def test_history_holds_the_sampled_ids_verbatim_under_a_non_identity_tokenizer()
     assert seen[0] == [episodes[0].prompt_ids]  # round 0: a group's shared prompt, sampled twice
 
 
+def test_a_sentencepiece_style_tokenizer_passes_the_prefix_check_with_its_ids_verbatim():
+    # Metaspace decoding drops the leading space of a reply decoded on its own ("▁The" -> "The"): the
+    # message and the rendering agree on that text, so the episode goes on, and the ids stay as sampled
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + list("\u2581\nhiagne") + ["\u2581The", "\u2581cat"])}
+    spm = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    spm.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    spm.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    spm.add_special_tokens(SPECIALS)
+    tok = PreTrainedTokenizerFast(tokenizer_object=spm, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    tok.chat_template = DEFAULT_CHAT_TEMPLATE
+    reply = [vocab["\u2581The"], vocab["\u2581cat"], vocab["<eos>"]]
+    generate_fn, _ = scripted([reply] * 3, tok.pad_token_id)
+    runner = EpisodeRunner(Again(turns=3), tok, EpisodeLimits(max_turns=3), workers=1)
+    (episode,), _ = runner.run(generate_fn, [types.SimpleNamespace(prompt="hi", answer="")], 1,
+                               SamplingParams(max_new_tokens=8, stop_token_ids=[vocab["<eos>"]]))
+    runner.close()
+    assert episode.end == "done" and episode.state.turn == 3
+    assert episode.state.messages[1] == {"role": "assistant", "content": "The cat"}
+    assert [i for i, t in zip(episode.ids, episode.trained) if t] == reply * 3
+
+
 def tiny(max_positions=256):
     return load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2, num_heads=2,
                                   max_position_embeddings=max_positions))
