@@ -18,7 +18,8 @@ class OneTurn:
 
 
 class Again:
-    """Asks again ``turns`` times; the reward part ``length`` is 1 when the last reply is non-empty."""
+    """Asks "again" until the ``turns``-th reply: the part ``turn`` is 0.25 after each earlier reply, and
+    ``said`` is 1 when the last reply is non-empty."""
     tools: list = []
 
     def __init__(self, turns: int = 2):
