@@ -74,6 +74,14 @@ def test_pretrain_with_own_bpe_then_plot(tmp_path):
     assert (out / "curves.png").stat().st_size > 1000
     (out / "curves.png").unlink()
     assert main(["plot", str(out)]) == 0 and (out / "curves.png").is_file()
+    # A second run into the finished directory is refused before it writes anything: its tokenizer (another
+    # vocab_size) used to be saved over the run's own before the refusal.
+    saved = (out / "tokenizer" / "tokenizer.json").read_bytes()
+    assert main(["pretrain", f"data.files=[{corpus}]", "tokenizer.train=true", "tokenizer.vocab_size=280",
+                 "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "data.seq_len=32",
+                 "train.max_steps=30", "train.micro_batch_size=8", "logging.progress=false",
+                 f"train.output_dir={out}"]) == 2
+    assert (out / "tokenizer" / "tokenizer.json").read_bytes() == saved
 
 
 def test_hardware_command(capsys):

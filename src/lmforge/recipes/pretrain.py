@@ -142,11 +142,10 @@ def run_pretrain(cfg: PretrainConfig, console=None) -> dict:
         if not docs:
             raise DataError(f"{d.path}: no text in split {d.split!r} (every document is blank)")
     tokenizer = None
-    if cfg.tokenizer.train:
-        tok_dir = Path(cfg.train.output_dir) / "tokenizer"
+    if cfg.tokenizer.train:  # in memory: the run directory is not ours until start_run has locked it
         files = [Path(f) for f in cfg.data.files]
         txt_files = [p for f in files for p in ([f] if f.is_file() else sorted(f.rglob("*.txt")))]
-        tokenizer = train_bpe_tokenizer(txt_files, cfg.tokenizer.vocab_size, tok_dir, cfg.tokenizer.min_frequency)
+        tokenizer = train_bpe_tokenizer(txt_files, cfg.tokenizer.vocab_size, None, cfg.tokenizer.min_frequency)
     model, tokenizer = load_model(cfg.model, tokenizer)
     context = context_length(model)
     if context is not None and cfg.data.seq_len + 1 > context:  # a block is seq_len + 1 tokens (inputs + last target)
@@ -154,6 +153,8 @@ def run_pretrain(cfg: PretrainConfig, console=None) -> dict:
                           f"fit the model's context of {context} (model.max_position_embeddings); set "
                           f"data.seq_len <= {context - 1}")
     run = start_run(cfg, "pretrain", model, seq_len=cfg.data.seq_len, console=console)
+    if cfg.tokenizer.train and run.ctx.is_main:
+        tokenizer.save_pretrained(str(run.dir / "tokenizer"))
     sample = docs if docs is not None else list(islice(dataset_docs(d, d.split, streaming=True), SAMPLE_TEXTS))
     check_unknown_tokens(tokenizer, sample, cfg.model, d.path or "data.files", run.print)
     if d.streaming:
