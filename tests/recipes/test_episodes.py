@@ -249,10 +249,13 @@ def test_a_megabyte_tool_result_is_cut_and_invalid_calls_end_the_episode_counted
     generate_fn, seen = scripted(turns, tok.pad_token_id)
     limits = EpisodeLimits(max_turns=8, max_episode_tokens=4000, max_tool_result_tokens=64, max_invalid_calls=2)
     runner = EpisodeRunner(Loud(), tok, limits, workers=1)
+    encoded, encode = [], runner.encode
+    runner.encode = lambda text: encoded.append(len(text)) or encode(text)
     episodes, times = runner.run(generate_fn, [types.SimpleNamespace(prompt="hi", answer="")], 1,
                                  SamplingParams(max_new_tokens=100, stop_token_ids=[eos]))
     runner.close()
     (episode,) = episodes
+    assert max(encoded) < 10_000  # the 200,000 characters of the result were never tokenized whole
     assert episode.end == "invalid_calls" and episode.state.turn == 3 and len(seen) == 3  # the 4th turn never ran
     result = episode.state.messages[2]
     assert result["role"] == "tool" and result["content"] == "AB" * 32 + " [cut]"

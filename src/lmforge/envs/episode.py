@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 LIMITS = ("turns", "episode_tokens", "invalid_calls")
 FAILURES = {"env_error": "env_errors", "timeout": "tool_timeouts", "malformed": "num_malformed_replies",
             "template": "num_template_mismatches"}
+# More characters than any token stands for in practice: a tool result is cut to this many per allowed
+# token before it is tokenized (the cut itself is then made in tokens).
+MAX_CHARS_PER_TOKEN = 32
 GenerateFn = Callable[[list[list[int]], SamplingParams, int], RolloutBatch]  # (prompts, params, num_samples)
 
 
@@ -182,12 +185,15 @@ class EpisodeRunner:
         episode.state.turn += 1
 
     def _cap_results(self, episode: Episode, messages: list[Message]) -> list[Message]:
-        """Tool results longer than ``max_tool_result_tokens`` cut to that many tokens (counted)."""
+        """Tool results longer than ``max_tool_result_tokens`` cut to that many tokens (counted). Only
+        their first ``MAX_CHARS_PER_TOKEN`` characters per allowed token are tokenized: megabytes of
+        output took seconds to tokenize here (5 MB: 17 s), outside ``env.tool_timeout_s``."""
         cap, out = self.limits.max_tool_result_tokens, []
         for message in messages:
             if cap and message["role"] == "tool":
-                ids = self.encode(message["content"])
-                if len(ids) > cap:
+                head = message["content"][:cap * MAX_CHARS_PER_TOKEN]
+                ids = self.encode(head)
+                if len(ids) > cap or len(head) < len(message["content"]):
                     episode.num_cut_results += 1
                     message = {**message, "content": self.tokenizer.decode(ids[:cap]) + " [cut]"}
             out.append(message)
