@@ -198,6 +198,17 @@ def test_loss_trains_exactly_the_policy_tokens_of_every_turn(multi_turn):
     assert_trains_exactly_the_policy_tokens(model, episodes, calls, rollout, tok.pad_token_id)
 
 
+def test_sampler_logprobs_line_up_with_the_trainers_on_every_turn_after_packing(multi_turn):
+    # the same weights in float32: the trainer's logprob of each trained token is the sampler's
+    model, tok, episodes, calls, rollout = multi_turn
+    batch = rl.pack_rollout(rollout, tok.pad_token_id, need_rollout_logprobs=True)
+    with torch.no_grad():
+        logprobs, _ = rl.policy_logprobs(model, batch, 1.0, Precision(torch.device("cpu"), torch.float32))
+    trained = batch.trained_mask.bool()
+    torch.testing.assert_close(logprobs[trained], batch.rollout_logprobs[trained], rtol=0, atol=1e-4)
+    assert bool((batch.rollout_logprobs[~trained] == 0).all())
+
+
 def test_a_mask_with_one_environment_token_switched_on_is_caught(multi_turn):
     model, tok, episodes, calls, rollout = multi_turn
     trained = rollout.trained_mask.clone()
