@@ -321,7 +321,10 @@ def run(args) -> None:
             metrics = lm_step(step)
             clock["lmforge"] += time.perf_counter() - start
             print(f"step {step:3d}: trl {clock['trl']:7.1f}s  lmforge {clock['lmforge']:7.1f}s  (lmforge reward "
-                  f"{float(metrics['reward']):.2f}, turns {float(metrics['turns_per_episode']):.1f})", flush=True)
+                  f"{float(metrics['reward']):.2f}, turns {float(metrics['turns_per_episode']):.1f}, policy tokens "
+                  f"{float(metrics['completion_len_mean']):.0f} of {float(metrics['episode_len_mean']):.0f}; gen "
+                  f"{float(metrics['time_generation']):.1f}s env {float(metrics['time_env']):.1f}s train "
+                  f"{float(metrics['time_training']):.1f}s)", flush=True)
             if step % args.eval_every == 0 or step == args.steps:
                 evaluate_both(model, step)
             clock["mark"] = time.perf_counter()
