@@ -87,6 +87,30 @@ def test_history_holds_the_sampled_ids_verbatim_under_a_non_identity_tokenizer()
     assert seen[0] == [episodes[0].prompt_ids]  # round 0: a group's shared prompt, sampled twice
 
 
+def test_later_rounds_do_not_reuse_the_next_steps_draws():
+    """Round r of the batch sampled with seed s must not sample with the seed of round 0 at step s + r
+    (step_seed steps by 1): two steps' episodes would share their random draws."""
+    tok, vocab = merging_tokenizer()
+    eos = vocab["<eos>"]
+    seeds = {}
+    for step_seed in (10, 11, 12):
+        generate_fn, _ = scripted([[vocab["a"], eos]] * 3, tok.pad_token_id)
+        used = []
+
+        def recording(prompts, params, num_samples, inner=generate_fn, used=used):
+            used.append(params.seed)
+            return inner(prompts, params, num_samples)
+
+        runner = EpisodeRunner(Again(turns=3), tok, EpisodeLimits(max_turns=3), workers=1)
+        runner.run(recording, [types.SimpleNamespace(prompt="1+2=", answer="3")], 2,
+                   SamplingParams(max_new_tokens=4, stop_token_ids=[eos], seed=step_seed))
+        runner.close()
+        seeds[step_seed] = used
+    assert [s[0] for s in seeds.values()] == [10, 11, 12]  # round 0: the step's own seed, as single-turn
+    every = [seed for used in seeds.values() for seed in used]
+    assert len(every) == 9 and len(set(every)) == 9
+
+
 def test_a_sentencepiece_style_tokenizer_passes_the_prefix_check_with_its_ids_verbatim():
     # Metaspace decoding drops the leading space of a reply decoded on its own ("▁The" -> "The"): the
     # message and the rendering agree on that text, so the episode goes on, and the ids stay as sampled

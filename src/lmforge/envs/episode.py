@@ -50,6 +50,14 @@ FAILURES = {"env_error": "env_errors", "timeout": "tool_timeouts", "malformed": 
 # token before it is tokenized (the cut itself is then made in tokens).
 MAX_CHARS_PER_TOKEN = 32
 GenerateFn = Callable[[list[list[int]], SamplingParams, int], RolloutBatch]  # (prompts, params, num_samples)
+ROUND_SEED_STRIDE = 998_244_353  # a prime far from the step (1) and rank (1_000_000_007) strides of step_seed
+
+
+def round_seed(seed: int, round_: int) -> int:
+    """The sampler's seed for round ``round_`` of a batch sampled with ``seed``. Round 0 keeps ``seed``
+    (a one-turn episode samples as a single-turn rollout does); later rounds step by a large prime, so
+    round r of step s does not reuse the draws of round 0 of step s + r (``seed + r`` did)."""
+    return seed + round_ * ROUND_SEED_STRIDE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +255,7 @@ class EpisodeRunner:
             params: SamplingParams) -> tuple[list[Episode], dict]:
         """``group_size`` episodes of each problem (a problem's adjacent), run to their ends.
 
-        Round r samples every active episode in one ``generate`` call (seed ``params.seed + r``; in
+        Round r samples every active episode in one ``generate`` call (seed :func:`round_seed`; in
         round 0 a group shares its prompt, sampled ``group_size`` times, as a single-turn rollout
         is), then steps their environments in parallel. Returns the episodes and the batch's
         timings (``time_generation``, ``time_env``).
@@ -282,7 +290,7 @@ class EpisodeRunner:
             histories[i] == histories[i - i % group_size] for i in range(len(active)))
         prompts = histories[::group_size] if shared else histories
         most = max(e.budget for e in active)
-        params = dataclasses.replace(params, seed=None if params.seed is None else params.seed + round_,
+        params = dataclasses.replace(params, seed=None if params.seed is None else round_seed(params.seed, round_),
                                      max_new_tokens=min(params.max_new_tokens, most))
         rollout = generate(prompts, params, group_size if shared else 1)
         for row, episode in enumerate(active):
