@@ -2,6 +2,7 @@
 import sys
 import types
 
+import numpy as np
 import pytest
 
 from lmforge.envs.base import EpisodeState, MalformedReply, StepResult, check_messages, check_step_result
@@ -76,6 +77,8 @@ def test_malformed_messages_are_named(messages, match):
 def test_step_result_checks():
     good = StepResult([{"role": "tool", "content": "4"}], {"tool": 0.5}, done=False)
     assert check_step_result(good) is good
+    numpy_part = StepResult([], {"r": np.float32(0.5), "n": np.int64(1)}, done=True)  # what numpy code returns
+    assert check_step_result(numpy_part) is numpy_part
     with pytest.raises(MalformedReply, match="expected a StepResult"):
         check_step_result(([], {}, True))
     with pytest.raises(MalformedReply, match="finite number"):

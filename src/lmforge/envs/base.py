@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Protocol, runtime_checkable
 
 # An OpenAI-style chat message: {"role": "system" | "user" | "assistant" | "tool", "content": str, and
@@ -99,7 +100,8 @@ def check_step_result(result: Any) -> StepResult:
     if not isinstance(result.reward, dict):
         raise MalformedReply(f"step returned reward {type(result.reward).__name__}, expected a dict of floats")
     for name, value in result.reward.items():
-        if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float)) \
+        # numbers.Real: Python's and numpy's scalars alike (np.float32 is not a float); a bool is a mistake
+        if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, numbers.Real) \
                 or not math.isfinite(value):
             raise MalformedReply(f"step returned reward part {name!r} = {value!r}; expected a finite number")
     return result
