@@ -15,6 +15,7 @@ import pytest
 import torch
 import transformers
 
+from lmforge.errors import ConfigError
 from lmforge.rollout.engine import SamplingParams
 from lmforge.rollout.vllm_backend import (
     VLLMEngine,
@@ -408,7 +409,7 @@ def test_model_path_is_loaded_by_vllm_itself(fake_vllm, tokenizer, tmp_path):
 def test_no_cuda_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setitem(sys.modules, "vllm", make_fake_vllm())
-    with pytest.raises(RuntimeError, match="CUDA GPU.*rollout.backend=inprocess"):
+    with pytest.raises(ConfigError, match="CUDA GPU.*rollout.backend=inprocess"):  # the user's setting: exit 2
         import_vllm()
 
 
