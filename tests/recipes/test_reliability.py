@@ -15,27 +15,13 @@ from safetensors.torch import load_file, save_file
 from lmforge import checkpoint as ckpt
 from lmforge.cli import main
 from lmforge.config import load_config
-from lmforge.errors import ConfigError, DataError, TrainingError
+from lmforge.errors import ConfigError, TrainingError
 from lmforge.recipes import supervised
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
 from lmforge.recipes.pretrain import PretrainConfig, run_pretrain
 from lmforge.recipes.sft import SFTConfig, run_sft
 from lmforge.runtime.run import LOCK_NAME
-
-TINY = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
-        "model.max_position_embeddings=32"]
-SFT = TINY + ["data.task=addition", "data.num_train=64", "data.num_val=8", "data.num_eval=4", "data.max_len=16",
-              "train.batch_size=8", "train.micro_batch_size=8", "train.max_new_tokens=4", "train.threads=1",
-              "train.eval_every=0", "logging.progress=false"]
-
-
-def sft(out, *extra):
-    return run_sft(load_config(SFTConfig, None, SFT + [f"train.output_dir={out}", *extra]))
-
-
-def train_records(out) -> list[dict]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["kind"] == "train"]
+from run_records import SFT, TINY, sft, train_records
 
 
 # ----------------------------------------------------------------------------- non-finite state
