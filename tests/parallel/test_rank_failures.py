@@ -54,8 +54,13 @@ def test_a_rank_killed_is_named_by_the_survivor_never_called_a_bug(tmp_path, vic
     _, err = proc.communicate(timeout=120)
     ours = [line for line in err.splitlines() if line.startswith("lmforge sft:")]
     assert len(ours) == 1, err[-4000:]
-    assert f"[rank {1 - victim}] stopping: " in ours[0] and "checkpoints are intact" in ours[0]
+    # Either the survivor notices first (exit 2), or torchrun's SIGTERM to every rank reaches it first (exit
+    # 143, as any SIGTERM; seen under load): both messages name the rank that stopped.
+    noticed = f"[rank {1 - victim}] stopping: " in ours[0]
+    assert noticed or f"[rank {1 - victim}] stopped by SIGTERM; " in ours[0], ours[0]
+    assert "checkpoints are intact" in ours[0]
     assert f"rank {victim} (PID {ranks[victim]})" in ours[0] or "another rank stopped" in ours[0]
     assert "internal error" not in err and "a bug in lmforge" not in err and "Exception ignored" not in err
-    assert f"exitcode  : 2 (pid: {ranks[1 - victim]})" in err  # the survivor's own code, not torchrun's SIGTERM
+    if noticed:  # the survivor's own code, not torchrun's SIGTERM (which torchrun may not list as a failure)
+        assert f"exitcode  : 2 (pid: {ranks[1 - victim]})" in err, err[-4000:]
     assert all(checkpoint_problem(path) is None for path in list_checkpoints(out))
