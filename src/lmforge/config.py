@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import math
 import re
+import traceback
 import types
 import typing
 from pathlib import Path
@@ -58,6 +60,34 @@ def refuse_ignored(cfg: Any, section_name: str, keys: tuple[str, ...], when: str
     if changed:
         raise ConfigError(f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'} not used {when}; remove "
                           f"{'it' if len(changed) == 1 else 'them'}")
+
+
+def where_raised(exc: BaseException) -> str:
+    """``file:line`` of a syntax error, else of the innermost frame of ``exc``'s traceback."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{exc.filename}:{exc.lineno}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "(unknown place)"
+
+
+def import_object(spec: str, label: str, kind: str) -> tuple[Any, str]:
+    """The object a ``"package.module:attr"`` setting names (a user's reward function, environment
+    class, ...) and the file it comes from; ``getattr``'s None when the module has no ``attr`` (the
+    caller checks what it must be). ConfigError, led by ``label`` (e.g. ``"reward 'm:f'"``), when the
+    spec is not of that form or its module cannot be imported; ``kind`` names ``attr`` in the
+    message (``'package.module:function'``)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"{label}: expected 'package.module:{kind}' with both parts non-empty")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{label}: cannot import module {module_name!r} ({exc}); is it installed or on "
+                          "PYTHONPATH?") from exc
+    except Exception as exc:  # the module itself is broken: a syntax error, or code that raises on import
+        raise ConfigError(f"{label}: importing module {module_name!r} failed at {where_raised(exc)}: "
+                          f"{type(exc).__name__}: {exc}") from exc
+    return getattr(module, attr, None), f"{module_name!r} ({getattr(module, '__file__', None) or module_name})"
 
 
 def _type_name(tp: Any) -> str:

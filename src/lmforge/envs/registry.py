@@ -2,10 +2,10 @@
 as ``package.module:Class``; ``env.args`` go to its constructor (docs/environments.md)."""
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any
 
+from ..config import import_object
 from ..errors import ConfigError
 from .base import Environment
 from .calculator import Calculator
@@ -28,21 +28,9 @@ def resolve_environment(name: str) -> type:
     if ":" not in name:
         builtin = ", ".join(sorted(ENVIRONMENTS)) or "none"
         raise ConfigError(f"env.name={name!r} is not a built-in environment ({builtin}) nor a 'package.module:Class'")
-    module_name, _, attr = name.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"env.name={name!r}: expected 'package.module:Class' with both parts non-empty")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"env.name={name!r}: cannot import module {module_name!r} ({exc}); is it installed or on "
-                          "PYTHONPATH?") from exc
-    except Exception as exc:  # the module itself raises on import
-        raise ConfigError(f"env.name={name!r}: importing module {module_name!r} failed: "
-                          f"{type(exc).__name__}: {exc}") from exc
-    cls = getattr(module, attr, None)
+    cls, where = import_object(name, f"env.name={name!r}", "Class")
     if not inspect.isclass(cls):
-        where = getattr(module, "__file__", None) or module_name
-        raise ConfigError(f"env.name={name!r}: module {module_name!r} ({where}) has no class {attr!r}")
+        raise ConfigError(f"env.name={name!r}: module {where} has no class {name.partition(':')[2]!r}")
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if missing:
         raise ConfigError(f"env.name={name!r}: class {cls.__name__} has no {' and no '.join(missing)} method; an "

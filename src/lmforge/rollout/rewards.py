@@ -24,7 +24,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import functools
-import importlib
 import inspect
 import itertools
 import logging
@@ -32,13 +31,13 @@ import math
 import os
 import re
 import time
-import traceback
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
+from ..config import import_object
 from ..errors import ConfigError, TrainingError
 from .reward_pool import DaemonThreadPool, ProcessPool, invoke
 
@@ -229,31 +228,10 @@ def resolve_reward(name: str) -> RewardFn:
         raise ConfigError(
             f"unknown reward {name!r}: use one of {sorted(BUILTIN_REWARDS)} or 'package.module:function'"
         )
-    module_name, _, attr = name.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"reward {name!r}: expected 'package.module:function' with both parts non-empty")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(
-            f"reward {name!r}: cannot import module {module_name!r} ({exc}); is it installed or on PYTHONPATH?"
-        ) from exc
-    except Exception as exc:  # the module itself is broken: a syntax error, or code that raises on import
-        raise ConfigError(f"reward {name!r}: importing module {module_name!r} failed at "
-                          f"{_where_raised(exc)}: {type(exc).__name__}: {exc}") from exc
-    fn = getattr(module, attr, None)
+    fn, where = import_object(name, f"reward {name!r}", "function")
     if not callable(fn):
-        where = getattr(module, "__file__", None) or module_name
-        raise ConfigError(f"reward {name!r}: module {module_name!r} ({where}) has no callable {attr!r}")
+        raise ConfigError(f"reward {name!r}: module {where} has no callable {name.partition(':')[2]!r}")
     return fn
-
-
-def _where_raised(exc: BaseException) -> str:
-    """``file:line`` of a syntax error, else of the innermost frame of ``exc``'s traceback."""
-    if isinstance(exc, SyntaxError) and exc.filename:
-        return f"{exc.filename}:{exc.lineno}"
-    frames = traceback.extract_tb(exc.__traceback__)
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "(unknown place)"
 
 
 # ----------------------------------------------------------------------------- combining
