@@ -25,7 +25,7 @@ from ..config import RolloutConfig
 from ..prompts import PromptSet
 from .base import SourceSetup
 from .inprocess import make_engine
-from .sampled import SampledSource
+from .sampled import SampledSource, reward_metrics
 
 
 # Ends where the environment failed (raised, hung, answered something malformed): a batch of only these
@@ -50,11 +50,7 @@ def rollout_metrics(rollout: RolloutBatch, rewards: RewardOutput, episodes: list
     """The single-turn source's metrics (reward, lengths of the policy's tokens, timings) and the episodes'."""
     policy_tokens = rollout.trained.sum(1).float()
     return {
-        "reward": rewards.total.mean(),
-        "reward_std": rewards.total.std(correction=0),
-        **{f"reward_{name}": rewards.per_function[:, f].mean() for f, name in enumerate(rewards.names)},
-        "reward_failures": rewards.num_failed.sum(),
-        "reward_timeouts": rewards.num_timed_out.sum(),
+        **reward_metrics(rewards),
         "completion_len_mean": policy_tokens.mean(),
         "completion_len_max": policy_tokens.max(),
         "episode_len_mean": rollout.completion_lens.float().mean(),

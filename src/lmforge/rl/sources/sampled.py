@@ -20,6 +20,17 @@ from ..prompts import PromptSet, rank_prompts, step_seed
 from .base import Policy, SourceSetup
 
 
+def reward_metrics(rewards: RewardOutput) -> dict:
+    """A batch's reward metrics: mean and std of the totals, each function's mean, failures and timeouts."""
+    return {
+        "reward": rewards.total.mean(),
+        "reward_std": rewards.total.std(correction=0),
+        **{f"reward_{name}": rewards.per_function[:, f].mean() for f, name in enumerate(rewards.names)},
+        "reward_failures": rewards.num_failed.sum(),
+        "reward_timeouts": rewards.num_timed_out.sum(),
+    }
+
+
 def sample_and_score(engine, tokenizer, prompts: PromptSet, rows: list[int], cfg: RolloutConfig,
                      reward_set: RewardSet, seed: int) -> tuple[RolloutBatch, RewardOutput, dict]:
     """Sample ``cfg.group_size`` completions for each prompt in ``rows`` with ``engine``; score them.
@@ -39,11 +50,7 @@ def sample_and_score(engine, tokenizer, prompts: PromptSet, rows: list[int], cfg
                          max_new_tokens=cfg.max_new_tokens, **shared)
     lengths = rollout.completion_lens.float()
     metrics = {
-        "reward": rewards.total.mean(),
-        "reward_std": rewards.total.std(correction=0),
-        **{f"reward_{name}": rewards.per_function[:, f].mean() for f, name in enumerate(rewards.names)},
-        "reward_failures": rewards.num_failed.sum(),
-        "reward_timeouts": rewards.num_timed_out.sum(),
+        **reward_metrics(rewards),
         "completion_len_mean": lengths.mean(),
         "completion_len_max": lengths.max(),
         "truncated_frac": rollout.truncated.float().mean(),
