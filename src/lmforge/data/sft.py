@@ -175,7 +175,11 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     return _encode(tokenizer, prompt)
 
 
-def _chat_example(tokenizer, messages: list[dict], completion_only: bool, tools: list[dict] | None = None) -> SFTExample:
+def chat_example(tokenizer, messages: list[dict], completion_only: bool, tools: list[dict] | None = None,
+                 trained_from: int = 0) -> SFTExample:
+    """One conversation through the chat template; with ``completion_only`` the mask holds the
+    assistant messages from index ``trained_from`` on (a preference pair's completion after its
+    prompt's history: lmforge.data.preference)."""
     text = _render(tokenizer, messages, add_generation_prompt=False, tools=tools)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
@@ -183,7 +187,7 @@ def _chat_example(tokenizer, messages: list[dict], completion_only: bool, tools:
         return SFTExample(input_ids, [1] * len(input_ids))
     spans = []
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or i < trained_from:
             continue
         before = _render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
         through = _render(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
@@ -198,7 +202,7 @@ def _chat_example(tokenizer, messages: list[dict], completion_only: bool, tools:
     return SFTExample(input_ids, loss_mask)
 
 
-def _raw_example(tokenizer, prompt: str, completion: str, completion_only: bool) -> SFTExample:
+def raw_example(tokenizer, prompt: str, completion: str, completion_only: bool) -> SFTExample:
     prompt_ids = _encode(tokenizer, prompt)
     completion_ids = _encode(tokenizer, completion) + [tokenizer.eos_token_id]
     mask = [int(not completion_only)] * len(prompt_ids) + [1] * len(completion_ids)
@@ -232,15 +236,15 @@ def tokenize_sft(
     for number, row in enumerate(rows, start=1):
         row = _check_row(row, f"row {number}")
         if "messages" in row:
-            example = _chat_example(tokenizer, row["messages"], completion_only, row.get("tools"))
+            example = chat_example(tokenizer, row["messages"], completion_only, row.get("tools"))
         elif chat:
             messages = [
                 {"role": "user", "content": row["prompt"]},
                 {"role": "assistant", "content": row["completion"]},
             ]
-            example = _chat_example(tokenizer, messages, completion_only)
+            example = chat_example(tokenizer, messages, completion_only)
         else:
-            example = _raw_example(tokenizer, row["prompt"], row["completion"], completion_only)
+            example = raw_example(tokenizer, row["prompt"], row["completion"], completion_only)
         if len(example.input_ids) > max_len:
             if truncation == "drop":
                 data.num_dropped += 1
