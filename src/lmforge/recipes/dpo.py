@@ -1,0 +1,299 @@
+"""``lmforge dpo CONFIG``: preference optimisation (DPO, IPO, SimPO) on prompt / chosen / rejected pairs.
+
+Data is any source of docs/data.md in the formats of lmforge.data.preference, or pairs made from a
+built-in task (``data.task=addition``: chosen = the answer, rejected = a plausible wrong one), whose
+held-out accuracy is then reported. ``train.batch_size`` and ``train.micro_batch_size`` count pairs.
+
+One step, top to bottom: the next global batch of pairs (the same order on every rank) -> this
+rank's share -> micro-batches of pairs, each laid out as 2b rows (chosen, then rejected) -> the
+reference's sequence log-probabilities of every micro-batch, without gradients, once per batch (a
+frozen copy of the starting model, or with LoRA the policy with its adapters off; none for SimPO)
+-> forward / backward of each micro-batch, chosen and rejected in one forward, the loss divided by
+the pairs of the whole step over all ranks -> clip, update. The loop around it (log, evaluate,
+checkpoint, resume, summary) is lmforge.runtime.loop. The math: docs/preference.md.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from typing import Literal
+
+import torch
+
+from .. import lora
+from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, refuse_ignored, section
+from ..data.preference import COLUMN_NAMES, PreferenceData, collate_pairs, load_preference_rows, pairs_from_task
+from ..data.preference import row_texts, tokenize_pairs
+from ..data.sft import uses_chat_format
+from ..data.source import split_by_fraction
+from ..data.tasks import get_task
+from ..errors import ConfigError, DataError
+from ..evaluation import save_samples, task_accuracy
+from ..models import context_length, load_model
+from ..ops import selective_log_softmax
+from ..parallel.wrap import gradient_sync, run_forward
+from ..preference_losses import REFERENCE_FREE, check_settings, preference_loss
+from ..runtime.loop import Trainer, TrainState, build_state, full_model, train_loop
+from ..runtime.run import start_run
+from ..tokenizer import check_unknown_tokens
+from ..train import BatchOrder, logits_at, shifted_targets
+from .supervised import rank_share, to_device
+
+METRIC_KEYS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
+
+
+@dataclasses.dataclass
+class PreferenceDataConfig:
+    path: str = opt("", "prompt / chosen / rejected rows (text or messages): JSONL, Parquet, CSV, Arrow, a "
+                    "save_to_disk dir or a cached hub id (docs/preference.md)")
+    split: str = opt("train", "path: the split to train on (a single file is split 'train')")
+    eval_split: str = opt("", "path: a named split for the held-out pairs instead of data.val_fraction")
+    subset: str = opt("", "path: the hub dataset's config name")
+    columns: dict[str, str] = opt({}, "path: lmforge name -> the data's column, e.g. {chosen: response_a}",
+                                  keys=COLUMN_NAMES)
+    task: str = opt("", "pairs from a built-in task instead of a file (chosen = the answer, rejected = the answer "
+                    "without its carries or one digit off by one), e.g. addition")
+    num_train: int = opt(4000, "task: training pairs")
+    num_val: int = opt(200, "task: held-out pairs (preference loss and accuracy)")
+    num_eval: int = opt(200, "task: held-out problems for exact-match accuracy (greedy)")
+    val_fraction: float = opt(0.05, "path: fraction of pairs held out (seeded by train.seed)")
+    max_len: int = opt(256, "longest tokenized side of a pair (prompt + completion)")
+    use_chat_template: Literal["auto", "on", "off"] = opt("auto", "text pairs through the chat template")
+    truncation: Literal["right", "drop"] = opt("right", "over-long pairs: cut each side on the right, or drop them")
+
+    def validate(self) -> None:
+        if not 0 <= self.val_fraction < 1:
+            raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        if bool(self.path) == bool(self.task):
+            raise ConfigError("set exactly one of data.path (preference rows from any source of docs/data.md) and "
+                              "data.task (pairs made from a built-in task, e.g. addition)")
+        if self.task:
+            try:
+                get_task(self.task)
+            except ValueError as exc:
+                raise ConfigError(f"data.task: {exc}") from exc
+            refuse_ignored(self, "data", ("split", "eval_split", "val_fraction", "subset", "columns"),
+                           f"with data.task={self.task!r} (they select and map the rows of data.path)")
+
+
+@dataclasses.dataclass
+class PreferenceAlgoConfig:
+    loss: Literal["sigmoid", "ipo", "simpo"] = opt("sigmoid", "sigmoid = DPO, ipo = IPO, simpo = SimPO (no reference "
+                                                   "model); docs/preference.md")
+    beta: float = opt(0.1, "the inverse temperature of the implicit reward (DPO / IPO: 0.01-0.5; SimPO: 2-10)")
+    label_smoothing: float = opt(0.0, "sigmoid: the probability that a pair's label is wrong (conservative DPO)")
+    gamma: float = opt(0.0, "simpo: the target reward margin (the paper: 0.5-1.5 with beta 2-2.5)")
+
+    def validate(self) -> None:
+        try:
+            check_settings(self.loss, self.beta, self.label_smoothing, self.gamma)
+        except ValueError as exc:
+            raise ConfigError(f"algo: {exc}") from exc
+
+
+@dataclasses.dataclass
+class DPOConfig:
+    model: ModelConfig = section(ModelConfig, "model to train (and, frozen, the reference)")
+    data: PreferenceDataConfig = section(PreferenceDataConfig, "preference pairs")
+    algo: PreferenceAlgoConfig = section(PreferenceAlgoConfig, "the preference loss")
+    optim: OptimConfig = section(OptimConfig, "optimizer and LR schedule")
+    train: TrainConfig = section(TrainConfig, "loop, evaluation and checkpoints (batch sizes count pairs)")
+    parallel: ParallelConfig = section(ParallelConfig, "processes under torchrun (docs/distributed.md)")
+    logging: LoggingConfig = section(LoggingConfig, "progress and metrics sinks")
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def build_pairs(cfg: DPOConfig, tokenizer, printer=print) -> tuple[PreferenceData, PreferenceData]:
+    """Tokenized training and held-out pairs, each with its skip counts printed."""
+    d = cfg.data
+    if d.task:
+        task = get_task(d.task)
+        train_rows = pairs_from_task(task, d.num_train, cfg.train.seed, "train")
+        val_rows = pairs_from_task(task, d.num_val, cfg.train.seed, "val")
+    else:
+        train_rows = load_preference_rows(d.path, d.split, d.subset, d.columns)
+        if d.eval_split:
+            val_rows = load_preference_rows(d.path, d.eval_split, d.subset, d.columns)
+        else:
+            train_rows, val_rows = split_by_fraction(train_rows, d.val_fraction, cfg.train.seed)
+    check_unknown_tokens(tokenizer, row_texts(train_rows), cfg.model, d.path or f"data.task={d.task}", printer)
+    parts = []
+    for name, rows in (("training", train_rows), ("held-out", val_rows)):
+        if not rows:
+            parts.append(PreferenceData())
+            continue
+        data = tokenize_pairs(rows, tokenizer, d.max_len, d.use_chat_template, d.truncation)
+        if data.report(d.max_len, d.truncation):
+            printer(f"[data] {name} pairs: {data.report(d.max_len, d.truncation)}")
+        parts.append(data)
+    return parts[0], parts[1]
+
+
+def check_fits_context(model, *datasets: PreferenceData) -> None:
+    context = context_length(model)
+    longest = max((len(side.input_ids) for data in datasets for pair in data.pairs for side in pair), default=0)
+    if context is not None and longest > context:
+        raise ConfigError(f"the longest side of a pair has {longest} tokens but the model's context is {context}; "
+                          f"set data.max_len <= {context} (longer pairs are then cut or dropped per data.truncation)")
+
+
+# ----------------------------------------------------------------------------- forwards
+
+
+def sequence_logps(logits_fn, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of the log-probabilities of each row's trained tokens, and their count: (2b,) each.
+
+    ``logits_fn(input_ids, attention_mask, positions) -> (N, V)``: logits at the positions that
+    predict trained tokens only (the LM head runs there alone: lmforge.train.logits_at).
+    """
+    positions, targets = shifted_targets(batch["labels"])  # (2b, T) bool, (N,)
+    token_logps = selective_log_softmax(logits_fn(batch["input_ids"], batch["attention_mask"], positions).float(),
+                                        targets)  # (N,)
+    rows = positions.nonzero()[:, 0]  # the row of each of the N positions, in the same (row-major) order
+    sums = torch.zeros(positions.shape[0], dtype=token_logps.dtype, device=token_logps.device)
+    return sums.index_add(0, rows, token_logps), positions.sum(-1)
+
+
+def make_reference(model, loss: str):
+    """A frozen copy of the starting model; with LoRA, :class:`lora.DisabledAdapters` (the policy with
+    its adapters off, no copy); None for a reference-free loss (SimPO)."""
+    if loss in REFERENCE_FREE:
+        return None
+    if lora.has_adapters(model):
+        return lora.DisabledAdapters(model)
+    return copy.deepcopy(model).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def reference_logps(state: TrainState, reference, batch: dict) -> torch.Tensor | None:
+    """(2b,) sequence log-probabilities of the reference, no gradients; None when there is none."""
+    if reference is None:
+        return None
+    with state.updater.precision.autocast():
+        if isinstance(reference, lora.DisabledAdapters):  # through the root: FSDP2 gathers the base weights
+            with lora.adapters_disabled(reference.model):
+                return sequence_logps(lambda *a: run_forward(state.wrapped, logits_at, state.model, *a), batch)[0]
+        return sequence_logps(lambda *a: logits_at(reference, *a), batch)[0]
+
+
+def micro_loss(state: TrainState, algo: PreferenceAlgoConfig, batch: dict, ref_logps, num_pairs_global: int):
+    """The loss of one micro-batch of b pairs (2b rows, one forward), over the step's pair count."""
+    with state.updater.precision.autocast():
+        logps, lens = sequence_logps(lambda *a: run_forward(state.wrapped, logits_at, state.model, *a), batch)
+    num = logps.shape[0] // 2
+    refs = (None, None) if ref_logps is None else (ref_logps[:num], ref_logps[num:])
+    return preference_loss(logps[:num], logps[num:], lens[:num], lens[num:], *refs, loss_type=algo.loss,
+                           beta=algo.beta, label_smoothing=algo.label_smoothing, gamma=algo.gamma,
+                           num_pairs_global=num_pairs_global)
+
+
+# ----------------------------------------------------------------------------- step and evaluation
+
+
+def dpo_step(state: TrainState, data: PreferenceData, algo: PreferenceAlgoConfig, reference, step: int) -> dict:
+    """One optimizer step over the next global batch of pairs; metrics are means over all its pairs."""
+    run, updater = state.run, state.updater
+    ctx, micro = run.ctx, run.micro_batch_size
+    t0 = time.perf_counter()
+    global_rows = state.order.next()
+    rows = rank_share(global_rows, ctx.rank, ctx.world_size)
+    pad_id = state.tokenizer.pad_token_id
+    batches = [to_device(collate_pairs([data.pairs[i] for i in rows[k:k + micro]], pad_id), run.device)
+               for k in range(0, len(rows), micro)]
+    refs = [reference_logps(state, reference, batch) for batch in batches]  # once per batch, before any update
+    data_time = time.perf_counter() - t0
+    totals = torch.zeros(1 + len(METRIC_KEYS), device=run.device)  # loss, then METRIC_KEYS
+    for index, (batch, ref) in enumerate(zip(batches, refs)):
+        with gradient_sync(state.wrapped, enabled=index == len(batches) - 1):
+            loss, metrics = micro_loss(state, algo, batch, ref, len(global_rows))
+            updater.precision.backward(loss)
+        totals += torch.stack([loss.detach().float(), *(metrics[k].float() for k in METRIC_KEYS)])
+    ctx.all_reduce(totals)  # each part is already over the global pair count: the sums are the means
+    updater.check_loss(totals[0], step)
+    lr = updater.scheduler.get_last_lr()[0]
+    grad_norm = updater.step(step)
+    return {"loss": totals[0], **dict(zip(METRIC_KEYS, totals[1:])), "lr": lr, "grad_norm": grad_norm,
+            "skipped_updates": updater.num_skipped,
+            "num_tokens": sum(int(b["attention_mask"].sum()) for b in batches), "data_time": data_time}
+
+
+@torch.no_grad()
+def held_out_preferences(state: TrainState, data: PreferenceData, algo: PreferenceAlgoConfig, reference,
+                         max_pairs: int = 512) -> dict:
+    """Loss, reward accuracy and margin over (up to ``max_pairs``) held-out pairs, shared out over the
+    ranks; every rank runs the same number of forwards (FSDP2 gathers in each), a rank whose share is
+    used up repeats a batch and counts nothing from it."""
+    run = state.run
+    ctx, micro = run.ctx, run.micro_batch_size
+    pairs = data.pairs[:max_pairs]
+    if not pairs:
+        return {}
+    was_training = state.model.training
+    state.model.eval()
+    mine = pairs[ctx.rank::ctx.world_size]
+    num_batches = -(-len(pairs) // (micro * ctx.world_size))
+    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, wins, margin sum
+    for index in range(num_batches):
+        part = mine[index * micro:(index + 1) * micro]
+        batch = to_device(collate_pairs(part or pairs[:1], state.tokenizer.pad_token_id), run.device)
+        loss, metrics = micro_loss(state, algo, batch, reference_logps(state, reference, batch), 1)
+        if part:
+            totals += torch.tensor([float(loss), float(metrics["reward_accuracy"]), float(metrics["reward_margin"])],
+                                   dtype=torch.float64)
+    ctx.all_reduce(totals)
+    state.model.train(was_training)
+    return {"val_loss": float(totals[0]) / len(pairs), "val_reward_accuracy": float(totals[1]) / len(pairs),
+            "val_reward_margin": float(totals[2]) / len(pairs)}
+
+
+def make_task_eval(cfg: DPOConfig, tokenizer, run):
+    """Greedy exact-match accuracy on held-out problems of ``data.task`` (None for file data)."""
+    if not cfg.data.task:
+        return None
+    task = get_task(cfg.data.task)
+    problems = task.make_problems(cfg.data.num_eval, cfg.train.seed, "test")
+    chat = uses_chat_format(tokenizer, cfg.data.use_chat_template)
+
+    def evaluate(model, step: int) -> dict:
+        accuracy, texts = task_accuracy(model, tokenizer, task, problems, cfg.train.max_new_tokens, chat)
+        if run.ctx.is_main:
+            save_samples(run.dir, step, [p.prompt for p in problems[:cfg.train.num_samples]],
+                         texts[:cfg.train.num_samples], run.print)
+        return {"accuracy": accuracy}
+
+    return evaluate
+
+
+def run_dpo(cfg: DPOConfig, model=None, tokenizer=None, console=None) -> dict:
+    """Train on preference pairs; returns the final evaluation (and ``<key>_before``, from step 0)."""
+    if model is None:
+        model, tokenizer = load_model(cfg.model)
+    # a step's forward holds both sides of each pair: the hardware choice sees rows twice max_len long
+    run = start_run(cfg, "dpo", model, seq_len=2 * cfg.data.max_len, console=console)
+    train_data, val_data = build_pairs(cfg, tokenizer, run.print)
+    check_fits_context(model, train_data, val_data)
+    run.print(f"[data] {len(train_data)} training pairs, {len(val_data)} held-out pairs")
+    if len(train_data) < cfg.train.batch_size:
+        raise DataError(f"{len(train_data)} training pairs are fewer than one batch (train.batch_size="
+                        f"{cfg.train.batch_size}); lower train.batch_size or add data")
+    model = lora.apply_for_run(model, cfg.model.lora, cfg.train, run.ctx).to(run.device)
+    reference = make_reference(model, cfg.algo.loss)  # before resuming: the reference is the starting model
+    order = BatchOrder(len(train_data), cfg.train.batch_size, cfg.train.seed)
+    state = build_state(run, model, tokenizer, order, cfg.train.max_steps)
+    task_eval = make_task_eval(cfg, tokenizer, run)
+
+    def evaluate(step: int) -> dict:
+        metrics = held_out_preferences(state, val_data, cfg.algo, reference)
+        if task_eval is not None:
+            sampler = full_model(state)
+            sampler.eval()
+            metrics.update(task_eval(sampler, step))
+            state.model.train()
+        return metrics
+
+    trainer = Trainer(step=lambda step: dpo_step(state, train_data, cfg.algo, reference, step), evaluate=evaluate,
+                      evaluate_at_start=True, best_metric="val_loss" if len(val_data) else None)
+    return train_loop(state, trainer)
