@@ -17,7 +17,7 @@ from lmforge import rl
 from lmforge.config import (LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig)
 from lmforge.models import load_model
 from lmforge.parallel.wrap import full_state_dict
-from lmforge.recipes import grpo, ppo
+from lmforge.recipes import dpo, grpo, ppo
 from lmforge.recipes.sft import SFTConfig, SFTDataConfig, build_data
 from lmforge.recipes.supervised import supervised_step
 from lmforge.rl.config import RLDataConfig, RolloutConfig
@@ -55,6 +55,23 @@ def sft_case(out: Path, micro: int, strategy: str, grad_sync: str = "native") ->
     data, _ = build_data(cfg, tokenizer, lambda *_: None)
     state = build_state(run, model, tokenizer, BatchOrder(len(data.train_rows), 8, 0), STEPS)
     losses = [float(supervised_step(state, data, step)["loss"]) for step in range(1, STEPS + 1)]
+    return {"losses": losses, "weights": full_state_dict(state.wrapped)}
+
+
+def dpo_case(out: Path, micro: int, strategy: str, loss: str = "sigmoid") -> dict:
+    """Preference pairs from the addition task, 8 pairs a step (16 rows: chosen and rejected), the
+    frozen reference's logprobs computed per batch; the pair count of the step is the normaliser."""
+    cfg = dpo.DPOConfig(model=MODEL, data=dpo.PreferenceDataConfig(task="addition", num_train=64, num_val=0,
+                                                                   num_eval=0, max_len=32),
+                        algo=dpo.PreferenceAlgoConfig(loss=loss, beta=0.5), optim=OPTIM,
+                        train=train_config(out, micro, batch=8), parallel=ParallelConfig(strategy=strategy),
+                        logging=LoggingConfig(progress=False))
+    model, tokenizer = load_model(cfg.model)
+    run = start_run(cfg, "dpo", model, seq_len=64, console=Quiet())
+    pairs, _ = dpo.build_pairs(cfg, tokenizer, lambda *_: None)
+    reference = dpo.make_reference(model, loss)
+    state = build_state(run, model, tokenizer, BatchOrder(len(pairs), 8, 0), STEPS)
+    losses = [float(dpo.dpo_step(state, pairs, cfg.algo, reference, step)["loss"]) for step in range(1, STEPS + 1)]
     return {"losses": losses, "weights": full_state_dict(state.wrapped)}
 
 
@@ -162,6 +179,8 @@ CASES = {
     "grpo-spans": lambda out, micro, strategy: rl_case(out, "grpo", "global_token_mean", micro, strategy, 2,
                                                        spans=True),
     "ppo-spans": lambda out, micro, strategy: rl_case(out, "ppo", "seq_mean_token_mean", micro, strategy, spans=True),
+    "dpo": lambda out, micro, strategy: dpo_case(out, micro, strategy),
+    "simpo": lambda out, micro, strategy: dpo_case(out, micro, strategy, "simpo"),
 }
 
 

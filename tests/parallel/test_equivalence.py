@@ -2,7 +2,8 @@
 with and without accumulation) give the per-step losses and the weights after 3 optimizer steps of
 1 process x 2B rows, for SFT (also with the ring all-reduce as DDP's gradient hook), GRPO under its four aggregations (and with two mini-batches per step; and skipping zero-advantage
 rows, against one process that runs them) and PPO (value head, GAE, advantages whitened over all ranks),
-and both again on multi-turn rows whose trained tokens are two spans around environment tokens.
+and both again on multi-turn rows whose trained tokens are two spans around environment tokens;
+DPO (frozen reference, 8 preference pairs a step, chosen and rejected in one forward) and SimPO.
 
 Tolerance: everything runs in fp32. What differs between the runs is the order of floating-point
 sums (a loss is a sum of per-rank partial sums; a gradient the sum of two ranks' gradients; a
@@ -28,10 +29,11 @@ from lmforge.parallel.context import free_port
 # micro-batches (4 rows), not the one-micro-batch run: only the world size changes.
 PLAN_1 = [("sft", 8), ("sft-ring", 8), ("grpo-seq_mean_token_mean", 16), ("grpo-token_mean", 4), ("grpo-global_token_mean", 16),
           ("grpo-seq_sum_max_len", 16), ("grpo-minibatches", 8), ("grpo-skip-zero-advantage", 8), ("ppo", 16),
-          ("grpo-spans", 8), ("ppo-spans", 16)]
+          ("grpo-spans", 8), ("ppo-spans", 16), ("dpo", 8), ("simpo", 8)]
 PLAN_2 = {"sft": [4, 2], "sft-ring": [4, 2], "grpo-seq_mean_token_mean": [8, 4], "grpo-token_mean": [4],
           "grpo-global_token_mean": [8, 4], "grpo-seq_sum_max_len": [8, 4], "grpo-minibatches": [4, 2],
-          "grpo-skip-zero-advantage": [4, 2], "ppo": [8, 4], "grpo-spans": [4, 2], "ppo-spans": [8, 4]}
+          "grpo-skip-zero-advantage": [4, 2], "ppo": [8, 4], "grpo-spans": [4, 2], "ppo-spans": [8, 4], "dpo": [4, 2],
+          "simpo": [4]}
 
 
 @pytest.fixture(scope="module")

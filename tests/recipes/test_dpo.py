@@ -17,6 +17,8 @@ from lmforge.data.preference import collate_pairs
 from lmforge.models import load_model
 from lmforge.recipes import dpo
 
+REAL_MAKE_REFERENCE = dpo.make_reference
+
 ARGS = ["data.task=addition", "data.num_train=64", "data.num_val=16", "data.num_eval=8", "data.max_len=16",
         "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
         "model.max_position_embeddings=32", "train.max_steps=4", "train.micro_batch_size=4", "train.batch_size=8",
@@ -53,11 +55,15 @@ def test_dpo_starts_at_log_two_and_learns_the_training_pairs(tmp_path):
     assert (tmp_path / "run" / "final").is_dir()
 
 
-def test_the_reference_is_the_starting_model_and_stays_frozen(tmp_path):
+def test_the_reference_is_the_starting_model_and_stays_frozen(tmp_path, monkeypatch):
     cfg = load_config(dpo.DPOConfig, None, ARGS + [f"train.output_dir={tmp_path}"])
     model, tokenizer = load_model(cfg.model)
     start, _ = load_model(cfg.model)
+    made = []
+    monkeypatch.setattr(dpo, "make_reference", lambda *a: made.append(REAL_MAKE_REFERENCE(*a)) or made[-1])
     dpo.run_dpo(cfg, model, tokenizer)
+    after = made[0].state_dict()  # the run's reference, after 4 updates of the policy
+    assert all(torch.equal(after[k], v) for k, v in start.state_dict().items())
     train_data, _ = dpo.build_pairs(cfg, tokenizer, lambda *_: None)
     batch = collate_pairs(train_data.pairs[:4], tokenizer.pad_token_id)
     reference = dpo.make_reference(start, "sigmoid")
