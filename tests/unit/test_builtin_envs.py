@@ -90,6 +90,25 @@ def test_calculator_wrong_final_answer_scores_zero(answer):
     assert result.done and result.reward == {"correct": 0.0}
 
 
+@pytest.mark.parametrize("answer, digits", [
+    ("56088", None),             # exact: full marks, no partial part
+    ("56188", 0.4 * 4 / 5),      # one digit miscopied
+    ("6088", 0.4 * 4 / 5),       # one digit dropped: right-aligned, four of five in place
+    ("560880", 0.4 * 1 / 6),     # one digit too many: shifted; right-aligned only the 5th digit (8) lines up
+    ("", 0.0),
+])
+def test_calculator_partial_credit_grades_wrong_answers_below_one(answer, digits):
+    env = make_environment("calculator", {"partial_credit": 0.4})
+    result = env.step(started(env, Problem("123*456=", "56088", "56088")), assistant(answer))
+    if digits is None:
+        assert result.reward == {"correct": 1.0, "digits": 0.0}
+    else:
+        assert result.reward["correct"] == 0.0 and result.reward["digits"] == pytest.approx(digits)
+        assert sum(result.reward.values()) < 1.0
+    with pytest.raises(ValueError, match=r"partial_credit must be in \[0, 1\)"):
+        Calculator(partial_credit=1.0)
+
+
 @pytest.mark.parametrize("reply, count, error", [
     ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "123*"}}\n</tool_call>', "tool_errors",
      "cannot parse"),
@@ -145,6 +164,14 @@ def test_guess_number_turn_limit_ends_the_game_unsolved():
     assert results[-1].messages == [] and results[-1].reward == {"solved": 0.0, "speed": 0.0}
     state = started(env, Problem("guess 1-100", "37", "37"))
     assert env.step(state, assistant("37")).reward == {"solved": 1.0, "speed": 1.0}  # two guesses left unused
+
+
+def test_guess_number_show_range_answers_with_the_numbers_still_possible():
+    env = make_environment("guess_number", {"max_guesses": 8, "show_range": True})
+    state = started(env, Problem("guess 1-100", "37", "37"))
+    replies = [env.step(state, assistant(g)).messages[0]["content"] for g in ("50", "25", "x", "40", "30")]
+    assert replies == ["lower 1-49", "higher 26-49", "invalid 26-49", "lower 26-39", "higher 31-39"]
+    assert env.step(state, assistant("37")).reward == {"solved": 1.0, "speed": 0.2}  # six guesses, two unused
 
 
 def test_guess_number_bad_problem_or_arguments_say_what_is_needed():

@@ -18,6 +18,10 @@ exactly when it solves. A reply that is not a whole number from 1 to N is answer
 in ``state.counts["invalid_guesses"]`` and costs its guess. After ``max_guesses`` guesses without the
 secret the episode ends unsolved (reward 0).
 
+``show_range=True`` adds the numbers still possible to every answer (``"lower 1-49"``, ``"higher 26-49"``,
+``"invalid 26-49"``): the game for a tiny model, which then has to read the last message, not infer the
+interval from the whole history, to play validly -- and still has to aim within it to play fast.
+
 :meth:`GuessNumber.demonstration` is the scripted player of the SFT warm-up (lmforge.envs.demos): it
 guesses uniformly among the numbers the feedback so far leaves possible, a valid but slow strategy
 (about 2 ln N guesses; halving the range takes about log2 N), which RL can then shorten.
@@ -36,17 +40,18 @@ INVALID_GUESSES = "invalid_guesses"  # the state.counts key of replies that are 
 
 class GuessNumber:
     """The guessing game of the module doc; ``max_guesses`` ends an unsolved game, ``speed_bonus`` is the
-    reward per unused guess of a solved one."""
+    reward per unused guess of a solved one, ``show_range`` adds the numbers still possible to each answer."""
 
     tools: list[dict] = []
 
-    def __init__(self, max_guesses: int = 8, speed_bonus: float = 0.1):
+    def __init__(self, max_guesses: int = 8, speed_bonus: float = 0.1, show_range: bool = False):
         if max_guesses < 1:
             raise ValueError(f"max_guesses must be >= 1, got {max_guesses}")
         if not speed_bonus >= 0:
             raise ValueError(f"speed_bonus must be >= 0, got {speed_bonus}")
         self.max_guesses = max_guesses
         self.speed_bonus = speed_bonus
+        self.show_range = bool(show_range)
 
     def reset(self, problem, state: EpisodeState) -> list[Message]:
         prompt, answer = (problem["prompt"], problem["answer"]) if isinstance(problem, dict) \
@@ -79,6 +84,8 @@ class GuessNumber:
             reply = "lower"
         if len(info["guesses"]) >= self.max_guesses:
             return StepResult([], {"solved": 0.0, "speed": 0.0}, done=True)
+        if self.show_range:
+            reply = f"{reply} {info['low_bound']}-{info['high_bound']}"
         return StepResult([{"role": "user", "content": reply}], {}, done=False)
 
     def demonstration(self, state: EpisodeState, rng: random.Random) -> str:
