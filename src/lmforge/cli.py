@@ -5,6 +5,8 @@
     lmforge sft CONFIG [key=value ...]         supervised fine-tuning
     lmforge grpo CONFIG [key=value ...]        RL: GRPO / Dr. GRPO / DAPO / GSPO / RLOO
     lmforge ppo CONFIG [key=value ...]         RL: PPO with a value head and GAE
+    lmforge dpo CONFIG [key=value ...]         preference pairs: DPO / IPO / SimPO
+    lmforge distill CONFIG [key=value ...]     distillation: on-policy (reverse KL on the student's samples) or logit
     lmforge antidistill STAGE CONFIG [...]     antidistillation pipeline (traces, grad, sample, distill, eval, report, all)
     lmforge export RUN_DIR --out DIR           a checkpoint as an HF directory (gathers FSDP2 shards, merges LoRA)
     lmforge serve MODEL [--port N ...]         OpenAI-compatible HTTP server with batching and weight updates
@@ -85,6 +87,8 @@ def _config_command(sub, name: str, help_text: str, config_cls, runner: Callable
 
 
 def _recipes() -> list[tuple[str, str, type, Callable]]:
+    from .recipes.distill import DistillConfig, run_distill
+    from .recipes.dpo import DPOConfig, run_dpo
     from .recipes.grpo import GRPOConfig, run_grpo
     from .recipes.ppo import PPOConfig, run_ppo
     from .recipes.pretrain import PretrainConfig, run_pretrain
@@ -100,6 +104,9 @@ def _recipes() -> list[tuple[str, str, type, Callable]]:
         ("grpo", "RL from verifiable rewards: GRPO and its variants (Dr. GRPO, DAPO, GSPO, RLOO)",
          GRPOConfig, run_grpo),
         ("ppo", "RL from verifiable rewards: PPO with a value head and GAE", PPOConfig, run_ppo),
+        ("dpo", "preference optimisation on prompt / chosen / rejected pairs: DPO, IPO, SimPO", DPOConfig, run_dpo),
+        ("distill", "distillation from a teacher: on-policy (per-token reverse KL on the student's samples) or "
+         "logit (forward KL at a temperature on fixed data)", DistillConfig, run_distill),
     ]
 
 
