@@ -80,15 +80,20 @@ def check_settings(loss_type: str, beta: float, label_smoothing: float, gamma: f
 def preference_loss(chosen_logps: Tensor, rejected_logps: Tensor, chosen_lens: Tensor, rejected_lens: Tensor,
                     ref_chosen_logps: Tensor | None = None, ref_rejected_logps: Tensor | None = None, *,
                     loss_type: str, beta: float, label_smoothing: float = 0.0, gamma: float = 0.0,
-                    num_pairs_global: int | Tensor | None = None) -> tuple[Tensor, Metrics]:
-    """``sum_i loss_i / num_pairs_global`` for the variant ``loss_type`` (a key of PREFERENCE_LOSSES).
+                    nll_coef: float = 0.0, num_pairs_global: int | Tensor | None = None) -> tuple[Tensor, Metrics]:
+    """``sum_i (loss_i + nll_coef * nll_i) / num_pairs_global`` for the variant ``loss_type`` (a key
+    of PREFERENCE_LOSSES), with nll_i = -log pi(y_w|x) / |y_w| the chosen completion's mean token
+    NLL (RPO, Pang et al. 2024: keeps the chosen answers likely while the margin grows).
 
     Every tensor is (B,) (see the module doc); ``num_pairs_global`` defaults to B. Metrics, each a
     sum over this batch's pairs divided by ``num_pairs_global``: ``rewards_chosen``,
-    ``rewards_rejected``, ``reward_margin`` (r_w - r_l) and ``reward_accuracy`` (the fraction with
-    r_w > r_l strictly: a tie, as at the start of DPO where policy = reference, is not a win).
+    ``rewards_rejected``, ``reward_margin`` (r_w - r_l), ``reward_accuracy`` (the fraction with
+    r_w > r_l strictly: a tie, as at the start of DPO where policy = reference, is not a win) and
+    ``nll_chosen``.
     """
     check_settings(loss_type, beta, label_smoothing, gamma)
+    if nll_coef < 0:
+        raise ValueError(f"nll_coef must be >= 0, got {nll_coef}")
     shape = chosen_logps.shape
     given = [chosen_logps, rejected_logps, chosen_lens, rejected_lens]
     if loss_type not in REFERENCE_FREE:
@@ -101,6 +106,9 @@ def preference_loss(chosen_logps: Tensor, rejected_logps: Tensor, chosen_lens: T
     losses, chosen_rewards, rejected_rewards = PREFERENCE_LOSSES[loss_type](
         chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_lens, rejected_lens,
         beta=beta, label_smoothing=label_smoothing, gamma=gamma)
+    nll = -chosen_logps / chosen_lens.clamp(min=1)
+    if nll_coef:
+        losses = losses + nll_coef * nll
     num_pairs = shape[0] if num_pairs_global is None else num_pairs_global
     chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
     metrics = {
@@ -108,6 +116,7 @@ def preference_loss(chosen_logps: Tensor, rejected_logps: Tensor, chosen_lens: T
         "rewards_rejected": rejected_rewards.sum() / num_pairs,
         "reward_margin": (chosen_rewards - rejected_rewards).sum() / num_pairs,
         "reward_accuracy": (chosen_rewards > rejected_rewards).to(chosen_rewards.dtype).sum() / num_pairs,
+        "nll_chosen": nll.detach().sum() / num_pairs,
     }
     return losses.sum() / num_pairs, metrics
 

@@ -81,23 +81,40 @@ def test_simpo_hand_values_ignores_the_reference():
     close(with_ref, loss)
 
 
-def reference_pair_loss(loss_type, pol_w, pol_l, ref_w, ref_l, beta, eps, gamma):
+def test_nll_term_hand_value_and_gradient():
+    # DPO pair 1 of the first test (loss log(1 + e^-1)) plus 0.5 x the chosen's mean token NLL:
+    # log pi(y_w) = -1 over |y_w| = 4 tokens -> nll 0.25, loss log(1 + e^-1) + 0.125
+    chosen = t([-1.0], grad=True)
+    loss, metrics = preference_loss(chosen, t([-3.0]), t([4]), t([1]), t([-2.0]), t([-2.0]), loss_type="sigmoid",
+                                    beta=0.5, nll_coef=0.5)
+    close(loss, LOG1P_EXP_NEG1 + 0.125)
+    close(metrics["nll_chosen"], 0.25)
+    loss.backward()
+    # -0.5 sigmoid(-1) (DPO) - 0.5 / 4 (NLL)
+    close(chosen.grad, [-0.5 / (1.0 + math.e) - 0.125])
+    with pytest.raises(ValueError, match="nll_coef must be >= 0"):
+        preference_loss(chosen, t([-3.0]), t([4]), t([1]), loss_type="simpo", beta=0.5, nll_coef=-1.0)
+
+
+def reference_pair_loss(loss_type, pol_w, pol_l, ref_w, ref_l, beta, eps, gamma, nll_coef):
     """One pair's (loss, r_w, r_l) from per-token log-probabilities (lists of floats), from the papers'
     formulas with Python floats."""
     log_sigmoid = lambda x: -math.log1p(math.exp(-x)) if x > 0 else x - math.log1p(math.exp(x))  # noqa: E731
+    nll = -sum(pol_w) / len(pol_w)
     if loss_type == "sigmoid":
         r_w, r_l = beta * (sum(pol_w) - sum(ref_w)), beta * (sum(pol_l) - sum(ref_l))
-        return -(1 - eps) * log_sigmoid(r_w - r_l) - eps * log_sigmoid(r_l - r_w), r_w, r_l
+        return -(1 - eps) * log_sigmoid(r_w - r_l) - eps * log_sigmoid(r_l - r_w) + nll_coef * nll, r_w, r_l
     if loss_type == "ipo":
         rho_w = sum(p - r for p, r in zip(pol_w, ref_w)) / len(pol_w)
         rho_l = sum(p - r for p, r in zip(pol_l, ref_l)) / len(pol_l)
-        return (rho_w - rho_l - 1 / (2 * beta)) ** 2, beta * rho_w, beta * rho_l
+        return (rho_w - rho_l - 1 / (2 * beta)) ** 2 + nll_coef * nll, beta * rho_w, beta * rho_l
     r_w, r_l = beta * sum(pol_w) / len(pol_w), beta * sum(pol_l) / len(pol_l)
-    return -log_sigmoid(r_w - r_l - gamma), r_w, r_l
+    return -log_sigmoid(r_w - r_l - gamma) + nll_coef * nll, r_w, r_l
 
 
-SETTINGS = {"sigmoid": dict(beta=0.1, label_smoothing=0.2, gamma=0.0), "ipo": dict(beta=0.3, label_smoothing=0.0, gamma=0.0),
-            "simpo": dict(beta=2.5, label_smoothing=0.0, gamma=1.4)}
+SETTINGS = {"sigmoid": dict(beta=0.1, label_smoothing=0.2, gamma=0.0, nll_coef=0.0),
+            "ipo": dict(beta=0.3, label_smoothing=0.0, gamma=0.0, nll_coef=0.7),
+            "simpo": dict(beta=2.5, label_smoothing=0.0, gamma=1.4, nll_coef=0.2)}
 
 
 @pytest.mark.parametrize("loss_type", list(PREFERENCE_LOSSES))
@@ -113,7 +130,8 @@ def test_matches_independent_formulation_from_token_logprobs(loss_type, dtype, a
     settings = SETTINGS[loss_type]
     expected = [reference_pair_loss(loss_type, *[tokens[k][i][:lens[k[1]][i]].tolist() for k in
                                                  [("pol", "w"), ("pol", "l"), ("ref", "w"), ("ref", "l")]],
-                                    settings["beta"], settings["label_smoothing"], settings["gamma"])
+                                    settings["beta"], settings["label_smoothing"], settings["gamma"],
+                                    settings["nll_coef"])
                 for i in range(num_pairs)]
     (pol_w, len_w), (pol_l, len_l), (ref_w, _), (ref_l, _) = [
         sequence_logps(tokens[k].to(dtype), masks[k[1]]) for k in [("pol", "w"), ("pol", "l"), ("ref", "w"), ("ref", "l")]]

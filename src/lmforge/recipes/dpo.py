@@ -40,7 +40,7 @@ from ..tokenizer import check_unknown_tokens
 from ..train import BatchOrder, logits_at, shifted_targets
 from .supervised import rank_share, to_device
 
-METRIC_KEYS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
+METRIC_KEYS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "nll_chosen")
 
 
 @dataclasses.dataclass
@@ -84,12 +84,16 @@ class PreferenceAlgoConfig:
     beta: float = opt(0.1, "the inverse temperature of the implicit reward (DPO / IPO: 0.01-0.5; SimPO: 2-10)")
     label_smoothing: float = opt(0.0, "sigmoid: the probability that a pair's label is wrong (conservative DPO)")
     gamma: float = opt(0.0, "simpo: the target reward margin (the paper: 0.5-1.5 with beta 2-2.5)")
+    nll_coef: float = opt(0.0, "weight of the chosen completions' mean token NLL added to the loss (RPO; "
+                          "1.0 in the paper): keeps the chosen answers likely")
 
     def validate(self) -> None:
         try:
             check_settings(self.loss, self.beta, self.label_smoothing, self.gamma)
         except ValueError as exc:
             raise ConfigError(f"algo: {exc}") from exc
+        if self.nll_coef < 0:
+            raise ConfigError(f"algo.nll_coef must be >= 0, got {self.nll_coef}")
 
 
 @dataclasses.dataclass
@@ -187,7 +191,7 @@ def micro_loss(state: TrainState, algo: PreferenceAlgoConfig, batch: dict, ref_l
     refs = (None, None) if ref_logps is None else (ref_logps[:num], ref_logps[num:])
     return preference_loss(logps[:num], logps[num:], lens[:num], lens[num:], *refs, loss_type=algo.loss,
                            beta=algo.beta, label_smoothing=algo.label_smoothing, gamma=algo.gamma,
-                           num_pairs_global=num_pairs_global)
+                           nll_coef=algo.nll_coef, num_pairs_global=num_pairs_global)
 
 
 # ----------------------------------------------------------------------------- step and evaluation
