@@ -8,6 +8,8 @@ Two ways to pull a student towards a teacher that shares its tokenizer (docs/dis
   reward (an advantage ``teacher - student`` per token) in the policy-gradient loss of
   ``losses.policy_loss``. Its loss value, on-policy, is the sampled estimate (k1) of the per-token
   reverse KL ``KL(student || teacher)``.
+- ``full_reverse_kl``: the same on-policy rows, but at each sampled prefix the exact reverse KL over the
+  whole vocabulary (GKD's on-policy reverse KL): no sampling noise per position, (N, V) teacher logits.
 - ``forward_kl``: logit distillation on fixed data (Hinton et al. 2015): at every loss position, the
   full-vocabulary ``KL(teacher || student)`` of the temperature-softened distributions, times T^2.
 
@@ -123,8 +125,38 @@ def forward_kl_loss(
     return loss, {"kl_sum": kl_sum.detach(), "num_tokens": torch.tensor(student_logits.shape[0])}
 
 
-# The loss of each mode of ``lmforge distill`` (recipes/distill.py).
+def full_reverse_kl_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    num_loss_tokens: int | torch.Tensor,
+    *,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, Metrics]:
+    """On-policy distillation with the exact per-position reverse KL (GKD with beta = 1):
+    ``sum_n KL(softmax(s_n / T) || softmax(t_n / T)) / num_loss_tokens``.
+
+    student_logits, teacher_logits: (N, V) at the N positions that predict the student's sampled tokens
+    (the teacher's without gradient); T: the sampling temperature (the distribution the student sampled
+    from), no T^2 factor, so the loss is the reverse KL per token. The sampled prefixes are the only
+    randomness: at each position the full vocabulary is summed, where ``reverse_kl_loss`` uses the one
+    token sampled there (same expected gradient, more variance, no (N, V) teacher logits).
+    Metric ``kl_sum``: the KL summed over the N positions.
+    """
+    if student_logits.dim() != 2 or student_logits.shape != teacher_logits.shape:
+        raise ValueError("student_logits and teacher_logits must share one (N, V) shape, got "
+                         f"{tuple(student_logits.shape)}, {tuple(teacher_logits.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"the sampling temperature must be > 0, got {temperature}")
+    dtype = torch.promote_types(student_logits.dtype, torch.float32)
+    student_logprobs = torch.log_softmax(student_logits.to(dtype) / temperature, dim=-1)
+    teacher_logprobs = torch.log_softmax(teacher_logits.detach().to(dtype) / temperature, dim=-1)
+    kl_sum = F.kl_div(teacher_logprobs, student_logprobs, log_target=True, reduction="sum")  # KL(student || teacher)
+    return kl_sum / num_loss_tokens, {"kl_sum": kl_sum.detach(), "num_tokens": torch.tensor(student_logits.shape[0])}
+
+
+# The loss of each kind of ``lmforge distill`` (recipes/distill.py: mode, and algo.signal for on_policy).
 DISTILL_LOSSES = {
-    "on_policy": reverse_kl_loss,  # sampled tokens of the student, teacher logprobs of them
+    "on_policy": reverse_kl_loss,  # the student's sampled tokens, the teacher's logprobs of them
+    "on_policy_full": full_reverse_kl_loss,  # the student's sampled prefixes, both full distributions there
     "logit": forward_kl_loss,  # fixed data, full-vocabulary teacher distribution
 }

@@ -17,7 +17,8 @@ from lmforge import rl
 from lmforge.config import (LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig)
 from lmforge.models import load_model
 from lmforge.parallel.wrap import full_state_dict
-from lmforge.recipes import dpo, grpo, ppo
+from lmforge.advantages import compute_advantages
+from lmforge.recipes import distill, dpo, grpo, ppo
 from lmforge.recipes.sft import SFTConfig, SFTDataConfig, build_data
 from lmforge.recipes.supervised import supervised_step
 from lmforge.rl.config import RLDataConfig, RolloutConfig
@@ -164,6 +165,63 @@ def rl_case(out: Path, recipe: str, aggregation: str, micro: int, strategy: str,
     return {"losses": losses, "weights": weights}
 
 
+TEACHER = dataclasses.replace(MODEL, init_seed=1)  # another tiny model with the student's tokenizer
+
+
+def distill_config(out: Path, micro: int, strategy: str, batch: int, **sections) -> distill.DistillConfig:
+    teacher = distill.TeacherConfig(**{f.name: getattr(TEACHER, f.name) for f in dataclasses.fields(TEACHER)},
+                                    dtype="fp32")
+    return distill.DistillConfig(model=MODEL, teacher=teacher, optim=OPTIM, train=train_config(out, micro, batch),
+                                 parallel=ParallelConfig(strategy=strategy), logging=LoggingConfig(progress=False),
+                                 **sections)
+
+
+def distill_case(out: Path, micro: int, strategy: str, signal: str) -> dict:
+    """On-policy distillation of the fixed rollout: the teacher's logprobs of the sampled tokens (or its
+    full distributions, ``signal=full``) with half a group-normalised task reward mixed in."""
+    num_prompts, group = 4, 4
+    cfg = distill_config(out, micro, strategy, batch=0, data=distill.PromptDataConfig(task="addition", num_train=16,
+                                                                                        num_eval=0),
+                         rollout=RolloutConfig(num_prompts=num_prompts, group_size=group, max_new_tokens=4),
+                         algo=distill.DistillAlgoConfig(reward_weight=0.5, signal=signal))
+    algo = cfg.algo.resolved()
+    model, tokenizer = load_model(cfg.model)
+    teacher = load_model(TEACHER)[0].eval().requires_grad_(False)
+    rollout = fixed_rollout(model, tokenizer, rl.build_prompts(cfg.data, tokenizer, 0), num_prompts, group)
+    state = rl.prepare(cfg, "distill", algo, model, tokenizer, console=Quiet())
+    full = rl.pack_rollout(rollout, tokenizer.pad_token_id, need_rollout_logprobs=False)
+    rewards = torch.tensor([float(i % 3 == 0) + 0.25 * (i % 2) for i in range(num_prompts * group)])
+    advantages = compute_advantages("group_norm", rewards, group)[0]
+    rows = rank_rows(num_prompts, group, 1, state.run.ctx)
+    precision, wrapped, losses = state.updater.precision, state.train.wrapped, []
+    for step in range(1, STEPS + 1):
+        batch = full.select(rows).with_(advantages=advantages[rows])
+        if signal == "sampled":
+            batch = batch.with_(ref_logprobs=rl.batch_logprobs(teacher, batch, state.micro_batch_size, 1.0, precision))
+
+            def loss_fn(micro_batch, counts):
+                return distill.micro_loss(state.model, micro_batch, algo, 1.0, counts, precision, wrapped)
+        else:
+            def loss_fn(micro_batch, counts):
+                return distill.full_micro_loss(state.model, teacher, micro_batch, algo, 1.0, counts, precision, wrapped)
+        losses.append(float(rl.update_state(batch, algo, state, loss_fn, step)["loss"]))
+    return {"losses": losses, "weights": full_state_dict(wrapped)}
+
+
+def distill_logit_case(out: Path, micro: int, strategy: str) -> dict:
+    """Logit distillation (forward KL at T = 2) on SFT rows in the seeded order."""
+    cfg = distill_config(out, micro, strategy, batch=8, mode="logit",
+                         fixed_data=distill.FixedDataConfig(task="addition", num_train=64, num_val=8, max_len=32),
+                         algo=distill.DistillAlgoConfig(temperature=2.0))
+    model, tokenizer = load_model(cfg.model)
+    teacher = load_model(TEACHER)[0].eval().requires_grad_(False)
+    run = start_run(cfg, "distill", model, seq_len=32, console=Quiet())
+    data, _ = build_data(distill.sft_view(cfg), tokenizer, lambda *_: None)
+    state = build_state(run, model, tokenizer, BatchOrder(len(data.train_rows), 8, 0), STEPS)
+    losses = [float(distill.logit_step(state, data, teacher, 2.0, step)["loss"]) for step in range(1, STEPS + 1)]
+    return {"losses": losses, "weights": full_state_dict(state.wrapped)}
+
+
 CASES = {
     "sft": lambda out, micro, strategy: sft_case(out, micro, strategy),
     # DDP with lmforge's ring all-reduce as the gradient hook (FSDP2 refuses it: the case runs under ddp only)
@@ -181,6 +239,9 @@ CASES = {
     "ppo-spans": lambda out, micro, strategy: rl_case(out, "ppo", "seq_mean_token_mean", micro, strategy, spans=True),
     "dpo": lambda out, micro, strategy: dpo_case(out, micro, strategy),
     "simpo": lambda out, micro, strategy: dpo_case(out, micro, strategy, "simpo"),
+    "distill-sampled": lambda out, micro, strategy: distill_case(out, micro, strategy, "sampled"),
+    "distill-full": lambda out, micro, strategy: distill_case(out, micro, strategy, "full"),
+    "distill-logit": lambda out, micro, strategy: distill_logit_case(out, micro, strategy),
 }
 
 

@@ -29,8 +29,9 @@ def run(args, out):
     return run_distill(load_config(DistillConfig, None, args + [f"train.output_dir={out}"]))
 
 
-def test_on_policy_runs_and_logs_the_reverse_kl(tmp_path):
-    result = run(ON_POLICY + ["algo.reward_weight=0.5"], tmp_path / "run")
+@pytest.mark.parametrize("signal", ["sampled", "full"])
+def test_on_policy_runs_and_logs_the_reverse_kl(tmp_path, signal):
+    result = run(ON_POLICY + ["algo.reward_weight=0.5", f"algo.signal={signal}"], tmp_path / "run")
     train = records(tmp_path / "run")
     assert sorted(train) == [1, 2]
     for record in train.values():
@@ -39,10 +40,12 @@ def test_on_policy_runs_and_logs_the_reverse_kl(tmp_path):
     assert {"accuracy", "accuracy_before", "run_dir"} <= set(result)
 
 
-def test_a_teacher_equal_to_the_student_gives_zero_reverse_kl(tmp_path):
-    """The loss reads the teacher's logprobs of the sampled tokens: the student's own (same init, fp32)
-    makes every token's signal 0, so the loss and the gradient are 0."""
-    run(ON_POLICY + ["teacher.init_seed=0", "train.max_steps=1", "train.eval_every=0"], tmp_path / "run")
+@pytest.mark.parametrize("signal", ["sampled", "full"])
+def test_a_teacher_equal_to_the_student_gives_zero_reverse_kl(tmp_path, signal):
+    """The loss reads the teacher's logprobs (of the sampled tokens, or all of them at each prefix): the
+    student's own (same init, fp32) makes the signal 0, so the loss and the gradient are 0."""
+    run(ON_POLICY + ["teacher.init_seed=0", "train.max_steps=1", "train.eval_every=0", f"algo.signal={signal}"],
+        tmp_path / "run")
     record = records(tmp_path / "run")[1]
     assert abs(record["reverse_kl"]) < 1e-5 and abs(record["loss"]) < 1e-5 and record["grad_norm"] < 1e-4
 
@@ -109,6 +112,7 @@ def test_same_size_but_other_ids_is_caught_by_the_probe():
     (["algo.kl_coef=0.1"], "remove algo.kl_coef"),
     (["algo.temperature=2"], "remove algo.temperature"),
     (["algo.reward_weight=1", "rollout.group_size=1"], "group_size must be >= 2"),
+    (["algo.signal=full", "algo.num_iterations=2"], "signal=full differentiates the exact KL"),
 ])
 def test_config_errors(tmp_path, extra, message):
     with pytest.raises(ConfigError, match=message):

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from lmforge.distill_losses import DISTILL_LOSSES, forward_kl_loss, reverse_kl_advantages, reverse_kl_loss
+from lmforge.distill_losses import (DISTILL_LOSSES, forward_kl_loss, full_reverse_kl_loss, reverse_kl_advantages,
+                                    reverse_kl_loss)
 
 F64 = torch.float64
 LN2, LN3 = math.log(2.0), math.log(3.0)
@@ -193,5 +194,46 @@ def test_reverse_kl_bad_input():
                               reward_advantages=torch.zeros(3), reward_weight=1.0)
 
 
-def test_registry_names_each_mode():
-    assert DISTILL_LOSSES == {"on_policy": reverse_kl_loss, "logit": forward_kl_loss}
+# ---- full-vocabulary reverse KL at the student's sampled prefixes ---------------------------
+
+
+def test_full_reverse_kl_hand_values():
+    """Student (1/4, 3/4), teacher uniform: KL(q || p) = 1/4 ln(1/2) + 3/4 ln(3/2); gradient wrt the
+    student's logits q_v (log q_v - log p_v - KL) = (1/4 (ln(1/2) - KL), 3/4 (ln(3/2) - KL))."""
+    student = t([[0.0, LN3]]).requires_grad_()
+    loss, metrics = full_reverse_kl_loss(student, t([[1.0, 1.0]]), 1)
+    kl = 0.25 * math.log(0.5) + 0.75 * math.log(1.5)
+    close(loss, kl)
+    close(metrics["kl_sum"], kl)
+    loss.backward()
+    close(student.grad, [[0.25 * (math.log(0.5) - kl), 0.75 * (math.log(1.5) - kl)]])
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.5])
+def test_full_reverse_kl_matches_independent_fp64_and_the_sampled_expectation(temperature):
+    """Against the written-out KL with the roles swapped, and against reverse_kl_loss's gradient averaged
+    over every token the student could sample (same expected gradient, no sampling noise)."""
+    g = torch.Generator().manual_seed(5)
+    student, teacher = (torch.randn(4, 7, generator=g, dtype=F64) * 2 for _ in range(2))
+    loss, metrics = full_reverse_kl_loss(student, teacher, 9, temperature=temperature)
+    expected = independent_forward_kl(teacher, student, temperature)  # KL(student || teacher)
+    close(metrics["kl_sum"], expected)
+    close(loss, expected / 9)
+    logits = student[0].clone().requires_grad_()
+    (full_grad,) = torch.autograd.grad(full_reverse_kl_loss(logits[None], teacher[:1], 1,
+                                                            temperature=temperature)[0], logits)
+    q = torch.softmax(student[0] / temperature, -1)
+    teacher_logprobs = torch.log_softmax(teacher[0] / temperature, -1)
+    sampled_grad = torch.zeros(7, dtype=F64)
+    for y in range(7):
+        logprobs = torch.log_softmax(logits / temperature, -1)[y].reshape(1, 1)
+        sampled, _ = reverse_kl_loss(logprobs, logprobs.detach(), teacher_logprobs[y].reshape(1, 1),
+                                     torch.ones(1, 1), num_loss_tokens_global=1, **ON_POLICY)
+        sampled_grad += q[y] * torch.autograd.grad(sampled, logits)[0]
+    close(sampled_grad, full_grad)
+    assert full_grad.abs().max() > 1e-2
+
+
+def test_registry_names_each_kind():
+    assert DISTILL_LOSSES == {"on_policy": reverse_kl_loss, "on_policy_full": full_reverse_kl_loss,
+                              "logit": forward_kl_loss}

@@ -27,9 +27,11 @@ from ..advantages import compute_advantages
 from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, refuse_ignored, section
 from ..distill_losses import DISTILL_LOSSES
 from ..errors import ConfigError, DataError
+from ..losses import policy_loss
 from ..models import load_model
 from ..parallel.wrap import gradient_sync, run_forward
 from ..rl import config as rl_config
+from ..rl.forward import completion_logits
 from ..runtime.loop import Trainer, build_state, full_model, train_loop
 from ..runtime.run import start_run
 from ..train import BatchOrder, count_loss_tokens, logits_at, shifted_targets
@@ -72,12 +74,19 @@ class DistillAlgoConfig(rl_config.PolicyConfig):
                              "on_policy uses rollout.temperature for student and teacher")
     reward_weight: float = opt(0.0, "on_policy: add this x the task reward's group-normalised advantage to each "
                                "token's reverse-KL signal (0 = pure distillation; rewards are logged either way)")
+    signal: Literal["sampled", "full"] = opt(
+        "sampled", "on_policy: sampled = each sampled token's teacher - student logprob as its advantage (policy "
+        "gradient); full = the exact reverse KL over the whole vocabulary at each sampled prefix (GKD; the teacher "
+        "runs inside each micro-batch, its (N, V) logits are not kept)")
 
     def resolved(self) -> "DistillAlgoConfig":
         algo = rl_config.resolve_algo(self, {**rl_config.POLICY_DEFAULTS, "aggregation": "global_token_mean"})
         if algo.kl_coef:
             raise ConfigError(f"algo.kl_coef={algo.kl_coef}: distillation pulls the student towards the teacher, "
                               "which takes the reference's place; remove algo.kl_coef")
+        if algo.signal == "full" and (algo.num_iterations > 1 or algo.num_mini_batches > 1 or algo.is_level != "none"):
+            raise ConfigError("algo.signal=full differentiates the exact KL at each prefix: no ratio, so "
+                              "algo.num_iterations, algo.num_mini_batches and algo.is_level do not apply; remove them")
         if not algo.temperature > 0:
             raise ConfigError(f"algo.temperature must be > 0, got {algo.temperature}")
         return algo
@@ -185,6 +194,35 @@ def micro_loss(model, batch: rl.TrainBatch, algo: DistillAlgoConfig, temperature
                                        **rl_config.policy_kwargs(algo), **counts)
 
 
+@torch.no_grad()
+def teacher_completion_logits(teacher, model, batch: rl.TrainBatch, precision, wrapped) -> torch.Tensor:
+    """(N, V) the teacher's logits that predict ``batch``'s trained tokens, without gradients."""
+    with precision.autocast():
+        if isinstance(teacher, lora.DisabledAdapters):
+            with lora.adapters_disabled(model):
+                return run_forward(wrapped, completion_logits, model, batch)
+        return completion_logits(teacher, batch)
+
+
+def full_micro_loss(model, teacher, batch: rl.TrainBatch, algo: DistillAlgoConfig, temperature: float, counts: dict,
+                    precision, wrapped=None) -> tuple[torch.Tensor, dict]:
+    """algo.signal=full: the exact reverse KL at each sampled prefix (one teacher forward here, then the
+    student's), plus the task reward's policy-gradient term when algo.reward_weight is set."""
+    teacher_logits = teacher_completion_logits(teacher, model, batch, precision, wrapped)
+    with precision.autocast():
+        logits = run_forward(wrapped, completion_logits, model, batch)  # (N, V)
+    loss, kl = DISTILL_LOSSES["on_policy_full"](logits, teacher_logits, counts["num_loss_tokens_global"],
+                                                temperature=temperature)
+    metrics = {"reverse_kl": kl["kl_sum"] / max(int(kl["num_tokens"]), 1)}
+    if algo.reward_weight:
+        logprobs, _ = rl.completion_logprobs(logits, batch, temperature)
+        reward_loss, reward_metrics = policy_loss(logprobs, logprobs.detach(), algo.reward_weight * batch.advantages,
+                                                  batch.trained_mask, **rl_config.policy_kwargs(algo), **counts)
+        loss = loss + reward_loss
+        metrics["reward_pg_loss"] = reward_metrics["pg_loss"]
+    return loss, metrics
+
+
 def teacher_logprobs(teacher, batch: rl.TrainBatch, state: rl.RLState, temperature: float) -> torch.Tensor:
     """(B, C) the teacher's logprobs of every sampled token: one forward per micro-batch, no gradients (the
     LoRA-off view runs through the parallel root, as the student does)."""
@@ -200,8 +238,14 @@ def on_policy_step(state: rl.RLState, algo: DistillAlgoConfig, teacher, step: in
     start = time.perf_counter()
     batch = rl.pack_rollout(scored.rollout, state.tokenizer.pad_token_id, need_rollout_logprobs=algo.is_level != "none")
     batch = batch.to(state.run.device)
-    temperature = cfg.rollout.temperature
-    batch = batch.with_(ref_logprobs=teacher_logprobs(teacher, batch, state, temperature))
+    temperature, precision, wrapped = cfg.rollout.temperature, state.updater.precision, state.train.wrapped
+    if algo.signal == "sampled":
+        batch = batch.with_(ref_logprobs=teacher_logprobs(teacher, batch, state, temperature))
+        loss_fn = lambda micro, counts: micro_loss(state.model, micro, algo, temperature, counts,  # noqa: E731
+                                                   precision, wrapped)
+    else:  # the teacher runs inside each micro-batch's loss
+        loss_fn = lambda micro, counts: full_micro_loss(state.model, teacher, micro, algo,  # noqa: E731
+                                                        temperature, counts, precision, wrapped)
     time_teacher = time.perf_counter() - start
     if algo.reward_weight:
         advantages, _ = compute_advantages("group_norm", scored.rewards.total, cfg.rollout.group_size)
@@ -214,11 +258,8 @@ def on_policy_step(state: rl.RLState, algo: DistillAlgoConfig, teacher, step: in
         pi_old, old_flops = old_logprobs(state, algo, batch, torch.ones(batch.num_rows, dtype=torch.bool))
         batch = batch.with_(old_logprobs=pi_old)
         flops += old_flops
-    train_metrics = rl.update_state(
-        batch, algo, state,
-        lambda micro, counts: micro_loss(state.model, micro, algo, temperature, counts, state.updater.precision,
-                                         state.train.wrapped),
-        step, first_on_policy=multi_update, flops_of=lambda part: rl.forward_flops(state.model, part))
+    train_metrics = rl.update_state(batch, algo, state, loss_fn, step, first_on_policy=multi_update,
+                                    flops_of=lambda part: rl.forward_flops(state.model, part))
     flops += 3 * train_metrics.pop("_forward_flops")
     return {**scored.metrics, **train_metrics, "time_teacher": time_teacher,
             "time_training": time.perf_counter() - start,
