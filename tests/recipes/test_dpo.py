@@ -100,6 +100,17 @@ def test_simpo_and_ipo_run(tmp_path):
     assert records(tmp_path / "ipo")[1]["loss"] == pytest.approx(1.0, abs=1e-6)
 
 
+def test_policy_rejected_pairs_are_the_models_wrong_answers(tmp_path, capsys):
+    cfg = load_config(dpo.DPOConfig, None, ARGS + [f"train.output_dir={tmp_path}", "data.rejected=policy"])
+    model, tokenizer = load_model(cfg.model)
+    train, _ = dpo.build_pairs(cfg, tokenizer, print, model)
+    answers = dpo.model_answers(model, tokenizer, dpo.get_task("addition"), 64, 0, "train", cfg)
+    rejected = [tokenizer.decode([i for i, m in zip(p.rejected.input_ids, p.rejected.loss_mask) if m],
+                                 skip_special_tokens=True) for p in train.pairs]
+    assert "the starting model answers 64 of 64 training problems wrongly" in capsys.readouterr().out
+    assert rejected == [a.strip() for a in answers if a.strip()]  # an untrained model: every answer wrong
+
+
 def test_resume_reproduces_the_run(tmp_path):
     full = tmp_path / "full"
     run(full, "train.max_steps=6", "train.save_every=3", "train.keep_last=10")
@@ -117,6 +128,7 @@ def test_resume_reproduces_the_run(tmp_path):
     (["data.path=x.jsonl"], "set exactly one of data.path"),
     (["data.columns={chosen: a}"], "data.columns"),
     (["data.columns={answer: a}", "data.task=", "data.path=x.jsonl"], "answer"),
+    (["data.rejected=policy", "data.task=", "data.path=x.jsonl"], "data.rejected chooses how pairs are made"),
 ])
 def test_bad_settings_exit_2_naming_the_key(tmp_path, capsys, overrides, message):
     assert main(["dpo", *ARGS, f"train.output_dir={tmp_path}", *overrides]) == 2

@@ -120,3 +120,17 @@ def test_task_pairs_chosen_correct_rejected_wrong():
     assert 40 < no_carry < 160  # both kinds of mistake are made
     random.seed(1)  # seeded by its arguments, not by the global RNG
     assert rows == pairs_from_task(task, 200, 0, "train") != pairs_from_task(task, 200, 1, "train")
+
+
+def test_task_pairs_take_a_models_wrong_answers_as_rejected():
+    task = get_task("addition")
+    problems = task.make_problems(3, 0, "val")
+    answers = ["123", problems[1].completion, "  "]  # wrong, right, blank
+    rows = pairs_from_task(task, 3, 0, "val", answers)
+    assert rows[0]["rejected"] == "123" and rows[0]["chosen"] == problems[0].completion
+    for row, problem in zip(rows[1:], problems[1:]):  # right or blank: a rule-made wrong answer
+        rule_made = off_by_one_completions(problem.completion) + [no_carry_completion(problem.prompt, problem.completion)]
+        assert row["rejected"] in rule_made
+    assert all(not task.is_correct(r["rejected"], p) for r, p in zip(rows, problems))
+    with pytest.raises(ValueError, match="2 completions for 3 problems"):
+        pairs_from_task(task, 3, 0, "val", answers[:2])

@@ -159,12 +159,23 @@ def wrong_completion(prompt: str, completion: str, rng: random.Random) -> str | 
     return rng.choice(variants) if variants else None
 
 
-def pairs_from_task(task, n: int, seed: int, split: str) -> list[dict]:
+def pairs_from_task(task, n: int, seed: int, split: str, model_answers: list[str] | None = None) -> list[dict]:
     """``n`` text pairs from a synthetic task's problems (lmforge.data.tasks): chosen = the target
-    completion, rejected = :func:`wrong_completion` (seeded by ``seed`` and ``split``)."""
+    completion, rejected = :func:`wrong_completion` (seeded by ``seed`` and ``split``).
+
+    ``model_answers``: a model's completion of each of the ``n`` problems (same order); where one is
+    wrong (and not blank) it is the rejected answer instead: the mistakes that model actually makes.
+    """
     rng = random.Random(f"pairs|{task.spec}|{seed}|{split}")
+    problems = task.make_problems(n, seed, split)
+    if model_answers is not None and len(model_answers) != len(problems):
+        raise ValueError(f"model_answers has {len(model_answers)} completions for {len(problems)} problems")
     rows = []
-    for problem in task.make_problems(n, seed, split):
+    for index, problem in enumerate(problems):
+        answer = model_answers[index].strip() if model_answers is not None else ""
+        if answer and not task.is_correct(answer, problem):
+            rows.append({"prompt": problem.prompt, "chosen": problem.completion, "rejected": answer})
+            continue
         wrong = wrong_completion(problem.prompt, problem.completion, rng)
         if wrong is None:
             raise DataError(f"task {task.spec!r}: no wrong answer can be made for {problem.prompt!r} -> "

@@ -29,7 +29,7 @@ from ..data.sft import uses_chat_format
 from ..data.source import split_by_fraction
 from ..data.tasks import get_task
 from ..errors import ConfigError, DataError
-from ..evaluation import save_samples, task_accuracy
+from ..evaluation import complete, save_samples, task_accuracy
 from ..models import context_length, load_model
 from ..ops import selective_log_softmax
 from ..parallel.wrap import gradient_sync, run_forward
@@ -54,6 +54,9 @@ class PreferenceDataConfig:
                                   keys=COLUMN_NAMES)
     task: str = opt("", "pairs from a built-in task instead of a file (chosen = the answer, rejected = the answer "
                     "without its carries or one digit off by one), e.g. addition")
+    rejected: Literal["rule", "policy"] = opt("rule", "task: the rejected answers: rule = the answer without its "
+                                              "carries or one digit off by one; policy = the starting model's own "
+                                              "wrong greedy answer (a rule-made one where it is right)")
     num_train: int = opt(4000, "task: training pairs")
     num_val: int = opt(200, "task: held-out pairs (preference loss and accuracy)")
     num_eval: int = opt(200, "task: held-out problems for exact-match accuracy (greedy)")
@@ -75,6 +78,9 @@ class PreferenceDataConfig:
                 raise ConfigError(f"data.task: {exc}") from exc
             refuse_ignored(self, "data", ("split", "eval_split", "val_fraction", "subset", "columns"),
                            f"with data.task={self.task!r} (they select and map the rows of data.path)")
+        elif self.rejected != "rule":
+            raise ConfigError("data.rejected chooses how pairs are made from data.task; with data.path the rows "
+                              "hold their rejected answers")
 
 
 @dataclasses.dataclass
@@ -110,13 +116,29 @@ class DPOConfig:
 # ----------------------------------------------------------------------------- data
 
 
-def build_pairs(cfg: DPOConfig, tokenizer, printer=print) -> tuple[PreferenceData, PreferenceData]:
-    """Tokenized training and held-out pairs, each with its skip counts printed."""
+def model_answers(model, tokenizer, task, n: int, seed: int, split: str, cfg: DPOConfig) -> list[str]:
+    """The model's greedy completions of the ``n`` problems of ``split`` (data.rejected=policy)."""
+    chat = uses_chat_format(tokenizer, cfg.data.use_chat_template)
+    problems = task.make_problems(n, seed, split)
+    return complete(model, tokenizer, [p.prompt for p in problems], cfg.train.max_new_tokens, chat)
+
+
+def build_pairs(cfg: DPOConfig, tokenizer, printer=print, model=None) -> tuple[PreferenceData, PreferenceData]:
+    """Tokenized training and held-out pairs, each with its skip counts printed. ``model``: the
+    starting model, whose answers are the rejected ones with data.rejected=policy."""
     d = cfg.data
     if d.task:
         task = get_task(d.task)
-        train_rows = pairs_from_task(task, d.num_train, cfg.train.seed, "train")
-        val_rows = pairs_from_task(task, d.num_val, cfg.train.seed, "val")
+        answers = {split: None for split in ("train", "val")}
+        if d.rejected == "policy":
+            answers = {split: model_answers(model, tokenizer, task, n, cfg.train.seed, split, cfg)
+                       for split, n in (("train", d.num_train), ("val", d.num_val))}
+            wrong = sum(not task.is_correct(a, p) for a, p in
+                        zip(answers["train"], task.make_problems(d.num_train, cfg.train.seed, "train")))
+            printer(f"[data] the starting model answers {wrong} of {d.num_train} training problems wrongly: "
+                    "those answers are the rejected ones, rule-made wrong answers the rest")
+        train_rows = pairs_from_task(task, d.num_train, cfg.train.seed, "train", answers["train"])
+        val_rows = pairs_from_task(task, d.num_val, cfg.train.seed, "val", answers["val"])
     else:
         train_rows = load_preference_rows(d.path, d.split, d.subset, d.columns)
         if d.eval_split:
@@ -277,7 +299,7 @@ def run_dpo(cfg: DPOConfig, model=None, tokenizer=None, console=None) -> dict:
         model, tokenizer = load_model(cfg.model)
     # a step's forward holds both sides of each pair: the hardware choice sees rows twice max_len long
     run = start_run(cfg, "dpo", model, seq_len=2 * cfg.data.max_len, console=console)
-    train_data, val_data = build_pairs(cfg, tokenizer, run.print)
+    train_data, val_data = build_pairs(cfg, tokenizer, run.print, model.to(run.device))
     check_fits_context(model, train_data, val_data)
     run.print(f"[data] {len(train_data)} training pairs, {len(val_data)} held-out pairs")
     if len(train_data) < cfg.train.batch_size:
