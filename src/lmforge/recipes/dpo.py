@@ -229,8 +229,8 @@ def dpo_step(state: TrainState, data: PreferenceData, algo: PreferenceAlgoConfig
     pad_id = state.tokenizer.pad_token_id
     batches = [to_device(collate_pairs([data.pairs[i] for i in rows[k:k + micro]], pad_id), run.device)
                for k in range(0, len(rows), micro)]
-    refs = [reference_logps(state, reference, batch) for batch in batches]  # once per batch, before any update
     data_time = time.perf_counter() - t0
+    refs = [reference_logps(state, reference, batch) for batch in batches]  # once per batch, before any update
     totals = torch.zeros(1 + len(METRIC_KEYS), device=run.device)  # loss, then METRIC_KEYS
     for index, (batch, ref) in enumerate(zip(batches, refs)):
         with gradient_sync(state.wrapped, enabled=index == len(batches) - 1):
