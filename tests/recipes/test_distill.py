@@ -9,7 +9,7 @@ from lmforge.config import load_config
 from lmforge.errors import ConfigError
 from lmforge.recipes import distill
 from lmforge.recipes.distill import DistillConfig, run_distill
-from run_records import records
+from run_records import assert_resume_is_bit_exact, records
 
 TINY = ["tokenizer=char", "hidden_size=32", "num_layers=2", "num_heads=2", "max_position_embeddings=32"]
 STUDENT = [f"model.{x}" for x in TINY]
@@ -71,6 +71,18 @@ def test_logit_mode_runs_and_lowers_the_forward_kl(tmp_path):
     # loss = T^2 x the KL per token at temperature T (T = 2)
     assert train[1]["loss"] == pytest.approx(4 * train[1]["forward_kl"], rel=1e-5)
     assert {"accuracy", "val_loss", "run_dir"} <= set(result)
+
+
+@pytest.mark.parametrize("args, keys", [
+    (ON_POLICY + ["algo.signal=sampled", "algo.reward_weight=0.5"], ("loss", "reverse_kl", "reward", "grad_norm")),
+    (ON_POLICY + ["algo.signal=full"], ("loss", "reverse_kl", "reward", "grad_norm")),
+    (LOGIT, ("loss", "forward_kl", "grad_norm")),
+], ids=["sampled", "full", "logit"])
+def test_resume_is_bit_exact(tmp_path, args, keys):
+    """The teacher holds no state: a run resumed from its step-2 checkpoint logs steps 3-4 bit for bit."""
+    args = args + ["train.max_steps=4", "train.save_every=2", "train.eval_every=0", "train.keep_last=10"]
+    run(args, tmp_path / "run")
+    assert_resume_is_bit_exact(run_distill, DistillConfig, args, tmp_path / "run", tmp_path / "resumed", 2, keys)
 
 
 def test_mismatched_tokenizers_are_a_config_error(tmp_path):
