@@ -13,10 +13,10 @@ import torch
 from lmforge.checkpoint import list_checkpoints
 from lmforge.cli import main
 from lmforge.config import load_config
-from lmforge.data.preference import collate_pairs
 from lmforge.data.sft import collate_sft
 from lmforge.models import load_model
 from lmforge.recipes import dpo
+from lmforge.rl.forward import shares_prompts
 
 REAL_MAKE_REFERENCE = dpo.make_reference
 
@@ -66,29 +66,34 @@ def test_the_reference_is_the_starting_model_and_stays_frozen(tmp_path, monkeypa
     after = made[0].state_dict()  # the run's reference, after 4 updates of the policy
     assert all(torch.equal(after[k], v) for k, v in start.state_dict().items())
     train_data, _ = dpo.build_pairs(cfg, tokenizer, lambda *_: None)
-    batch = collate_pairs(train_data.pairs[:4], tokenizer.pad_token_id)
+    batch = dpo.pair_batch(train_data.pairs[:4], tokenizer.pad_token_id)
+    assert shares_prompts(start, batch)  # the prompt of a pair runs once for both sides
     reference = dpo.make_reference(start, "sigmoid")
     with torch.no_grad():
-        start_logps, _ = dpo.sequence_logps(lambda *a: dpo.logits_at(start, *a), batch)
-        trained_logps, lens = dpo.sequence_logps(lambda *a: dpo.logits_at(model, *a), batch)
-    assert not torch.allclose(start_logps, trained_logps, atol=1e-3)  # training moved the policy
-    # the sequence sums equal a plain per-token computation from the full logits
-    logits = start(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.double()
-    token_logps = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
-    trained = batch["labels"][:, 1:] != -100
-    torch.testing.assert_close(start_logps.double(), (token_logps * trained).sum(-1), rtol=0, atol=1e-5)
-    assert lens.tolist() == trained.sum(-1).tolist()
+        start_logps, lens = dpo.sequence_logps(lambda b: dpo.completion_logits(start, b), batch)
+    # the sequence sums equal a plain fp64 per-token sum from the model's full logits on the packed rows
+    assert lens.tolist() == batch.positions.sum(-1).tolist()
+    torch.testing.assert_close(start_logps.double(), full_logps(start, batch.input_ids, batch.attention_mask,
+                                                                batch.positions), rtol=0, atol=1e-5)
     assert dpo.make_reference(start, "simpo") is None and reference is not start
-    # training raised log pi(chosen) - log pi(rejected) over the training pairs (each side collated on
-    # its own here, so a swap of the sides inside the recipe's batches shows)
+    # training raised log pi(chosen) - log pi(rejected) over the training pairs (each side collated and
+    # run on its own here, so a swap of the sides inside the recipe's batches shows)
     margins = []
     for net in (start, model):
         sides = [collate_sft([getattr(p, side) for p in train_data.pairs], tokenizer.pad_token_id)
                  for side in ("chosen", "rejected")]
-        with torch.no_grad():
-            chosen, rejected = (dpo.sequence_logps(lambda *a: dpo.logits_at(net, *a), b)[0] for b in sides)
+        chosen, rejected = (full_logps(net, b["input_ids"], b["attention_mask"], b["labels"][:, 1:] != -100)
+                            for b in sides)
         margins.append((chosen - rejected).mean().item())
     assert margins[1] > margins[0] + 0.05, margins
+
+
+def full_logps(model, input_ids, attention_mask, predicts):
+    """Sum over each row of log p(token t+1) where ``predicts[:, t]``: fp64, from the full logits."""
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.double()
+    token_logps = torch.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None])[..., 0]
+    return (token_logps * predicts[:, :token_logps.shape[1]]).sum(-1)
 
 
 def test_lora_reference_is_the_base_model(tmp_path):

@@ -8,8 +8,9 @@ One step, top to bottom: the next global batch of pairs (the same order on every
 rank's share -> micro-batches of pairs, each laid out as 2b rows (chosen, then rejected) -> the
 reference's sequence log-probabilities of every micro-batch, without gradients, once per batch (a
 frozen copy of the starting model, or with LoRA the policy with its adapters off; none for SimPO)
--> forward / backward of each micro-batch, chosen and rejected in one forward, the loss divided by
-the pairs of the whole step over all ranks -> clip, update. The loop around it (log, evaluate,
+-> forward / backward of each micro-batch, chosen and rejected in one forward that runs a pair's
+shared prompt once (RL's shared-prompt forward), the loss divided by the pairs of the whole step
+over all ranks -> clip, update. The loop around it (log, evaluate,
 checkpoint, resume, summary) is lmforge.runtime.loop. The math: docs/preference.md.
 """
 from __future__ import annotations
@@ -23,9 +24,9 @@ import torch
 
 from .. import lora
 from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, refuse_ignored, section
-from ..data.preference import COLUMN_NAMES, PreferenceData, collate_pairs, load_preference_rows, pairs_from_task
+from ..data.preference import COLUMN_NAMES, PreferenceData, PreferencePair, load_preference_rows, pairs_from_task
 from ..data.preference import row_texts, tokenize_pairs
-from ..data.sft import uses_chat_format
+from ..data.sft import collate_sft, uses_chat_format
 from ..data.source import split_by_fraction
 from ..data.tasks import get_task
 from ..errors import ConfigError, DataError
@@ -34,11 +35,13 @@ from ..models import context_length, load_model
 from ..ops import selective_log_softmax
 from ..parallel.wrap import gradient_sync, run_forward
 from ..preference_losses import REFERENCE_FREE, check_settings, preference_loss
+from ..rl.batch import TrainBatch
+from ..rl.forward import completion_logits
 from ..runtime.loop import Trainer, TrainState, build_state, full_model, train_loop
 from ..runtime.run import start_run
 from ..tokenizer import check_unknown_tokens
-from ..train import BatchOrder, logits_at, shifted_targets
-from .supervised import rank_share, to_device
+from ..train import BatchOrder, shifted_targets
+from .supervised import rank_share
 
 METRIC_KEYS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "nll_chosen")
 
@@ -169,18 +172,46 @@ def check_fits_context(model, *datasets: PreferenceData) -> None:
 # ----------------------------------------------------------------------------- forwards
 
 
-def sequence_logps(logits_fn, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_batch(pairs: list[PreferencePair], pad_id: int) -> TrainBatch:
+    """b pairs as one batch of 2b rows (the chosen sides, then the rejected ones) laid out as RL's
+    packed rows (lmforge.rl.batch.TrainBatch): ``prompt, completion, padding``, where a side's
+    prompt is everything before its first trained token. Where the two sides' prompts are the same
+    tokens, the pair's rows share a group, and the forward runs that prompt once for both
+    (lmforge.rl.forward.shared_prompt_logits); otherwise each row is its own group."""
+    sides = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+    starts = [side.loss_mask.index(1) for side in sides]
+    num = len(pairs)
+    same = [starts[i] == starts[num + i] and sides[i].input_ids[:starts[i]] == sides[num + i].input_ids[:starts[i]]
+            for i in range(num)]
+    group_index = torch.tensor(list(range(num)) + [i if same[i] else num + i for i in range(num)])
+    packed = collate_sft(sides, pad_id)  # (2b, L): input_ids, labels (-100 off the mask), attention_mask
+    positions, _ = shifted_targets(packed["labels"])
+    width = max(len(side.input_ids) - start for side, start in zip(sides, starts))
+    completion_ids = torch.full((len(sides), width), pad_id, dtype=torch.long)
+    trained_mask = torch.zeros((len(sides), width), dtype=torch.long)
+    for row, (side, start) in enumerate(zip(sides, starts)):
+        completion_ids[row, :len(side.input_ids) - start] = torch.tensor(side.input_ids[start:])
+        trained_mask[row, :len(side.input_ids) - start] = torch.tensor(side.loss_mask[start:])
+    return TrainBatch(packed["input_ids"], packed["attention_mask"], positions, completion_ids, trained_mask, None,
+                      group_index=group_index, prompt_lens=torch.tensor(starts))
+
+
+def sequence_logps(logits_fn, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of the log-probabilities of each row's trained tokens, and their count: (2b,) each.
 
-    ``logits_fn(input_ids, attention_mask, positions) -> (N, V)``: logits at the positions that
-    predict trained tokens only (the LM head runs there alone: lmforge.train.logits_at).
+    ``logits_fn(batch) -> (N, V)``: the logits that predict the N trained tokens, row-major
+    (lmforge.rl.forward.completion_logits: the LM head on those positions only, a shared prompt once).
     """
-    positions, targets = shifted_targets(batch["labels"])  # (2b, T) bool, (N,)
-    token_logps = selective_log_softmax(logits_fn(batch["input_ids"], batch["attention_mask"], positions).float(),
-                                        targets)  # (N,)
-    rows = positions.nonzero()[:, 0]  # the row of each of the N positions, in the same (row-major) order
-    sums = torch.zeros(positions.shape[0], dtype=token_logps.dtype, device=token_logps.device)
-    return sums.index_add(0, rows, token_logps), positions.sum(-1)
+    trained = batch.trained_mask.bool()  # (2b, C)
+    token_logps = selective_log_softmax(logits_fn(batch).float(), batch.completion_ids[trained])  # (N,)
+    rows = trained.nonzero()[:, 0]  # the row of each of the N tokens, in the same (row-major) order
+    sums = torch.zeros(trained.shape[0], dtype=token_logps.dtype, device=token_logps.device)
+    return sums.index_add(0, rows, token_logps), trained.sum(-1)
+
+
+def policy_logits(state: TrainState):
+    """The trained policy's logits function, through the parallel root (DDP / FSDP2 see the forward)."""
+    return lambda batch: run_forward(state.wrapped, completion_logits, state.model, batch)
 
 
 def make_reference(model, loss: str):
@@ -194,21 +225,21 @@ def make_reference(model, loss: str):
 
 
 @torch.no_grad()
-def reference_logps(state: TrainState, reference, batch: dict) -> torch.Tensor | None:
+def reference_logps(state: TrainState, reference, batch: TrainBatch) -> torch.Tensor | None:
     """(2b,) sequence log-probabilities of the reference, no gradients; None when there is none."""
     if reference is None:
         return None
     with state.updater.precision.autocast():
         if isinstance(reference, lora.DisabledAdapters):  # through the root: FSDP2 gathers the base weights
             with lora.adapters_disabled(reference.model):
-                return sequence_logps(lambda *a: run_forward(state.wrapped, logits_at, state.model, *a), batch)[0]
-        return sequence_logps(lambda *a: logits_at(reference, *a), batch)[0]
+                return sequence_logps(policy_logits(state), batch)[0]
+        return sequence_logps(lambda b: completion_logits(reference, b), batch)[0]
 
 
-def micro_loss(state: TrainState, algo: PreferenceAlgoConfig, batch: dict, ref_logps, num_pairs_global: int):
+def micro_loss(state: TrainState, algo: PreferenceAlgoConfig, batch: TrainBatch, ref_logps, num_pairs_global: int):
     """The loss of one micro-batch of b pairs (2b rows, one forward), over the step's pair count."""
     with state.updater.precision.autocast():
-        logps, lens = sequence_logps(lambda *a: run_forward(state.wrapped, logits_at, state.model, *a), batch)
+        logps, lens = sequence_logps(policy_logits(state), batch)
     num = logps.shape[0] // 2
     refs = (None, None) if ref_logps is None else (ref_logps[:num], ref_logps[num:])
     return preference_loss(logps[:num], logps[num:], lens[:num], lens[num:], *refs, loss_type=algo.loss,
@@ -227,7 +258,7 @@ def dpo_step(state: TrainState, data: PreferenceData, algo: PreferenceAlgoConfig
     global_rows = state.order.next()
     rows = rank_share(global_rows, ctx.rank, ctx.world_size)
     pad_id = state.tokenizer.pad_token_id
-    batches = [to_device(collate_pairs([data.pairs[i] for i in rows[k:k + micro]], pad_id), run.device)
+    batches = [pair_batch([data.pairs[i] for i in rows[k:k + micro]], pad_id).to(run.device)
                for k in range(0, len(rows), micro)]
     data_time = time.perf_counter() - t0
     refs = [reference_logps(state, reference, batch) for batch in batches]  # once per batch, before any update
@@ -243,7 +274,7 @@ def dpo_step(state: TrainState, data: PreferenceData, algo: PreferenceAlgoConfig
     grad_norm = updater.step(step)
     return {"loss": totals[0], **dict(zip(METRIC_KEYS, totals[1:])), "lr": lr, "grad_norm": grad_norm,
             "skipped_updates": updater.num_skipped,
-            "num_tokens": sum(int(b["attention_mask"].sum()) for b in batches), "data_time": data_time}
+            "num_tokens": sum(int(b.attention_mask.sum()) for b in batches), "data_time": data_time}
 
 
 @torch.no_grad()
@@ -264,7 +295,7 @@ def held_out_preferences(state: TrainState, data: PreferenceData, algo: Preferen
     totals = torch.zeros(3, dtype=torch.float64)  # loss sum, wins, margin sum
     for index in range(num_batches):
         part = mine[index * micro:(index + 1) * micro]
-        batch = to_device(collate_pairs(part or pairs[:1], state.tokenizer.pad_token_id), run.device)
+        batch = pair_batch(part or pairs[:1], state.tokenizer.pad_token_id).to(run.device)
         loss, metrics = micro_loss(state, algo, batch, reference_logps(state, reference, batch), 1)
         if part:
             totals += torch.tensor([float(loss), float(metrics["reward_accuracy"]), float(metrics["reward_margin"])],
