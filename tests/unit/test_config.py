@@ -92,13 +92,15 @@ def test_examples_exist():
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_every_example_loads_with_its_command(path):
     from lmforge.recipes.antidistill import AntidistillConfig
+    from lmforge.recipes.distill import DistillConfig
+    from lmforge.recipes.dpo import DPOConfig
     from lmforge.recipes.grpo import GRPOConfig
     from lmforge.recipes.ppo import PPOConfig
     from lmforge.recipes.pretrain import PretrainConfig
 
     command = example_command(path)
-    config_cls = {"sft": SFTConfig, "grpo": GRPOConfig, "ppo": PPOConfig, "pretrain": PretrainConfig}.get(
-        command.split()[0], AntidistillConfig)
+    config_cls = {"sft": SFTConfig, "grpo": GRPOConfig, "ppo": PPOConfig, "pretrain": PretrainConfig,
+                  "dpo": DPOConfig, "distill": DistillConfig}.get(command.split()[0], AntidistillConfig)
     cfg = load_config(config_cls, str(path), [])  # unknown keys, wrong types and bad values are errors
     algo = getattr(cfg, "algo", None)
     if algo is not None:
