@@ -210,25 +210,6 @@ def test_calculator_demonstration_is_the_episode_the_runner_renders(spec):
     assert reward == {"correct": 1.0}
 
 
-def test_calculator_demo_tool_rate_mixes_tool_episodes_with_guesses():
-    env = Calculator(demo_tool_rate=0.25)
-    problems = get_task("multiplication:digits=3").make_problems(400, 0, "train")
-    rows = demonstration_rows(env, problems, seed=0, tokenizer=load_tokenizer("char:ascii"))
-    calls = 0
-    for row, problem in zip(rows, problems):
-        roles = [m["role"] for m in row["messages"]]
-        if roles == ["user", "assistant", "tool", "assistant"]:  # the expert: call, then the tool's result
-            calls += 1
-            assert row["messages"][-1]["content"] == problem.answer
-        else:  # a guess at once, as many digits as the product, (almost surely) wrong
-            assert roles == ["user", "assistant"]
-            guess = row["messages"][1]["content"]
-            assert guess.isdigit() and len(guess) == len(problem.answer) and guess != problem.answer
-    assert 70 <= calls <= 130  # 400 problems at rate 0.25: 100 expected, sd 8.7
-    with pytest.raises(ValueError, match="demo_tool_rate"):
-        Calculator(demo_tool_rate=1.5)
-
-
 def test_guess_number_demonstrations_play_valid_games_with_random_consistent_guesses():
     env = GuessNumber(max_guesses=100)
     tokenizer = load_tokenizer("char:ascii")

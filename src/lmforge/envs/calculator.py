@@ -15,12 +15,7 @@ The final answer (the first reply without a tool call) is scored exactly: reward
 1.0 when its text, stripped, is the product, else 0.0; the episode ends there. ``partial_credit=w``
 (0 < w < 1) adds a part ``digits`` to a wrong answer: ``w`` times the fraction of the product's digits it
 has in the right place (right-aligned), so a miscopied digit scores more than a wrong call -- a graded
-signal for RL while only an exact answer reaches 1, the held-out success.
-
-``demo_tool_rate=p`` (< 1) makes the scripted expert of the SFT warm-up call the tool on a fraction
-``p`` of the problems only and answer the others at once with a guess (a random number with the
-product's number of digits): a warm-up that teaches the call, the copy and the habit of not calling,
-so that RL has to learn *when* the tool pays (examples/grpo_calculator.yaml). Tool calls, invalid
+signal for RL while only an exact answer reaches 1, the held-out success. Tool calls, invalid
 calls and tool errors are counted by :class:`ToolEnv`. :meth:`Calculator.demonstration` is the scripted
 expert of the SFT warm-up (lmforge.envs.demos).
 """
@@ -72,11 +67,8 @@ def _evaluate(node: ast.AST) -> int:
 class Calculator(ToolEnv):
     """Multiplication problems, one ``calculator`` tool, the final answer scored exactly (module doc)."""
 
-    def __init__(self, partial_credit: float = 0.0, demo_tool_rate: float = 1.0):
+    def __init__(self, partial_credit: float = 0.0):
         super().__init__([calculator])
-        if not 0.0 <= demo_tool_rate <= 1.0:
-            raise ValueError(f"demo_tool_rate must be in [0, 1], got {demo_tool_rate}")
-        self.demo_tool_rate = float(demo_tool_rate)
         if not 0.0 <= partial_credit < 1.0:
             raise ValueError(f"partial_credit must be in [0, 1), got {partial_credit}: only an exact answer may "
                              "reach the full reward 1")
@@ -91,14 +83,10 @@ class Calculator(ToolEnv):
 
     def demonstration(self, state: EpisodeState, rng: random.Random) -> str:
         """What the scripted expert replies next: the tool call on the prompt's expression, then the
-        tool's result as the answer -- or, on a fraction ``1 - demo_tool_rate`` of the problems, at
-        once a guess with the product's number of digits."""
+        tool's result as the answer."""
         last = state.messages[-1]
         if last["role"] == "tool":
             return last["content"]
-        if self.demo_tool_rate < 1.0 and rng.random() >= self.demo_tool_rate:
-            digits = len(str(_answer(state.problem)).lstrip("-"))
-            return str(rng.randint(10 ** (digits - 1), 10 ** digits - 1))
         expression = problem_prompt(state.problem).strip().rstrip("=").strip()
         return format_tool_calls([ToolCall("calculator", {"expression": expression}, id="")])
 
