@@ -90,25 +90,6 @@ def test_calculator_wrong_final_answer_scores_zero(answer):
     assert result.done and result.reward == {"correct": 0.0}
 
 
-@pytest.mark.parametrize("answer, digits", [
-    ("56088", None),             # exact: full marks, no partial part
-    ("56188", 0.4 * 4 / 5),      # one digit miscopied
-    ("6088", 0.4 * 4 / 5),       # one digit dropped: right-aligned, four of five in place
-    ("560880", 0.4 * 1 / 6),     # one digit too many: shifted; right-aligned only the 5th digit (8) lines up
-    ("", 0.0),
-])
-def test_calculator_partial_credit_grades_wrong_answers_below_one(answer, digits):
-    env = make_environment("calculator", {"partial_credit": 0.4})
-    result = env.step(started(env, Problem("123*456=", "56088", "56088")), assistant(answer))
-    if digits is None:
-        assert result.reward == {"correct": 1.0, "digits": 0.0}
-    else:
-        assert result.reward["correct"] == 0.0 and result.reward["digits"] == pytest.approx(digits)
-        assert sum(result.reward.values()) < 1.0
-    with pytest.raises(ValueError, match=r"partial_credit must be in \[0, 1\)"):
-        Calculator(partial_credit=1.0)
-
-
 @pytest.mark.parametrize("reply, count, error", [
     ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "123*"}}\n</tool_call>', "tool_errors",
      "cannot parse"),

@@ -12,10 +12,7 @@ operands into a tool call and the tool's result into its answer::
     assistant  56088
 
 The final answer (the first reply without a tool call) is scored exactly: reward part ``correct`` is
-1.0 when its text, stripped, is the product, else 0.0; the episode ends there. ``partial_credit=w``
-(0 < w < 1) adds a part ``digits`` to a wrong answer: ``w`` times the fraction of the product's digits it
-has in the right place (right-aligned), so a miscopied digit scores more than a wrong call -- a graded
-signal for RL while only an exact answer reaches 1, the held-out success. Tool calls, invalid
+1.0 when its text, stripped, is the product, else 0.0; the episode ends there. Tool calls, invalid
 calls and tool errors are counted by :class:`ToolEnv`. :meth:`Calculator.demonstration` is the scripted
 expert of the SFT warm-up (lmforge.envs.demos).
 """
@@ -67,19 +64,12 @@ def _evaluate(node: ast.AST) -> int:
 class Calculator(ToolEnv):
     """Multiplication problems, one ``calculator`` tool, the final answer scored exactly (module doc)."""
 
-    def __init__(self, partial_credit: float = 0.0):
+    def __init__(self):
         super().__init__([calculator])
-        if not 0.0 <= partial_credit < 1.0:
-            raise ValueError(f"partial_credit must be in [0, 1), got {partial_credit}: only an exact answer may "
-                             "reach the full reward 1")
-        self.partial_credit = float(partial_credit)
 
     def finish(self, state: EpisodeState, message: Message) -> StepResult:
-        answer, product = message["content"].strip(), str(_answer(state.problem))
-        parts = {"correct": float(answer == product)}
-        if self.partial_credit:
-            parts["digits"] = 0.0 if answer == product else self.partial_credit * _digits_in_place(answer, product)
-        return StepResult([], parts, done=True)
+        correct = message["content"].strip() == str(_answer(state.problem))
+        return StepResult([], {"correct": float(correct)}, done=True)
 
     def demonstration(self, state: EpisodeState, rng: random.Random) -> str:
         """What the scripted expert replies next: the tool call on the prompt's expression, then the
@@ -89,13 +79,6 @@ class Calculator(ToolEnv):
             return last["content"]
         expression = problem_prompt(state.problem).strip().rstrip("=").strip()
         return format_tool_calls([ToolCall("calculator", {"expression": expression}, id="")])
-
-
-def _digits_in_place(answer: str, product: str) -> float:
-    """The fraction of positions, right-aligned over the longer of the two, where ``answer`` has
-    ``product``'s digit: ``("56188", "56088") -> 0.8``, ``("6088", "56088") -> 0.8``, ``("", "56088") -> 0``."""
-    width = max(len(answer), len(product))
-    return sum(a == b for a, b in zip(answer.rjust(width), product.rjust(width))) / width
 
 
 def _answer(problem) -> str:
