@@ -6,6 +6,7 @@
     lmforge grpo CONFIG [key=value ...]        RL: GRPO / Dr. GRPO / DAPO / GSPO / RLOO
     lmforge ppo CONFIG [key=value ...]         RL: PPO with a value head and GAE
     lmforge dpo CONFIG [key=value ...]         preference pairs: DPO / IPO / SimPO
+    lmforge rm CONFIG [key=value ...]          a reward model (Bradley-Terry) on preference pairs
     lmforge distill CONFIG [key=value ...]     distillation: on-policy (reverse KL on the student's samples) or logit
     lmforge antidistill STAGE CONFIG [...]     antidistillation pipeline (traces, grad, sample, distill, eval, report, all)
     lmforge export RUN_DIR --out DIR           a checkpoint as an HF directory (gathers FSDP2 shards, merges LoRA)
@@ -93,6 +94,7 @@ def _recipes() -> list[tuple[str, str, type, Callable]]:
     from .recipes.ppo import PPOConfig, run_ppo
     from .recipes.pretrain import PretrainConfig, run_pretrain
     from .recipes.quickstart import QuickstartConfig, run_quickstart
+    from .recipes.rm import RMConfig, run_rm
     from .recipes.sft import SFTConfig, run_sft
 
     return [
@@ -105,6 +107,8 @@ def _recipes() -> list[tuple[str, str, type, Callable]]:
          GRPOConfig, run_grpo),
         ("ppo", "RL from verifiable rewards: PPO with a value head and GAE", PPOConfig, run_ppo),
         ("dpo", "preference optimisation on prompt / chosen / rejected pairs: DPO, IPO, SimPO", DPOConfig, run_dpo),
+        ("rm", "a reward model (Bradley-Terry) on prompt / chosen / rejected pairs, saved for "
+         "AutoModelForSequenceClassification", RMConfig, run_rm),
         ("distill", "distillation from a teacher: on-policy (per-token reverse KL on the student's samples) or "
          "logit (forward KL at a temperature on fixed data)", DistillConfig, run_distill),
     ]
