@@ -49,7 +49,8 @@ def _init_worker(started) -> None:
 
 def invoke(fn: Callable[..., Any], completion: str, problem: Any, kwargs: dict, alarm_s: float,
            token: int | None = None) -> tuple:
-    """Call ``fn(completion, problem, **kwargs)``; the result as ``(status, value_or_text)``.
+    """Call ``fn(completion, problem, **kwargs)``; the result as ``(status, value_or_text)`` (a list of
+    floats for a function marked ``batched``, called with lists of completions and problems).
 
     ``alarm_s > 0`` arms a ``SIGALRM`` timer first; this only works in a process's main thread (a
     process-pool worker), and is skipped anywhere else. In a worker, ``token`` and the start time
@@ -63,7 +64,9 @@ def invoke(fn: Callable[..., Any], completion: str, problem: Any, kwargs: dict, 
         previous = signal.signal(signal.SIGALRM, _on_alarm)
         signal.setitimer(signal.ITIMER_REAL, alarm_s)
     try:
-        return ("ok", float(fn(completion, problem, **kwargs)))
+        value = fn(completion, problem, **kwargs)
+        # a batched function (RewardSet's whole-batch call): one float per completion
+        return ("ok", [float(v) for v in value] if getattr(fn, "batched", False) else float(value))
     except RewardTimeout:
         return ("timeout", f"timed out after {alarm_s:g} s (stopped in the worker)")
     except Exception as exc:  # noqa: BLE001 - a reward may raise anything; the caller counts and logs it

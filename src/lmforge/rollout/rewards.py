@@ -9,7 +9,13 @@ A reward function has the signature ``fn(completion: str, problem, **kwargs) -> 
     format    1.0 if a regular expression matches the completion (``pattern=``, ``match=search|full``)
     overlong  DAPO's soft overlong penalty from the completion's length in tokens (0 down to -1)
 
-Any other function is named as ``"package.module:function"`` and imported on first use.
+Any other function is named as ``"package.module:function"`` and imported on first use, and
+``rm:DIR`` scores prompt + completion with the reward model saved in DIR (``lmforge rm``;
+lmforge.reward_model).
+
+A function with the attribute ``batched = True`` (``rm:DIR``) is called once per batch instead,
+``fn(completions, problems, **kwargs) -> one float per completion``, in a worker thread under the
+same timeout; if that call fails or times out, every completion of the batch fails with it.
 
 Calls run in parallel (threads, or a process pool for functions marked ``executor="process"``,
 e.g. ``math``) with a per-call timeout (:mod:`lmforge.rollout.reward_pool`). A call that raises,
@@ -39,6 +45,7 @@ import torch
 
 from ..config import import_object
 from ..errors import ConfigError, TrainingError
+from ..reward_model import reward_model_reward
 from .reward_pool import DaemonThreadPool, ProcessPool, invoke
 
 logger = logging.getLogger(__name__)
@@ -221,9 +228,14 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {"exact": exact_reward, "math": math_rewa
 
 
 def resolve_reward(name: str) -> RewardFn:
-    """A built-in by name, or a user function given as ``"package.module:function"``."""
+    """A built-in by name, a reward model as ``"rm:DIR"``, or a user function given as
+    ``"package.module:function"``."""
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
+    if name.startswith("rm:"):
+        if not name[3:]:
+            raise ConfigError("reward 'rm:': name the reward model's directory, e.g. rm:runs/rm/final")
+        return reward_model_reward(name[3:])
     if ":" not in name:
         raise ConfigError(
             f"unknown reward {name!r}: use one of {sorted(BUILTIN_REWARDS)} or 'package.module:function'"
@@ -249,6 +261,22 @@ class RewardOutput:
     # (B, C) float32 or None: the parts of ``total`` an environment gave after each turn, on that turn's last
     # policy token (PPO credits them there; the rest of ``total`` goes on the last one). None: all at the end.
     turn_rewards: torch.Tensor | None = None
+
+
+class _BatchCall:
+    """A batched reward as ``invoke`` calls it: ``fn(completions, problems, **kwargs)``, checked to give
+    one value per completion (``batched``: invoke returns the list of floats)."""
+
+    batched = True
+
+    def __init__(self, fn: RewardFn, num_rows: int):
+        self.fn, self.num_rows = fn, num_rows
+
+    def __call__(self, completions, problems, **kwargs) -> list:
+        values = list(self.fn(completions, problems, **kwargs))
+        if len(values) != self.num_rows:
+            raise ValueError(f"a batched reward returned {len(values)} values for {self.num_rows} completions")
+        return values
 
 
 def _accepted_kwargs(fn: RewardFn) -> set[str] | None:
@@ -319,6 +347,9 @@ class RewardSet:
             executor = options.get("executor") or getattr(fn, "executor", "thread")
             if executor not in EXECUTORS:
                 raise ConfigError(f"reward {name!r}: executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+            if getattr(fn, "batched", False) and executor != "thread":
+                raise ConfigError(f"reward {name!r} is batched (one call per batch, e.g. a reward model): it runs in "
+                                  "a thread; drop executor=process")
             failure_value = options.get("failure_value", 0.0)
             if not isinstance(failure_value, (int, float)) or not math.isfinite(failure_value):
                 raise ConfigError(f"reward {name!r}: failure_value must be a finite number, got {failure_value!r}")
@@ -388,9 +419,19 @@ class RewardSet:
             kwargs = {k: v for k, v in kwargs.items() if k in self._accepts[f]}
         return kwargs
 
+    def _batched(self, f: int) -> bool:
+        return bool(getattr(self.fns[f], "batched", False))
+
+    def _job_args(self, job: tuple[int, int], completions, problems, shared, lengths) -> tuple:
+        """``(fn, completion(s), problem(s), kwargs)`` of a job; row -1: a batched function's whole batch."""
+        i, f = job
+        if i < 0:
+            kwargs = self._kwargs(f, {**shared, "completion_lens": list(lengths)}, None)
+            return _BatchCall(self.fns[f], len(completions)), list(completions), list(problems), kwargs
+        return self.fns[f], completions[i], problems[i], self._kwargs(f, shared, lengths[i])
+
     def _run_inline(self, jobs: list[tuple[int, int]], completions, problems, shared, lengths) -> dict:
-        return {(i, f): invoke(self.fns[f], completions[i], problems[i], self._kwargs(f, shared, lengths[i]), 0.0)
-                for i, f in jobs}
+        return {job: invoke(*self._job_args(job, completions, problems, shared, lengths), 0.0) for job in jobs}
 
     def _run_parallel(self, jobs: list[tuple[int, int]], completions, problems, shared, lengths) -> dict:
         """Every job's ``(status, value_or_text)``; a job running longer than the timeout is ``timeout``."""
@@ -399,9 +440,8 @@ class RewardSet:
         tokens: dict[int, cf.Future] = {}  # process calls: token -> future, for the workers' start reports
 
         def submit(job: tuple[int, int]) -> cf.Future:
-            i, f = job
-            kind = self.executors[f]
-            args = (self.fns[f], completions[i], problems[i], self._kwargs(f, shared, lengths[i]))
+            kind = self.executors[job[1]]
+            args = self._job_args(job, completions, problems, shared, lengths)
             if kind == "process":
                 token = next(self._call_numbers)
                 future = self._pool(kind).submit(invoke, *args, self.timeout_s, token)
@@ -460,13 +500,16 @@ class RewardSet:
         lengths = [None] * num_rows if completion_lens is None else [int(n) for n in completion_lens]
         if len(lengths) != num_rows:
             raise ValueError(f"{len(lengths)} completion_lens for {num_rows} completions")
-        jobs = [(i, f) for f in range(num_fns) for i in range(num_rows)]
+        jobs = [(i, f) for f in range(num_fns) for i in ([-1] if self._batched(f) and num_rows else range(num_rows))]
         run = self._run_parallel if self.timeout_s > 0 else self._run_inline
         try:
             results = run(jobs, completions, problems, shared, lengths)
         except BaseException:
             self.close()  # e.g. KeyboardInterrupt while waiting: no worker outlives the error
             raise
+        for job in [job for job in results if job[0] < 0]:  # a batched call: its outcome for each row
+            status, value = results.pop(job)
+            results.update({(i, job[1]): (status, value[i] if status == "ok" else value) for i in range(num_rows)})
         per_function = torch.zeros(num_rows, num_fns, dtype=torch.float32)
         num_failed = torch.zeros(num_fns, dtype=torch.int64)
         num_timed_out = torch.zeros(num_fns, dtype=torch.int64)
