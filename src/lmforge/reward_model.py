@@ -59,7 +59,8 @@ def from_causal_lm(model: torch.nn.Module, tokenizer) -> torch.nn.Module:
 def sequence_rewards(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, T) right-padded ids and mask -> (B,) rewards: the head at each row's last non-pad token
     (transformers' own pooling, inside the model's forward)."""
-    return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0]  # (B, 1) -> (B,)
+    # (B, 1) -> (B,); a copy, not a view: FSDP2 hooks the root's output for its backward, and warns on views
+    return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0].clone()
 
 
 def check_reward_model_dir(path: str | Path) -> dict:

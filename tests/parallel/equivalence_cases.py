@@ -17,8 +17,9 @@ from lmforge import rl
 from lmforge.config import (LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig)
 from lmforge.models import load_model
 from lmforge.parallel.wrap import full_state_dict
+from lmforge.reward_model import from_causal_lm
 from lmforge.advantages import compute_advantages
-from lmforge.recipes import distill, dpo, grpo, ppo
+from lmforge.recipes import distill, dpo, grpo, ppo, rm
 from lmforge.recipes.sft import SFTConfig, SFTDataConfig, build_data
 from lmforge.recipes.supervised import supervised_step
 from lmforge.rl.config import RLDataConfig, RolloutConfig
@@ -73,6 +74,20 @@ def dpo_case(out: Path, micro: int, strategy: str, loss: str = "sigmoid") -> dic
     reference = dpo.make_reference(model, loss)
     state = build_state(run, model, tokenizer, BatchOrder(len(pairs), 8, 0), STEPS)
     losses = [float(dpo.dpo_step(state, pairs, cfg.algo, reference, step)["loss"]) for step in range(1, STEPS + 1)]
+    return {"losses": losses, "weights": full_state_dict(state.wrapped)}
+
+
+def rm_case(out: Path, micro: int, strategy: str) -> dict:
+    """A reward model (Bradley-Terry) on the addition pairs, 8 pairs a step (16 rows: chosen and
+    rejected in one forward); the pair count of the step is the normaliser."""
+    cfg = rm.RMConfig(model=MODEL, data=dpo.PreferenceDataConfig(task="addition", num_train=64, num_val=0, max_len=32),
+                      optim=OPTIM, train=train_config(out, micro, batch=8), parallel=ParallelConfig(strategy=strategy),
+                      logging=LoggingConfig(progress=False))
+    model, tokenizer = load_model(cfg.model)
+    run = start_run(cfg, "rm", model, seq_len=64, console=Quiet())
+    pairs, _ = rm.build_pairs(cfg, tokenizer, lambda *_: None)
+    state = build_state(run, from_causal_lm(model, tokenizer), tokenizer, BatchOrder(len(pairs), 8, 0), STEPS)
+    losses = [float(rm.rm_step(state, pairs, cfg.algo, step)["loss"]) for step in range(1, STEPS + 1)]
     return {"losses": losses, "weights": full_state_dict(state.wrapped)}
 
 
@@ -239,6 +254,7 @@ CASES = {
     "ppo-spans": lambda out, micro, strategy: rl_case(out, "ppo", "seq_mean_token_mean", micro, strategy, spans=True),
     "dpo": lambda out, micro, strategy: dpo_case(out, micro, strategy),
     "simpo": lambda out, micro, strategy: dpo_case(out, micro, strategy, "simpo"),
+    "rm": rm_case,
     "distill-sampled": lambda out, micro, strategy: distill_case(out, micro, strategy, "sampled"),
     "distill-full": lambda out, micro, strategy: distill_case(out, micro, strategy, "full"),
     "distill-logit": lambda out, micro, strategy: distill_logit_case(out, micro, strategy),

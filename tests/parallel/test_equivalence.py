@@ -3,7 +3,8 @@ with and without accumulation) give the per-step losses and the weights after 3 
 1 process x 2B rows, for SFT (also with the ring all-reduce as DDP's gradient hook), GRPO under its four aggregations (and with two mini-batches per step; and skipping zero-advantage
 rows, against one process that runs them) and PPO (value head, GAE, advantages whitened over all ranks),
 and both again on multi-turn rows whose trained tokens are two spans around environment tokens;
-DPO (frozen reference, 8 preference pairs a step, chosen and rejected in one forward) and SimPO;
+DPO (frozen reference, 8 preference pairs a step, chosen and rejected in one forward) and SimPO; a
+reward model (Bradley-Terry, the same pairs, 1 pair per micro-batch on each rank too);
 distillation: on-policy with the sampled and the full-vocabulary reverse KL (plus half a task reward), and
 logit (forward KL at T = 2).
 
@@ -31,12 +32,12 @@ from lmforge.parallel.context import free_port
 # micro-batches (4 rows), not the one-micro-batch run: only the world size changes.
 PLAN_1 = [("sft", 8), ("sft-ring", 8), ("grpo-seq_mean_token_mean", 16), ("grpo-token_mean", 4), ("grpo-global_token_mean", 16),
           ("grpo-seq_sum_max_len", 16), ("grpo-minibatches", 8), ("grpo-skip-zero-advantage", 8), ("ppo", 16),
-          ("grpo-spans", 8), ("ppo-spans", 16), ("dpo", 8), ("simpo", 8), ("distill-sampled", 16), ("distill-full", 16),
+          ("grpo-spans", 8), ("ppo-spans", 16), ("dpo", 8), ("simpo", 8), ("rm", 8), ("distill-sampled", 16), ("distill-full", 16),
           ("distill-logit", 8)]
 PLAN_2 = {"sft": [4, 2], "sft-ring": [4, 2], "grpo-seq_mean_token_mean": [8, 4], "grpo-token_mean": [4],
           "grpo-global_token_mean": [8, 4], "grpo-seq_sum_max_len": [8, 4], "grpo-minibatches": [4, 2],
           "grpo-skip-zero-advantage": [4, 2], "ppo": [8, 4], "grpo-spans": [4, 2], "ppo-spans": [8, 4], "dpo": [4, 2],
-          "simpo": [4], "distill-sampled": [8, 4], "distill-full": [8, 4], "distill-logit": [4, 2]}
+          "simpo": [4], "rm": [4, 1], "distill-sampled": [8, 4], "distill-full": [8, 4], "distill-logit": [4, 2]}
 # The logit-distillation loss is a small KL (~5e-3 per token between two near-uniform tiny models) summed
 # from O(1) terms p (log p - log q) in fp32: its rounding is ~1e-7 absolute (observed 1.3e-7, 3e-5
 # relative), while its weights agree to 6e-8. Summing instead of averaging the ranks would double it.
