@@ -97,10 +97,11 @@ def test_every_example_loads_with_its_command(path):
     from lmforge.recipes.grpo import GRPOConfig
     from lmforge.recipes.ppo import PPOConfig
     from lmforge.recipes.pretrain import PretrainConfig
+    from lmforge.recipes.rm import RMConfig
 
     command = example_command(path)
     config_cls = {"sft": SFTConfig, "grpo": GRPOConfig, "ppo": PPOConfig, "pretrain": PretrainConfig,
-                  "dpo": DPOConfig, "distill": DistillConfig}.get(command.split()[0], AntidistillConfig)
+                  "dpo": DPOConfig, "distill": DistillConfig, "rm": RMConfig}.get(command.split()[0], AntidistillConfig)
     cfg = load_config(config_cls, str(path), [])  # unknown keys, wrong types and bad values are errors
     algo = getattr(cfg, "algo", None)
     if hasattr(algo, "resolved"):  # RL: presets and the algorithm's own checks (dpo checks its algo on load)
