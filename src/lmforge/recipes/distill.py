@@ -29,15 +29,15 @@ from ..distill_losses import DISTILL_LOSSES
 from ..errors import ConfigError, DataError
 from ..losses import policy_loss
 from ..models import load_model
-from ..parallel.wrap import gradient_sync, run_forward
+from ..parallel.wrap import run_forward
 from ..rl import config as rl_config
 from ..rl.forward import completion_logits
 from ..runtime.loop import Trainer, build_state, full_model, train_loop
 from ..runtime.run import start_run
-from ..train import BatchOrder, count_loss_tokens, logits_at, shifted_targets
+from ..train import BatchOrder, logits_at, shifted_targets
 from .grpo import old_logprobs
 from .sft import SFTConfig, SFTDataConfig, build_data, check_fits_context, make_eval
-from .supervised import rank_share, to_device, validation_loss
+from .supervised import supervised_step, validation_loss
 
 MODES = ("on_policy", "logit")
 
@@ -303,32 +303,15 @@ def logit_micro_loss(state, teacher, batch: dict, num_loss_tokens_global: int, t
 
 
 def logit_step(state, data, teacher, temperature: float, step: int) -> dict:
-    """One optimizer step over the next global batch of rows (``supervised.supervised_step`` with the
-    forward KL to the teacher instead of the cross-entropy to the labels)."""
-    run, updater = state.run, state.updater
-    ctx, micro = run.ctx, run.micro_batch_size
-    t0 = time.perf_counter()
-    rows = rank_share(state.order.next(), ctx.rank, ctx.world_size)
-    batches = [to_device(data.collate([data.train_rows[i] for i in rows[k:k + micro]]), run.device)
-               for k in range(0, len(rows), micro)]
-    num_loss_tokens_global, = ctx.sum_counts(sum(count_loss_tokens(b["labels"]) for b in batches))
-    data_time = time.perf_counter() - t0
-    loss_sum = torch.zeros((), device=run.device)
-    kl = torch.zeros(2, dtype=torch.float64)  # unscaled KL sum, tokens
-    for index, batch in enumerate(batches):
-        with gradient_sync(state.wrapped, enabled=index == len(batches) - 1):
-            loss, metrics = logit_micro_loss(state, teacher, batch, max(num_loss_tokens_global, 1), temperature)
-            updater.precision.backward(loss)
-        loss_sum += loss.detach()
-        kl += torch.tensor([float(metrics["kl_sum"]), float(metrics["num_tokens"])], dtype=torch.float64)
-    ctx.all_reduce(loss_sum)  # each rank's part is already over the global count: the sum is the loss
-    ctx.all_reduce(kl)
-    updater.check_loss(loss_sum, step)
-    lr = updater.scheduler.get_last_lr()[0]
-    grad_norm = updater.step(step)
-    return {"loss": loss_sum, "forward_kl": float(kl[0] / max(kl[1], 1)), "lr": lr, "grad_norm": grad_norm,
-            "skipped_updates": updater.num_skipped, "loss_tokens": num_loss_tokens_global,
-            "num_tokens": sum(int(b["attention_mask"].sum()) for b in batches), "data_time": data_time}
+    """One optimizer step over the next global batch of rows: ``supervised.supervised_step`` with the
+    forward KL to the teacher instead of the cross-entropy to the labels."""
+    def loss_fn(batch, num_loss_tokens_global):
+        loss, metrics = logit_micro_loss(state, teacher, batch, num_loss_tokens_global, temperature)
+        return loss, {"kl_sum": metrics["kl_sum"], "num_tokens": metrics["num_tokens"]}
+
+    metrics = supervised_step(state, data, step, loss_fn)
+    kl = metrics.pop("sums")  # unscaled KL sum and its tokens, over the micro-batches and ranks
+    return {"loss": metrics.pop("loss"), "forward_kl": kl["kl_sum"] / max(kl["num_tokens"], 1), **metrics}
 
 
 def sft_view(cfg: DistillConfig) -> SFTConfig:

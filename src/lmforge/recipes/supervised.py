@@ -52,8 +52,12 @@ def rank_share(rows: list, rank: int, world_size: int) -> list:
     return rows[rank * per_rank:(rank + 1) * per_rank]
 
 
-def supervised_step(state: TrainState, data: SupervisedData, step: int) -> dict:
-    """One optimizer step over the next global batch; returns its metrics (loss summed over ranks)."""
+def supervised_step(state: TrainState, data: SupervisedData, step: int, loss_fn: Callable | None = None) -> dict:
+    """One optimizer step over the next global batch; returns its metrics (loss summed over ranks).
+
+    ``loss_fn(batch, num_loss_tokens_global) -> (loss, sums)`` replaces the cross-entropy to the labels
+    (e.g. lmforge distill's forward KL to a teacher); its ``sums`` (a dict of numbers, the same keys on
+    every rank) are added up over the micro-batches and the ranks and returned as ``metrics["sums"]``."""
     run, updater = state.run, state.updater
     ctx, micro = run.ctx, run.micro_batch_size
     t0 = time.perf_counter()
@@ -63,18 +67,31 @@ def supervised_step(state: TrainState, data: SupervisedData, step: int) -> dict:
     num_loss_tokens_global, = ctx.sum_counts(sum(count_loss_tokens(b["labels"]) for b in batches))
     data_time = time.perf_counter() - t0
     loss_sum = torch.zeros((), device=run.device)
+    sums: dict[str, float] = {}
     for index, batch in enumerate(batches):
         with gradient_sync(state.wrapped, enabled=index == len(batches) - 1):
-            loss, _ = micro_loss(state, batch, max(num_loss_tokens_global, 1), updater.precision)
+            if loss_fn is None:
+                loss, extra = micro_loss(state, batch, max(num_loss_tokens_global, 1), updater.precision)[0], {}
+            else:
+                loss, extra = loss_fn(batch, max(num_loss_tokens_global, 1))
             updater.precision.backward(loss)
         loss_sum += loss.detach()
+        for key, value in extra.items():
+            sums[key] = sums.get(key, 0.0) + float(value)
     ctx.all_reduce(loss_sum)  # each rank's part is already over the global count: the sum is the loss
+    if loss_fn is not None:
+        totals = torch.tensor(list(sums.values()), dtype=torch.float64)
+        ctx.all_reduce(totals)
+        sums = dict(zip(sums, totals.tolist()))
     updater.check_loss(loss_sum, step)  # once per step (a host sync on GPUs), before the update, on every rank
     lr = updater.scheduler.get_last_lr()[0]
     grad_norm = updater.step(step)  # a non-finite norm stops the run or skips this update (train.on_nonfinite)
-    return {"loss": loss_sum, "lr": lr, "grad_norm": grad_norm, "skipped_updates": updater.num_skipped,
-            "loss_tokens": num_loss_tokens_global,
-            "num_tokens": sum(int(b["attention_mask"].sum()) for b in batches), "data_time": data_time}
+    metrics = {"loss": loss_sum, "lr": lr, "grad_norm": grad_norm, "skipped_updates": updater.num_skipped,
+               "loss_tokens": num_loss_tokens_global,
+               "num_tokens": sum(int(b["attention_mask"].sum()) for b in batches), "data_time": data_time}
+    if loss_fn is not None:
+        metrics["sums"] = sums
+    return metrics
 
 
 @torch.no_grad()
