@@ -216,6 +216,22 @@ def resolve_pretrained(spec: str) -> str:
     return spec
 
 
+def _refuse_reward_model(source: str, spec: str) -> None:
+    """A directory saved as ``*ForSequenceClassification`` (``lmforge rm``) has a scalar head, no LM head:
+    loaded as a causal LM, transformers would give it a freshly initialised one, silently."""
+    config_path = Path(source) / "config.json"
+    if not config_path.is_file():
+        return
+    try:
+        architectures = json.loads(config_path.read_text(encoding="utf-8")).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return  # _check_config_json and transformers say what is wrong with it
+    if architectures and all(str(a).endswith("ForSequenceClassification") for a in architectures):
+        raise ModelLoadError(f"'{spec}' is a reward model ({architectures[0]}: a scalar head, no LM head), not a "
+                             "causal language model; give the model it was trained from, or use it as an RL reward "
+                             f"with rewards.functions=[rm:{spec}] (docs/reward-models.md)")
+
+
 def _check_config_json(path: Path) -> None:
     """A model directory's config.json must be UTF-8 JSON holding an object (transformers' errors for a
     bad one name the directory at best). Its keys are left to transformers."""
@@ -327,6 +343,7 @@ def load_model(cfg: ModelConfig, tokenizer=None, dtype: torch.dtype = torch.floa
 
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per load is noise in serve, quantize and runs
     source = resolve_pretrained(cfg.name)
+    _refuse_reward_model(source, cfg.name)
     require_model_files(source, tokenizer=tokenizer is None and not cfg.tokenizer)  # before the tokenizer's errors
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(cfg)
     model = _from_hub(AutoModelForCausalLM, source, dtype=dtype)

@@ -1,4 +1,5 @@
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,17 @@ def test_saved_weights_have_their_neighbours_mode_and_a_loaded_model_names_its_s
     loaded, _ = load_model(ModelConfig(name=str(out)))
     assert loaded.name_or_path == str(out)
     assert ALIAS_HUB_IDS["smollm2-135m-instruct"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_a_reward_model_directory_is_refused_as_a_causal_lm(tmp_path):
+    # lmforge rm saves *ForSequenceClassification: as a causal LM it would get a fresh, random LM head
+    model, tok = load_model(ModelConfig(name="tiny:llama", hidden_size=32, num_layers=1, num_heads=2))
+    save_model(model, tok, tmp_path / "rm")
+    config = json.loads((tmp_path / "rm" / "config.json").read_text())
+    config["architectures"] = ["LlamaForSequenceClassification"]
+    (tmp_path / "rm" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"is a reward model \(LlamaForSequenceClassification.*rewards.functions"):
+        load_model(ModelConfig(name=str(tmp_path / "rm")))
+    config["architectures"] = ["LlamaForCausalLM"]
+    (tmp_path / "rm" / "config.json").write_text(json.dumps(config))
+    assert load_model(ModelConfig(name=str(tmp_path / "rm")))[0].config.architectures == ["LlamaForCausalLM"]
