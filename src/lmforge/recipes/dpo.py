@@ -136,10 +136,12 @@ def build_pairs(cfg: DPOConfig, tokenizer, printer=print, model=None) -> tuple[P
         if d.rejected == "policy":
             answers = {split: model_answers(model, tokenizer, task, n, cfg.train.seed, split, cfg)
                        for split, n in (("train", d.num_train), ("val", d.num_val))}
-            wrong = sum(not task.is_correct(a, p) for a, p in
-                        zip(answers["train"], task.make_problems(d.num_train, cfg.train.seed, "train")))
-            printer(f"[data] the starting model answers {wrong} of {d.num_train} training problems wrongly: "
-                    "those answers are the rejected ones, rule-made wrong answers the rest")
+            problems = task.make_problems(d.num_train, cfg.train.seed, "train")
+            blank = sum(not a.strip() for a in answers["train"])
+            wrong = sum(bool(a.strip()) and not task.is_correct(a, p) for a, p in zip(answers["train"], problems))
+            printer(f"[data] the starting model answers {wrong} of {d.num_train} training problems wrongly "
+                    f"(and {blank} blank): those {wrong} answers are the rejected ones, rule-made wrong answers "
+                    "the rest (the blank and the right ones)")
         train_rows = pairs_from_task(task, d.num_train, cfg.train.seed, "train", answers["train"])
         val_rows = pairs_from_task(task, d.num_val, cfg.train.seed, "val", answers["val"])
     else:
