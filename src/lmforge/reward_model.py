@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
-from .data.preference import _encode_side
+from .data.preference import encode_side
 from .data.sft import collate_sft, uses_chat_format
 from .errors import ConfigError
 from .models import context_length, load_tokenizer_for
@@ -133,7 +133,7 @@ class RewardModelReward:
         limit = context_length(self.model) or None
         sides = []
         for completion, problem in zip(completions, problems):
-            side = _encode_side(self.tokenizer, _prompt_of(problem), completion, chat)
+            side = encode_side(self.tokenizer, _prompt_of(problem), completion, chat)
             ids = side.input_ids[-limit:] if limit else side.input_ids
             sides.append(side._replace(input_ids=ids, loss_mask=[1] * len(ids)))
         rewards = []

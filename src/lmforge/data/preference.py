@@ -219,7 +219,9 @@ def _is_empty(completion: str | list[dict]) -> bool:
     return not any(text.strip() for text in texts)
 
 
-def _encode_side(tokenizer, prompt, completion, chat: bool) -> SFTExample:
+def encode_side(tokenizer, prompt, completion, chat: bool) -> SFTExample:
+    """One side of a pair tokenized as training sees it (loss on the completion only); the reward model
+    (lmforge.reward_model) scores a completion through it too, so both read the same tokens."""
     if isinstance(prompt, list):  # conversational: the completion's assistant turns are trained
         return chat_example(tokenizer, prompt + completion, True, trained_from=len(prompt))
     if chat:
@@ -251,7 +253,7 @@ def tokenize_pairs(rows: list[dict], tokenizer, max_len: int, use_chat_template:
         if row["chosen"] == row["rejected"]:
             data.num_identical += 1
             continue
-        sides = [_encode_side(tokenizer, row["prompt"], row[key], chat) for key in ("chosen", "rejected")]
+        sides = [encode_side(tokenizer, row["prompt"], row[key], chat) for key in ("chosen", "rejected")]
         too_long = any(len(side.input_ids) > max_len for side in sides)
         if too_long:
             sides = [_fit(side, max_len) for side in sides] if truncation == "right" else [None]
