@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -252,39 +252,45 @@ def micro_loss(state: TrainState, algo: PreferenceAlgoConfig, batch: TrainBatch,
 # ----------------------------------------------------------------------------- step and evaluation
 
 
-def dpo_step(state: TrainState, data: PreferenceData, algo: PreferenceAlgoConfig, reference, step: int) -> dict:
-    """One optimizer step over the next global batch of pairs; metrics are means over all its pairs."""
+def pairs_step(state: TrainState, data: PreferenceData, step: int, make_batch: Callable, micro_loss: Callable,
+               metric_keys: tuple[str, ...], count_tokens: Callable, before: Callable | None = None) -> dict:
+    """One optimizer step over the next global batch of pairs (lmforge dpo and lmforge rm); metrics are
+    means over all its pairs.
+
+    This rank's share is cut into micro-batches, ``make_batch(pairs)`` each; ``before(batch)`` (e.g. the
+    reference's logprobs) runs on every micro-batch before any update; ``micro_loss(batch, before_value,
+    num_pairs_global) -> (loss, metrics)`` is already divided by the global pair count, so the sums over
+    micro-batches and ranks are the means. ``count_tokens(batch)``: the tokens a micro-batch holds."""
     run, updater = state.run, state.updater
     ctx, micro = run.ctx, run.micro_batch_size
     t0 = time.perf_counter()
     global_rows = state.order.next()
     rows = rank_share(global_rows, ctx.rank, ctx.world_size)
-    pad_id = state.tokenizer.pad_token_id
-    batches = [pair_batch([data.pairs[i] for i in rows[k:k + micro]], pad_id).to(run.device)
-               for k in range(0, len(rows), micro)]
+    batches = [make_batch([data.pairs[i] for i in rows[k:k + micro]]) for k in range(0, len(rows), micro)]
     data_time = time.perf_counter() - t0
-    refs = [reference_logps(state, reference, batch) for batch in batches]  # once per batch, before any update
-    totals = torch.zeros(1 + len(METRIC_KEYS), device=run.device)  # loss, then METRIC_KEYS
-    for index, (batch, ref) in enumerate(zip(batches, refs)):
+    prepared = [before(batch) for batch in batches] if before else [None] * len(batches)
+    totals = torch.zeros(1 + len(metric_keys), device=run.device)  # loss, then metric_keys
+    for index, (batch, value) in enumerate(zip(batches, prepared)):
         with gradient_sync(state.wrapped, enabled=index == len(batches) - 1):
-            loss, metrics = micro_loss(state, algo, batch, ref, len(global_rows))
+            loss, metrics = micro_loss(batch, value, len(global_rows))
             updater.precision.backward(loss)
-        totals += torch.stack([loss.detach().float(), *(metrics[k].float() for k in METRIC_KEYS)])
+        totals += torch.stack([loss.detach().float(), *(metrics[k].float() for k in metric_keys)])
     ctx.all_reduce(totals)  # each part is already over the global pair count: the sums are the means
     updater.check_loss(totals[0], step)
     lr = updater.scheduler.get_last_lr()[0]
     grad_norm = updater.step(step)
-    return {"loss": totals[0], **dict(zip(METRIC_KEYS, totals[1:])), "lr": lr, "grad_norm": grad_norm,
-            "skipped_updates": updater.num_skipped,
-            "num_tokens": sum(int(b.attention_mask.sum()) for b in batches), "data_time": data_time}
+    return {"loss": totals[0], **dict(zip(metric_keys, totals[1:])), "lr": lr, "grad_norm": grad_norm,
+            "skipped_updates": updater.num_skipped, "num_tokens": sum(count_tokens(b) for b in batches),
+            "data_time": data_time}
 
 
 @torch.no_grad()
-def held_out_preferences(state: TrainState, data: PreferenceData, algo: PreferenceAlgoConfig, reference,
-                         max_pairs: int = 512) -> dict:
-    """Loss, reward accuracy and margin over (up to ``max_pairs``) held-out pairs, shared out over the
-    ranks; every rank runs the same number of forwards (FSDP2 gathers in each), a rank whose share is
-    used up repeats a batch and counts nothing from it."""
+def held_out_pairs(state: TrainState, data: PreferenceData, max_pairs: int, pairs_loss: Callable,
+                   names: dict[str, str]) -> dict:
+    """``val_loss`` and the ``names`` (output name -> metric of ``pairs_loss(pairs) -> (loss, metrics)``,
+    summed over pairs) as means over (up to ``max_pairs``) held-out pairs, shared out over the ranks;
+    every rank runs the same number of forwards (FSDP2 gathers in each), a rank whose share is used up
+    repeats a batch and counts nothing from it."""
     run = state.run
     ctx, micro = run.ctx, run.micro_batch_size
     pairs = data.pairs[:max_pairs]
@@ -293,19 +299,38 @@ def held_out_preferences(state: TrainState, data: PreferenceData, algo: Preferen
     was_training = state.model.training
     state.model.eval()
     mine = pairs[ctx.rank::ctx.world_size]
-    num_batches = -(-len(pairs) // (micro * ctx.world_size))
-    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, wins, margin sum
-    for index in range(num_batches):
+    totals = torch.zeros(1 + len(names), dtype=torch.float64)  # loss sum, then the named sums
+    for index in range(-(-len(pairs) // (micro * ctx.world_size))):
         part = mine[index * micro:(index + 1) * micro]
-        batch = pair_batch(part or pairs[:1], state.tokenizer.pad_token_id).to(run.device)
-        loss, metrics = micro_loss(state, algo, batch, reference_logps(state, reference, batch), 1)
+        loss, metrics = pairs_loss(part or pairs[:1])
         if part:
-            totals += torch.tensor([float(loss), float(metrics["reward_accuracy"]), float(metrics["reward_margin"])],
+            totals += torch.tensor([float(loss), *(float(metrics[key]) for key in names.values())],
                                    dtype=torch.float64)
     ctx.all_reduce(totals)
     state.model.train(was_training)
-    return {"val_loss": float(totals[0]) / len(pairs), "val_reward_accuracy": float(totals[1]) / len(pairs),
-            "val_reward_margin": float(totals[2]) / len(pairs)}
+    return {"val_loss": float(totals[0]) / len(pairs),
+            **{name: float(total) / len(pairs) for name, total in zip(names, totals[1:])}}
+
+
+def dpo_step(state: TrainState, data: PreferenceData, algo: PreferenceAlgoConfig, reference, step: int) -> dict:
+    """One optimizer step of the preference loss (:func:`pairs_step`); the reference's logprobs are
+    computed once per micro-batch, before any update."""
+    pad_id, device = state.tokenizer.pad_token_id, state.run.device
+    return pairs_step(state, data, step, lambda pairs: pair_batch(pairs, pad_id).to(device),
+                      lambda batch, ref, num_pairs: micro_loss(state, algo, batch, ref, num_pairs), METRIC_KEYS,
+                      lambda batch: int(batch.attention_mask.sum()),
+                      before=lambda batch: reference_logps(state, reference, batch))
+
+
+def held_out_preferences(state: TrainState, data: PreferenceData, algo: PreferenceAlgoConfig, reference,
+                         max_pairs: int = 512) -> dict:
+    """Loss, reward accuracy and margin over the held-out pairs (:func:`held_out_pairs`)."""
+    def pairs_loss(pairs):
+        batch = pair_batch(pairs, state.tokenizer.pad_token_id).to(state.run.device)
+        return micro_loss(state, algo, batch, reference_logps(state, reference, batch), 1)
+
+    return held_out_pairs(state, data, max_pairs, pairs_loss,
+                          {"val_reward_accuracy": "reward_accuracy", "val_reward_margin": "reward_margin"})
 
 
 def make_task_eval(cfg: DPOConfig, tokenizer, run):

@@ -16,7 +16,6 @@ reward with ``rewards.functions=[rm:DIR]``. The math: docs/reward-models.md.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Literal
 
 import torch
@@ -25,14 +24,13 @@ from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, Tr
 from ..data.preference import PreferenceData, PreferencePair, collate_pairs
 from ..errors import ConfigError, DataError
 from ..models import load_model
-from ..parallel.wrap import gradient_sync, run_forward
+from ..parallel.wrap import run_forward
 from ..reward_losses import reward_loss
 from ..reward_model import from_causal_lm, sequence_rewards
 from ..runtime.loop import Trainer, TrainState, build_state, train_loop
 from ..runtime.run import start_run
 from ..train import BatchOrder
-from .dpo import PreferenceDataConfig, build_pairs, check_fits_context
-from .supervised import rank_share
+from .dpo import PreferenceDataConfig, build_pairs, check_fits_context, held_out_pairs, pairs_step
 
 METRIC_KEYS = ("rewards_chosen", "rewards_rejected", "reward_margin", "accuracy")
 
@@ -70,57 +68,22 @@ def pair_rewards(state: TrainState, pairs: list[PreferencePair]) -> tuple[torch.
 
 
 def rm_step(state: TrainState, data: PreferenceData, algo: RewardAlgoConfig, step: int) -> dict:
-    """One optimizer step over the next global batch of pairs; metrics are means over all its pairs."""
-    run, updater = state.run, state.updater
-    ctx, micro = run.ctx, run.micro_batch_size
-    t0 = time.perf_counter()
-    global_rows = state.order.next()
-    rows = rank_share(global_rows, ctx.rank, ctx.world_size)
-    batches = [[data.pairs[i] for i in rows[k:k + micro]] for k in range(0, len(rows), micro)]
-    data_time = time.perf_counter() - t0
-    totals = torch.zeros(1 + len(METRIC_KEYS), device=run.device)  # loss, then METRIC_KEYS
-    num_tokens = 0
-    for index, pairs in enumerate(batches):
-        with gradient_sync(state.wrapped, enabled=index == len(batches) - 1):
-            chosen, rejected = pair_rewards(state, pairs)
-            loss, metrics = reward_loss(chosen, rejected, loss_type=algo.loss, margin=algo.margin,
-                                        num_pairs_global=len(global_rows))
-            updater.precision.backward(loss)
-        totals += torch.stack([loss.detach().float(), *(metrics[k].float() for k in METRIC_KEYS)])
-        num_tokens += sum(len(side.input_ids) for pair in pairs for side in pair)
-    ctx.all_reduce(totals)  # each part is already over the global pair count: the sums are the means
-    updater.check_loss(totals[0], step)
-    lr = updater.scheduler.get_last_lr()[0]
-    grad_norm = updater.step(step)
-    return {"loss": totals[0], **dict(zip(METRIC_KEYS, totals[1:])), "lr": lr, "grad_norm": grad_norm,
-            "skipped_updates": updater.num_skipped, "num_tokens": num_tokens, "data_time": data_time}
+    """One optimizer step of the reward-model loss over the next global batch of pairs (dpo.pairs_step)."""
+    def micro_loss(pairs, _, num_pairs_global):
+        return reward_loss(*pair_rewards(state, pairs), loss_type=algo.loss, margin=algo.margin,
+                           num_pairs_global=num_pairs_global)
+
+    return pairs_step(state, data, step, list, micro_loss, METRIC_KEYS,
+                      lambda pairs: sum(len(side.input_ids) for pair in pairs for side in pair))
 
 
-@torch.no_grad()
 def held_out(state: TrainState, data: PreferenceData, algo: RewardAlgoConfig, max_pairs: int = 1024) -> dict:
-    """Loss, pairwise accuracy and margin over (up to ``max_pairs``) held-out pairs, shared out over the
-    ranks; every rank runs the same number of forwards (FSDP2 gathers in each), a rank whose share is
-    used up repeats a batch and counts nothing from it."""
-    run = state.run
-    ctx, micro = run.ctx, run.micro_batch_size
-    pairs = data.pairs[:max_pairs]
-    if not pairs:
-        return {}
-    was_training = state.model.training
-    state.model.eval()
-    mine = pairs[ctx.rank::ctx.world_size]
-    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, wins, margin sum
-    for index in range(-(-len(pairs) // (micro * ctx.world_size))):
-        part = mine[index * micro:(index + 1) * micro]
-        loss, metrics = reward_loss(*pair_rewards(state, part or pairs[:1]), loss_type=algo.loss, margin=algo.margin,
-                                    num_pairs_global=1)
-        if part:
-            totals += torch.tensor([float(loss), float(metrics["accuracy"]), float(metrics["reward_margin"])],
-                                   dtype=torch.float64)
-    ctx.all_reduce(totals)
-    state.model.train(was_training)
-    return {"val_loss": float(totals[0]) / len(pairs), "val_accuracy": float(totals[1]) / len(pairs),
-            "val_reward_margin": float(totals[2]) / len(pairs)}
+    """Loss, pairwise accuracy and margin over the held-out pairs (dpo.held_out_pairs)."""
+    def pairs_loss(pairs):
+        return reward_loss(*pair_rewards(state, pairs), loss_type=algo.loss, margin=algo.margin, num_pairs_global=1)
+
+    return held_out_pairs(state, data, max_pairs, pairs_loss,
+                          {"val_accuracy": "accuracy", "val_reward_margin": "reward_margin"})
 
 
 def run_rm(cfg: RMConfig, model=None, tokenizer=None, console=None) -> dict:
