@@ -114,6 +114,7 @@ def test_identical_pairs_are_skipped_and_counted(tmp_path, capsys):
     (["algo.loss=hinge"], "algo.loss"),
     (["model.lora.r=4"], "model.lora is not supported"),
     (["data.path=x.jsonl"], "set exactly one of data.path"),
+    (["data.num_eval=5"], "data.num_eval is not used by lmforge rm"),
 ])
 def test_bad_settings_exit_2_naming_the_key(tmp_path, capsys, overrides, message):
     assert main(["rm", *ARGS, f"train.output_dir={tmp_path}", *overrides]) == 2

@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, section
+from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, refuse_ignored, section
 from ..data.preference import PreferenceData, PreferencePair, collate_pairs
 from ..errors import ConfigError, DataError
 from ..models import load_model
@@ -56,6 +56,10 @@ class RMConfig:
     train: TrainConfig = section(TrainConfig, "loop, evaluation and checkpoints (batch sizes count pairs)")
     parallel: ParallelConfig = section(ParallelConfig, "processes under torchrun (docs/distributed.md)")
     logging: LoggingConfig = section(LoggingConfig, "progress and metrics sinks")
+
+    def validate(self) -> None:
+        refuse_ignored(self.data, "data", ("num_eval",), "by lmforge rm (it measures held-out pairwise accuracy "
+                       "on the data.num_val pairs, not the task's exact-match accuracy)")
 
 
 def pair_rewards(state: TrainState, pairs: list[PreferencePair]) -> tuple[torch.Tensor, torch.Tensor]:
