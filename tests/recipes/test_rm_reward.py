@@ -115,3 +115,12 @@ def test_grpo_with_the_reward_model_as_its_only_reward(tmp_path, rm_dir):
     for record in steps:  # the reward model scored every completion, none failed, and they differ
         assert record["reward_failures"] == 0 and record["reward_std"] > 0
         assert record[f"reward_rm:{rm_dir[0]}"] == record["reward"] != 0
+
+
+def test_grpo_with_a_missing_reward_model_stops_before_taking_the_run_directory(tmp_path):
+    args = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
+            "data.task=addition", f"rewards.functions=[rm:{tmp_path / 'missing'}]", "train.threads=1",
+            f"train.output_dir={tmp_path / 'run'}"]
+    with pytest.raises(ConfigError, match="no such directory"):
+        run_grpo(load_config(GRPOConfig, None, args))
+    assert not (tmp_path / "run").exists()

@@ -313,6 +313,11 @@ def check_rl_config(cfg, algo) -> None:
     for section_cfg in (cfg.data, cfg.rollout, cfg.optim, cfg.train, *([env] if env else [])):
         section_cfg.validate()
     cfg.rewards.validate(allow_empty=bool(env and env.name))
+    for name, *_ in cfg.rewards.specs(allow_empty=True):
+        if name.startswith("rm:") and name[3:]:  # a reward model: its directory, before the run directory is taken
+            from ..reward_model import check_reward_model_dir
+
+            check_reward_model_dir(name[3:])
     check_env(env, cfg)
     if algo.is_level != "none" and cfg.rollout.truncates:
         raise ConfigError(
