@@ -118,11 +118,12 @@ def _forward(model, input_ids, attention_mask, position_ids, cache, last_only: b
 def prefill(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: Any = None):
     """Run left-padded prompts through ``model`` and return ``(last_logits, cache)``.
 
-    input_ids, attention_mask: (N, P), left-padded (attention_mask 1 on real tokens).
-    Returns last_logits (N, V) float32 at the last position (the last real token of every row) and
-    the model's KV cache. Position ids count real tokens only, so padding does not shift RoPE.
+    input_ids: (N, P), left-padded; attention_mask: (N, P), 1 on real tokens, or (N, L + P) when
+    ``cache`` already holds L positions (its own mask first). Returns last_logits (N, V) float32 at
+    the last position (the last real token of every row) and the model's KV cache. Position ids
+    count real tokens only (the cached ones too), so padding does not shift RoPE.
     """
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (N, P)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]  # (N, P)
     return _forward(model, input_ids, attention_mask, position_ids, cache, last_only=True)
 
 

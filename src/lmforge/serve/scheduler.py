@@ -40,6 +40,7 @@ from typing import Callable
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from ..rollout.continuous import concat_cache, left_pad_cache, trim_cache
 from ..rollout.engine import SamplingParams, decode_step, left_pad, prefill, process_logits, sample_token
 
 
@@ -111,28 +112,6 @@ class _WeightUpdate:
     load: Callable[[torch.nn.Module], None]  # copies new weights into the model
     version: int | None  # requested version (None: current + 1)
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
-
-
-def _left_pad_cache(cache: DynamicCache, width: int) -> None:
-    """Prepend zero key/value columns so the cache holds ``width`` positions (padding is masked out)."""
-    for layer in cache.layers:
-        missing = width - layer.keys.shape[-2]
-        if missing > 0:
-            pad = layer.keys.new_zeros((*layer.keys.shape[:2], missing, layer.keys.shape[-1]))
-            layer.keys = torch.cat([pad, layer.keys], dim=-2)
-            layer.values = torch.cat([pad.new_zeros((*pad.shape[:3], layer.values.shape[-1])), layer.values], -2)
-
-
-def _concat_cache(first: DynamicCache, second: DynamicCache) -> None:
-    """Append ``second``'s rows to ``first`` (both already the same width)."""
-    for a, b in zip(first.layers, second.layers):
-        a.keys, a.values = torch.cat([a.keys, b.keys], 0), torch.cat([a.values, b.values], 0)
-
-
-def _trim_cache(cache: DynamicCache, start: int) -> None:
-    """Drop the first ``start`` positions of every row (padding in every remaining row)."""
-    for layer in cache.layers:
-        layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
 
 
 class BatchScheduler:
@@ -300,9 +279,9 @@ class BatchScheduler:
         else:
             width = max(self._mask.shape[1], mask.shape[1])
             for c in (self._cache, cache):
-                _left_pad_cache(c, width)
+                left_pad_cache(c, width)
             pad = lambda m: torch.cat([m.new_zeros((m.shape[0], width - m.shape[1])), m], 1)  # noqa: E731
-            _concat_cache(self._cache, cache)
+            concat_cache(self._cache, cache)
             self._mask = torch.cat([pad(self._mask), pad(mask)], 0)
             self._logits = torch.cat([self._logits, logits], 0)
             self._positions = torch.cat([self._positions, mask.sum(1)], 0)
@@ -390,7 +369,7 @@ class BatchScheduler:
             self._mask, tokens, self._positions = self._mask[index], tokens[index], self._positions[index]
             start = int((self._mask.cumsum(1) == 0).sum(1).min())  # leading padding common to every row
             if start:
-                _trim_cache(self._cache, start)
+                trim_cache(self._cache, start)
                 self._mask = self._mask[:, start:]
         self._mask = torch.cat([self._mask, self._mask.new_ones((len(self._rows), 1))], 1)  # (B, L + 1)
         self._logits, self._cache = decode_step(self.model, tokens, self._cache, self._mask, self._positions)

@@ -1,0 +1,252 @@
+"""Continuous batching: rows join a running batch between two decode steps and leave it as soon as
+they finish, so nobody waits for the slowest row of a batch.
+
+``ContinuousDecoder`` is the loop without a server or an environment around it: ``admit`` a row
+(a key, its token ids, its ``SamplingParams``), call ``step`` again and again; each call prefills
+the rows admitted since the last one, samples one token for every running row, hands back the rows
+that finished (a stop token, or ``max_new_tokens``) and runs the model once on the rest. The
+episode runner (``envs/episode.py``) drives it, one row per episode turn.
+
+How rows share the batch (the scheme ``lmforge serve`` uses, docs/serving.md "Batching"): the KV
+caches of the new rows and of the running ones are left-padded to one width and concatenated; the
+attention mask is 0 on padding and the position ids count real tokens only, so padding never
+shifts RoPE. Columns that are padding in every row are cut when rows leave.
+
+Each row samples from its own generator, seeded by its ``params.seed``: its tokens do not depend
+on which rows share its steps (up to the float rounding of a different batch shape, which moves a
+greedy argmax or a sampled draw only at a near tie). Greedy rows share one ``sample_token`` call.
+
+Kept caches (``keep_cache=True``): a finished row's KV entries (every position fed to the model:
+its ids and all but its last sampled token) are kept under its key. When the key is admitted again
+with ids that start with exactly those tokens -- an episode's next turn: its history, the sampled
+turn and the environment's delta -- only the new ids are prefilled, after the kept entries (the
+padding between them masked). Any other ids are prefilled whole. ``release(key)`` drops a kept cache.
+
+Shapes: B = running rows, L = cached positions (left-padded), V = vocabulary size, H = KV heads,
+D = head dim; N = rows admitted in one prefill.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from .engine import SamplingParams, decode_step, left_pad, prefill, sample_token
+
+
+def left_pad_cache(cache: DynamicCache, width: int) -> None:
+    """Prepend zero key/value columns so the cache holds ``width`` positions (padding is masked out)."""
+    for layer in cache.layers:
+        missing = width - layer.keys.shape[-2]
+        if missing > 0:
+            pad = layer.keys.new_zeros((*layer.keys.shape[:2], missing, layer.keys.shape[-1]))
+            layer.keys = torch.cat([pad, layer.keys], dim=-2)
+            layer.values = torch.cat([pad.new_zeros((*pad.shape[:3], layer.values.shape[-1])), layer.values], -2)
+
+
+def concat_cache(first: DynamicCache, second: DynamicCache) -> None:
+    """Append ``second``'s rows to ``first`` (both already the same width)."""
+    for a, b in zip(first.layers, second.layers):
+        a.keys, a.values = torch.cat([a.keys, b.keys], 0), torch.cat([a.values, b.values], 0)
+
+
+def trim_cache(cache: DynamicCache, start: int) -> None:
+    """Drop the first ``start`` positions of every row (padding in every remaining row)."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
+
+
+def check_full_attention(cache: DynamicCache, who: str) -> None:
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        raise ValueError(f"{who} merges full-attention KV caches between rows; this model has sliding-window or "
+                         "other special cache layers, which are not supported")
+
+
+@dataclasses.dataclass
+class FinishedRow:
+    """A row that left the batch: the tokens it sampled (the stop token included) and their logprobs."""
+
+    key: Hashable
+    token_ids: list[int]
+    logprobs: list[float]  # of the distribution each token was drawn from (rollout/engine.py module doc)
+    truncated: bool  # ended at max_new_tokens without a stop token
+
+
+@dataclasses.dataclass
+class _Row:
+    key: Hashable
+    ids: list[int]  # what it was admitted with
+    params: SamplingParams
+    generator: torch.Generator | None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+
+
+class ContinuousDecoder:
+    """Rows of ``model`` decoded together, joining and leaving between steps (module doc).
+
+    The model must be in eval mode (the caller's to set); ``step`` runs under inference mode.
+    ``num_model_calls`` counts prefills and decode steps.
+    """
+
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, keep_cache: bool = True):
+        self.model, self.pad_token_id, self.keep_cache = model, pad_token_id, keep_cache
+        self.device = next(model.parameters()).device
+        self.num_model_calls = 0
+        self.num_prefilled_tokens = 0  # real tokens run through a prefill (kept caches spare their history)
+        self._queue: list[_Row] = []
+        self._rows: list[_Row] = []
+        self._kept: dict[Hashable, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self._cache: DynamicCache | None = None
+        self._mask: torch.Tensor | None = None  # (B, L) long, 1 on real cached positions
+        self._logits: torch.Tensor | None = None  # (B, V) float32, next-token logits
+        self._positions: torch.Tensor | None = None  # (B,) long, position of each row's next token
+
+    @property
+    def busy(self) -> bool:
+        """Rows running or waiting to join."""
+        return bool(self._rows or self._queue)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._rows)
+
+    def admit(self, key: Hashable, ids: list[int], params: SamplingParams) -> None:
+        """Queue a row; it joins at the next ``step``. ``params.seed`` seeds the row's own generator."""
+        if params.stop_strings:
+            raise ValueError("ContinuousDecoder stops on stop_token_ids only; stop_strings are not supported")
+        if not ids:
+            raise ValueError(f"row {key!r} has no ids; every row needs at least one token (e.g. BOS)")
+        generator = None
+        if params.seed is not None and params.temperature > 0:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        self._queue.append(_Row(key, list(ids), params, generator))
+
+    def release(self, key: Hashable) -> None:
+        """Forget ``key``'s kept cache (its episode ended)."""
+        self._kept.pop(key, None)
+
+    @torch.inference_mode()
+    def step(self) -> list[FinishedRow]:
+        """Admit the queued rows, sample a token for every row, retire finished rows, run the model on the rest."""
+        if self._queue:
+            self._admit()
+        if not self._rows:
+            return []
+        tokens = self._sample()  # (B,)
+        finished, keep = [], []
+        for b, row in enumerate(self._rows):
+            stop = row.tokens[-1] in row.params.stop_token_ids
+            if stop or len(row.tokens) >= row.params.max_new_tokens:
+                finished.append(FinishedRow(row.key, row.tokens, row.logprobs, truncated=not stop))
+                if self.keep_cache:
+                    self._keep(b, row)
+            else:
+                keep.append(b)
+        if len(keep) < len(self._rows):
+            self._rows = [self._rows[b] for b in keep]
+            if not keep:
+                self._cache = self._mask = self._logits = self._positions = None
+                return finished
+            index = torch.tensor(keep, dtype=torch.long, device=self.device)
+            self._cache.batch_select_indices(index)
+            self._mask, tokens, self._positions = self._mask[index], tokens[index], self._positions[index]
+            start = int((self._mask.cumsum(1) == 0).sum(1).min())  # leading padding common to every row
+            if start:
+                trim_cache(self._cache, start)
+                self._mask = self._mask[:, start:]
+        self._mask = torch.cat([self._mask, self._mask.new_ones((len(self._rows), 1))], 1)  # (B, L + 1)
+        self._logits, self._cache = decode_step(self.model, tokens, self._cache, self._mask, self._positions)
+        self._positions = self._positions + 1
+        self.num_model_calls += 1
+        return finished
+
+    # ------------------------------------------------------------------ internals
+
+    def _keep(self, b: int, row: _Row) -> None:
+        """Keep row ``b``'s KV entries of its real positions: its ids and all but its last sampled token."""
+        real = self._mask[b].bool()
+        fed = row.ids + row.tokens[:-1]
+        assert int(real.sum()) == len(fed), "the row's cached positions do not match its tokens"
+        self._kept[row.key] = (fed, [(layer.keys[b:b + 1, :, real], layer.values[b:b + 1, :, real])
+                                     for layer in self._cache.layers])
+
+    def _reusable(self, row: _Row) -> int:
+        """How many leading ids of ``row`` have kept KV entries (0: prefill it whole)."""
+        kept = self._kept.pop(row.key, None)
+        if kept is None or len(kept[0]) >= len(row.ids) or row.ids[:len(kept[0])] != kept[0]:
+            return 0
+        self._kept[row.key] = kept
+        return len(kept[0])
+
+    def _admit(self) -> None:
+        """Prefill the queued rows (after their kept entries) in one model call and merge them in."""
+        batch, self._queue = self._queue, []
+        num_cached = [self._reusable(row) for row in batch]
+        ids, new_mask = left_pad([row.ids[c:] for row, c in zip(batch, num_cached)], self.pad_token_id)  # (N, P)
+        width = max(num_cached)
+        cache = DynamicCache(config=self.model.config)
+        past_mask = torch.zeros((len(batch), width), dtype=torch.long)  # (N, width): the kept entries, right-aligned
+        for n, c in enumerate(num_cached):
+            if c:
+                past_mask[n, width - c:] = 1
+        if width:
+            for layer, (keys, values) in zip(cache.layers, self._kept_layers(batch, num_cached)):
+                layer.update(keys, values)
+        mask = torch.cat([past_mask, new_mask], 1).to(self.device)  # (N, width + P)
+        logits, cache = prefill(self.model, ids.to(self.device), mask, cache)  # (N, V)
+        self.num_model_calls += 1
+        self.num_prefilled_tokens += int(new_mask.sum())
+        for row, c in zip(batch, num_cached):
+            if c:
+                del self._kept[row.key]
+        check_full_attention(cache, "continuous batching")
+        positions = mask.sum(1)
+        if not self._rows:
+            self._cache, self._mask, self._logits, self._positions = cache, mask, logits, positions
+        else:
+            width = max(self._mask.shape[1], mask.shape[1])
+            for c in (self._cache, cache):
+                left_pad_cache(c, width)
+            pad = lambda m: torch.cat([m.new_zeros((m.shape[0], width - m.shape[1])), m], 1)  # noqa: E731
+            concat_cache(self._cache, cache)
+            self._mask = torch.cat([pad(self._mask), pad(mask)], 0)
+            self._logits = torch.cat([self._logits, logits], 0)
+            self._positions = torch.cat([self._positions, positions], 0)
+        self._rows += batch
+
+    def _kept_layers(self, batch: list[_Row], num_cached: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, (N, H, width, D) keys and values: each row's kept entries right-aligned, zeros before."""
+        width = max(num_cached)
+        example = next(self._kept[row.key][1] for row, c in zip(batch, num_cached) if c)
+        out = []
+        for i, (keys, values) in enumerate(example):
+            all_keys = keys.new_zeros((len(batch), keys.shape[1], width, keys.shape[-1]))
+            all_values = values.new_zeros((len(batch), values.shape[1], width, values.shape[-1]))
+            for n, (row, c) in enumerate(zip(batch, num_cached)):
+                if c:
+                    kept_keys, kept_values = self._kept[row.key][1][i]
+                    all_keys[n, :, width - c:] = kept_keys[0]
+                    all_values[n, :, width - c:] = kept_values[0]
+            out.append((all_keys, all_values))
+        return out
+
+    def _sample(self) -> torch.Tensor:
+        """One token per running row from its own settings and generator. Returns tokens (B,) long."""
+        tokens = torch.empty(len(self._rows), dtype=torch.long, device=self.device)
+        groups: dict[tuple, list[int]] = {}
+        for b, row in enumerate(self._rows):
+            p = row.params
+            key = (p.temperature, p.top_k, p.top_p, id(row.generator) if row.generator else None)
+            groups.setdefault(key, []).append(b)
+        for rows in groups.values():
+            first = self._rows[rows[0]]
+            index = torch.tensor(rows, device=self.device)
+            picked, logprobs = sample_token(self._logits[index], first.params, first.generator)
+            tokens[index] = picked
+            for b, token, logprob in zip(rows, picked.tolist(), logprobs.tolist()):
+                self._rows[b].tokens.append(token)
+                self._rows[b].logprobs.append(logprob)
+        return tokens

@@ -1,0 +1,96 @@
+"""rollout.continuous.ContinuousDecoder: rows joining and leaving a running batch decode what the
+engine decodes for each alone; a kept KV cache prefills only the new ids; a seeded row's tokens do
+not depend on its batch mates."""
+import pytest
+import torch
+
+from lmforge.config import ModelConfig
+from lmforge.models import load_model
+from lmforge.rollout import SamplingParams, generate
+from lmforge.rollout.continuous import ContinuousDecoder
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model, tok = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2,
+                                        num_heads=2, max_position_embeddings=256))
+    return model.eval(), tok
+
+
+def encode(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def drive(decoder, admissions: dict[int, list[tuple]]) -> dict:
+    """Step ``decoder`` until idle, admitting ``admissions[step]`` (key, ids, params) before that step."""
+    out, step = {}, 0
+    while decoder.busy or step <= max(admissions):
+        for key, ids, params in admissions.get(step, []):
+            decoder.admit(key, ids, params)
+        out.update({row.key: row for row in decoder.step()})
+        step += 1
+    return out
+
+
+def alone(model, tok, ids, params):
+    rollout = generate(model, [ids], params, pad_token_id=tok.pad_token_id)
+    n = int(rollout.completion_lens[0])
+    return rollout.completion_ids[0, :n].tolist(), rollout.logprobs[0, :n]
+
+
+def test_staggered_rows_and_later_turns_decode_what_each_decodes_alone(tiny):
+    model, tok = tiny
+    greedy = SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=[tok.eos_token_id])
+    prompts = [encode(tok, t) for t in ("hello world", "ab", "xyz 123 45")]
+    decoder = ContinuousDecoder(model, tok.pad_token_id)
+    first = drive(decoder, {0: [(0, prompts[0], greedy)], 2: [(1, prompts[1], greedy)],
+                            3: [(2, prompts[2], greedy)]})
+    histories = []
+    for key, prompt in enumerate(prompts):
+        tokens, logprobs = alone(model, tok, prompt, greedy)
+        assert first[key].token_ids == tokens
+        torch.testing.assert_close(torch.tensor(first[key].logprobs), logprobs, rtol=0, atol=2e-5)
+        histories.append(prompt + tokens + encode(tok, f"again {key}"))
+    # the next turns: each history extends the row's kept tokens, so only the new ids are prefilled
+    prefilled = decoder.num_prefilled_tokens
+    second = drive(decoder, {0: [(2, histories[2], greedy), (0, histories[0], greedy)], 1: [(1, histories[1], greedy)]})
+    new_ids = sum(len(h) - len(p) - len(first[k].token_ids) + 1 for k, (h, p) in enumerate(zip(histories, prompts)))
+    assert decoder.num_prefilled_tokens - prefilled == new_ids < sum(map(len, histories))
+    for key, history in enumerate(histories):
+        tokens, logprobs = alone(model, tok, history, greedy)
+        assert second[key].token_ids == tokens
+        torch.testing.assert_close(torch.tensor(second[key].logprobs), logprobs, rtol=0, atol=2e-5)
+
+
+def test_ids_that_do_not_extend_the_kept_ones_are_prefilled_whole(tiny):
+    model, tok = tiny
+    greedy = SamplingParams(temperature=0, max_new_tokens=6, stop_token_ids=[tok.eos_token_id])
+    decoder = ContinuousDecoder(model, tok.pad_token_id)
+    drive(decoder, {0: [(0, encode(tok, "hello"), greedy)]})
+    other = encode(tok, "a different start")
+    prefilled = decoder.num_prefilled_tokens
+    (row,) = drive(decoder, {0: [(0, other, greedy)]}).values()
+    assert decoder.num_prefilled_tokens - prefilled == len(other)
+    assert row.token_ids == alone(model, tok, other, greedy)[0]
+
+
+def test_a_seeded_rows_tokens_do_not_depend_on_its_batch_mates(tiny):
+    model, tok = tiny
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=7)
+    prompt = encode(tok, "sample me")
+    solo = drive(ContinuousDecoder(model, tok.pad_token_id), {0: [("me", prompt, params)]})["me"]
+    mates = {0: [(i, encode(tok, "x" * (3 + i)), SamplingParams(temperature=1.0, max_new_tokens=5 + i, seed=i))
+                 for i in range(3)], 2: [("me", prompt, params)], 4: [(9, encode(tok, "late"), params)]}
+    crowded = drive(ContinuousDecoder(model, tok.pad_token_id), mates)["me"]
+    assert crowded.token_ids == solo.token_ids and crowded.truncated and len(solo.token_ids) == 12
+    torch.testing.assert_close(torch.tensor(crowded.logprobs), torch.tensor(solo.logprobs), rtol=0, atol=2e-5)
+    other_seed = drive(ContinuousDecoder(model, tok.pad_token_id), {0: [("me", prompt, SamplingParams(
+        temperature=1.0, max_new_tokens=12, seed=8))]})["me"]
+    assert other_seed.token_ids != solo.token_ids  # the seed, not the batch, decides
+
+
+def test_stop_strings_are_refused(tiny):
+    model, tok = tiny
+    with pytest.raises(ValueError, match="stop_strings"):
+        ContinuousDecoder(model, tok.pad_token_id).admit(0, [1], SamplingParams(stop_strings=["x"]))
