@@ -2,6 +2,8 @@
 ids verbatim under a tokenizer whose decode -> encode is not the identity; (b) the loss trains exactly
 the policy's tokens, and the same check catches a mask with one environment token switched on;
 (c) a one-turn environment gives exactly the single-turn GRPO run."""
+import threading
+import time
 import types
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from lmforge import rl
 from lmforge.config import ModelConfig, load_config
 from lmforge.envs.base import StepResult
 from lmforge.envs.episode import EpisodeLimits, EpisodeRunner, episode_rollout
+from lmforge.rollout.continuous import ContinuousDecoder, FinishedRow
 from lmforge.envs.tool_env import ToolEnv
 from lmforge.errors import ConfigError, TrainingError
 from lmforge.losses import policy_loss
@@ -23,6 +26,8 @@ from lmforge.train import Precision
 from episode_envs import Again, Hangs, Malformed, Raises
 from run_records import records
 
+# Every runner test runs in both modes: rounds (EpisodeRunner.run) and continuous (run_continuous)
+MODES = ["rounds", "continuous"]
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<|user|>", "<|assistant|>", "<|system|>", "<|tool|>"]
 
 
@@ -60,15 +65,56 @@ def scripted(turns: list[list[int]], pad: int):
     return generate_fn, seen
 
 
-def test_history_holds_the_sampled_ids_verbatim_under_a_non_identity_tokenizer():
+class ScriptedDecoder:
+    """``scripted`` for the continuous runner: turn t of every episode samples ``turns[t]``, finished in
+    the step after its admission; ``seen[t]`` records the ids each turn t was admitted with."""
+
+    def __init__(self, turns: list[list[int]]):
+        self.turns, self.seen, self.queue, self.admitted = turns, [], [], {}
+
+    @property
+    def busy(self):
+        return bool(self.queue)
+
+    def admit(self, key, ids, params):
+        turn = self.admitted[key] = self.admitted.get(key, -1) + 1
+        self.seen += [[] for _ in range(turn + 1 - len(self.seen))]
+        self.seen[turn].append(list(ids))
+        self.queue.append((key, self.turns[turn]))
+
+    def release(self, key):
+        pass
+
+    def step(self):
+        rows = [FinishedRow(key, list(sampled), [-0.5 - i / 10 for i in range(len(sampled))], False)
+                for key, sampled in self.queue]
+        self.queue = []
+        return rows
+
+
+def run_scripted(runner, mode, turns, problems, group_size, params):
+    """Episodes of ``problems`` whose turn t samples ``turns[t]``, in ``mode``; ``seen[t]``: the ids of the
+    engine inputs of turn t (in rounds, a group's shared first prompt once)."""
+    if mode == "rounds":
+        generate_fn, seen = scripted(turns, runner.tokenizer.pad_token_id)
+        episodes, times = runner.run(generate_fn, problems, group_size, params)
+    else:
+        decoder = ScriptedDecoder(turns)
+        episodes, times = runner.run_continuous(decoder, problems, group_size, params)
+        seen = decoder.seen
+    runner.close()
+    return episodes, times, seen
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_history_holds_the_sampled_ids_verbatim_under_a_non_identity_tokenizer(mode):
     tok, vocab = merging_tokenizer()
     a, b, eos = vocab["a"], vocab["b"], vocab["<eos>"]
     turns = [[a, b, eos], [b, a, b, eos], [a, b, a, eos]]  # every turn has a, b as two tokens
-    generate_fn, seen = scripted(turns, tok.pad_token_id)
     runner = EpisodeRunner(Again(turns=3), tok, EpisodeLimits(max_turns=3), workers=2)
     problem = types.SimpleNamespace(prompt="1+2=", answer="3")
-    episodes, _ = runner.run(generate_fn, [problem], 2, SamplingParams(max_new_tokens=8, stop_token_ids=[eos], seed=0))
-    runner.close()
+    episodes, _, seen = run_scripted(runner, mode, turns, [problem], 2,
+                                     SamplingParams(max_new_tokens=8, stop_token_ids=[eos], seed=0))
     for episode in episodes:
         assert episode.end == "done" and episode.state.turn == 3
         sampled = [i for i, t in zip(episode.ids, episode.trained) if t]
@@ -84,7 +130,8 @@ def test_history_holds_the_sampled_ids_verbatim_under_a_non_identity_tokenizer()
         assert tok(tok.decode(history), add_special_tokens=False)["input_ids"] != history
         # each round's engine input was the previous history plus the new tokens, never re-encoded
         assert seen[2][0] == episode.prompt_ids + episode.ids[:len(seen[2][0]) - len(episode.prompt_ids)]
-    assert seen[0] == [episodes[0].prompt_ids]  # round 0: a group's shared prompt, sampled twice
+    # rounds: turn 0 is a group's shared prompt, sampled twice; continuous: one row per episode
+    assert seen[0] == [episodes[0].prompt_ids] * (1 if mode == "rounds" else 2)
 
 
 def test_later_rounds_do_not_reuse_the_next_steps_draws():
@@ -111,7 +158,8 @@ def test_later_rounds_do_not_reuse_the_next_steps_draws():
     assert len(every) == 9 and len(set(every)) == 9
 
 
-def test_a_sentencepiece_style_tokenizer_passes_the_prefix_check_with_its_ids_verbatim():
+@pytest.mark.parametrize("mode", MODES)
+def test_a_sentencepiece_style_tokenizer_passes_the_prefix_check_with_its_ids_verbatim(mode):
     # Metaspace decoding drops the leading space of a reply decoded on its own ("▁The" -> "The"): the
     # message and the rendering agree on that text, so the episode goes on, and the ids stay as sampled
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -125,11 +173,9 @@ def test_a_sentencepiece_style_tokenizer_passes_the_prefix_check_with_its_ids_ve
     tok = PreTrainedTokenizerFast(tokenizer_object=spm, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
     tok.chat_template = DEFAULT_CHAT_TEMPLATE
     reply = [vocab["\u2581The"], vocab["\u2581cat"], vocab["<eos>"]]
-    generate_fn, _ = scripted([reply] * 3, tok.pad_token_id)
     runner = EpisodeRunner(Again(turns=3), tok, EpisodeLimits(max_turns=3), workers=1)
-    (episode,), _ = runner.run(generate_fn, [types.SimpleNamespace(prompt="hi", answer="")], 1,
-                               SamplingParams(max_new_tokens=8, stop_token_ids=[vocab["<eos>"]]))
-    runner.close()
+    (episode,), _, _ = run_scripted(runner, mode, [reply] * 3, [types.SimpleNamespace(prompt="hi", answer="")], 1,
+                                    SamplingParams(max_new_tokens=8, stop_token_ids=[vocab["<eos>"]]))
     assert episode.end == "done" and episode.state.turn == 3
     assert episode.state.messages[1] == {"role": "assistant", "content": "The cat"}
     assert [i for i, t in zip(episode.ids, episode.trained) if t] == reply * 3
@@ -140,14 +186,34 @@ def tiny(max_positions=256):
                                   max_position_embeddings=max_positions))
 
 
+class RecordingDecoder(ContinuousDecoder):
+    """A ContinuousDecoder that records each finished row as an engine call ``([ids], rollout-like)``."""
+
+    def __init__(self, model, pad_token_id, calls):
+        super().__init__(model, pad_token_id)
+        self.calls, self.inputs = calls, {}
+
+    def admit(self, key, ids, params):
+        self.inputs[key] = list(ids)
+        super().admit(key, ids, params)
+
+    def step(self):
+        rows = super().step()
+        for row in rows:
+            self.calls.append(([self.inputs[row.key]], types.SimpleNamespace(
+                completion_ids=torch.tensor([row.token_ids]), completion_lens=torch.tensor([len(row.token_ids)]))))
+        return rows
+
+
 def run_tiny_episodes(env, limits=EpisodeLimits(max_turns=3, max_episode_tokens=64), group_size=2, seed=0,
-                      calls=None):
-    """Episodes of two problems with a tiny model; each engine call's (prompts, rollout) goes to ``calls``."""
+                      calls=None, mode="rounds", temperature=1.0, problems=None, workers=2):
+    """Episodes of two problems with a tiny model in ``mode``; each engine call's (prompts, rollout) goes to
+    ``calls`` (continuous: each finished row as a call)."""
     torch.manual_seed(0)
     model, tok = tiny()
-    problems = [types.SimpleNamespace(prompt=f"{i}+{i}=", answer=str(2 * i)) for i in (1, 2)]
-    runner = EpisodeRunner(env, tok, limits, workers=2)
-    params = SamplingParams(max_new_tokens=6, stop_token_ids=[tok.eos_token_id], seed=seed)
+    problems = problems or [types.SimpleNamespace(prompt=f"{i}+{i}=", answer=str(2 * i)) for i in (1, 2)]
+    runner = EpisodeRunner(env, tok, limits, workers=workers)
+    params = SamplingParams(temperature=temperature, max_new_tokens=6, stop_token_ids=[tok.eos_token_id], seed=seed)
 
     def sample(ids, p, n):
         rollout = generate(model, ids, p, num_samples=n, pad_token_id=tok.pad_token_id)
@@ -155,7 +221,12 @@ def run_tiny_episodes(env, limits=EpisodeLimits(max_turns=3, max_episode_tokens=
             calls.append(([list(i) for i in ids for _ in range(n)], rollout))
         return rollout
 
-    episodes, times = runner.run(sample, problems, group_size, params)
+    if mode == "rounds":
+        episodes, times = runner.run(sample, problems, group_size, params)
+    else:
+        model.eval()
+        episodes, times = runner.run_continuous(RecordingDecoder(model, tok.pad_token_id, [] if calls is None else calls),
+                                                problems, group_size, params)
     runner.close()
     return model, tok, episodes, times
 
@@ -208,10 +279,10 @@ def assert_trains_exactly_the_policy_tokens(model, episodes, calls, rollout, pad
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
 
 
-@pytest.fixture(scope="module")
-def multi_turn():
+@pytest.fixture(scope="module", params=MODES)
+def multi_turn(request):
     calls = []
-    model, tok, episodes, _ = run_tiny_episodes(Again(turns=3), calls=calls)
+    model, tok, episodes, _ = run_tiny_episodes(Again(turns=3), calls=calls, mode=request.param)
     assert all(e.state.turn == 3 and 0 in e.trained for e in episodes), "need episodes with environment tokens"
     return model, tok, episodes, calls, episode_rollout(episodes, 2, tok.pad_token_id)
 
@@ -243,14 +314,15 @@ def test_a_mask_with_one_environment_token_switched_on_is_caught(multi_turn):
         assert_trains_exactly_the_policy_tokens(model, episodes, calls, broken, tok.pad_token_id)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("env, end, metric", [(Raises(), "env_error", "env_errors"),
                                               (Malformed(), "malformed", "num_malformed_replies"),
                                               (Hangs(), "timeout", "tool_timeouts")])
-def test_a_broken_environment_ends_its_episodes_counted(env, end, metric):
+def test_a_broken_environment_ends_its_episodes_counted(env, end, metric, mode):
     from lmforge.envs.episode import episode_metrics
 
     limits = EpisodeLimits(max_turns=3, max_episode_tokens=64, timeout_s=0.3)
-    _, _, episodes, times = run_tiny_episodes(env, limits)
+    _, _, episodes, times = run_tiny_episodes(env, limits, mode=mode)
     assert [e.end for e in episodes] == [end] * 4
     assert all(e.num_trained > 0 for e in episodes)  # the turn that was sampled is kept
     assert episode_metrics(episodes, times)[metric] == 4
@@ -273,7 +345,8 @@ class Loud(ToolEnv):
         return StepResult([], {"answered": 1.0}, done=True)
 
 
-def test_a_megabyte_tool_result_is_cut_and_invalid_calls_end_the_episode_counted():
+@pytest.mark.parametrize("mode", MODES)
+def test_a_megabyte_tool_result_is_cut_and_invalid_calls_end_the_episode_counted(mode):
     from lmforge.envs.episode import episode_metrics
 
     tok = char_tokenizer(ASCII_ALPHABET)
@@ -281,14 +354,12 @@ def test_a_megabyte_tool_result_is_cut_and_invalid_calls_end_the_episode_counted
     call = '<tool_call>\n{"name": "shout", "arguments": {"text": "ab"}}\n</tool_call>'
     unknown = '<tool_call>\n{"name": "whisper", "arguments": {}}\n</tool_call>'
     turns = [tok(t, add_special_tokens=False)["input_ids"] + [eos] for t in (call, unknown, unknown, "never")]
-    generate_fn, seen = scripted(turns, tok.pad_token_id)
     limits = EpisodeLimits(max_turns=8, max_episode_tokens=4000, max_tool_result_tokens=64, max_invalid_calls=2)
     runner = EpisodeRunner(Loud(), tok, limits, workers=1)
     encoded, encode = [], runner.encode
     runner.encode = lambda text: encoded.append(len(text)) or encode(text)
-    episodes, times = runner.run(generate_fn, [types.SimpleNamespace(prompt="hi", answer="")], 1,
-                                 SamplingParams(max_new_tokens=100, stop_token_ids=[eos]))
-    runner.close()
+    episodes, times, seen = run_scripted(runner, mode, turns, [types.SimpleNamespace(prompt="hi", answer="")], 1,
+                                         SamplingParams(max_new_tokens=100, stop_token_ids=[eos]))
     (episode,) = episodes
     assert max(encoded) < 10_000  # the 200,000 characters of the result were never tokenized whole
     assert episode.end == "invalid_calls" and episode.state.turn == 3 and len(seen) == 3  # the 4th turn never ran
@@ -309,18 +380,19 @@ class BadReset(Again):
         return [] if problem.prompt == "empty" else super().reset(problem, state)
 
 
-def test_a_failed_reset_and_an_empty_reply_are_counted_and_the_others_go_on():
+@pytest.mark.parametrize("mode", MODES)
+def test_a_failed_reset_and_an_empty_reply_are_counted_and_the_others_go_on(mode):
     from lmforge.envs.episode import episode_metrics
 
     tok = char_tokenizer(ASCII_ALPHABET)
     eos = tok.eos_token_id
-    generate_fn, seen = scripted([[eos], [tok.convert_tokens_to_ids("x"), eos]], tok.pad_token_id)
     runner = EpisodeRunner(BadReset(turns=2), tok, EpisodeLimits(max_turns=3), workers=2)
     problems = [types.SimpleNamespace(prompt=p, answer="") for p in ("raise", "ok", "empty")]
-    episodes, times = runner.run(generate_fn, problems, 2, SamplingParams(max_new_tokens=8, stop_token_ids=[eos]))
-    runner.close()
+    episodes, times, seen = run_scripted(runner, mode, [[eos], [tok.convert_tokens_to_ids("x"), eos]], problems, 2,
+                                         SamplingParams(max_new_tokens=8, stop_token_ids=[eos]))
     assert [e.end for e in episodes] == ["env_error", "env_error", "done", "done", "malformed", "malformed"]
-    assert seen[0] == [episodes[2].prompt_ids]  # only the good group was sampled, its prompt shared
+    # only the good group was sampled (in rounds its prompt shared)
+    assert seen[0] == [episodes[2].prompt_ids] * (1 if mode == "rounds" else 2)
     assert all(e.prompt_ids == [eos] and e.ids == [] for e in episodes[::4] + episodes[1::4])
     assert episodes[2].state.messages[1] == {"role": "assistant", "content": ""}  # the empty reply was stepped
     metrics = episode_metrics(episodes, times)
@@ -328,12 +400,15 @@ def test_a_failed_reset_and_an_empty_reply_are_counted_and_the_others_go_on():
     assert episode_rollout(episodes, 2, tok.pad_token_id).trained[[0, 1, 4, 5]].sum() == 0
 
 
-def test_limits_end_episodes_and_are_counted():
+@pytest.mark.parametrize("mode", MODES)
+def test_limits_end_episodes_and_are_counted(mode):
     from lmforge.envs.episode import episode_metrics
 
-    _, _, episodes, times = run_tiny_episodes(Again(turns=5), EpisodeLimits(max_turns=2, max_episode_tokens=200))
+    _, _, episodes, times = run_tiny_episodes(Again(turns=5), EpisodeLimits(max_turns=2, max_episode_tokens=200),
+                                              mode=mode)
     assert [e.end for e in episodes] == ["turns"] * 4 and episode_metrics(episodes, times)["num_truncated_turns"] == 4
-    _, _, episodes, times = run_tiny_episodes(Again(turns=5), EpisodeLimits(max_turns=9, max_episode_tokens=20))
+    _, _, episodes, times = run_tiny_episodes(Again(turns=5), EpisodeLimits(max_turns=9, max_episode_tokens=20),
+                                              mode=mode)
     assert all(e.end == "episode_tokens" and len(e.ids) <= 20 for e in episodes)
     assert episode_metrics(episodes, times)["num_truncated_episode_tokens"] == 4
 
@@ -349,9 +424,12 @@ ARGS = TINY + [
 
 
 def test_a_one_turn_environment_gives_exactly_the_single_turn_run(tmp_path):
+    # Rounds only: a round samples every episode from one generator, as a single-turn batch does; the
+    # continuous runner gives each turn its own (greedy, the two modes agree: test below)
     plain = run_grpo(load_config(GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path / 'plain'}"]))
     env = run_grpo(load_config(GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path / 'env'}",
-                                                         "env.name=episode_envs:OneTurn", "env.max_episode_tokens=8"]))
+                                                         "env.name=episode_envs:OneTurn", "env.max_episode_tokens=8",
+                                                         "env.continuous=false"]))
     plain_steps, env_steps = records(plain["run_dir"]), records(env["run_dir"])
     assert sorted(plain_steps) == sorted(env_steps) == [1, 2, 3]
     for step in plain_steps:
@@ -392,11 +470,12 @@ MULTI = [a for a in ARGS if not a.startswith(("model.max_position_embeddings", "
     "env.name=episode_envs:Again", "env.args={turns: 2}", "env.max_episode_tokens=40"]
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("overlap", [[], ["rollout.async_steps=1", "algo.is_level=token"]], ids=["sync", "async"])
-def test_episode_runs_resume_bit_for_bit(tmp_path, overlap):
+def test_episode_runs_resume_bit_for_bit(tmp_path, overlap, mode):
     from run_records import assert_resume_is_bit_exact
 
-    args = MULTI + overlap
+    args = MULTI + overlap + [f"env.continuous={mode == 'continuous'}"]
     out = tmp_path / "run"
     run_grpo(load_config(GRPOConfig, None, args + [f"train.output_dir={out}"]))
     steps = records(out)
@@ -414,29 +493,29 @@ def test_ppo_trains_on_episodes(tmp_path):
     assert sorted(steps) == [1, 2] and all(r["turns_per_episode"] > 1 and r["grad_norm"] > 0 for r in steps.values())
 
 
-def test_a_first_prompt_that_fills_the_context_gives_a_row_that_fits():
+@pytest.mark.parametrize("mode", MODES)
+def test_a_first_prompt_that_fills_the_context_gives_a_row_that_fits(mode):
     tok, vocab = merging_tokenizer()
-    generate_fn, seen = scripted([[vocab["a"], vocab["<eos>"]]], tok.pad_token_id)
     runner = EpisodeRunner(Again(turns=1), tok, EpisodeLimits(max_turns=2), workers=1, context=12)
     problems = [types.SimpleNamespace(prompt="1+2=", answer="3"), types.SimpleNamespace(prompt="1+2=1+2=1+2=", answer="")]
-    episodes, _ = runner.run(generate_fn, problems, 1, SamplingParams(max_new_tokens=8, stop_token_ids=[2], seed=0))
-    runner.close()
+    episodes, _, seen = run_scripted(runner, mode, [[vocab["a"], vocab["<eos>"]]], problems, 1,
+                                     SamplingParams(max_new_tokens=8, stop_token_ids=[2], seed=0))
     assert [e.end for e in episodes] == ["done", "episode_tokens"]
     assert episodes[1].prompt_ids == [tok.eos_token_id] and episodes[1].ids == []
     assert seen == [[episodes[0].prompt_ids]]  # the long one was never sampled
 
 
-def test_per_turn_rewards_sit_on_their_turns_last_policy_token():
+@pytest.mark.parametrize("mode", MODES)
+def test_per_turn_rewards_sit_on_their_turns_last_policy_token(mode):
     from lmforge.envs.episode import combine_rewards
     from lmforge.recipes.ppo import episode_rewards
 
     tok, vocab = merging_tokenizer()
     a, eos = vocab["a"], vocab["<eos>"]
-    generate_fn, _ = scripted([[a, a, eos], [a, eos]], tok.pad_token_id)
     runner = EpisodeRunner(Again(turns=2), tok, EpisodeLimits(max_turns=3), workers=1)
     problem = types.SimpleNamespace(prompt="1+2=", answer="3")
-    (episode,), _ = runner.run(generate_fn, [problem], 1, SamplingParams(max_new_tokens=8, stop_token_ids=[eos]))
-    runner.close()
+    (episode,), _, _ = run_scripted(runner, mode, [[a, a, eos], [a, eos]], [problem], 1,
+                                    SamplingParams(max_new_tokens=8, stop_token_ids=[eos]))
     rollout = episode_rollout([episode], 1, tok.pad_token_id)
     rewards = combine_rewards([episode], None, rollout.completion_ids.shape[1])
     assert rewards.names == ["env_said", "env_turn"] and rewards.total.tolist() == [1.25]
@@ -450,3 +529,87 @@ def test_per_turn_rewards_sit_on_their_turns_last_policy_token():
     assert torch.equal(placed, expected)
     with_functions = episode_rewards(rewards.total + 0.5, rewards.turn_rewards, rollout.trained)
     assert with_functions[0, last] == 1.5 and with_functions[0, 2] == 0.25
+
+
+# ----------------------------------------------------------------------------- the continuous runner
+
+
+class SlowFor(Again):
+    """``Again``, whose step sleeps ``delay_s`` for problems whose prompt starts with "9"; every step's
+    start and end go to ``events`` in the order they happen."""
+
+    def __init__(self, turns: int = 3, delay_s: float = 0.2, slow: str = "9"):
+        super().__init__(turns)
+        self.delay_s, self.slow, self.events = delay_s, slow, []
+
+    def step(self, state, message):
+        slow = state.problem.prompt.startswith(self.slow)
+        self.events.append(("start", state.problem.prompt, state.turn))
+        if slow:
+            time.sleep(self.delay_s)
+        self.events.append(("end", state.problem.prompt, state.turn))
+        return super().step(state, message)
+
+
+def test_greedy_continuous_episodes_are_the_round_based_ones():
+    limits = EpisodeLimits(max_turns=3, max_episode_tokens=64)
+    _, _, rounds, _ = run_tiny_episodes(Again(turns=3), limits, temperature=0.0)
+    _, _, continuous, _ = run_tiny_episodes(Again(turns=3), limits, temperature=0.0, mode="continuous")
+    assert [e.state.turn for e in rounds] == [3] * 4
+    for r, c in zip(rounds, continuous):
+        assert (c.prompt_ids, c.ids, c.trained, c.end, c.state.messages) == (r.prompt_ids, r.ids, r.trained, r.end,
+                                                                          r.state.messages)
+        torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(r.logprobs), rtol=0, atol=2e-5)
+
+
+def test_a_sampled_episode_does_not_depend_on_its_batch_mates_or_their_environments_timing():
+    problems = [types.SimpleNamespace(prompt=f"{i}+{i}=", answer="") for i in (1, 2)]
+    limits = EpisodeLimits(max_turns=3, max_episode_tokens=64)
+    _, _, alone, _ = run_tiny_episodes(SlowFor(delay_s=0.0), limits, problems=problems, mode="continuous", seed=3)
+    # the same episodes (same indices) with two more behind them, and one problem's steps slowed
+    crowd = problems + [types.SimpleNamespace(prompt=f"9{i}=", answer="") for i in (3, 4)]
+    slowed = [types.SimpleNamespace(prompt="9" + p.prompt, answer="") for p in problems]
+    _, _, crowded, _ = run_tiny_episodes(SlowFor(delay_s=0.05, slow="9"), limits, problems=crowd, mode="continuous",
+                                         seed=3, workers=4)
+    _, _, late, _ = run_tiny_episodes(SlowFor(delay_s=0.05, slow="91"), limits, problems=slowed[:1] + problems[1:],
+                                      mode="continuous", seed=3)
+    assert len({tuple(e.ids) for e in alone}) == 4  # sampled: the episodes of a group differ
+    for a, c in zip(alone, crowded):
+        assert c.ids == a.ids and c.trained == a.trained
+        torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)
+    # the slowed group's prompt differs, so compare its sampled turns only through the fast group
+    assert [e.ids for e in late[2:]] == [e.ids for e in alone[2:]]
+    _, _, other_seed, _ = run_tiny_episodes(SlowFor(delay_s=0.0), limits, problems=problems, mode="continuous", seed=4)
+    assert [e.ids for e in other_seed] != [e.ids for e in alone]
+
+
+class WaitsForTheOthers(Again):
+    """``Again`` (3 turns) whose first step on problem "9+9=" waits, up to ``wait_s``, until every episode
+    of the other problems has taken its last step; ``released`` holds whether each such wait saw that."""
+
+    def __init__(self, others: int, wait_s: float):
+        super().__init__(turns=3)
+        self.others_left, self.wait_s, self.released = others, wait_s, []
+        self.lock, self.others_done = threading.Lock(), threading.Event()
+
+    def step(self, state, message):
+        if state.problem.prompt == "9+9=" and state.turn == 1:
+            self.released.append(self.others_done.wait(self.wait_s))
+        elif state.problem.prompt != "9+9=" and state.turn == 3:
+            with self.lock:
+                self.others_left -= 1
+                if not self.others_left:
+                    self.others_done.set()
+        return super().step(state, message)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_waiting_environment_step_does_not_hold_up_the_other_episodes(mode):
+    # continuous: while the "9+9=" group's first steps wait, the other group decodes and steps all its
+    # turns; rounds: its next turn waits for them, so the waits end by their time limit
+    env = WaitsForTheOthers(others=2, wait_s=20.0 if mode == "continuous" else 0.3)
+    problems = [types.SimpleNamespace(prompt=p, answer="") for p in ("9+9=", "1+1=")]
+    _, _, episodes, _ = run_tiny_episodes(env, EpisodeLimits(max_turns=3, max_episode_tokens=64, timeout_s=60),
+                                          problems=problems, mode=mode, workers=4)
+    assert all(e.end == "done" and e.state.turn == 3 for e in episodes)
+    assert env.released == [mode == "continuous"] * 2

@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..rollout import RewardOutput, RolloutBatch, SamplingParams
+from ..rollout.continuous import ContinuousDecoder
 from ..rollout.engine import left_pad
 from ..rollout.reward_pool import DaemonThreadPool
 from .base import EpisodeState, MalformedReply, Message, check_messages, check_step_result
@@ -51,6 +52,7 @@ FAILURES = {"env_error": "env_errors", "timeout": "tool_timeouts", "malformed": 
 MAX_CHARS_PER_TOKEN = 32
 GenerateFn = Callable[[list[list[int]], SamplingParams, int], RolloutBatch]  # (prompts, params, num_samples)
 ROUND_SEED_STRIDE = 998_244_353  # a prime far from the step (1) and rank (1_000_000_007) strides of step_seed
+EPISODE_SEED_STRIDE = 2_147_483_647  # a prime far from the three strides above
 
 
 def round_seed(seed: int, round_: int) -> int:
@@ -58,6 +60,13 @@ def round_seed(seed: int, round_: int) -> int:
     (a one-turn episode samples as a single-turn rollout does); later rounds step by a large prime, so
     round r of step s does not reuse the draws of round 0 of step s + r (``seed + r`` did)."""
     return seed + round_ * ROUND_SEED_STRIDE
+
+
+def episode_seed(seed: int, episode: int, turn: int) -> int:
+    """The continuous runner's seed for turn ``turn`` of episode ``episode`` (its index in the batch) of
+    a batch sampled with ``seed``: each turn draws from its own generator, so its tokens do not depend
+    on which other episodes share its decode steps, nor on when their environments answer."""
+    return (seed + (episode + 1) * EPISODE_SEED_STRIDE + turn * ROUND_SEED_STRIDE) % 2**63
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,51 +104,78 @@ class Episode:
         return sum(self.trained)
 
 
+class EnvCalls:
+    """Environment calls on ``workers`` threads, each timed from when a worker takes it. An overdue call
+    is abandoned (its thread finishes in the background): the pool is replaced and the calls still
+    waiting move to the new one. Each call ends as ``("ok", value)``, ``("error", text)`` or
+    ``("timeout", text)``."""
+
+    def __init__(self, workers: int, timeout_s: float):
+        self.workers, self.timeout_s = workers, timeout_s
+        self.pool = DaemonThreadPool(workers, name="env")
+        self._pending: dict[Any, tuple[cf.Future, Callable[[], Any]]] = {}
+        self._started: dict[Any, float] = {}
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def submit(self, key: Any, call: Callable[[], Any]) -> None:
+        self._pending[key] = (self.pool.submit(_traced, call, self._started, key), call)
+
+    def poll(self, wait: bool) -> list[tuple[Any, tuple[str, Any]]]:
+        """The calls that ended since the last poll, in submission order; with ``wait``, blocks until
+        one has (when any is pending)."""
+        limit = self.timeout_s
+        while True:
+            futures = [future for future, _ in self._pending.values()]
+            if wait and futures:
+                cf.wait(futures, timeout=0.01 if limit else None, return_when=cf.FIRST_COMPLETED)
+            now, ended, overdue = time.monotonic(), [], False
+            for key, (future, _) in list(self._pending.items()):
+                if future.done():
+                    ended.append((key, future.result()))
+                elif limit and key in self._started and now - self._started[key] > limit:
+                    ended.append((key, ("timeout", f"no answer after {limit:g} s (env.tool_timeout_s)")))
+                    overdue = True
+                else:
+                    continue
+                del self._pending[key]
+                self._started.pop(key, None)
+            if overdue:
+                self.pool.shutdown()  # the stuck thread finishes in the background
+                self.pool = DaemonThreadPool(self.workers, name="env")
+                for key, (future, call) in self._pending.items():
+                    if future.cancel():  # not started yet: run it on the new pool
+                        self.submit(key, call)
+            if ended or not wait or not self._pending:
+                return ended
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
 class EpisodeRunner:
     """Runs a batch of episodes of ``env`` (module doc). ``workers`` threads call the environment."""
 
     def __init__(self, env, tokenizer, limits: EpisodeLimits, workers: int, context: int | None = None):
         self.env, self.tokenizer, self.limits, self.context = env, tokenizer, limits, context
         self.tools = list(getattr(env, "tools", None) or [])
-        self.workers = workers
-        self.pool = DaemonThreadPool(workers, name="env")
+        self.calls = EnvCalls(workers, limits.timeout_s)
 
     def close(self) -> None:
-        self.pool.shutdown()
+        self.calls.close()
 
     # ------------------------------------------------------------------------- environment calls
 
     def _call_all(self, calls: list[Callable[[], Any]]) -> list[tuple[str, Any]]:
-        """Run ``calls`` on the pool: each ``("ok", value)``, ``("error", text)`` or ``("timeout", text)``.
-        A call's clock starts when a worker takes it. An overdue call is abandoned (its thread finishes
-        in the background): the pool is replaced and the calls still waiting move to the new one."""
-        futures = [self.pool.submit(_traced, call) for call in calls]
-        results: dict[int, tuple[str, Any]] = {}
-        started: dict[int, float] = {}
-        pending = set(range(len(futures)))
-        limit = self.limits.timeout_s
-        while pending:
-            cf.wait([futures[i] for i in pending], timeout=0.01 if limit else None,
-                    return_when=cf.FIRST_COMPLETED if limit else cf.ALL_COMPLETED)
-            now, overdue = time.monotonic(), False
-            for i in list(pending):
-                future = futures[i]
-                if future.done():
-                    results[i] = future.result()
-                    pending.discard(i)
-                elif future.running():
-                    started.setdefault(i, now)
-                    if limit and now - started[i] > limit:
-                        results[i] = ("timeout", f"no answer after {limit:g} s (env.tool_timeout_s)")
-                        pending.discard(i)
-                        overdue = True
-            if overdue:
-                self.pool.shutdown()  # the stuck thread finishes in the background
-                self.pool = DaemonThreadPool(self.workers, name="env")
-                for i in pending:
-                    if futures[i].cancel():  # not started yet: run it on the new pool
-                        futures[i] = self.pool.submit(_traced, calls[i])
-        return [results[i] for i in range(len(futures))]
+        """Run ``calls`` on the pool and wait for every one (``EnvCalls``)."""
+        for i, call in enumerate(calls):
+            self.calls.submit(i, call)
+        results = dict(self.calls.poll(wait=False))
+        while len(results) < len(calls):
+            results.update(self.calls.poll(wait=True))
+        return [results[i] for i in range(len(calls))]
 
     # ------------------------------------------------------------------------- the token rule
 
@@ -289,7 +325,7 @@ class EpisodeRunner:
         shared = group_size > 1 and len(active) % group_size == 0 and all(
             histories[i] == histories[i - i % group_size] for i in range(len(active)))
         prompts = histories[::group_size] if shared else histories
-        most = max(e.budget for e in active)
+        most = max(e.budget for e in active) + 1  # one more than fits: a turn that would pass its budget is cut
         params = dataclasses.replace(params, seed=None if params.seed is None else round_seed(params.seed, round_),
                                      max_new_tokens=min(params.max_new_tokens, most))
         rollout = generate(prompts, params, group_size if shared else 1)
@@ -299,12 +335,54 @@ class EpisodeRunner:
                            stop_ids)
 
 
+    def run_continuous(self, decoder: ContinuousDecoder, problems: Sequence[Any], group_size: int,
+                       params: SamplingParams) -> tuple[list[Episode], dict]:
+        """The episodes of :meth:`run`, without rounds: each turn is a row of ``decoder``'s running
+        batch. When a turn ends, its environment step goes to the worker pool (with the same timeout)
+        while the other rows keep decoding, and the next turn joins the batch as soon as the step
+        returns; the decoder keeps the episode's KV cache meanwhile, so only the new tokens are
+        prefilled. Each turn samples with :func:`episode_seed`. ``time_generation`` is the time spent
+        in decode steps, ``time_env`` the time the decoder sat idle waiting for an environment.
+        """
+        episodes = [Episode(EpisodeState(problem)) for problem in problems for _ in range(group_size)]
+        stop_ids = set(params.stop_token_ids)
+        times = {"time_generation": 0.0, "time_env": 0.0}
+        for index, episode in enumerate(episodes):
+            self.calls.submit((index, "reset"), _bind(self.env.reset, episode.state.problem, episode.state))
+        while self.calls.num_pending or decoder.busy:
+            start = time.perf_counter()
+            for (index, call), outcome in self.calls.poll(wait=not decoder.busy):
+                episode = episodes[index]
+                (self._start if call == "reset" else self._answer)(episode, outcome)
+                if episode.end:
+                    decoder.release(index)
+                    continue
+                seed = None if params.seed is None else episode_seed(params.seed, index, episode.state.turn)
+                turn_params = dataclasses.replace(params, seed=seed, max_new_tokens=min(
+                    params.max_new_tokens, episode.budget + 1))  # one more than fits, as in run
+                decoder.admit(index, episode.prompt_ids + episode.ids, turn_params)
+            middle = time.perf_counter()
+            times["time_env"] += middle - start
+            for row in decoder.step():
+                episode = episodes[row.key]
+                self._add_turn(episode, row.token_ids, row.logprobs, stop_ids)
+                if episode.end:
+                    decoder.release(row.key)
+                else:
+                    self.calls.submit((row.key, "step"), _bind(self.env.step, episode.state, episode.state.messages[-1]))
+            times["time_generation"] += time.perf_counter() - middle
+        return episodes, times
+
+
 def _bind(fn: Callable, *args) -> Callable[[], Any]:
     return lambda: fn(*args)
 
 
-def _traced(call: Callable[[], Any]) -> tuple[str, Any]:
-    """``("ok", value)``, or ``("error", text)`` with where the call raised."""
+def _traced(call: Callable[[], Any], started: dict | None = None, key: Any = None) -> tuple[str, Any]:
+    """``("ok", value)``, or ``("error", text)`` with where the call raised; the start time goes to
+    ``started[key]`` (the timeout's clock)."""
+    if started is not None:
+        started[key] = time.monotonic()
     try:
         return "ok", call()
     except Exception as exc:  # noqa: BLE001 -- an environment's bug ends its episode, not the run

@@ -198,6 +198,10 @@ class EnvConfig:
     max_invalid_calls: int = opt(3, "invalid tool calls (bad JSON, unknown tool, wrong arguments) that end an "
                                  "episode (num_truncated_invalid_calls; 0 = no limit)")
     workers: int = opt(0, "threads calling the environment in parallel (0 = the cores, at most 8)")
+    continuous: bool = opt(True, "continuous batching across turns: an episode's next turn joins the running batch "
+                           "as soon as its environment step returns, with its KV cache kept (only the new tokens "
+                           "prefilled), and each turn samples from its own seed; false = rounds: every turn of "
+                           "every episode waits for the slowest (docs/environments.md, Rollouts)")
 
     def validate(self) -> None:
         if not self.name:

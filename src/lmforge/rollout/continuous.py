@@ -234,17 +234,21 @@ class ContinuousDecoder:
         return out
 
     def _sample(self) -> torch.Tensor:
-        """One token per running row from its own settings and generator. Returns tokens (B,) long."""
+        """One token per running row from its own settings and generator (one uniform per row, drawn as
+        ``sample_token`` draws it); rows of equal settings share one ``sample_token`` call. Returns (B,) long."""
         tokens = torch.empty(len(self._rows), dtype=torch.long, device=self.device)
         groups: dict[tuple, list[int]] = {}
         for b, row in enumerate(self._rows):
             p = row.params
-            key = (p.temperature, p.top_k, p.top_p, id(row.generator) if row.generator else None)
-            groups.setdefault(key, []).append(b)
-        for rows in groups.values():
+            groups.setdefault((p.temperature, p.top_k, p.top_p, row.generator is None), []).append(b)
+        for (temperature, _, _, unseeded), rows in groups.items():
             first = self._rows[rows[0]]
             index = torch.tensor(rows, device=self.device)
-            picked, logprobs = sample_token(self._logits[index], first.params, first.generator)
+            uniforms = None
+            if temperature > 0 and not unseeded:
+                uniforms = torch.cat([torch.rand((1, 1), generator=self._rows[b].generator, device=self.device)
+                                      for b in rows])  # (R, 1)
+            picked, logprobs = sample_token(self._logits[index], first.params, uniforms=uniforms)
             tokens[index] = picked
             for b, token, logprob in zip(rows, picked.tolist(), logprobs.tolist()):
                 self._rows[b].tokens.append(token)

@@ -223,13 +223,14 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return logprobs
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams,
-                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+                 uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row. logits: (B, V). Returns (tokens (B,) long, logprobs (B,) float32).
 
     Inverse-CDF sampling: one uniform per row from ``generator`` (reproducible) and a binary search in
     the cumulative probabilities. On CPU this is ~100x cheaper than ``torch.multinomial`` or an
-    exponential race, which both spend most of a step drawing (B, V) random numbers.
+    exponential race, which both spend most of a step drawing (B, V) random numbers. ``uniforms``
+    (B, 1) float32 in [0, 1), when given, are the draws (rows with generators of their own).
     """
     if params.temperature == 0:
         tokens = logits.argmax(-1)
@@ -241,7 +242,8 @@ def sample_token(logits: torch.Tensor, params: SamplingParams,
         probs = process_logits(logits, params).exp()  # 0 outside the top-k / top-p set
     cdf = probs.cumsum(-1)  # (B, V)
     total = cdf[:, -1:].contiguous()  # (B, 1), 1 up to rounding
-    u = torch.rand(total.shape, generator=generator, device=cdf.device, dtype=cdf.dtype)
+    u = torch.rand(total.shape, generator=generator, device=cdf.device, dtype=cdf.dtype) if uniforms is None \
+        else uniforms.to(cdf.dtype)
     tokens = torch.searchsorted(cdf, u * total, right=True)  # first index with cdf > u * total: p > 0
     # u * total can round up to total; the last token with p > 0 is then the right answer.
     last_positive = torch.searchsorted(cdf, total)  # first index with cdf >= total

@@ -15,11 +15,14 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+import torch
+
 from ...envs.episode import Episode, EpisodeRunner, combine_rewards, episode_metrics, episode_rollout
 from ...envs.registry import make_environment
 from ...errors import TrainingError
 from ...models import context_length
 from ...rollout import RewardOutput, RewardSet, RolloutBatch, SamplingParams, generate
+from ...rollout.continuous import ContinuousDecoder
 from ...rollout.rewards import default_workers
 from ..config import RolloutConfig
 from ..prompts import PromptSet
@@ -60,7 +63,22 @@ def rollout_metrics(rollout: RolloutBatch, rewards: RewardOutput, episodes: list
     }
 
 
-def episode_sampler(runner: EpisodeRunner) -> Callable:
+def run_episodes(runner: EpisodeRunner, continuous: bool, model: torch.nn.Module, generate_fn: Callable,
+                 problems: list, group_size: int, params: SamplingParams,
+                 pad_token_id: int) -> tuple[list[Episode], dict]:
+    """``runner.run_continuous`` on ``model`` (in eval mode meanwhile) or round-based ``runner.run`` on
+    ``generate_fn`` (``env.continuous``)."""
+    if not continuous:
+        return runner.run(generate_fn, problems, group_size, params)
+    was_training = model.training
+    model.eval()  # no dropout while sampling
+    try:
+        return runner.run_continuous(ContinuousDecoder(model, pad_token_id), problems, group_size, params)
+    finally:
+        model.train(was_training)
+
+
+def episode_sampler(runner: EpisodeRunner, continuous: bool) -> Callable:
     """``SampledSource``'s ``sample``: run and score episodes of this rank's problems ``rows``."""
 
     def sample(engine, tokenizer, prompts: PromptSet, rows: list[int], cfg: RolloutConfig,
@@ -70,7 +88,8 @@ def episode_sampler(runner: EpisodeRunner) -> Callable:
         def sample_turns(ids, turn_params, num_samples):
             return engine.generate(ids, turn_params, num_samples=num_samples, pad_token_id=tokenizer.pad_token_id)
 
-        episodes, times = runner.run(sample_turns, problems, cfg.group_size, params)
+        episodes, times = run_episodes(runner, continuous, engine.model, sample_turns, problems, cfg.group_size,
+                                       params, tokenizer.pad_token_id)
         if not any(e.num_trained and e.end not in BROKEN for e in episodes):
             ends = sorted({e.end for e in episodes})
             raise TrainingError(f"no episode of this batch is usable: each has no policy token to train on or its "
@@ -100,7 +119,7 @@ class EpisodeSource(SampledSource):
 
     def __init__(self, setup: SourceSetup):
         self.runner = make_runner(setup)
-        super().__init__(setup, make_engine(setup), sample=episode_sampler(self.runner))
+        super().__init__(setup, make_engine(setup), sample=episode_sampler(self.runner, setup.env.continuous))
 
     def close(self) -> None:
         self.runner.close()
@@ -132,7 +151,8 @@ def episode_evaluator(env_cfg, tokenizer, problems: list, task, reward_specs: li
 
         episodes: list[Episode] = []
         for start in range(0, len(problems), batch_size):
-            episodes += runner.run(generate_fn, problems[start:start + batch_size], 1, params)[0]
+            episodes += run_episodes(runner, env_cfg.continuous, model, generate_fn, problems[start:start + batch_size],
+                                     1, params, tokenizer.pad_token_id)[0]
         width = max(1, max(len(e.ids) for e in episodes))
         totals = score_episodes(episodes, reward_set, task, max_new_tokens, width).total
         metrics = episode_metrics(episodes, {"time_generation": 0.0, "time_env": 0.0})
