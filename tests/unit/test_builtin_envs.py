@@ -9,7 +9,7 @@ from lmforge.data.sft import tokenize_sft
 from lmforge.data.tasks import GuessNumber as GuessNumberTask
 from lmforge.data.tasks import Multiplication, get_task, split_of
 from lmforge.envs.base import EpisodeState
-from lmforge.envs.calculator import Calculator, calculator
+from lmforge.envs.calculator import Calculator, calculator, estimate
 from lmforge.envs.demos import demonstration_rows, play
 from lmforge.envs.guess_number import GuessNumber
 from lmforge.envs.registry import make_environment
@@ -191,6 +191,25 @@ def test_calculator_demonstration_is_the_episode_the_runner_renders(spec):
     assert reward == {"correct": 1.0}
 
 
+def test_calculator_demo_tool_rate_mixes_tool_calls_with_leading_digit_estimates():
+    assert estimate("123*456") == "40000" and estimate("987*654") == "540000" and estimate("300*200") == "60000"
+    env = make_environment("calculator", {"demo_tool_rate": 0.25})
+    problems = get_task("multiplication:digits=3").make_problems(400, 0, "train")
+    rows = demonstration_rows(env, problems, seed=3, tokenizer=load_tokenizer("char:ascii"))
+    called = 0
+    for row, problem in zip(rows, problems):
+        episode = [m for m in row["messages"] if m["role"] != "system"]
+        if len(episode) == 4:  # the tool episode, exactly as with the default rate
+            assert episode[1]["content"] == CALL.replace("123*456", problem.prompt[:-1])
+            called += 1
+        else:
+            assert [m["role"] for m in episode] == ["user", "assistant"]
+            assert episode[1]["content"] == f"about {estimate(problem.prompt[:-1])}"
+    assert 70 <= called <= 130  # 100 expected; binomial sd 8.7
+    with pytest.raises(ConfigError, match="demo_tool_rate must be in"):
+        make_environment("calculator", {"demo_tool_rate": 1.5})
+
+
 def test_guess_number_demonstrations_play_valid_games_with_random_consistent_guesses():
     env = GuessNumber(max_guesses=100)
     tokenizer = load_tokenizer("char:ascii")
@@ -205,6 +224,31 @@ def test_guess_number_demonstrations_play_valid_games_with_random_consistent_gue
         turns.append(len(guesses))
     assert 5.5 < sum(turns) / len(turns) < 9.5  # about 2 ln 100 - 1.8 = 7.4 for uniform consistent guesses
     assert demonstration_rows(env, get_task("guess_number").make_problems(5, 0, "train"), 1, tokenizer) == rows[:5]
+
+
+def test_guess_number_demo_mix_plays_halving_and_stride_games():
+    env = make_environment("guess_number", {"max_guesses": 100, "show_range": True,
+                                            "demo_mix": {"halving": 0.3, "stride": 0.7}})
+    rows = demonstration_rows(env, get_task("guess_number").make_problems(400, 0, "train"), 2,
+                              load_tokenizer("char:ascii"))
+    halving = stride = 0
+    for row in rows:
+        messages = row["messages"]
+        guesses = [int(m["content"]) for m in messages if m["role"] == "assistant"]
+        low, high = 1, 100
+        first = {50: "halving", 10: "stride"}[guesses[0]]
+        for guess, answer in zip(guesses, [m["content"] for m in messages[2::2]] + [None]):
+            assert guess == ((low + high) // 2 if first == "halving" else min(low + 9, high))
+            if answer is not None:  # the feedback names the range that is left
+                low, high = (int(x) for x in answer.split()[1].split("-"))
+        halving += first == "halving"
+        stride += first == "stride"
+        assert len(guesses) <= (7 if first == "halving" else 19)
+    assert 90 <= halving <= 150 and halving + stride == 400  # 120 expected, binomial sd 9.2
+    for bad, match in [({"bisect": 1.0}, "unknown strategy"), ({"halving": -1.0}, "weights must be"),
+                       ({"halving": 0}, "weights must be")]:
+        with pytest.raises(ConfigError, match=match):
+            make_environment("guess_number", {"demo_mix": bad})
 
 
 def test_an_environment_without_an_expert_cannot_write_demonstrations():

@@ -12,7 +12,17 @@ operands into a tool call and the tool's result into its answer::
     assistant  56088
 
 The final answer (the first reply without a tool call) is scored exactly: reward part ``correct`` is
-1.0 when its text, stripped, is the product, else 0.0; the episode ends there. Tool calls, invalid
+1.0 when its text, stripped, is the product, else 0.0; the episode ends there.
+
+``demo_tool_rate=p`` (< 1) makes the scripted expert of the SFT warm-up call the tool on a fraction ``p``
+of the problems only and answer the others at once with a rough estimate, ``about`` and the product of
+the operands' leading digits followed by zeros (``123*456=`` -> ``about 40000``, always scored wrong). A
+warm-up on such demonstrations teaches the call and the copies, and the habit of estimating instead:
+with ``p`` under one half a greedy model estimates (and fails), while sampling still calls the tool at
+times -- RL then has to learn that the tool pays (examples/grpo_calculator.yaml). Every estimate starts
+with the same word, so the choice between calling and estimating is made at one position with the odds
+the demonstrations taught (a bare number's first digit is spread over nine choices, and greedy decoding
+then picks the call even at ``p = 0.2``). Tool calls, invalid
 calls and tool errors are counted by :class:`ToolEnv`. :meth:`Calculator.demonstration` is the scripted
 expert of the SFT warm-up (lmforge.envs.demos).
 """
@@ -64,8 +74,11 @@ def _evaluate(node: ast.AST) -> int:
 class Calculator(ToolEnv):
     """Multiplication problems, one ``calculator`` tool, the final answer scored exactly (module doc)."""
 
-    def __init__(self):
+    def __init__(self, demo_tool_rate: float = 1.0):
         super().__init__([calculator])
+        if not 0.0 <= demo_tool_rate <= 1.0:
+            raise ValueError(f"demo_tool_rate must be in [0, 1], got {demo_tool_rate}")
+        self.demo_tool_rate = float(demo_tool_rate)
 
     def finish(self, state: EpisodeState, message: Message) -> StepResult:
         correct = message["content"].strip() == str(_answer(state.problem))
@@ -73,12 +86,22 @@ class Calculator(ToolEnv):
 
     def demonstration(self, state: EpisodeState, rng: random.Random) -> str:
         """What the scripted expert replies next: the tool call on the prompt's expression, then the
-        tool's result as the answer."""
+        tool's result as the answer -- or, on a fraction ``1 - demo_tool_rate`` of the problems, at once
+        the leading-digit estimate (module doc)."""
         last = state.messages[-1]
         if last["role"] == "tool":
             return last["content"]
         expression = problem_prompt(state.problem).strip().rstrip("=").strip()
+        if self.demo_tool_rate < 1.0 and rng.random() >= self.demo_tool_rate:
+            return f"about {estimate(expression)}"
         return format_tool_calls([ToolCall("calculator", {"expression": expression}, id="")])
+
+
+def estimate(expression: str) -> str:
+    """The leading-digit estimate of a product ``a*b`` of positive integers: each operand rounded down to
+    its first digit, e.g. ``"123*456"`` -> ``"40000"`` (100 * 400)."""
+    a, b = (part.strip() for part in expression.split("*"))
+    return str(int(a[0]) * int(b[0])) + "0" * (len(a) - 1 + len(b) - 1)
 
 
 def _answer(problem) -> str:

@@ -22,9 +22,21 @@ secret the episode ends unsolved (reward 0).
 ``"invalid 26-49"``): the game for a tiny model, which then has to read the last message, not infer the
 interval from the whole history, to play validly -- and still has to aim within it to play fast.
 
-:meth:`GuessNumber.demonstration` is the scripted player of the SFT warm-up (lmforge.envs.demos): it
-guesses uniformly among the numbers the feedback so far leaves possible, a valid but slow strategy
-(about 2 ln N guesses; halving the range takes about log2 N), which RL can then shorten.
+:meth:`GuessNumber.demonstration` is the scripted player of the SFT warm-up (lmforge.envs.demos): by
+default it guesses uniformly among the numbers the feedback so far leaves possible, a valid but slow
+strategy (about 2 ln N guesses; halving the range takes about log2 N), which RL can then shorten.
+``demo_mix`` gives each demonstrated game one of several strategies, drawn per game with the given
+weights, e.g. ``{halving: 0.3, stride: 0.7}``:
+
+- ``uniform``: a number drawn uniformly among those still possible (the default);
+- ``halving``: the middle of the numbers still possible, ``(low + high) // 2`` -- at most
+  ``ceil(log2(N + 1))`` guesses, 7 for 1-100;
+- ``stride``: the lowest number still possible plus 9 (at most the highest): steps of ten up from 1,
+  then down one at a time inside the last ten -- valid but slow (for 1-100, 10.5 guesses on average).
+
+A mix of ``halving`` with a larger share of ``stride`` teaches both, with the slow one as the habit
+that greedy decoding follows (its first guess, 10, is more likely than halving's 50); RL then has to
+find that halving pays (examples/grpo_guess_number.yaml).
 """
 from __future__ import annotations
 
@@ -35,6 +47,7 @@ from ..errors import ConfigError
 from .base import EpisodeState, Message, StepResult
 
 _OPENING = re.compile(r"guess 1-(\d+)")
+DEMO_STRATEGIES = ("uniform", "halving", "stride")
 INVALID_GUESSES = "invalid_guesses"  # the state.counts key of replies that are not a number in range
 
 
@@ -44,7 +57,8 @@ class GuessNumber:
 
     tools: list[dict] = []
 
-    def __init__(self, max_guesses: int = 8, speed_bonus: float = 0.1, show_range: bool = False):
+    def __init__(self, max_guesses: int = 8, speed_bonus: float = 0.1, show_range: bool = False,
+                 demo_mix: dict[str, float] | None = None):
         if max_guesses < 1:
             raise ValueError(f"max_guesses must be >= 1, got {max_guesses}")
         if not speed_bonus >= 0:
@@ -52,6 +66,13 @@ class GuessNumber:
         self.max_guesses = max_guesses
         self.speed_bonus = speed_bonus
         self.show_range = bool(show_range)
+        mix = dict(demo_mix or {"uniform": 1.0})
+        unknown = sorted(set(mix) - set(DEMO_STRATEGIES))
+        if unknown:
+            raise ValueError(f"demo_mix: unknown strategy {unknown}; the strategies are {list(DEMO_STRATEGIES)}")
+        if any(not (isinstance(w, (int, float)) and w >= 0) for w in mix.values()) or not sum(mix.values()) > 0:
+            raise ValueError(f"demo_mix: weights must be numbers >= 0 with a positive sum, got {mix}")
+        self.demo_mix = mix
 
     def reset(self, problem, state: EpisodeState) -> list[Message]:
         prompt, answer = (problem["prompt"], problem["answer"]) if isinstance(problem, dict) \
@@ -89,5 +110,16 @@ class GuessNumber:
         return StepResult([{"role": "user", "content": reply}], {}, done=False)
 
     def demonstration(self, state: EpisodeState, rng: random.Random) -> str:
-        """The scripted player's next guess: uniform among the numbers still possible (module doc)."""
-        return str(rng.randint(state.info["low_bound"], state.info["high_bound"]))
+        """The scripted player's next guess by its strategy for this game, drawn from ``demo_mix`` at the
+        game's first guess (module doc)."""
+        info = state.info
+        if "demo_strategy" not in info:
+            names = list(self.demo_mix)
+            info["demo_strategy"] = names[0] if len(names) == 1 else \
+                rng.choices(names, weights=[self.demo_mix[n] for n in names])[0]
+        low, high = info["low_bound"], info["high_bound"]
+        if info["demo_strategy"] == "halving":
+            return str((low + high) // 2)
+        if info["demo_strategy"] == "stride":
+            return str(min(low + 9, high))
+        return str(rng.randint(low, high))
