@@ -1,6 +1,10 @@
-"""Running episodes token-in / token-out: every active episode decodes in one engine call per round,
-the environment steps of a round run in parallel with a timeout, and the tokens of an episode are
-exactly what the policy sampled plus the template's rendering of the environment's messages.
+"""Running episodes token-in / token-out. Two ways to batch the turns (``env.continuous``,
+docs/environments.md "Rollouts"): ``run_continuous`` puts every turn in one running batch of a
+``rollout.continuous.ContinuousDecoder`` and an episode's next turn joins it as soon as its
+environment step returns (its KV cache kept meanwhile); ``run`` decodes every active episode in one
+engine call per round and steps the round's environments in parallel. Either way environment calls
+run on worker threads with a timeout, and the tokens of an episode are exactly what the policy
+sampled plus the template's rendering of the environment's messages.
 
 The token rule (docs/environments.md, "Tokens and masks"). An episode's ids are its first prompt
 (``reset``'s messages rendered with the generation prompt), then, turn after turn, the ids the

@@ -175,10 +175,10 @@ class ContinuousDecoder:
 
     def _reusable(self, row: _Row) -> int:
         """How many leading ids of ``row`` have kept KV entries (0: prefill it whole)."""
-        kept = self._kept.pop(row.key, None)
+        kept = self._kept.get(row.key)
         if kept is None or len(kept[0]) >= len(row.ids) or row.ids[:len(kept[0])] != kept[0]:
+            self._kept.pop(row.key, None)
             return 0
-        self._kept[row.key] = kept
         return len(kept[0])
 
     def _admit(self) -> None:
@@ -188,21 +188,22 @@ class ContinuousDecoder:
         ids, new_mask = left_pad([row.ids[c:] for row, c in zip(batch, num_cached)], self.pad_token_id)  # (N, P)
         width = max(num_cached)
         cache = DynamicCache(config=self.model.config)
+        check_full_attention(cache, "continuous batching")
         past_mask = torch.zeros((len(batch), width), dtype=torch.long)  # (N, width): the kept entries, right-aligned
         for n, c in enumerate(num_cached):
             if c:
                 past_mask[n, width - c:] = 1
         if width:
-            for layer, (keys, values) in zip(cache.layers, self._kept_layers(batch, num_cached)):
+            kept = self._kept_layers(batch, num_cached)
+            assert len(kept) == len(cache.layers), "the kept caches do not have the model's layers"
+            for layer, (keys, values) in zip(cache.layers, kept):
                 layer.update(keys, values)
         mask = torch.cat([past_mask, new_mask], 1).to(self.device)  # (N, width + P)
         logits, cache = prefill(self.model, ids.to(self.device), mask, cache)  # (N, V)
         self.num_model_calls += 1
         self.num_prefilled_tokens += int(new_mask.sum())
-        for row, c in zip(batch, num_cached):
-            if c:
-                del self._kept[row.key]
-        check_full_attention(cache, "continuous batching")
+        for row in batch:
+            self._kept.pop(row.key, None)
         positions = mask.sum(1)
         if not self._rows:
             self._cache, self._mask, self._logits, self._positions = cache, mask, logits, positions
