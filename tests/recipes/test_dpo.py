@@ -16,7 +16,7 @@ from lmforge.config import load_config
 from lmforge.data.sft import collate_sft
 from lmforge.models import load_model
 from lmforge.recipes import dpo
-from lmforge.rl.forward import shares_prompts
+from lmforge.recipes.pair_forward import pack_pairs, pair_logits, side_logps
 
 REAL_MAKE_REFERENCE = dpo.make_reference
 
@@ -66,15 +66,18 @@ def test_the_reference_is_the_starting_model_and_stays_frozen(tmp_path, monkeypa
     after = made[0].state_dict()  # the run's reference, after 4 updates of the policy
     assert all(torch.equal(after[k], v) for k, v in start.state_dict().items())
     train_data, _ = dpo.build_pairs(cfg, tokenizer, lambda *_: None)
-    batch = dpo.pair_batch(train_data.pairs[:4], tokenizer.pad_token_id)
-    assert shares_prompts(start, batch)  # the prompt of a pair runs once for both sides
+    pairs = train_data.pairs[:4]
+    batch = pack_pairs(pairs)
+    assert sum(len(ids) for ids in batch.input_ids) < batch.num_tokens  # a pair's prompt runs once for both sides
     reference = dpo.make_reference(start, "sigmoid")
     with torch.no_grad():
-        start_logps, lens = dpo.sequence_logps(lambda b: dpo.completion_logits(start, b), batch)
-    # the sequence sums equal a plain fp64 per-token sum from the model's full logits on the packed rows
-    assert lens.tolist() == batch.positions.sum(-1).tolist()
-    torch.testing.assert_close(start_logps.double(), full_logps(start, batch.input_ids, batch.attention_mask,
-                                                                batch.positions), rtol=0, atol=1e-5)
+        start_logps, lens = side_logps(pair_logits(start, batch), batch)
+    # the sequence sums equal a plain fp64 per-token sum from the model's full logits, each side collated alone
+    sides = collate_sft([p.chosen for p in pairs] + [p.rejected for p in pairs], tokenizer.pad_token_id)
+    predicts = sides["labels"][:, 1:] != -100
+    assert lens.tolist() == predicts.sum(-1).tolist()
+    torch.testing.assert_close(start_logps.double(), full_logps(start, sides["input_ids"], sides["attention_mask"],
+                                                                predicts), rtol=0, atol=1e-5)
     assert dpo.make_reference(start, "simpo") is None and reference is not start
     # training raised log pi(chosen) - log pi(rejected) over the training pairs (each side collated and
     # run on its own here, so a swap of the sides inside the recipe's batches shows)

@@ -5,12 +5,12 @@ built-in task (``data.task=addition``: chosen = the answer, rejected = a plausib
 held-out accuracy is then reported. ``train.batch_size`` and ``train.micro_batch_size`` count pairs.
 
 One step, top to bottom: the next global batch of pairs (the same order on every rank) -> this
-rank's share -> micro-batches of pairs, each laid out as 2b rows (chosen, then rejected) -> the
+rank's share -> micro-batches of pairs, each packed without padding, a pair's prompt once and its
+two completions as branches of one attention tree (lmforge.recipes.pair_forward) -> the
 reference's sequence log-probabilities of every micro-batch, without gradients, once per batch (a
 frozen copy of the starting model, or with LoRA the policy with its adapters off; none for SimPO)
--> forward / backward of each micro-batch, chosen and rejected in one forward that runs a pair's
-shared prompt once (RL's shared-prompt forward), the loss divided by the pairs of the whole step
-over all ranks -> clip, update. The loop around it (log, evaluate,
+-> forward / backward of each micro-batch, chosen and rejected in the same forward, the loss
+divided by the pairs of the whole step over all ranks -> clip, update. The loop around it (log, evaluate,
 checkpoint, resume, summary) is lmforge.runtime.loop. The math: docs/preference.md.
 """
 from __future__ import annotations
@@ -24,23 +24,21 @@ import torch
 
 from .. import lora
 from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, refuse_ignored, section
-from ..data.preference import COLUMN_NAMES, PreferenceData, PreferencePair, load_preference_rows, pairs_from_task
+from ..data.preference import COLUMN_NAMES, PreferenceData, load_preference_rows, pairs_from_task
 from ..data.preference import row_texts, tokenize_pairs
-from ..data.sft import collate_sft, uses_chat_format
+from ..data.sft import uses_chat_format
 from ..data.source import split_by_fraction
 from ..data.tasks import get_task
 from ..errors import ConfigError, DataError
 from ..evaluation import complete, save_samples, task_accuracy
 from ..models import context_length, load_model
-from ..ops import selective_log_softmax
 from ..parallel.wrap import gradient_sync, run_forward
 from ..preference_losses import REFERENCE_FREE, check_settings, preference_loss
-from ..rl.batch import TrainBatch
-from ..rl.forward import completion_logits
 from ..runtime.loop import Trainer, TrainState, build_state, full_model, train_loop
 from ..runtime.run import start_run
 from ..tokenizer import check_unknown_tokens
-from ..train import BatchOrder, shifted_targets
+from ..train import BatchOrder
+from .pair_forward import PairPack, pack_pairs, pair_logits, side_logps
 from .supervised import rank_share
 
 METRIC_KEYS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "nll_chosen")
@@ -174,46 +172,10 @@ def check_fits_context(model, *datasets: PreferenceData) -> None:
 # ----------------------------------------------------------------------------- forwards
 
 
-def pair_batch(pairs: list[PreferencePair], pad_id: int) -> TrainBatch:
-    """b pairs as one batch of 2b rows (the chosen sides, then the rejected ones) laid out as RL's
-    packed rows (lmforge.rl.batch.TrainBatch): ``prompt, completion, padding``, where a side's
-    prompt is everything before its first trained token. Where the two sides' prompts are the same
-    tokens, the pair's rows share a group, and the forward runs that prompt once for both
-    (lmforge.rl.forward.shared_prompt_logits); otherwise each row is its own group."""
-    sides = [p.chosen for p in pairs] + [p.rejected for p in pairs]
-    starts = [side.loss_mask.index(1) for side in sides]
-    num = len(pairs)
-    same = [starts[i] == starts[num + i] and sides[i].input_ids[:starts[i]] == sides[num + i].input_ids[:starts[i]]
-            for i in range(num)]
-    group_index = torch.tensor(list(range(num)) + [i if same[i] else num + i for i in range(num)])
-    packed = collate_sft(sides, pad_id)  # (2b, L): input_ids, labels (-100 off the mask), attention_mask
-    positions, _ = shifted_targets(packed["labels"])
-    width = max(len(side.input_ids) - start for side, start in zip(sides, starts))
-    completion_ids = torch.full((len(sides), width), pad_id, dtype=torch.long)
-    trained_mask = torch.zeros((len(sides), width), dtype=torch.long)
-    for row, (side, start) in enumerate(zip(sides, starts)):
-        completion_ids[row, :len(side.input_ids) - start] = torch.tensor(side.input_ids[start:])
-        trained_mask[row, :len(side.input_ids) - start] = torch.tensor(side.loss_mask[start:])
-    return TrainBatch(packed["input_ids"], packed["attention_mask"], positions, completion_ids, trained_mask, None,
-                      group_index=group_index, prompt_lens=torch.tensor(starts))
-
-
-def sequence_logps(logits_fn, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of the log-probabilities of each row's trained tokens, and their count: (2b,) each.
-
-    ``logits_fn(batch) -> (N, V)``: the logits that predict the N trained tokens, row-major
-    (lmforge.rl.forward.completion_logits: the LM head on those positions only, a shared prompt once).
-    """
-    trained = batch.trained_mask.bool()  # (2b, C)
-    token_logps = selective_log_softmax(logits_fn(batch).float(), batch.completion_ids[trained])  # (N,)
-    rows = trained.nonzero()[:, 0]  # the row of each of the N tokens, in the same (row-major) order
-    sums = torch.zeros(trained.shape[0], dtype=token_logps.dtype, device=token_logps.device)
-    return sums.index_add(0, rows, token_logps), trained.sum(-1)
-
-
-def policy_logits(state: TrainState):
-    """The trained policy's logits function, through the parallel root (DDP / FSDP2 see the forward)."""
-    return lambda batch: run_forward(state.wrapped, completion_logits, state.model, batch)
+def policy_logps(state: TrainState, batch: PairPack) -> tuple[torch.Tensor, torch.Tensor]:
+    """(2b,) sequence log-probabilities of the trained policy and the trained-token counts, through
+    the parallel root (DDP / FSDP2 see the forward)."""
+    return side_logps(run_forward(state.wrapped, pair_logits, state.model, batch), batch)
 
 
 def make_reference(model, loss: str):
@@ -226,22 +188,23 @@ def make_reference(model, loss: str):
     return copy.deepcopy(model).eval().requires_grad_(False)
 
 
-@torch.no_grad()
-def reference_logps(state: TrainState, reference, batch: TrainBatch) -> torch.Tensor | None:
+def reference_logps(state: TrainState, reference, batch: PairPack) -> torch.Tensor | None:
     """(2b,) sequence log-probabilities of the reference, no gradients; None when there is none."""
     if reference is None:
         return None
     with state.updater.precision.autocast():
         if isinstance(reference, lora.DisabledAdapters):  # through the root: FSDP2 gathers the base weights
-            with lora.adapters_disabled(reference.model):
-                return sequence_logps(policy_logits(state), batch)[0]
-        return sequence_logps(lambda b: completion_logits(reference, b), batch)[0]
+            with torch.no_grad(), lora.adapters_disabled(reference.model):
+                return policy_logps(state, batch)[0]
+        with torch.inference_mode():  # a frozen copy: no autograd bookkeeping at all
+            logps = side_logps(pair_logits(reference, batch), batch)[0]
+    return logps.clone()  # a normal tensor again: the loss uses it under autograd
 
 
-def micro_loss(state: TrainState, algo: PreferenceAlgoConfig, batch: TrainBatch, ref_logps, num_pairs_global: int):
-    """The loss of one micro-batch of b pairs (2b rows, one forward), over the step's pair count."""
+def micro_loss(state: TrainState, algo: PreferenceAlgoConfig, batch: PairPack, ref_logps, num_pairs_global: int):
+    """The loss of one micro-batch of b pairs (2b sides, one forward), over the step's pair count."""
     with state.updater.precision.autocast():
-        logps, lens = sequence_logps(policy_logits(state), batch)
+        logps, lens = policy_logps(state, batch)
     num = logps.shape[0] // 2
     refs = (None, None) if ref_logps is None else (ref_logps[:num], ref_logps[num:])
     return preference_loss(logps[:num], logps[num:], lens[:num], lens[num:], *refs, loss_type=algo.loss,
@@ -315,10 +278,10 @@ def held_out_pairs(state: TrainState, data: PreferenceData, max_pairs: int, pair
 def dpo_step(state: TrainState, data: PreferenceData, algo: PreferenceAlgoConfig, reference, step: int) -> dict:
     """One optimizer step of the preference loss (:func:`pairs_step`); the reference's logprobs are
     computed once per micro-batch, before any update."""
-    pad_id, device = state.tokenizer.pad_token_id, state.run.device
-    return pairs_step(state, data, step, lambda pairs: pair_batch(pairs, pad_id).to(device),
+    device = state.run.device
+    return pairs_step(state, data, step, lambda pairs: pack_pairs(pairs).to(device),
                       lambda batch, ref, num_pairs: micro_loss(state, algo, batch, ref, num_pairs), METRIC_KEYS,
-                      lambda batch: int(batch.attention_mask.sum()),
+                      lambda batch: batch.num_tokens,
                       before=lambda batch: reference_logps(state, reference, batch))
 
 
@@ -326,7 +289,7 @@ def held_out_preferences(state: TrainState, data: PreferenceData, algo: Preferen
                          max_pairs: int = 512) -> dict:
     """Loss, reward accuracy and margin over the held-out pairs (:func:`held_out_pairs`)."""
     def pairs_loss(pairs):
-        batch = pair_batch(pairs, state.tokenizer.pad_token_id).to(state.run.device)
+        batch = pack_pairs(pairs).to(state.run.device)
         return micro_loss(state, algo, batch, reference_logps(state, reference, batch), 1)
 
     return held_out_pairs(state, data, max_pairs, pairs_loss,
