@@ -551,11 +551,13 @@ class SlowFor(Again):
         return super().step(state, message)
 
 
-def test_greedy_continuous_episodes_are_the_round_based_ones():
-    limits = EpisodeLimits(max_turns=3, max_episode_tokens=64)
+@pytest.mark.parametrize("max_episode_tokens", [64, 20], ids=["room", "cut"])
+def test_greedy_continuous_episodes_are_the_round_based_ones(max_episode_tokens):
+    # "cut": the token budget ends every episode, so both modes must cut a turn at the same place
+    limits = EpisodeLimits(max_turns=3, max_episode_tokens=max_episode_tokens)
     _, _, rounds, _ = run_tiny_episodes(Again(turns=3), limits, temperature=0.0)
     _, _, continuous, _ = run_tiny_episodes(Again(turns=3), limits, temperature=0.0, mode="continuous")
-    assert [e.state.turn for e in rounds] == [3] * 4
+    assert [e.end for e in rounds] == ["done" if max_episode_tokens == 64 else "episode_tokens"] * 4
     for r, c in zip(rounds, continuous):
         assert (c.prompt_ids, c.ids, c.trained, c.end, c.state.messages) == (r.prompt_ids, r.ids, r.trained, r.end,
                                                                           r.state.messages)
