@@ -64,6 +64,57 @@ def check_full_attention(cache: DynamicCache, who: str) -> None:
                          "other special cache layers, which are not supported")
 
 
+class RunningBatch:
+    """The state of the rows decoding together: their KV cache, attention mask (B, L) long (1 on
+    real cached positions), next-token logits (B, V) float32 and next positions (B,) long. Rows are
+    added (``add``), kept (``keep``: the others leave) and advanced one token (``decode``); the
+    caller keeps its own per-row records in the same order. ``lmforge serve``'s scheduler and
+    :class:`ContinuousDecoder` share it."""
+
+    def __init__(self):
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.mask is None else self.mask.shape[0]
+
+    def add(self, cache: DynamicCache, mask: torch.Tensor, logits: torch.Tensor) -> None:
+        """Append prefilled rows (their cache, mask (N, L') and last logits (N, V)) after the running ones:
+        the narrower cache is left-padded with masked positions."""
+        if not len(self):
+            self.cache, self.mask, self.logits, self.positions = cache, mask, logits, mask.sum(1)
+            return
+        width = max(self.mask.shape[1], mask.shape[1])
+        for c in (self.cache, cache):
+            left_pad_cache(c, width)
+        pad = lambda m: torch.cat([m.new_zeros((m.shape[0], width - m.shape[1])), m], 1)  # noqa: E731
+        concat_cache(self.cache, cache)
+        self.mask = torch.cat([pad(self.mask), pad(mask)], 0)
+        self.logits = torch.cat([self.logits, logits], 0)
+        self.positions = torch.cat([self.positions, mask.sum(1)], 0)
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (in that order); cut the columns that are padding in every one left."""
+        if not rows:
+            self.cache = self.mask = self.logits = self.positions = None
+            return
+        index = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
+        self.cache.batch_select_indices(index)
+        self.mask, self.logits, self.positions = self.mask[index], self.logits[index], self.positions[index]
+        start = int((self.mask.cumsum(1) == 0).sum(1).min())  # leading padding common to every row
+        if start:
+            trim_cache(self.cache, start)
+            self.mask = self.mask[:, start:]
+
+    def decode(self, model: torch.nn.Module, tokens: torch.Tensor) -> None:
+        """Feed one token per row (B,) and take the next logits."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self), 1))], 1)  # (B, L + 1)
+        self.logits, self.cache = decode_step(model, tokens, self.cache, self.mask, self.positions)
+        self.positions = self.positions + 1
+
+
 @dataclasses.dataclass
 class FinishedRow:
     """A row that left the batch: the tokens it sampled (the stop token included) and their logprobs."""
@@ -99,10 +150,7 @@ class ContinuousDecoder:
         self._queue: list[_Row] = []
         self._rows: list[_Row] = []
         self._kept: dict[Hashable, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = {}
-        self._cache: DynamicCache | None = None
-        self._mask: torch.Tensor | None = None  # (B, L) long, 1 on real cached positions
-        self._logits: torch.Tensor | None = None  # (B, V) float32, next-token logits
-        self._positions: torch.Tensor | None = None  # (B,) long, position of each row's next token
+        self._batch = RunningBatch()
 
     @property
     def busy(self) -> bool:
@@ -147,31 +195,22 @@ class ContinuousDecoder:
                 keep.append(b)
         if len(keep) < len(self._rows):
             self._rows = [self._rows[b] for b in keep]
-            if not keep:
-                self._cache = self._mask = self._logits = self._positions = None
-                return finished
-            index = torch.tensor(keep, dtype=torch.long, device=self.device)
-            self._cache.batch_select_indices(index)
-            self._mask, tokens, self._positions = self._mask[index], tokens[index], self._positions[index]
-            start = int((self._mask.cumsum(1) == 0).sum(1).min())  # leading padding common to every row
-            if start:
-                trim_cache(self._cache, start)
-                self._mask = self._mask[:, start:]
-        self._mask = torch.cat([self._mask, self._mask.new_ones((len(self._rows), 1))], 1)  # (B, L + 1)
-        self._logits, self._cache = decode_step(self.model, tokens, self._cache, self._mask, self._positions)
-        self._positions = self._positions + 1
-        self.num_model_calls += 1
+            self._batch.keep(keep)
+            tokens = tokens[torch.tensor(keep, dtype=torch.long, device=self.device)]
+        if self._rows:
+            self._batch.decode(self.model, tokens)
+            self.num_model_calls += 1
         return finished
 
     # ------------------------------------------------------------------ internals
 
     def _keep(self, b: int, row: _Row) -> None:
         """Keep row ``b``'s KV entries of its real positions: its ids and all but its last sampled token."""
-        real = self._mask[b].bool()
+        real = self._batch.mask[b].bool()
         fed = row.ids + row.tokens[:-1]
         assert int(real.sum()) == len(fed), "the row's cached positions do not match its tokens"
         self._kept[row.key] = (fed, [(layer.keys[b:b + 1, :, real], layer.values[b:b + 1, :, real])
-                                     for layer in self._cache.layers])
+                                     for layer in self._batch.cache.layers])
 
     def _reusable(self, row: _Row) -> int:
         """How many leading ids of ``row`` have kept KV entries (0: prefill it whole)."""
@@ -204,18 +243,7 @@ class ContinuousDecoder:
         self.num_prefilled_tokens += int(new_mask.sum())
         for row in batch:
             self._kept.pop(row.key, None)
-        positions = mask.sum(1)
-        if not self._rows:
-            self._cache, self._mask, self._logits, self._positions = cache, mask, logits, positions
-        else:
-            width = max(self._mask.shape[1], mask.shape[1])
-            for c in (self._cache, cache):
-                left_pad_cache(c, width)
-            pad = lambda m: torch.cat([m.new_zeros((m.shape[0], width - m.shape[1])), m], 1)  # noqa: E731
-            concat_cache(self._cache, cache)
-            self._mask = torch.cat([pad(self._mask), pad(mask)], 0)
-            self._logits = torch.cat([self._logits, logits], 0)
-            self._positions = torch.cat([self._positions, positions], 0)
+        self._batch.add(cache, mask, logits)
         self._rows += batch
 
     def _kept_layers(self, batch: list[_Row], num_cached: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -249,7 +277,7 @@ class ContinuousDecoder:
             if temperature > 0 and not unseeded:
                 uniforms = torch.cat([torch.rand((1, 1), generator=self._rows[b].generator, device=self.device)
                                       for b in rows])  # (R, 1)
-            picked, logprobs = sample_token(self._logits[index], first.params, uniforms=uniforms)
+            picked, logprobs = sample_token(self._batch.logits[index], first.params, uniforms=uniforms)
             tokens[index] = picked
             for b, token, logprob in zip(rows, picked.tolist(), logprobs.tolist()):
                 self._rows[b].tokens.append(token)

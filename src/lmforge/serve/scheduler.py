@@ -40,8 +40,8 @@ from typing import Callable
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from ..rollout.continuous import concat_cache, left_pad_cache, trim_cache
-from ..rollout.engine import SamplingParams, decode_step, left_pad, prefill, process_logits, sample_token
+from ..rollout.continuous import RunningBatch
+from ..rollout.engine import SamplingParams, left_pad, prefill, process_logits, sample_token
 
 
 class ServeError(RuntimeError):
@@ -137,10 +137,7 @@ class BatchScheduler:
         self._updates: list[_WeightUpdate] = []
         self._rows: list[_Row] = []
         self._admitting: list[GenerationRequest] = []  # taken from _waiting, not yet rows (prefill running)
-        self._cache: DynamicCache | None = None
-        self._mask: torch.Tensor | None = None  # (B, L) long, 1 on real cached positions
-        self._logits: torch.Tensor | None = None  # (B, V) float32, next-token logits
-        self._positions: torch.Tensor | None = None  # (B,) long, position of each row's next token
+        self._batch = RunningBatch()  # the rows' KV cache, mask, next logits and positions (rollout/continuous.py)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lmforge-serve-scheduler", daemon=True)
         self._thread.start()
@@ -273,18 +270,7 @@ class BatchScheduler:
                 for row in siblings:
                     row.counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=self.device)
             new_rows += siblings
-        if not self._rows:
-            self._cache, self._mask, self._logits = cache, mask, logits
-            self._positions = mask.sum(1)
-        else:
-            width = max(self._mask.shape[1], mask.shape[1])
-            for c in (self._cache, cache):
-                left_pad_cache(c, width)
-            pad = lambda m: torch.cat([m.new_zeros((m.shape[0], width - m.shape[1])), m], 1)  # noqa: E731
-            concat_cache(self._cache, cache)
-            self._mask = torch.cat([pad(self._mask), pad(mask)], 0)
-            self._logits = torch.cat([self._logits, logits], 0)
-            self._positions = torch.cat([self._positions, mask.sum(1)], 0)
+        self._batch.add(cache, mask, logits)
         self._rows += new_rows
         self._admitting = []
 
@@ -311,7 +297,7 @@ class BatchScheduler:
         for rows in groups.values():
             first = self._rows[rows[0]]
             index = torch.tensor(rows, device=self.device)
-            logits = self._logits[index]  # (R, V), a copy
+            logits = self._batch.logits[index]  # (R, V), a copy
             if any(self._rows[b].request.adjusts_logits for b in rows):
                 logits = self._adjusted(logits.float(), rows)
             picked, logprobs = sample_token(logits, first.request.params, first.generator)
@@ -360,20 +346,12 @@ class BatchScheduler:
                 keep.append(b)
         if len(keep) < len(self._rows):
             self._retire([row for row in self._rows if row.finish_reason is not None])
-            index = torch.tensor(keep, dtype=torch.long, device=self.device)
             self._rows = [self._rows[b] for b in keep]
+            self._batch.keep(keep)
             if not keep:
-                self._cache = self._mask = self._logits = self._positions = None
                 return
-            self._cache.batch_select_indices(index)
-            self._mask, tokens, self._positions = self._mask[index], tokens[index], self._positions[index]
-            start = int((self._mask.cumsum(1) == 0).sum(1).min())  # leading padding common to every row
-            if start:
-                trim_cache(self._cache, start)
-                self._mask = self._mask[:, start:]
-        self._mask = torch.cat([self._mask, self._mask.new_ones((len(self._rows), 1))], 1)  # (B, L + 1)
-        self._logits, self._cache = decode_step(self.model, tokens, self._cache, self._mask, self._positions)
-        self._positions = self._positions + 1
+            tokens = tokens[torch.tensor(keep, dtype=torch.long, device=self.device)]
+        self._batch.decode(self.model, tokens)
         self.num_steps += 1
 
     def _retire(self, finished: list[_Row]) -> None:
