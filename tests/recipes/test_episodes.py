@@ -615,3 +615,27 @@ def test_a_waiting_environment_step_does_not_hold_up_the_other_episodes(mode):
                                           problems=problems, mode=mode, workers=4)
     assert all(e.end == "done" and e.state.turn == 3 for e in episodes)
     assert env.released == [mode == "continuous"] * 2
+
+
+def test_a_failed_continuous_batch_leaves_no_environment_answer_to_the_next():
+    tok, vocab = merging_tokenizer()
+    a, eos = vocab["a"], vocab["<eos>"]
+
+    class FailsOnTurn2(ScriptedDecoder):
+        def step(self):
+            if any(turn >= 1 for turn in self.admitted.values()):
+                raise RuntimeError("the model failed")
+            return super().step()
+
+    env = SlowFor(turns=2, delay_s=0.3, slow="9")  # "9+9=": its first step still runs when the batch fails
+    runner = EpisodeRunner(env, tok, EpisodeLimits(max_turns=3), workers=2)
+    problems = [types.SimpleNamespace(prompt=p, answer="") for p in ("1+1=", "9+9=")]
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=[eos])
+    with pytest.raises(RuntimeError, match="the model failed"):
+        runner.run_continuous(FailsOnTurn2([[a, eos]] * 3), problems, 1, params)
+    assert ("start", "9+9=", 1) in env.events and ("end", "9+9=", 1) not in env.events
+    decoder = ScriptedDecoder([[a, eos]] * 3)
+    (episode,), _ = runner.run_continuous(decoder, problems[:1], 1, params)  # no episode 1 for the stale answer
+    runner.close()
+    assert episode.state.turn == 2 and episode.end == "done"
+    assert [len(turn) for turn in decoder.seen] == [1, 1]

@@ -155,6 +155,15 @@ class EnvCalls:
             if ended or not wait or not self._pending:
                 return ended
 
+    def abandon(self) -> None:
+        """Forget the calls still running (a batch that failed): their threads finish in the background
+        and their results never reach a later batch."""
+        if self._pending:
+            self.pool.shutdown()
+            self.pool = DaemonThreadPool(self.workers, name="env")
+        self._pending.clear()
+        self._started.clear()
+
     def close(self) -> None:
         self.pool.shutdown()
 
@@ -349,8 +358,19 @@ class EpisodeRunner:
         in decode steps, ``time_env`` the time the decoder sat idle waiting for an environment.
         """
         episodes = [Episode(EpisodeState(problem)) for problem in problems for _ in range(group_size)]
-        stop_ids = set(params.stop_token_ids)
         times = {"time_generation": 0.0, "time_env": 0.0}
+        try:
+            self._play(decoder, episodes, params, times)
+        except BaseException:
+            self.calls.abandon()
+            raise
+        return episodes, times
+
+    def _play(self, decoder: ContinuousDecoder, episodes: list[Episode], params: SamplingParams,
+              times: dict) -> None:
+        """``run_continuous``'s loop: admit the turns whose environment answered, decode one step, hand
+        the finished turns to the environment, until every episode has ended."""
+        stop_ids = set(params.stop_token_ids)
         for index, episode in enumerate(episodes):
             self.calls.submit((index, "reset"), _bind(self.env.reset, episode.state.problem, episode.state))
         while self.calls.num_pending or decoder.busy:
@@ -375,7 +395,6 @@ class EpisodeRunner:
                 else:
                     self.calls.submit((row.key, "step"), _bind(self.env.step, episode.state, episode.state.messages[-1]))
             times["time_generation"] += time.perf_counter() - middle
-        return episodes, times
 
 
 def _bind(fn: Callable, *args) -> Callable[[], Any]:
