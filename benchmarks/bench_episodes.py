@@ -13,7 +13,8 @@ hits them alike; the script prints medians, episodes/s, sampled tokens/s and the
 
     python benchmarks/bench_episodes.py --threads 1                      # guess_number, tiny random Llama
     python benchmarks/bench_episodes.py --threads 1 --latency-s 0.05 --slow-frac 0.25
-    python benchmarks/bench_episodes.py --threads 1 --env calculator --task multiply:digits=3 --max-new-tokens 48
+    python benchmarks/bench_episodes.py --threads 1 --env calculator --task multiplication:digits=3 --env-args '{}' \
+        --tokenizer char:ascii --max-new-tokens 48 --latency-s 0.02
 
 Sampling is at temperature 1 with a fixed seed; the two runners draw from different generators
 (rounds: one per round, continuous: one per turn of each episode), so their episodes differ and
@@ -72,7 +73,9 @@ def play(mode: str, runner, model, tokenizer, problems, group_size: int, params:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny", help="'tiny' (a random tiny Llama, char tokenizer) or a model dir")
+    parser.add_argument("--model", default="tiny", help="'tiny' (a random tiny Llama) or a model name / dir")
+    parser.add_argument("--tokenizer", default="char", help="the tiny model's tokenizer (calculator: char:ascii, "
+                        "whose template lists the tools on one line)")
     parser.add_argument("--env", default="guess_number", help="built-in environment")
     parser.add_argument("--task", default="guess_number:high=100", help="data.task giving the problems")
     parser.add_argument("--env-args", default="{show_range: true}", help="env.args, as YAML")
@@ -92,7 +95,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     if args.model == "tiny":
-        model, tokenizer = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=64, num_layers=2,
+        model, tokenizer = load_model(ModelConfig(name="tiny:llama", tokenizer=args.tokenizer, hidden_size=64, num_layers=2,
                                                   num_heads=4, max_position_embeddings=512))
     else:
         model, tokenizer = load_model(ModelConfig(name=args.model))
@@ -127,6 +130,9 @@ def main() -> None:
                          "turns_per_episode": round(statistics.mean(r[3] for r in rows), 2)}
         print(f"  {mode:<11} {seconds:7.2f} s  {rows[0][1] / seconds:7.2f} episodes/s  {tokens_per_s:8.1f} sampled "
               f"tokens/s  {summary[mode]['turns_per_episode']:.2f} turns/episode")
+    if not all(s["turns_per_episode"] for s in summary.values()):
+        raise SystemExit("no turn was played: the first prompts fill the model's context or the environment fails "
+                         "on reset (see the warnings above); the figures above measure nothing")
     ratio = summary["rounds"]["seconds"] / summary["continuous"]["seconds"]
     print(f"  continuous / rounds: {ratio:.2f}x episodes/s")
     print(json.dumps({**summary, "speedup": round(ratio, 2)}))
