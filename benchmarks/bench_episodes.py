@@ -95,8 +95,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     if args.model == "tiny":
-        model, tokenizer = load_model(ModelConfig(name="tiny:llama", tokenizer=args.tokenizer, hidden_size=64, num_layers=2,
-                                                  num_heads=4, max_position_embeddings=512))
+        model, tokenizer = load_model(ModelConfig(name="tiny:llama", tokenizer=args.tokenizer, hidden_size=64,
+                                                  num_layers=2, num_heads=4, max_position_embeddings=512))
     else:
         model, tokenizer = load_model(ModelConfig(name=args.model))
     model.eval()

@@ -225,8 +225,8 @@ def run_tiny_episodes(env, limits=EpisodeLimits(max_turns=3, max_episode_tokens=
         episodes, times = runner.run(sample, problems, group_size, params)
     else:
         model.eval()
-        episodes, times = runner.run_continuous(RecordingDecoder(model, tok.pad_token_id, [] if calls is None else calls),
-                                                problems, group_size, params)
+        decoder = RecordingDecoder(model, tok.pad_token_id, [] if calls is None else calls)
+        episodes, times = runner.run_continuous(decoder, problems, group_size, params)
     runner.close()
     return model, tok, episodes, times
 

@@ -393,7 +393,8 @@ class EpisodeRunner:
                 if episode.end:
                     decoder.release(row.key)
                 else:
-                    self.calls.submit((row.key, "step"), _bind(self.env.step, episode.state, episode.state.messages[-1]))
+                    step = _bind(self.env.step, episode.state, episode.state.messages[-1])
+                    self.calls.submit((row.key, "step"), step)
             times["time_generation"] += time.perf_counter() - middle
 
 
