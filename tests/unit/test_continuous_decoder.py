@@ -94,3 +94,18 @@ def test_stop_strings_are_refused(tiny):
     model, tok = tiny
     with pytest.raises(ValueError, match="stop_strings"):
         ContinuousDecoder(model, tok.pad_token_id).admit(0, [1], SamplingParams(stop_strings=["x"]))
+
+
+def test_rows_with_the_same_first_ids_are_prefilled_once_and_sample_apart(tiny):
+    model, tok = tiny
+    prompt = encode(tok, "a group's prompt")
+    rows = {0: [(i, prompt, SamplingParams(temperature=1.0, max_new_tokens=8, seed=i)) for i in range(4)]}
+    decoder = ContinuousDecoder(model, tok.pad_token_id)
+    shared = drive(decoder, rows)
+    assert decoder.num_prefilled_tokens == len(prompt)  # one prefill for the four rows
+    for i in range(4):
+        alone_row = drive(ContinuousDecoder(model, tok.pad_token_id), {0: [rows[0][i]]})[i]
+        assert shared[i].token_ids == alone_row.token_ids
+        torch.testing.assert_close(torch.tensor(shared[i].logprobs), torch.tensor(alone_row.logprobs), rtol=0,
+                                   atol=2e-5)
+    assert len({tuple(shared[i].token_ids) for i in range(4)}) > 1  # each row its own seed

@@ -221,19 +221,29 @@ class ContinuousDecoder:
         return len(kept[0])
 
     def _admit(self) -> None:
-        """Prefill the queued rows (after their kept entries) in one model call and merge them in."""
+        """Prefill the queued rows (after their kept entries) in one model call and merge them in. Rows
+        without kept entries whose ids are equal (a group's first turn) are prefilled once and copied."""
         batch, self._queue = self._queue, []
-        num_cached = [self._reusable(row) for row in batch]
-        ids, new_mask = left_pad([row.ids[c:] for row, c in zip(batch, num_cached)], self.pad_token_id)  # (N, P)
+        cached = [self._reusable(row) for row in batch]
+        first: dict[tuple, int] = {}
+        unique, source = [], []  # the rows prefilled; for each row of the batch, the prefilled row it copies
+        for n, (row, c) in enumerate(zip(batch, cached)):
+            key = ("row", n) if c else ("ids", tuple(row.ids))
+            if key not in first:
+                first[key] = len(unique)
+                unique.append(n)
+            source.append(first[key])
+        rows, num_cached = [batch[n] for n in unique], [cached[n] for n in unique]
+        ids, new_mask = left_pad([row.ids[c:] for row, c in zip(rows, num_cached)], self.pad_token_id)  # (N, P)
         width = max(num_cached)
         cache = DynamicCache(config=self.model.config)
         check_full_attention(cache, "continuous batching")
-        past_mask = torch.zeros((len(batch), width), dtype=torch.long)  # (N, width): the kept entries, right-aligned
+        past_mask = torch.zeros((len(rows), width), dtype=torch.long)  # (N, width): the kept entries, right-aligned
         for n, c in enumerate(num_cached):
             if c:
                 past_mask[n, width - c:] = 1
         if width:
-            kept = self._kept_layers(batch, num_cached)
+            kept = self._kept_layers(rows, num_cached)
             assert len(kept) == len(cache.layers), "the kept caches do not have the model's layers"
             for layer, (keys, values) in zip(cache.layers, kept):
                 layer.update(keys, values)
@@ -241,6 +251,10 @@ class ContinuousDecoder:
         logits, cache = prefill(self.model, ids.to(self.device), mask, cache)  # (N, V)
         self.num_model_calls += 1
         self.num_prefilled_tokens += int(new_mask.sum())
+        if len(rows) < len(batch):
+            index = torch.tensor(source, dtype=torch.long, device=self.device)
+            cache.batch_select_indices(index)
+            mask, logits = mask[index], logits[index]
         for row in batch:
             self._kept.pop(row.key, None)
         self._batch.add(cache, mask, logits)
