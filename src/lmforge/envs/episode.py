@@ -159,6 +159,8 @@ class EnvCalls:
         """Forget the calls still running (a batch that failed): their threads finish in the background
         and their results never reach a later batch."""
         if self._pending:
+            for future, _ in self._pending.values():
+                future.cancel()  # not started yet: never runs (nor writes its start time)
             self.pool.shutdown()
             self.pool = DaemonThreadPool(self.workers, name="env")
         self._pending.clear()
