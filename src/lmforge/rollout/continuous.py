@@ -7,14 +7,17 @@ the rows admitted since the last one, samples one token for every running row, h
 that finished (a stop token, or ``max_new_tokens``) and runs the model once on the rest. The
 episode runner (``envs/episode.py``) drives it, one row per episode turn.
 
-How rows share the batch (the scheme ``lmforge serve`` uses, docs/serving.md "Batching"): the KV
-caches of the new rows and of the running ones are left-padded to one width and concatenated; the
-attention mask is 0 on padding and the position ids count real tokens only, so padding never
-shifts RoPE. Columns that are padding in every row are cut when rows leave.
+How rows share the batch (``RunningBatch``, which ``lmforge serve``'s scheduler runs on too:
+docs/serving.md "Batching"): the KV caches of the new rows and of the running ones are left-padded
+to one width and concatenated; the attention mask is 0 on padding and the position ids count real
+tokens only, so padding never shifts RoPE. Columns that are padding in every row are cut when rows
+leave. Rows admitted together with equal ids and nothing kept (a group's first turn) are prefilled
+once.
 
 Each row samples from its own generator, seeded by its ``params.seed``: its tokens do not depend
 on which rows share its steps (up to the float rounding of a different batch shape, which moves a
-greedy argmax or a sampled draw only at a near tie). Greedy rows share one ``sample_token`` call.
+greedy argmax or a sampled draw only at a near tie). Rows of equal settings share one
+``sample_token`` call, each with the uniform drawn from its own generator.
 
 Kept caches (``keep_cache=True``): a finished row's KV entries (every position fed to the model:
 its ids and all but its last sampled token) are kept under its key. When the key is admitted again
