@@ -75,8 +75,9 @@ def lmforge_stepper(model, tokenizer, rows, settings: str, args, out_dir: str):
                                           batch_size=args.batch, micro_batch_size=args.batch, threads=args.threads,
                                           device="cpu", dtype="fp32" if settings == "fp32" else "auto",
                                           gradient_checkpointing="off" if settings == "fp32" else "auto"))
-    run = start_run(cfg, "bench", model, seq_len=2 * MAX_LEN, console=Quiet())
     data = tokenize_pairs(rows, tokenizer, MAX_LEN)
+    # as run_dpo: the hardware choice sizes memory for the longest pair as the forward runs it
+    run = start_run(cfg, "bench", model, seq_len=dpo.choice_seq_len(data), console=Quiet())
     reference = dpo.make_reference(model, "sigmoid")
     state = build_state(run, model, tokenizer, BatchOrder(len(data), args.batch, 0), 10 ** 6)
     counter = {"step": 0}
@@ -112,13 +113,14 @@ def compare(settings: str, args, out_dir: str) -> dict:
     trainer = trl_trainer(model, tokenizer, rows, settings, args, f"{out_dir}/trl-{settings}",
                           make_callback(lm_step, args.warmup, record), total)
     trl_choice = f"bf16={trainer.args.bf16}, gradient_checkpointing={trainer.args.gradient_checkpointing}"
-    print(f"[bench] {settings}: {len(rows)} pairs, {args.batch} per step, {tokens:.0f} tokens per side on average "
-          f"(lmforge's tokenization); lmforge {lm_choice}; TRL {trl_choice}", flush=True)
+    print(f"[bench] {settings}: {len(rows)} pairs, {args.batch} per step, {tokens:.0f} tokens per pair (both sides) on "
+          f"average (lmforge's tokenization); lmforge {lm_choice}; TRL {trl_choice}; load average "
+          f"{os.getloadavg()[0]:.1f}", flush=True)
     trainer.train()
     trl, lm = statistics.median(record["trl"]), statistics.median(record["lmforge"])
     paired = statistics.median(t / m for t, m in zip(record["trl"], record["lmforge"]))
     print(f"RESULT {settings}: trl {trl:.2f} s/step, lmforge {lm:.2f} s/step; trl / lmforge median {trl / lm:.2f}x, "
-          f"paired {paired:.2f}x", flush=True)
+          f"paired {paired:.2f}x; load average at the end {os.getloadavg()[0]:.1f}", flush=True)
     return {"settings": settings, "trl_s": trl, "lmforge_s": lm, "ratio": trl / lm, "paired": paired,
             "trl_choice": trl_choice, "lmforge_choice": lm_choice}
 

@@ -16,7 +16,7 @@ from lmforge.config import load_config
 from lmforge.data.sft import collate_sft
 from lmforge.models import load_model
 from lmforge.recipes import dpo
-from lmforge.recipes.pair_forward import pack_pairs, pair_logits, side_logps
+from lmforge.recipes.pair_forward import pack_pairs, pair_logits, segment_length, side_logps
 
 REAL_MAKE_REFERENCE = dpo.make_reference
 
@@ -97,6 +97,22 @@ def full_logps(model, input_ids, attention_mask, predicts):
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.double()
     token_logps = torch.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None])[..., 0]
     return (token_logps * predicts[:, :token_logps.shape[1]]).sum(-1)
+
+
+def test_the_hardware_choice_sees_the_longest_pair_as_it_runs(tmp_path, monkeypatch):
+    """Activation checkpointing is chosen for the longest packed pair (its prompt once, both completions),
+    not for two sides of data.max_len tokens; with data.rejected=policy the pairs come after the run starts."""
+    seen = []
+    real = dpo.start_run
+    monkeypatch.setattr(dpo, "start_run", lambda cfg, name, model, seq_len, console: seen.append(seq_len) or
+                        real(cfg, name, model, seq_len=seq_len, console=console))
+    cfg, _ = run(tmp_path / "rule", "train.max_steps=1", "data.max_len=24")
+    train_data, val_data = dpo.build_pairs(cfg, load_model(cfg.model)[1], lambda *_: None)
+    longest = max(segment_length(pair) for data in (train_data, val_data) for pair in data.pairs)
+    longest_side = max(len(side.input_ids) for pair in train_data.pairs for side in pair)
+    assert seen == [longest] and longest_side < longest < 2 * longest_side
+    run(tmp_path / "policy", "train.max_steps=1", "data.max_len=24", "data.rejected=policy")
+    assert seen[1] == 2 * 24
 
 
 def test_lora_reference_is_the_base_model(tmp_path):

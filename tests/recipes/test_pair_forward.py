@@ -37,6 +37,7 @@ def test_layout_of_one_pair_by_hand():
     assert pack.targets.tolist() == [8, 9, 10, 11, 12]
     assert pack.side_of.tolist() == [0, 0, 1, 1, 1]
     assert (pack.num_sides, pack.num_tokens) == (2, 11)
+    assert pair_forward.segment_length(pair) == 6
     expected = torch.tensor([[1, 0, 0, 0, 0, 0],
                              [1, 1, 0, 0, 0, 0],
                              [1, 1, 1, 0, 0, 0],

@@ -38,7 +38,7 @@ from ..runtime.loop import Trainer, TrainState, build_state, full_model, train_l
 from ..runtime.run import start_run
 from ..tokenizer import check_unknown_tokens
 from ..train import BatchOrder
-from .pair_forward import PairPack, pack_pairs, pair_logits, side_logps
+from .pair_forward import PairPack, pack_pairs, pair_logits, segment_length, side_logps
 from .supervised import rank_share
 
 METRIC_KEYS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "nll_chosen")
@@ -159,6 +159,12 @@ def build_pairs(cfg: DPOConfig, tokenizer, printer=print, model=None) -> tuple[P
             printer(f"[data] {name} pairs: {data.report(d.max_len, d.truncation)}")
         parts.append(data)
     return parts[0], parts[1]
+
+
+def choice_seq_len(*datasets: PreferenceData) -> int:
+    """The tokens of the longest pair as the forward runs it (its prompt once, both completions:
+    :func:`pair_forward.segment_length`): what the hardware choice sizes activation memory for."""
+    return max((segment_length(pair) for data in datasets for pair in data.pairs), default=1)
 
 
 def check_fits_context(model, *datasets: PreferenceData) -> None:
@@ -318,9 +324,17 @@ def run_dpo(cfg: DPOConfig, model=None, tokenizer=None, console=None) -> dict:
     """Train on preference pairs; returns the final evaluation (and ``<key>_before``, from step 0)."""
     if model is None:
         model, tokenizer = load_model(cfg.model)
-    # a step's forward holds both sides of each pair: the hardware choice sees rows twice max_len long
-    run = start_run(cfg, "dpo", model, seq_len=2 * cfg.data.max_len, console=console)
-    train_data, val_data = build_pairs(cfg, tokenizer, run.print, model.to(run.device))
+    # Pairs that need no model are read first, so the hardware choice (activation checkpointing) sizes
+    # memory for the longest pair as it runs, not for two sides of data.max_len tokens each.
+    early, lines = cfg.data.rejected != "policy", []
+    if early:
+        train_data, val_data = build_pairs(cfg, tokenizer, lines.append)
+    seq_len = choice_seq_len(train_data, val_data) if early else 2 * cfg.data.max_len
+    run = start_run(cfg, "dpo", model, seq_len=seq_len, console=console)
+    for line in lines:
+        run.print(line)
+    if not early:
+        train_data, val_data = build_pairs(cfg, tokenizer, run.print, model.to(run.device))
     check_fits_context(model, train_data, val_data)
     run.print(f"[data] {len(train_data)} training pairs, {len(val_data)} held-out pairs")
     if len(train_data) < cfg.train.batch_size:

@@ -85,6 +85,12 @@ def _attend(segment_of: Tensor, branch: Tensor) -> Tensor:
     return causal & same_segment & visible
 
 
+def segment_length(pair: PreferencePair) -> int:
+    """The tokens a pair runs as in :func:`pack_pairs` (its prompt once, both completions but their last
+    trained tokens)."""
+    return len(_segment(pair)[0])
+
+
 def pack_pairs(pairs: list[PreferencePair], row_tokens: int = ROW_TOKENS) -> PairPack:
     """b pairs -> :class:`PairPack`: each pair one segment, segments in order into rows of at most
     ``row_tokens`` tokens (a longer segment is a row of its own)."""
