@@ -133,3 +133,28 @@ def test_an_attention_without_a_tree_mask_is_refused():
     pack = pack_pairs(pairs_of_every_kind()[:1])
     with pytest.raises(ValueError, match="SDPA or eager"):
         pair_logits(model, pack)
+
+
+def test_pack_flops_count_the_laid_out_tokens_and_the_head_on_predicting_positions_only():
+    # the summary's MFU for lmforge dpo: 6N x the pairs' tokens overstated it (a shared prompt counted on
+    # both sides, the head on every position: 118% "MFU" on SmolLM2 arith_chat pairs)
+    from lmforge.recipes.dpo import pack_forward_flops
+    model, _ = load_model(ModelConfig(tokenizer="char", hidden_size=32, num_layers=2, num_heads=2))
+    pair = PreferencePair(side([5, 6, 7, 8, 9], [0, 0, 0, 1, 1]), side([5, 6, 7, 10, 11, 12], [0, 0, 0, 1, 1, 1]))
+    pack = pack_pairs([pair])
+    cfg = model.config
+    inner, kv = cfg.intermediate_size, cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    per_layer = cfg.hidden_size * (2 * cfg.hidden_size + 2 * kv) + 3 * cfg.hidden_size * inner  # q o, k v, mlp
+    body, head = cfg.num_hidden_layers * per_layer, cfg.hidden_size * cfg.vocab_size
+    # 6 laid-out tokens through the body (prompt once), the head on the 5 predicting positions
+    assert pack_forward_flops(model, pack) == 2.0 * (body * 6 + head * 5)
+
+
+def test_sides_longer_than_a_sliding_window_are_refused():
+    model, _ = load_model(ModelConfig(tokenizer="char", hidden_size=32, num_layers=1, num_heads=2))
+    pair = pairs_of_every_kind()[2]  # sides of 8 tokens: inputs up to position 6 (7 positions)
+    model.config.sliding_window = 7
+    pair_logits(model, pack_pairs([pair]))  # the window never binds: the mask is the model's own
+    model.config.sliding_window = 6
+    with pytest.raises(ValueError, match="sliding attention window"):
+        pair_logits(model, pack_pairs([pair]))

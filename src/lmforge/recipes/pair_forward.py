@@ -143,6 +143,11 @@ def pair_logits(model, pack: PairPack) -> Tensor:
     lookup once, the LM head on the N predicting positions only (plain-head models; others get
     their full logits, then the N rows)."""
     lengths = [len(ids) for ids in pack.input_ids]
+    window = getattr(model.config, "sliding_window", None)  # the tree mask is full causal within a side
+    longest = max((int(positions.max()) + 1 for positions in pack.position_ids if len(positions)), default=0)
+    if window and longest > window:
+        raise ValueError(f"a side of {longest} tokens is longer than the model's sliding attention window "
+                         f"({window}), which the packed pair forward does not apply; set data.max_len <= {window}")
     plain = getattr(model.config, "model_type", "") in PLAIN_HEAD_MODELS and decoder_of(model) is not None
     forward = decoder_of(model) if plain else model
     embeds = model.get_input_embeddings()(torch.cat(pack.input_ids))  # (sum L, H)
