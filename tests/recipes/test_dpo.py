@@ -14,6 +14,7 @@ from lmforge.checkpoint import list_checkpoints
 from lmforge.cli import main
 from lmforge.config import load_config
 from lmforge.data.sft import collate_sft
+from lmforge.errors import ConfigError
 from lmforge.models import load_model
 from lmforge.recipes import dpo
 from lmforge.recipes.pair_forward import pack_pairs, pair_logits, segment_length, side_logps
@@ -113,6 +114,18 @@ def test_the_hardware_choice_sees_the_longest_pair_as_it_runs(tmp_path, monkeypa
     assert seen == [longest] and longest_side < longest < 2 * longest_side
     run(tmp_path / "policy", "train.max_steps=1", "data.max_len=24", "data.rejected=policy")
     assert seen[1] == 2 * 24
+
+
+def test_sides_longer_than_a_sliding_window_are_a_config_error(tmp_path):
+    cfg = load_config(dpo.DPOConfig, None, ARGS + [f"train.output_dir={tmp_path}"])
+    model, tokenizer = load_model(cfg.model)
+    train_data, _ = dpo.build_pairs(cfg, tokenizer, lambda *_: None)
+    longest = max(len(side.input_ids) for pair in train_data.pairs for side in pair)
+    model.config.sliding_window = longest
+    dpo.check_fits_context(model, train_data)
+    model.config.sliding_window = longest - 1
+    with pytest.raises(ConfigError, match=f"data.max_len <= {longest - 1}"):
+        dpo.check_fits_context(model, train_data)
 
 
 def test_lora_reference_is_the_base_model(tmp_path):

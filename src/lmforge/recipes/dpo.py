@@ -34,6 +34,7 @@ from ..evaluation import complete, save_samples, task_accuracy
 from ..models import context_length, load_model
 from ..parallel.wrap import gradient_sync, run_forward
 from ..preference_losses import REFERENCE_FREE, check_settings, preference_loss
+from ..rl.forward import matmul_weights
 from ..runtime.loop import Trainer, TrainState, build_state, full_model, train_loop
 from ..runtime.run import start_run
 from ..tokenizer import check_unknown_tokens
@@ -173,6 +174,11 @@ def check_fits_context(model, *datasets: PreferenceData) -> None:
     if context is not None and longest > context:
         raise ConfigError(f"the longest side of a pair has {longest} tokens but the model's context is {context}; "
                           f"set data.max_len <= {context} (longer pairs are then cut or dropped per data.truncation)")
+    window = getattr(getattr(model, "config", None), "sliding_window", None)
+    if window and longest > window:  # pair_forward's tree mask is full causal within a side
+        raise ConfigError(f"the longest side of a pair has {longest} tokens but the model attends within a sliding "
+                          f"window of {window}, which lmforge dpo's packed forward does not apply; set "
+                          f"data.max_len <= {window}")
 
 
 # ----------------------------------------------------------------------------- forwards
@@ -222,14 +228,16 @@ def micro_loss(state: TrainState, algo: PreferenceAlgoConfig, batch: PairPack, r
 
 
 def pairs_step(state: TrainState, data: PreferenceData, step: int, make_batch: Callable, micro_loss: Callable,
-               metric_keys: tuple[str, ...], count_tokens: Callable, before: Callable | None = None) -> dict:
+               metric_keys: tuple[str, ...], count_tokens: Callable, before: Callable | None = None,
+               count_flops: Callable | None = None) -> dict:
     """One optimizer step over the next global batch of pairs (lmforge dpo and lmforge rm); metrics are
     means over all its pairs.
 
     This rank's share is cut into micro-batches, ``make_batch(pairs)`` each; ``before(batch)`` (e.g. the
     reference's logprobs) runs on every micro-batch before any update; ``micro_loss(batch, before_value,
     num_pairs_global) -> (loss, metrics)`` is already divided by the global pair count, so the sums over
-    micro-batches and ranks are the means. ``count_tokens(batch)``: the tokens a micro-batch holds."""
+    micro-batches and ranks are the means. ``count_tokens(batch)``: the tokens a micro-batch holds;
+    ``count_flops(batch)``: the matmul FLOPs this step spends on it (else the summary assumes 6N a token)."""
     run, updater = state.run, state.updater
     ctx, micro = run.ctx, run.micro_batch_size
     t0 = time.perf_counter()
@@ -248,9 +256,12 @@ def pairs_step(state: TrainState, data: PreferenceData, step: int, make_batch: C
     updater.check_loss(totals[0], step)
     lr = updater.scheduler.get_last_lr()[0]
     grad_norm = updater.step(step)
-    return {"loss": totals[0], **dict(zip(metric_keys, totals[1:])), "lr": lr, "grad_norm": grad_norm,
-            "skipped_updates": updater.num_skipped, "num_tokens": sum(count_tokens(b) for b in batches),
-            "data_time": data_time}
+    out = {"loss": totals[0], **dict(zip(metric_keys, totals[1:])), "lr": lr, "grad_norm": grad_norm,
+           "skipped_updates": updater.num_skipped, "num_tokens": sum(count_tokens(b) for b in batches),
+           "data_time": data_time}
+    if count_flops is not None:
+        out["num_flops"] = float(sum(count_flops(b) for b in batches))
+    return out
 
 
 @torch.no_grad()
@@ -281,14 +292,24 @@ def held_out_pairs(state: TrainState, data: PreferenceData, max_pairs: int, pair
             **{name: float(total) / len(pairs) for name, total in zip(names, totals[1:])}}
 
 
+def pack_forward_flops(model, pack: PairPack) -> float:
+    """Matmul FLOPs of one forward over ``pack`` as :func:`pair_forward.pair_logits` runs it: every
+    laid-out token through the body (a shared prompt once), the LM head on the predicting positions only."""
+    body, head = matmul_weights(model)
+    return 2.0 * (body * sum(row.numel() for row in pack.input_ids) + head * int(pack.predict_at.numel()))
+
+
 def dpo_step(state: TrainState, data: PreferenceData, algo: PreferenceAlgoConfig, reference, step: int) -> dict:
     """One optimizer step of the preference loss (:func:`pairs_step`); the reference's logprobs are
-    computed once per micro-batch, before any update."""
+    computed once per micro-batch, before any update. FLOPs: the policy's forward and backward (3
+    forwards) and the reference's forward, where there is one."""
     device = state.run.device
+    forwards = 3 + (reference is not None)
     return pairs_step(state, data, step, lambda pairs: pack_pairs(pairs).to(device),
                       lambda batch, ref, num_pairs: micro_loss(state, algo, batch, ref, num_pairs), METRIC_KEYS,
                       lambda batch: batch.num_tokens,
-                      before=lambda batch: reference_logps(state, reference, batch))
+                      before=lambda batch: reference_logps(state, reference, batch),
+                      count_flops=lambda batch: forwards * pack_forward_flops(state.model, batch))
 
 
 def held_out_preferences(state: TrainState, data: PreferenceData, algo: PreferenceAlgoConfig, reference,
