@@ -109,3 +109,37 @@ def test_rows_with_the_same_first_ids_are_prefilled_once_and_sample_apart(tiny):
         torch.testing.assert_close(torch.tensor(shared[i].logprobs), torch.tensor(alone_row.logprobs), rtol=0,
                                    atol=2e-5)
     assert len({tuple(shared[i].token_ids) for i in range(4)}) > 1  # each row its own seed
+
+
+def test_a_sliding_window_model_plays_its_episodes_in_rounds(tiny, caplog):
+    # continuous batching merges full-attention caches only; env.continuous (the default) must not make
+    # a Mistral-style model (sliding_window set) fail: its episodes run in rounds, with one warning
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from lmforge.rl.sources import episodes as source
+    from lmforge.rollout.continuous import has_full_attention_caches
+
+    windowed = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                                sliding_window=16)).eval()
+    assert has_full_attention_caches(tiny[0]) and not has_full_attention_caches(windowed)
+
+    class Runner:
+        def __init__(self):
+            self.calls = []
+
+        def run(self, generate_fn, problems, group_size, params):
+            self.calls.append("rounds")
+            return [], {}
+
+        def run_continuous(self, decoder, problems, group_size, params):
+            self.calls.append("continuous")
+            return [], {}
+
+    runner = Runner()
+    params = SamplingParams(temperature=0.0, max_new_tokens=2)
+    source._FELL_BACK.discard("mistral")
+    for model in (windowed, windowed, tiny[0]):
+        source.run_episodes(runner, True, model, None, [], 1, params, 0)
+    assert runner.calls == ["rounds", "rounds", "continuous"]
+    assert sum("run in rounds" in r.getMessage() for r in caplog.records) == 1  # told once per model type

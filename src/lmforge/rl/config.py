@@ -201,7 +201,8 @@ class EnvConfig:
     continuous: bool = opt(True, "continuous batching across turns: an episode's next turn joins the running batch "
                            "as soon as its environment step returns, with its KV cache kept (only the new tokens "
                            "prefilled), and each turn samples from its own seed; false = rounds: every turn of "
-                           "every episode waits for the slowest (docs/environments.md, Rollouts)")
+                           "every episode waits for the slowest; models with sliding-window caches always run in rounds "
+                           "(docs/environments.md, Rollouts)")
 
     def validate(self) -> None:
         if not self.name:

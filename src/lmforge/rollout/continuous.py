@@ -61,6 +61,12 @@ def trim_cache(cache: DynamicCache, start: int) -> None:
         layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
 
 
+def has_full_attention_caches(model) -> bool:
+    """True when every cache layer ``model`` builds is a plain full-attention one, which rows can share
+    (False for sliding-window or other special layers: Mistral's default config, Gemma 2/3, ...)."""
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
+
+
 def check_full_attention(cache: DynamicCache, who: str) -> None:
     if any(type(layer) is not DynamicLayer for layer in cache.layers):
         raise ValueError(f"{who} merges full-attention KV caches between rows; this model has sliding-window or "

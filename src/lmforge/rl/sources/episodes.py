@@ -12,6 +12,7 @@ rewards and losses of the plain source (tests/recipes/test_episodes.py).
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
@@ -22,13 +23,16 @@ from ...envs.registry import make_environment
 from ...errors import TrainingError
 from ...models import context_length
 from ...rollout import RewardOutput, RewardSet, RolloutBatch, SamplingParams, generate
-from ...rollout.continuous import ContinuousDecoder
+from ...rollout.continuous import ContinuousDecoder, has_full_attention_caches
 from ...rollout.rewards import default_workers
 from ..config import RolloutConfig
 from ..prompts import PromptSet
 from .base import SourceSetup
 from .inprocess import make_engine
 from .sampled import SampledSource, reward_metrics
+
+log = logging.getLogger(__name__)
+_FELL_BACK: set[str] = set()  # model types already told about (one warning each per process)
 
 
 # Ends where the environment failed (raised, hung, answered something malformed): a batch of only these
@@ -67,7 +71,16 @@ def run_episodes(runner: EpisodeRunner, continuous: bool, model: torch.nn.Module
                  problems: list, group_size: int, params: SamplingParams,
                  pad_token_id: int) -> tuple[list[Episode], dict]:
     """``runner.run_continuous`` on ``model`` (in eval mode meanwhile) or round-based ``runner.run`` on
-    ``generate_fn`` (``env.continuous``)."""
+    ``generate_fn`` (``env.continuous``). A model whose KV cache has sliding-window or other special
+    layers, which the continuous decoder cannot merge between rows, runs in rounds, with one warning."""
+    if continuous and not has_full_attention_caches(model):
+        kind = getattr(model.config, "model_type", type(model).__name__)
+        if kind not in _FELL_BACK:
+            _FELL_BACK.add(kind)
+            log.warning("env.continuous: %s has sliding-window (or other non-full-attention) cache layers, which "
+                        "continuous batching cannot merge between episodes; its episodes run in rounds "
+                        "(as env.continuous=false)", kind)
+        continuous = False
     if not continuous:
         return runner.run(generate_fn, problems, group_size, params)
     was_training = model.training
