@@ -206,8 +206,11 @@ def test_calculator_demo_tool_rate_mixes_tool_calls_with_leading_digit_estimates
             assert [m["role"] for m in episode] == ["user", "assistant"]
             assert episode[1]["content"] == f"about {estimate(problem.prompt[:-1])}"
     assert 70 <= called <= 130  # 100 expected; binomial sd 8.7
-    with pytest.raises(ConfigError, match="demo_tool_rate must be in"):
-        make_environment("calculator", {"demo_tool_rate": 1.5})
+    for bad in (1.5, "0.3", None, True):
+        with pytest.raises(ConfigError, match="demo_tool_rate must be a number in"):
+            make_environment("calculator", {"demo_tool_rate": bad})
+    with pytest.raises(ConfigError, match="products of two positive integers"):  # another task's problems
+        demonstration_rows(env, get_task("addition").make_problems(40, 0, "train"), 3, load_tokenizer("char:ascii"))
 
 
 def test_guess_number_demonstrations_play_valid_games_with_random_consistent_guesses():
@@ -246,7 +249,9 @@ def test_guess_number_demo_mix_plays_halving_and_stride_games():
         assert len(guesses) <= (7 if first == "halving" else 19)
     assert 90 <= halving <= 150 and halving + stride == 400  # 120 expected, binomial sd 9.2
     for bad, match in [({"bisect": 1.0}, "unknown strategy"), ({"halving": -1.0}, "weights must be"),
-                       ({"halving": 0}, "weights must be")]:
+                       ({"halving": 0}, "weights must be"), ({"halving": float("inf")}, "weights must be"),
+                       ({"halving": "1"}, "weights must be"), ({}, "must be a mapping"), ("halving", "must be a mapping"),
+                       (["halving"], "must be a mapping")]:
         with pytest.raises(ConfigError, match=match):
             make_environment("guess_number", {"demo_mix": bad})
 

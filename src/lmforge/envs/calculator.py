@@ -32,6 +32,7 @@ import ast
 import operator
 import random
 
+from ..errors import ConfigError
 from .base import EpisodeState, Message, StepResult
 from .tool_env import ToolEnv, problem_prompt
 from .toolcalls import ToolCall, format_tool_calls
@@ -76,8 +77,9 @@ class Calculator(ToolEnv):
 
     def __init__(self, demo_tool_rate: float = 1.0):
         super().__init__([calculator])
-        if not 0.0 <= demo_tool_rate <= 1.0:
-            raise ValueError(f"demo_tool_rate must be in [0, 1], got {demo_tool_rate}")
+        if isinstance(demo_tool_rate, bool) or not isinstance(demo_tool_rate, (int, float)) \
+                or not 0.0 <= demo_tool_rate <= 1.0:
+            raise ValueError(f"demo_tool_rate must be a number in [0, 1], got {demo_tool_rate!r}")
         self.demo_tool_rate = float(demo_tool_rate)
 
     def finish(self, state: EpisodeState, message: Message) -> StepResult:
@@ -100,7 +102,11 @@ class Calculator(ToolEnv):
 def estimate(expression: str) -> str:
     """The leading-digit estimate of a product ``a*b`` of positive integers: each operand rounded down to
     its first digit, e.g. ``"123*456"`` -> ``"40000"`` (100 * 400)."""
-    a, b = (part.strip() for part in expression.split("*"))
+    parts = [part.strip() for part in expression.split("*")]
+    if len(parts) != 2 or not all(part.isdigit() for part in parts):
+        raise ConfigError(f"calculator: demo_tool_rate < 1 estimates products of two positive integers "
+                         f"(data.task=multiplication), got the problem {expression!r}")
+    a, b = parts
     return str(int(a[0]) * int(b[0])) + "0" * (len(a) - 1 + len(b) - 1)
 
 
