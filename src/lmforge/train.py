@@ -12,8 +12,9 @@ from .config import OptimConfig
 from .errors import TrainingError
 
 # Model families whose logits are exactly ``lm_head(last_hidden_state)`` (no soft-capping or
-# scaling): for these the LM head can run on the loss positions only.
-PLAIN_HEAD_MODELS = {"llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "smollm3", "granite"}
+# scaling): for these the LM head can run on the loss positions only. Not granite: it divides the
+# head's output by ``config.logits_scaling``.
+PLAIN_HEAD_MODELS = {"llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "smollm3"}
 
 
 # ----------------------------------------------------------------------------- optimizer

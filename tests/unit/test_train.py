@@ -90,6 +90,21 @@ def test_logits_at_equals_full_forward():
     torch.testing.assert_close(fast, full, rtol=0, atol=1e-5)
 
 
+def test_logits_at_equals_full_forward_for_a_scaled_head():
+    # Granite divides lm_head's output by config.logits_scaling: it must not take the head-only path
+    # (it did: log-probs from unscaled logits in SFT, RL and the DPO pair forward)
+    from transformers import GraniteConfig, GraniteForCausalLM
+    torch.manual_seed(0)
+    model = GraniteForCausalLM(GraniteConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=2, num_key_value_heads=2, logits_scaling=4.0))
+    ids = torch.randint(0, 64, (2, 7))
+    mask = torch.ones_like(ids)
+    positions = torch.zeros_like(ids, dtype=torch.bool)
+    positions[:, 3:6] = True
+    full = model(input_ids=ids, attention_mask=mask).logits[positions]
+    torch.testing.assert_close(logits_at(model, ids, mask, positions), full, rtol=0, atol=1e-5)
+
+
 def test_lr_schedule_values():
     cfg = OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1, schedule="cosine")
     assert [lr_factor(s, cfg, 14) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
