@@ -480,8 +480,20 @@ def test_episode_runs_resume_bit_for_bit(tmp_path, overlap, mode):
     run_grpo(load_config(GRPOConfig, None, args + [f"train.output_dir={out}"]))
     steps = records(out)
     assert all(r["turns_per_episode"] > 1 for r in steps.values())
+    if not (overlap and mode == "continuous"):
+        assert_resume_is_bit_exact(run_grpo, GRPOConfig, args, out, tmp_path / "resumed", 2,
+                                   ("loss", "reward", "kl", "grad_norm", "turns_per_episode"))
+        return
+    # Overlapped + continuous: the loss uses the sampler's logprobs (algo.is_level=token), and in a
+    # continuous batch a turn's batch mates depend on when environment steps return, which changes the
+    # last bits of its logits (a CPU matmul's rounding depends on the batch). The tokens, so the rewards
+    # and turns, resume exactly; the losses to rounding (a CI run saw 2.4e-6 relative).
     assert_resume_is_bit_exact(run_grpo, GRPOConfig, args, out, tmp_path / "resumed", 2,
-                               ("loss", "reward", "kl", "grad_norm", "turns_per_episode"))
+                               ("reward", "turns_per_episode"))
+    want, got = records(out), records(tmp_path / "resumed")
+    for step in sorted(got):
+        for key in ("loss", "kl", "grad_norm"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-4, abs=1e-9), (step, key)
 
 
 def test_ppo_trains_on_episodes(tmp_path):
