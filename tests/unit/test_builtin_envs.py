@@ -58,6 +58,43 @@ def test_guess_number_splits_are_disjoint_secrets_behind_one_prompt():
         GuessNumberTask(high=5)
 
 
+def test_guess_number_random_openings_split_by_opening_with_every_secret_inside():
+    task = get_task("guess_number:high=100,min_width=10")
+    assert task.spec == "guess_number:high=100,min_width=10"
+    games = {split: task.make_problems(400, 0, split) for split in ("train", "test")}
+    openings = {split: set() for split in games}
+    for split, problems in games.items():
+        for p in problems:
+            low, high = map(int, p.prompt.removeprefix("guess ").split("-"))
+            assert 1 <= low <= int(p.answer) <= high <= 100 and high - low + 1 >= 10 and p.completion == p.answer
+            assert split_of(p.prompt) == split
+            openings[split].add(p.prompt)
+    assert not openings["train"] & openings["test"] and len(openings["test"]) > 200  # held-out openings
+    # every (opening, secret) game is indexed once: the first and last of the space by hand
+    assert task._ranged_problem_at(0) == Problem("guess 1-10", "1", "1")
+    size = sum(b - a + 1 for a in range(1, 101) for b in range(a + 9, 101))
+    assert task._ranged_problem_at(size - 1) == Problem("guess 91-100", "100", "100")
+    assert task.make_problems(20, 3, "test") == task.make_problems(20, 3, "test")
+    for bad in ("min_width=1", "min_width=101"):
+        with pytest.raises(ValueError, match="min_width must be 0"):
+            get_task(f"guess_number:high=100,{bad}")
+
+
+def test_guess_number_plays_a_random_opening_inside_its_range():
+    env = make_environment("guess_number", {"max_guesses": 8, "show_range": True, "speed_bonus": 0.1})
+    state = started(env, Problem("guess 23-87", "40", "40"))
+    assert state.messages == [{"role": "user", "content": "guess 23-87"}]
+    replies = [env.step(state, assistant(g)).messages[0]["content"] for g in ("55", "22", "30")]
+    assert replies == ["lower 23-54", "invalid 23-54", "higher 31-54"]  # 22 is outside the opening range
+    assert state.counts == {"invalid_guesses": 1}
+    assert env.step(state, assistant("40")).reward == {"solved": 1.0, "speed": 0.4}
+    halving = GuessNumber(max_guesses=8, show_range=True, demo_mix={"halving": 1.0})
+    messages, reward = play(halving, Problem("guess 23-87", "40", "40"), random.Random(0))
+    assert [m["content"] for m in messages] == ["guess 23-87", "55", "lower 23-54", "38", "higher 39-54", "46",
+                                                "lower 39-45", "42", "lower 39-41", "40"]
+    assert reward == {"solved": 1.0, "speed": pytest.approx(0.3)}  # five guesses of eight: 0.1 x 3 unused
+
+
 # ----------------------------------------------------------------------------- calculator
 
 
@@ -156,7 +193,11 @@ def test_guess_number_show_range_answers_with_the_numbers_still_possible():
 
 
 def test_guess_number_bad_problem_or_arguments_say_what_is_needed():
-    with pytest.raises(ConfigError, match="guess 1-N"):
+    with pytest.raises(ConfigError, match="guess L-H"):
+        started(GuessNumber(), Problem("guess 50-40", "45", "45"))
+    with pytest.raises(ConfigError, match="guess L-H"):
+        started(GuessNumber(), Problem("guess 10-40", "41", "41"))
+    with pytest.raises(ConfigError, match="guess L-H"):
         started(GuessNumber(), Problem("123*456=", "56088", "56088"))
     with pytest.raises(ConfigError, match="max_guesses must be >= 1"):
         make_environment("guess_number", {"max_guesses": 0})

@@ -15,7 +15,10 @@ request for more problems than the share holds cycles through it again (in the s
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
+import itertools
 import math
 import random
 import re
@@ -329,32 +332,51 @@ class Multiplication:
 # ----------------------------------------------------------------------------- guess_number (a multi-turn game)
 
 
+@functools.lru_cache(maxsize=8)
+def _guess_openings(high: int, min_width: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """Every opening range ``(low, high)`` of at least ``min_width`` numbers within 1..``high``, and the
+    running count of (range, secret) games up to each, for indexing the games of all ranges at once."""
+    ranges = [(a, b) for a in range(1, high + 1) for b in range(a + min_width - 1, high + 1)]
+    ends = list(itertools.accumulate(b - a + 1 for a, b in ranges))
+    return ranges, ends
+
+
 @dataclass(frozen=True)
 class GuessNumber:
-    """The secrets of the ``guess_number`` game (lmforge.envs.guess_number): a number from 1 to ``high``
-    that the model finds by guessing, told "higher" or "lower" after each wrong guess.
+    """The secrets of the ``guess_number`` game (lmforge.envs.guess_number): a number from a range that
+    the model finds by guessing, told "higher" or "lower" after each wrong guess.
 
-    Prompt ``"guess 1-100"`` for every problem (the model must not see the secret); completion and
-    answer: the secret, e.g. ``"37"``.
+    ``min_width=0`` (the default): every game opens ``"guess 1-100"`` (``high=100``; the model must not
+    see the secret); completion and answer: the secret, e.g. ``"37"``. Since every prompt is the same,
+    the split of a problem is that of the text ``"secret 37"`` (the same hash, :func:`split_of`), so the
+    held-out games have secrets no training game has. ``make_problems`` cycles through its split's
+    secrets when ``n`` is larger (with ``high=100``, the test split holds 11 secrets).
 
-    Splits: since every prompt is the same, the split of a problem is that of the text ``"secret 37"``
-    (the same hash, :func:`split_of`), so the held-out games have secrets no training game has.
-    ``make_problems`` cycles through its split's secrets when ``n`` is larger (with ``high=100``, the
-    test split holds 11 secrets).
+    ``min_width=W`` (2 or more): each game opens on its own range of at least ``W`` numbers within
+    1..``high``, e.g. ``"guess 23-87"``, with a secret in it (every (range, secret) pair equally
+    likely). The split is by the prompt as in the other tasks, so a held-out game opens on a range no
+    training game opens on; its secret, and the ranges its later answers name, are numbers the training
+    games use too. There are thousands of held-out games rather than eleven.
 
     Score (a single-turn guess, one shot): 1.0 if the completion, stripped, is the secret, else 0.0.
     """
 
     high: int = 100
+    min_width: int = 0
     name: ClassVar[str] = "guess_number"
 
     def __post_init__(self) -> None:
         if not 10 <= self.high <= 10_000:
             raise ValueError(f"guess_number: high must be between 10 and 10000, got {self.high}")
+        if self.min_width != 0 and not 2 <= self.min_width <= self.high:
+            raise ValueError(f"guess_number: min_width must be 0 (every game opens 'guess 1-{self.high}') or "
+                             f"from 2 to high={self.high} (random opening ranges), got {self.min_width}")
+        if self.min_width and self.high > 1000:
+            raise ValueError(f"guess_number: random opening ranges (min_width) need high <= 1000, got {self.high}")
 
     @property
     def spec(self) -> str:
-        return f"{self.name}:high={self.high}"
+        return f"{self.name}:high={self.high}" + (f",min_width={self.min_width}" if self.min_width else "")
 
     @property
     def prompt(self) -> str:
@@ -364,7 +386,17 @@ class GuessNumber:
     def alphabet(self) -> str:
         return ASCII_ALPHABET
 
+    def _ranged_problem_at(self, index: int) -> Problem:
+        ranges, ends = _guess_openings(self.high, self.min_width)
+        k = bisect.bisect_right(ends, index)
+        low, high = ranges[k]
+        secret = low + index - (ends[k - 1] if k else 0)
+        return Problem(prompt=f"guess {low}-{high}", completion=str(secret), answer=str(secret))
+
     def make_problems(self, n: int, seed: int, split: str) -> list[Problem]:
+        if self.min_width:
+            size = _guess_openings(self.high, self.min_width)[1][-1]
+            return _sample_split(self._ranged_problem_at, size, n, seed, split, self.spec)
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
         if n < 0:

@@ -1,8 +1,9 @@
-"""``guess_number``: find a secret number from 1 to N, told "higher" or "lower" after each wrong guess.
+"""``guess_number``: find a secret number in a range, told "higher" or "lower" after each wrong guess.
 
-The problems are the ``guess_number`` task's (``data.task: guess_number:high=100``): every game opens
-with the same user message, ``"guess 1-100"``, and the secret is the problem's answer. Each assistant
-message is one guess, a number written alone::
+The problems are the ``guess_number`` task's: with ``data.task: guess_number:high=100`` every game
+opens with the same user message, ``"guess 1-100"``; with ``guess_number:high=100,min_width=10`` each
+game opens on its own range, e.g. ``"guess 23-87"``. The secret is the problem's answer. Each
+assistant message is one guess, a number written alone::
 
     user       guess 1-100
     assistant  50
@@ -14,7 +15,7 @@ message is one guess, a number written alone::
 Rewards (parts of the last step): ``solved`` 1.0 when a guess is the secret, and then ``speed``:
 ``speed_bonus`` for every guess of ``max_guesses`` left unused, so of two games that both solve, the
 shorter scores higher, and an episode reaches full marks (reward >= 1, the held-out ``accuracy``)
-exactly when it solves. A reply that is not a whole number from 1 to N is answered ``"invalid"``, counted
+exactly when it solves. A reply that is not a whole number in the opening range is answered ``"invalid"``, counted
 in ``state.counts["invalid_guesses"]`` and costs its guess. After ``max_guesses`` guesses without the
 secret the episode ends unsolved (reward 0).
 
@@ -49,7 +50,7 @@ import re
 from ..errors import ConfigError
 from .base import EpisodeState, Message, StepResult
 
-_OPENING = re.compile(r"guess 1-(\d+)")
+_OPENING = re.compile(r"guess (\d+)-(\d+)")
 DEMO_STRATEGIES = ("uniform", "halving", "stride")
 INVALID_GUESSES = "invalid_guesses"  # the state.counts key of replies that are not a number in range
 
@@ -87,12 +88,12 @@ class GuessNumber:
         prompt, answer = (problem["prompt"], problem["answer"]) if isinstance(problem, dict) \
             else (problem.prompt, problem.answer)
         opening = _OPENING.fullmatch(prompt.strip())
-        if not opening or not str(answer).isdigit() or not 1 <= int(answer) <= int(opening.group(1)):
-            raise ConfigError(f"guess_number: a problem needs the prompt 'guess 1-N' and a secret from 1 to N as "
-                              f"its answer, got prompt {prompt!r} and answer {answer!r}; use "
+        low, high = (int(opening.group(1)), int(opening.group(2))) if opening else (0, -1)
+        if not opening or low < 1 or not str(answer).isdigit() or not low <= int(answer) <= high:
+            raise ConfigError(f"guess_number: a problem needs the prompt 'guess L-H' (1 <= L) and a secret from L "
+                              f"to H as its answer, got prompt {prompt!r} and answer {answer!r}; use "
                               "data.task=guess_number (lmforge.data.tasks.GuessNumber)")
-        state.info.update(high=int(opening.group(1)), secret=int(answer), guesses=[], low_bound=1,
-                          high_bound=int(opening.group(1)))
+        state.info.update(low=low, high=high, secret=int(answer), guesses=[], low_bound=low, high_bound=high)
         return [{"role": "user", "content": prompt.strip()}]
 
     def step(self, state: EpisodeState, message: Message) -> StepResult:
@@ -100,7 +101,7 @@ class GuessNumber:
         text = message["content"].strip()
         guess = int(text) if text.isascii() and text.isdigit() else None
         info["guesses"].append(guess)
-        if guess is None or not 1 <= guess <= info["high"]:
+        if guess is None or not info["low"] <= guess <= info["high"]:
             state.counts[INVALID_GUESSES] = state.counts.get(INVALID_GUESSES, 0) + 1
             reply = "invalid"
         elif guess == info["secret"]:
