@@ -86,7 +86,7 @@ def test_calculator_sft_then_grpo_trains_the_policy_turns_only(tmp_path):
             assert key in record, key
     samples = [json.loads(line) for line in open(f"{result['run_dir']}/samples.jsonl")]
     assert samples and all("tool" in [m["role"] for m in s["messages"]] for s in samples)  # greedy evaluation
-    assert {"accuracy", "eval_turns", "eval_tool_calls"} <= set(result)
+    assert {"accuracy", "eval_turns", "eval_turns_to_solve", "eval_tool_calls"} <= set(result)
 
 
 @pytest.mark.parametrize("args, match", [

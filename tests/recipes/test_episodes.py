@@ -651,3 +651,30 @@ def test_a_failed_continuous_batch_leaves_no_environment_answer_to_the_next():
     runner.close()
     assert episode.state.turn == 2 and episode.end == "done"
     assert [len(turn) for turn in decoder.seen] == [1, 1]
+
+
+def test_episode_evaluator_reports_success_turns_and_turns_to_solve(monkeypatch):
+    """Scripted greedy games of guess_number (1-10, two guesses): every game guesses 3, then 5. Secret 3 is
+    solved in one turn, 5 in two, 9 not: accuracy 2/3, mean turns 5/3, turns to solve (1 + 2) / 2."""
+    from lmforge.data.problem import Problem
+    from lmforge.rl.config import EnvConfig
+    from lmforge.rl.sources import episodes as episode_source
+
+    tok = char_tokenizer(ASCII_ALPHABET)
+    eos = tok.eos_token_id
+    generate_fn, _ = scripted([tok.encode("3", add_special_tokens=False) + [eos],
+                               tok.encode("5", add_special_tokens=False) + [eos]], tok.pad_token_id)
+    monkeypatch.setattr(episode_source, "generate", lambda model, ids, params, num_samples, pad_token_id:
+                        generate_fn(ids, params, num_samples))
+    env_cfg = EnvConfig(name="guess_number", args={"max_guesses": 2, "speed_bonus": 0.0}, max_turns=2,
+                        continuous=False)
+    problems = [Problem("guess 1-10", s, s) for s in ("3", "5", "9")]
+    evaluate = episode_source.episode_evaluator(env_cfg, tok, problems, None, [], max_new_tokens=4, context=None,
+                                                reward_timeout_s=5.0, reward_workers=1)
+    try:
+        metrics, played, totals = evaluate(None)
+    finally:
+        evaluate.close()
+    assert [e.state.turn for e in played] == [1, 2, 2] and totals == [1.0, 1.0, 0.0]
+    assert metrics["accuracy"] == pytest.approx(2 / 3) and metrics["eval_turns"] == pytest.approx(5 / 3)
+    assert metrics["eval_turns_to_solve"] == pytest.approx(1.5)

@@ -148,7 +148,8 @@ def episode_evaluator(env_cfg, tokenizer, problems: list, task, reward_specs: li
 
     A success is an episode whose reward (the environment's parts plus the weighted reward functions)
     reaches 1, full marks: ``accuracy`` is the success rate; also ``eval_reward`` (mean reward),
-    ``eval_turns`` (mean turns) and ``eval_tool_calls`` (mean tool calls per episode). Turns are
+    ``eval_turns`` (mean turns), ``eval_turns_to_solve`` (mean turns of the successes; 0 when none) and
+    ``eval_tool_calls`` (mean tool calls per episode). Turns are
     ``max_new_tokens`` long at most; the rewards run with failures scored, never stopping the run.
     The function has a ``close()`` for the environment threads and reward workers.
     """
@@ -169,8 +170,11 @@ def episode_evaluator(env_cfg, tokenizer, problems: list, task, reward_specs: li
         width = max(1, max(len(e.ids) for e in episodes))
         totals = score_episodes(episodes, reward_set, task, max_new_tokens, width).total
         metrics = episode_metrics(episodes, {"time_generation": 0.0, "time_env": 0.0})
+        solved_turns = [e.state.turn for e, total in zip(episodes, totals.tolist()) if total >= 1.0]
         return ({"accuracy": (totals >= 1.0).float().mean().item(), "eval_reward": totals.mean().item(),
-                 "eval_turns": metrics["turns_per_episode"], "eval_tool_calls": metrics["tool_calls_per_episode"]},
+                 "eval_turns": metrics["turns_per_episode"],
+                 "eval_turns_to_solve": sum(solved_turns) / len(solved_turns) if solved_turns else 0.0,
+                 "eval_tool_calls": metrics["tool_calls_per_episode"]},
                 episodes, totals.tolist())
 
     def close() -> None:
