@@ -451,10 +451,10 @@ class OptimConfig:
 class TrainConfig:
     output_dir: str = opt("runs/run", "run directory (config, metrics, checkpoints)")
     max_steps: int = opt(200, "optimizer steps")
-    batch_size: int = opt(0, "rows per optimizer step over all ranks (SFT / pretrain; 0 = 32); RL: "
-                          "rollout.num_prompts x rollout.group_size, set by the recipe")
-    micro_batch_size: int = opt(0, "rows per forward pass on one rank (0 = chosen by hardware tier); only "
-                                "splits the batch: accumulation = batch_size / (micro_batch_size x ranks)")
+    batch_size: int = opt(0, "rows per optimizer step over all ranks (SFT / pretrain; 0 = 32; dpo / rm: "
+                          "pairs); RL: rollout.num_prompts x rollout.group_size, set by the recipe")
+    micro_batch_size: int = opt(0, "rows (dpo / rm: pairs) per forward pass on one rank (0 = chosen by hardware "
+                                "tier); only splits the batch: accumulation = batch_size / (micro_batch_size x ranks)")
     seed: int = opt(0, "seed for data order, sampling and dropout")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps")
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = opt("auto", "compute dtype (auto: fp32 on CPU, bf16 on recent GPUs)")
