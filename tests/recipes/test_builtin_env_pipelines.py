@@ -96,3 +96,29 @@ def test_calculator_sft_then_grpo_trains_the_policy_turns_only(tmp_path):
 def test_sft_demonstration_config_errors(args, match):
     with pytest.raises(ConfigError, match=match):
         load_config(SFTConfig, None, args)
+
+
+def test_guess_number_random_openings_run_sft_demos_then_grpo(tmp_path):
+    """The shipped guess_number recipe's settings at toy size: demonstrations of random openings (both demo
+    strategies), then GRPO episodes and the greedy evaluation on held-out openings."""
+    task = "data.task=guess_number:high=100,min_width=10"
+    run_sft(load_config(SFTConfig, None, TINY + [
+        task, "data.env=guess_number", "data.env_args={max_guesses: 10, show_range: true, demo_mix: {halving: 0.5, "
+        "stride: 0.5}}", "data.num_train=32", "data.num_val=4", "data.max_len=320", "train.max_steps=2",
+        "train.batch_size=8", "train.micro_batch_size=8", "train.eval_every=0", "train.save_every=2",
+        f"train.output_dir={tmp_path / 'sft'}"]))
+    result = run_grpo(load_config(GRPOConfig, None, [
+        f"model.name={tmp_path / 'sft' / 'final'}", "train.threads=1", "logging.progress=false", task,
+        "data.num_train=32", "data.num_eval=6", "env.name=guess_number",
+        "env.args={max_guesses: 10, speed_bonus: 0.05, show_range: true}", "env.max_turns=10",
+        "env.max_episode_tokens=300", "rollout.num_prompts=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
+        "rewards.functions=[]", "train.max_steps=1", "train.micro_batch_size=4", "train.eval_every=1",
+        "train.save_every=0", "train.max_new_tokens=8", "train.num_samples=6", f"train.output_dir={tmp_path / 'grpo'}"]))
+    held_out = {p.prompt for p in get_task("guess_number:high=100,min_width=10").make_problems(6, 0, "test")}
+    samples = [json.loads(line) for line in open(f"{result['run_dir']}/samples.jsonl")]
+    openings = {s["messages"][0]["content"] for s in samples}
+    assert openings and openings <= held_out  # the evaluation plays held-out openings, each its own range
+    for s in samples:
+        low, high = map(int, s["messages"][0]["content"].removeprefix("guess ").split("-"))
+        assert 10 <= high - low + 1 and all(m["role"] == ("user", "assistant")[k % 2] for k, m in enumerate(s["messages"]))
+    assert 0.0 <= result["accuracy"] <= 1.0 and "eval_turns_to_solve" in result
