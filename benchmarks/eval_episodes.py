@@ -1,13 +1,15 @@
 """Held-out episodes of a saved model on a built-in environment, greedy and sampled.
 
-The GRPO recipe's own evaluation plays one greedy episode per held-out problem; for a game like
-guess_number (11 held-out secrets) that is a small, deterministic sample. This script adds sampled
-episodes (``--sampled N`` games over the same held-out problems, at ``--temperature``) and reports,
+The GRPO recipe's own evaluation plays one greedy episode per held-out problem (``data.num_eval`` of
+them; guess_number with one opening has only 11 held-out secrets). This script plays more of them
+greedily (``--greedy N``) and adds sampled episodes (``--sampled N`` games over the same held-out
+problems, cycled, at ``--temperature``) and reports,
 for each mode, the success rate, the mean turns of the solved episodes and the mean turns of all
 episodes (an unsolved game counts its turns until the limit). docs/environments.md quotes it::
 
     python benchmarks/eval_episodes.py runs/grpo_guess_number/final --env guess_number \\
-        --task guess_number:high=100 --env-args '{max_guesses: 8, show_range: true}' --greedy 11 --sampled 110
+        --task guess_number:high=100,min_width=10 --env-args '{max_guesses: 10, show_range: true}' \\
+        --max-turns 10 --max-new-tokens 8 --greedy 1000 --sampled 800 --seed 2
 
 Success is a total reward >= 1 (the environment's parts), as in the recipe's ``accuracy``.
 """
