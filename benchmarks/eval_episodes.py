@@ -3,9 +3,9 @@
 The GRPO recipe's own evaluation plays one greedy episode per held-out problem (``data.num_eval`` of
 them; guess_number with one opening has only 11 held-out secrets). This script plays more of them
 greedily (``--greedy N``) and adds sampled episodes (``--sampled N`` games over the same held-out
-problems, cycled, at ``--temperature``) and reports,
-for each mode, the success rate, the mean turns of the solved episodes and the mean turns of all
-episodes (an unsolved game counts its turns until the limit). docs/environments.md quotes it::
+problems, cycled, at ``--temperature``) and reports, for each mode, the success rate, the mean turns
+of the solved episodes and the mean turns of all episodes (an unsolved game counts its turns until
+the limit). docs/environments.md quotes it::
 
     python benchmarks/eval_episodes.py runs/grpo_guess_number/final --env guess_number \\
         --task guess_number:high=100,min_width=10 --env-args '{max_guesses: 10, show_range: true}' \\

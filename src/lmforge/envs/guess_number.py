@@ -15,9 +15,9 @@ assistant message is one guess, a number written alone::
 Rewards (parts of the last step): ``solved`` 1.0 when a guess is the secret, and then ``speed``:
 ``speed_bonus`` for every guess of ``max_guesses`` left unused, so of two games that both solve, the
 shorter scores higher, and an episode reaches full marks (reward >= 1, the held-out ``accuracy``)
-exactly when it solves. A reply that is not a whole number in the opening range is answered ``"invalid"``, counted
-in ``state.counts["invalid_guesses"]`` and costs its guess. After ``max_guesses`` guesses without the
-secret the episode ends unsolved (reward 0).
+exactly when it solves. A reply that is not a whole number in the opening range is answered
+``"invalid"``, counted in ``state.counts["invalid_guesses"]`` and costs its guess. After
+``max_guesses`` guesses without the secret the episode ends unsolved (reward 0).
 
 ``show_range=True`` adds the numbers still possible to every answer (``"lower 1-49"``, ``"higher 26-49"``,
 ``"invalid 26-49"``): the game for a tiny model, which then has to read the last message, not infer the
