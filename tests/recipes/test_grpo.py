@@ -136,6 +136,33 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(monkeypatch):
     assert max(float((w - g).abs().max()) for w, g in zip(want, without)) > 1e-4
 
 
+def test_micro_batches_cut_from_length_sorted_rows_give_the_same_update():
+    """``rl.update`` cuts micro-batches from rows sorted informative-first, longest first (less
+    padding): the weights after two passes equal those of one micro-batch per mini-batch."""
+    model, batch = tiny_batch()
+    assert len(set(batch.attention_mask.sum(1).tolist())) > 1  # rows of different lengths
+    informative = torch.tensor([False, True, True, False, True, False, True, True])
+    order = rl_update.micro_batch_order(batch, informative).tolist()
+    lengths = batch.attention_mask.sum(1).tolist()
+    assert sorted(order) == list(range(8))
+    assert [informative[i].item() for i in order] == [True] * 5 + [False] * 3
+    assert [lengths[i] for i in order[:5]] == sorted((lengths[i] for i in order[:5]), reverse=True)
+    algo = load_config(GRPOConfig, None, ["data.task=addition", "algo.preset=dapo", "algo.num_iterations=2",
+                                          "algo.num_mini_batches=1"]).algo.resolved()
+    precision = Precision(torch.device("cpu"), torch.float32)
+    batch = batch.with_(old_logprobs=rl.batch_logprobs(model, batch, 8, 1.0, precision))
+    results = []
+    for micro_batch_size in (8, 3):
+        trained = copy.deepcopy(model)
+        updater = Updater.build(trained, OptimConfig(lr=1e-2, schedule="constant", weight_decay=0.0), 8, precision)
+        rl.update(batch, algo, updater, micro_batch_size, 4,
+                  lambda micro, counts: micro_loss(trained, micro, algo, 1.0, counts, precision), 1)
+        results.append([p.detach() for p in trained.parameters()])
+    assert max(float((w - p.detach()).abs().max()) for w, p in zip(results[0], model.parameters())) > 1e-3
+    for whole, cut in zip(*results):
+        torch.testing.assert_close(cut, whole, rtol=0, atol=1e-5)
+
+
 def test_first_mini_batch_takes_pi_old_from_its_own_forward():
     """``first_on_policy``: the first update's pi_old is its own forward, so the old logprobs of
     its rows need not be computed; the result equals that of recomputed old logprobs."""
@@ -209,9 +236,14 @@ def test_shared_prompt_forward_equals_the_packed_forward():
     rollout = generate(model, prompts, params, num_samples=3, pad_token_id=tokenizer.pad_token_id)
     assert len(set(rollout.completion_lens.tolist())) > 1
     batch = rl.pack_rollout(rollout, tokenizer.pad_token_id, need_rollout_logprobs=False)
+    # a multi-turn row's last trained token may be followed by environment tokens: untrain each row's
+    # last token, so that the shared forward stops a column short of the completion width
+    last = rollout.completion_mask.cumsum(1) == rollout.completion_mask.sum(1, keepdim=True)
+    untrained_tail = dataclasses.replace(rollout, trained_mask=rollout.completion_mask * ~last)
+    tail_batch = rl.pack_rollout(untrained_tail, tokenizer.pad_token_id, need_rollout_logprobs=False)
+    assert rl.trained_width(tail_batch.trained_mask) == tail_batch.completion_ids.shape[1] - 1
     model.train()
-    for rows in (torch.arange(9), torch.tensor([1, 2, 3, 4, 7])):
-        micro = batch.select(rows)
+    for micro in [b.select(rows) for b in (batch, tail_batch) for rows in (torch.arange(9), torch.tensor([1, 2, 3, 4, 7]))]:
         assert rl.shares_prompts(model, micro)
         results = []
         for forward in (lambda: rl.shared_prompt_logits(model, micro),

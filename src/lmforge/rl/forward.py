@@ -49,14 +49,23 @@ def shares_prompts(model, batch: TrainBatch) -> bool:
             and len(torch.unique(batch.group_index)) < batch.num_rows)
 
 
+def trained_width(trained_mask: Tensor) -> int:
+    """Completion columns up to a row's last trained token, the most of any row (0 if none): the
+    columns after it are environment tokens or padding that predict nothing trained and, attention
+    being causal, change no logit before them."""
+    columns = torch.arange(1, trained_mask.shape[1] + 1, device=trained_mask.device)
+    return int((trained_mask.bool() * columns).max()) if trained_mask.numel() else 0
+
+
 def shared_prompt_logits(model, batch: TrainBatch) -> Tensor:
     """Logits (N, V) that predict the trained tokens, as ``logits_at`` on the packed rows, with each
     prompt run once per group instead of once per row.
 
     The distinct prompts go through the model body once, left-padded with positions counting real
     tokens (as in the sampler); their KV cache is repeated for each group's rows; then each row's
-    completion tokens (but the last; environment tokens included) run against it. The last prompt
-    position and the completion positions predict the completion tokens. Attention is causal, so a
+    completion tokens (environment tokens included) up to the last trained one, less that one, run
+    against it (:func:`trained_width`). The last prompt position and the completion positions predict
+    the completion tokens. Attention is causal, so a
     prompt position never sees a completion and this is the packed forward's computation, in fewer
     rows; autograd sums the gradient of a shared prompt over its rows. The LM head runs only where
     the next token is trained.
@@ -75,15 +84,16 @@ def shared_prompt_logits(model, batch: TrainBatch) -> Tensor:
     prompt_out = body(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=source.clamp(min=0),
                       use_cache=True, **cache_kwarg)
     hidden = prompt_out.last_hidden_state[inverse, -1:]  # (B, 1, H): predicts completion token 0
-    completion_in = batch.completion_ids[:, :-1].clone()  # (B, C - 1); a copy: the sampler's may be inference tensors
+    extent = max(trained_width(batch.trained_mask), 1)  # C' <= C
+    completion_in = batch.completion_ids[:, :extent - 1].clone()  # (B, C' - 1); a copy: the sampler's may be inference tensors
     if completion_in.shape[1]:
         cache.batch_select_indices(inverse)  # differentiable gather: each row gets its prompt's keys / values
         steps = torch.arange(completion_in.shape[1], device=lens.device)
         mask = torch.cat([prompt_mask[inverse], torch.ones_like(completion_in)], dim=1)
         out = body(input_ids=completion_in, attention_mask=mask, position_ids=lens[:, None] + steps,
                    use_cache=True, **cache_kwarg)
-        hidden = torch.cat([hidden, out.last_hidden_state], dim=1)  # (B, C, H)
-    return model.get_output_embeddings()(hidden[batch.trained_mask.bool()])
+        hidden = torch.cat([hidden, out.last_hidden_state], dim=1)  # (B, C', H)
+    return model.get_output_embeddings()(hidden[batch.trained_mask[:, :extent].bool()])
 
 
 def completion_logits(model, batch: TrainBatch) -> Tensor:
@@ -126,13 +136,13 @@ def _distinct_prompts(part: TrainBatch) -> tuple[int, int]:
 
 def forward_flops(model, micro: TrainBatch, share_prompts: bool = True) -> float:
     """Matmul FLOPs of one forward over the micro-batch ``micro`` as the trainer runs it: its distinct
-    prompts once (left-padded) and then ``completion_ids[:, :-1]`` of every row
+    prompts once (left-padded) and then the completion columns before the last trained one of every row
     (:func:`shared_prompt_logits`), or the packed rows with their padding; the LM head only where
     the next token is trained."""
     body, head = matmul_weights(model)
     if share_prompts and shares_prompts(model, micro):
         distinct, width = _distinct_prompts(micro)
-        tokens = distinct * width + micro.num_rows * (micro.completion_ids.shape[1] - 1)
+        tokens = distinct * width + micro.num_rows * max(trained_width(micro.trained_mask) - 1, 0)
     else:
         tokens = micro.input_ids.numel()
     return 2.0 * (body * tokens + head * int(micro.trained_mask.sum()))

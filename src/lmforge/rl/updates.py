@@ -63,6 +63,17 @@ def mini_batch_rows(num_rows: int, num_mini_batches: int) -> tuple[Tensor, ...]:
     return torch.arange(num_rows).tensor_split(num_mini_batches)
 
 
+def micro_batch_order(batch: TrainBatch, informative: Tensor | None = None) -> Tensor:
+    """The rows of a mini-batch in the order they are cut into micro-batches: the rows to train
+    first (``informative``, when rows are skipped), each part longest first. A micro-batch's forward
+    is as wide as its longest row, so rows of like length together pad less (a multi-turn batch mixes
+    one-reply episodes with long ones); the loss is a sum over rows normalised by the mini-batch's
+    counts, so the order changes no update beyond float rounding."""
+    lengths = batch.attention_mask.sum(1).cpu()
+    key = -lengths if informative is None else (~informative.cpu()).long() * (int(lengths.max()) + 1) - lengths
+    return torch.sort(key, stable=True).indices
+
+
 def informative_rows(advantages: Tensor) -> Tensor:
     """(B,) bool: rows with a non-zero advantage somewhere ((B,) per sequence or (B, C) per token)."""
     return advantages.reshape(advantages.shape[0], -1).ne(0).any(1)
@@ -75,8 +86,9 @@ def update(batch: TrainBatch, algo, updater, micro_batch_size: int, max_new_toke
 
     Mini-batches are contiguous row ranges (a prompt's samples stay together); the rank's rows were
     chosen so that its m-th mini-batch is its share of the global m-th mini-batch
-    (:func:`lmforge.rl.prompts.rank_prompts`). Each is split into micro-batches of ``micro_batch_size`` rows whose
-    losses, normalised by the mini-batch's global counts, are accumulated into one optimizer step;
+    (:func:`lmforge.rl.prompts.rank_prompts`). Each is split into micro-batches of ``micro_batch_size``
+    rows of like length (:func:`micro_batch_order`) whose losses, normalised by the mini-batch's
+    global counts, are accumulated into one optimizer step;
     gradients are summed across ranks (``ctx``; ``wrapped``, the parallel root) on the last
     micro-batch. ``loss_fn(micro_batch, counts) -> (loss, metrics)``.
 
@@ -109,8 +121,9 @@ def update(batch: TrainBatch, algo, updater, micro_batch_size: int, max_new_toke
             if first_on_policy and iteration == 0 and m == 0:
                 mini = mini.with_(old_logprobs=None)
             if m not in plans:
-                micro_rows = list(torch.arange(mini.num_rows).split(micro_batch_size))
-                run = micro_rows if informative is None else _rows_to_run(micro_rows, informative[mini_rows], ctx)
+                mini_informative = None if informative is None else informative[mini_rows]
+                micro_rows = list(micro_batch_order(mini, mini_informative).split(micro_batch_size))
+                run = micro_rows if informative is None else _rows_to_run(micro_rows, mini_informative, ctx)
                 plans[m] = (global_counts(mini, max_new_tokens, len(micro_rows), ctx), run)
             counts, plan = plans[m]
             loss_sum = torch.zeros((), device=batch.input_ids.device)
