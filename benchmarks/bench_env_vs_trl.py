@@ -1,50 +1,64 @@
 """Multi-turn GRPO on one environment: lmforge's episode runner vs TRL 1.16's ``GRPOTrainer(environment_factory=…)``.
 
-What can run on both sides, and why it is not the TextArena adapter as such. TRL's environment_factory
-continues an episode only through tool calls: the environment's answers are role "tool" messages, and an
-episode ends at the first reply without a parsable tool call (trl/trainer/grpo_trainer.py,
-``_tool_call_loop``). It has no way for an environment to answer a plain reply with a user message and go
-on, which is how TextArena games are played through ``env.name=textarena`` (a move is a reply). So both
-sides play the same TextArena game, GuessTheNumber-v0 (unmodified, dealt by seed through
-``lmforge.envs.textarena``), behind one tool, ``move(action)``:
+What can run on both sides. TRL's environment_factory continues an episode only through tool calls: the
+environment's answers are role "tool" messages, and an episode ends at the first reply without a
+parsable tool call (trl/trainer/grpo_trainer.py, ``_tool_call_loop``). So each environment here is a TRL
+environment class (``reset`` returns the text TRL appends to the empty user message; its public methods
+are the tools), and lmforge plays the same class through ``ToolLoop`` (loaded as
+``env.name=bench_env_vs_trl:CalcGame`` or ``:MoveGame``), which answers a reply as TRL's loop does: each
+parsed call is run and answered by a tool message with its result (or ``{'error': …}``, an unknown tool
+with TRL's error text), and a reply without a tool call ends the episode, scored by the class's
+``_score`` of that reply (TRL: the reward function ``trl_reward``, the same ``_score``; 0 when an episode
+ends at a limit instead). Two environments (``--env``):
 
-- TRL: ``Arena`` is the environment class (``reset(seed)`` returns the game's first observation, which
-  TRL appends to the empty user message; ``move`` is its tool; ``get_reward`` the game's reward for
-  player 0 when the game is over, else 0);
-- lmforge: ``MoveGame`` (loaded as ``env.name=bench_env_vs_trl:MoveGame``) holds one ``Arena`` per
-  episode and answers a reply as TRL's loop does: each parsed call of ``move`` is run and answered by a
-  tool message with its result (or ``{'error': …}``), an unknown tool with TRL's error text, and a reply
-  without a tool call ends the episode with ``get_reward``.
+- ``calculator`` (default): ``Calc``, a three-digit multiplication (``data.task=multiplication:digits=3``)
+  behind the tool ``calculator(expression)`` (``lmforge.envs.calculator.calculator``); reward 1 when the
+  final reply is the exact product. Both sides start from ``--start``, the warm model of
+  examples/grpo_calculator.yaml (the SFT runs in examples/sft_calculator.yaml's header, ~10 min: it
+  can call the tool and copy, but greedy it answers at once with an estimate, 0% held-out), with that
+  example's settings: 8 problems x 8 episodes, temperature 0.6, lr 2e-5, <= 3 replies, <= 200 tokens.
+- ``textarena``: ``Arena``, TextArena's GuessTheNumber-v0 (unmodified, dealt by seed through
+  ``lmforge.envs.textarena``) behind the tool ``move(action)``; reward the game's for player 0. Both
+  sides start from a tiny random Llama trained here for ``--sft-steps`` on a bisecting player's tool
+  calls (``warm_up``); 2 games x 4 episodes, temperature 0.5, lr 1e-4, <= 8 replies, <= 400 tokens.
+  Neither side has learnt this one in the runs so far (docs/benchmarks.md).
 
-Same tokens on both sides: a char-level tokenizer (``char:ascii``) with one chat template (below) that
-renders tools as one line, Hermes ``<tool_call>`` blocks and tool messages, prefix-preserving, with a
-``response_template`` so that TRL can parse the calls. The script checks that TRL's prompt ids equal
-lmforge's. Both start from the same warm model: a tiny random Llama (char tokens), trained here for
-``--sft-steps`` on scripted games (a bisecting player's tool calls), so that the policy calls the tool
-at all; it is stopped early on purpose, so that GRPO has something to improve.
+Same tokens on both sides: the char-level tokenizer (``char:ascii``) with one chat template, TEMPLATE:
+char:ascii's own tool template (tools listed in one line) that also renders assistant ``tool_calls`` as
+Hermes ``<tool_call>`` blocks, so that TRL accepts it, with a ``response_template`` so that TRL can parse
+the calls. lmforge's replies carry their calls as text, which TEMPLATE renders as the checkpoint's own
+template does (checked on a whole episode); the script checks that TRL's first prompt ids equal lmforge's.
 
-Same algorithm settings: group-normalised advantages, ``--prompts`` games x ``--group`` episodes per
-step, temperature ``--temperature`` (0.5: at 1 the warm model's sampled tool calls nearly always break,
-so every episode is one reply), no top-k / top-p, clip 0.2 / 0.2, no KL (TRL ``beta=0``), one iteration
-and one mini-batch, per-episode token mean then mean over episodes (lmforge ``seq_mean_token_mean``, TRL
-``loss_type="grpo"``; lmforge keeps zero-advantage episodes in the mean, as TRL does), AdamW at
-``--lr`` constant, betas (0.9, 0.999), no weight decay, grad-norm clip 1.0, fp32, one micro-batch.
-Episode limits: ``--episode-tokens`` tokens after the first prompt (lmforge ``env.max_episode_tokens`` =
-TRL ``max_completion_length``; a reply may use what is left of it: lmforge ``rollout.max_new_tokens`` =
-the same number), ``--turns`` replies (lmforge ``env.max_turns``; TRL ``max_tool_calling_iterations`` =
-turns - 1). Not the same: the games each side draws per step (TRL's sampler order vs lmforge's), and the
-advantage's std epsilon (1e-6 lmforge, 1e-4 TRL).
+Same algorithm settings: group-normalised advantages, ``--prompts`` problems x ``--group`` episodes per
+step, temperature ``--temperature``, no top-k / top-p, clip 0.2 / 0.2, no KL (TRL ``beta=0``), one
+iteration and one mini-batch, per-episode token mean then mean over episodes (lmforge
+``seq_mean_token_mean``, TRL ``loss_type="grpo"``; zero-advantage episodes count in the mean on both
+sides -- lmforge does not run their forward and backward, whose gradient is exactly 0: the same update,
+tests/recipes/test_grpo.py), AdamW at ``--lr`` constant, betas (0.9, 0.999), no weight decay, grad-norm
+clip 1.0, fp32. Each side runs the batch's forward and backward in micro-batches of ``--micro-batch``
+rows (lmforge ``train.micro_batch_size``; TRL ``per_device_train_batch_size`` with
+``gradient_accumulation_steps`` making up the batch): the same update as one micro-batch on both sides
+(both normalise by the whole batch), and faster on both here. Episode limits: ``--episode-tokens`` tokens after the first prompt
+(lmforge ``env.max_episode_tokens`` = TRL ``max_completion_length``; a reply may use what is left of it:
+lmforge ``rollout.max_new_tokens`` = the same number), ``--turns`` replies (lmforge ``env.max_turns``; TRL
+``max_tool_calling_iterations`` = turns - 1). Not the same: the problems each side draws per step (TRL's
+sampler order vs lmforge's), and the advantage's std epsilon (1e-6 lmforge, 1e-4 TRL). TRL generates
+with ``model.generate`` (its default); ``--trl-continuous-batching`` switches it to transformers'
+continuous batching, which was slower here (docs/benchmarks.md).
 
 Timing: TRL drives (``trainer.train()``); at each of its ``on_step_end`` one lmforge step runs, so the
 two alternate and share the machine's load. TRL's step time is the wall time between two
 ``on_step_end`` calls minus lmforge's step and the evaluations. Every ``--eval-every`` steps both models
-play the same ``--eval-games`` held-out games (seeds no training game uses) greedily through lmforge's
-evaluator (``rl.sources.episodes.episode_evaluator``, the same code for both, not timed); a success is a
-won game. Printed: episodes per second of training steps for each side, their ratio, and for each side
-the training time until the held-out success rate first reached ``--target`` (or "not reached").
+play the same ``--eval-games`` held-out problems (the task's test split) greedily through lmforge's
+evaluator (``rl.sources.episodes.episode_evaluator``, the same code for both, not timed); a success is
+an episode with reward 1. Printed: episodes per second of training steps for each side, their ratio,
+and for each ``--target`` each side's training time until the held-out success rate first reached it
+(or "not reached") and the ratio trl / lmforge of those times.
 
-    python benchmarks/bench_env_vs_trl.py                 # 30 steps each
-    python benchmarks/bench_env_vs_trl.py --quick         # a few steps, to see it run
+    python benchmarks/bench_env_vs_trl.py                        # calculator, 8 steps, seed 0
+    python benchmarks/bench_env_vs_trl.py --seed 1
+    python benchmarks/bench_env_vs_trl.py --env textarena --steps 8 --eval-every 4 --eval-games 16
+    python benchmarks/bench_env_vs_trl.py --quick                # a few steps, to see it run
 """
 from __future__ import annotations
 
@@ -62,14 +76,17 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # env.name=bench_env_vs_trl:MoveGame
 
 GAME = "GuessTheNumber-v0"
+# How TEMPLATE renders an assistant message's ``tool_calls`` (TRL renders them; lmforge's replies carry
+# their calls as text, so for lmforge TEMPLATE is char:ascii's own tool template)
+CALLS = ("{% for call in message.get('tool_calls') or [] %}{% set fn = call.get('function', call) %}"
+         "{{ '<tool_call>\n' + {'name': fn['name'], 'arguments': fn['arguments']} | tojson + '\n</tool_call>' }}"
+         "{% endfor %}")
 TEMPLATE = (
     "{% if tools %}{{ '<|system|>\n' }}{% for tool in tools %}{% set fn = tool.get('function', tool) %}"
     "{{ fn['name'] + '(' + (fn.get('parameters', {}).get('properties', {}) | join(', ')) + ')' }}"
     "{% if not loop.last %}{{ ' ' }}{% endif %}{% endfor %}{{ eos_token + '\n' }}{% endif %}"
     "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + (message['content'] or '') }}"
-    "{% for call in message.get('tool_calls') or [] %}{% set fn = call.get('function', call) %}"
-    "{{ '<tool_call>\n' + {'name': fn['name'], 'arguments': fn['arguments']} | tojson + '\n</tool_call>' }}"
-    "{% endfor %}{{ eos_token + '\n' }}{% endfor %}"
+    + CALLS + "{{ eos_token + '\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
 RESPONSE_TEMPLATE = {"defaults": {"role": "assistant"}, "start_anchor": "<|assistant|>\n", "fields": {
@@ -87,8 +104,16 @@ def textarena_game():
     return _GAMES["game"]
 
 
+# TRL's environment classes. TRL makes every public method but ``reset`` and ``get_reward`` a tool, so
+# what is not a tool starts with ``_``: ``_row`` (an lmforge Problem -> the dataset row whose fields TRL
+# passes to ``reset``) and ``_score`` (the reward of an episode ended by the plain reply ``final``).
+
 class Arena:
-    """One game behind the tool ``move``: TRL's environment class (module doc)."""
+    """One TextArena game behind the tool ``move`` (``--env textarena``, module doc)."""
+
+    @staticmethod
+    def _row(problem) -> dict:
+        return {"seed": int(problem.answer)}
 
     def reset(self, seed, **_) -> str:
         from lmforge.envs.base import EpisodeState
@@ -111,40 +136,91 @@ class Arena:
             return "game over"
         return result.messages[0]["content"]
 
-    def get_reward(self) -> float:
+    def _score(self, final: str) -> float:
         return self._reward
 
 
-class MoveGame:
-    """lmforge's side: an ``Arena`` per episode, replies answered as TRL's tool loop answers them."""
+class Calc:
+    """One multiplication problem behind the tool ``calculator`` (``--env calculator``, module doc)."""
+
+    @staticmethod
+    def _row(problem) -> dict:
+        return {"question": problem.prompt, "answer": problem.answer}
+
+    def reset(self, question, answer, **_) -> str:
+        self._answer = str(answer)
+        return question
+
+    def calculator(self, expression: str) -> str:
+        """Evaluate an integer arithmetic expression with + - * and parentheses.
+
+        Args:
+            expression: the expression, e.g. 123*456
+        """
+        from lmforge.envs.calculator import calculator
+
+        return calculator(expression)
+
+    def _score(self, final: str) -> float:
+        return float(final.strip() == self._answer)
+
+
+def trl_reward(completions, environments, **_) -> list[float]:
+    """TRL's reward function: ``_score`` of the final reply when the episode ended with a plain reply
+    (no tool call), else 0 (it ended at a limit) -- as lmforge's side scores it."""
+    rewards = []
+    for messages, environment in zip(completions, environments):
+        last = messages[-1]
+        plain = last.get("role") == "assistant" and not last.get("tool_calls")
+        rewards.append(environment._score(last.get("content") or "") if plain else 0.0)
+    return rewards
+
+
+class ToolLoop:
+    """lmforge's side: one instance of the TRL environment class ``game`` per episode, replies answered
+    as TRL's tool loop answers them: each parsed call is run and answered by a tool message with its
+    result (or ``{'error': …}``, an unknown tool with TRL's error text); a reply without a tool call
+    ends the episode with ``_score`` of that reply."""
+
+    game: type
 
     def __init__(self):
         from lmforge.envs.toolcalls import function_schema
 
-        self.tools = [function_schema(Arena().move)]
+        instance = self.game()
+        self.tools = [function_schema(getattr(instance, name)) for name in sorted(vars(self.game))
+                      if not name.startswith("_") and name != "reset" and callable(getattr(instance, name))]
 
     def reset(self, problem, state):
-        state.info["arena"] = Arena()
-        return [{"role": "user", "content": state.info["arena"].reset(seed=int(problem.answer))}]
+        state.info["game"] = self.game()
+        return [{"role": "user", "content": state.info["game"].reset(**self.game._row(problem))}]
 
     def step(self, state, message):
         from lmforge.envs.base import StepResult
         from lmforge.envs.toolcalls import parse_tool_calls
 
-        arena, calls = state.info["arena"], parse_tool_calls(message["content"]).calls
+        game, calls = state.info["game"], parse_tool_calls(message["content"]).calls
         if not calls:
-            return StepResult([], {"game": arena.get_reward()}, done=True)
+            return StepResult([], {"game": game._score(message["content"])}, done=True)
         replies = []
         for call in calls:
             state.counts["tool_calls"] = state.counts.get("tool_calls", 0) + 1
             try:
-                if call.name != "move":
+                if call.name.startswith("_") or call.name == "reset" or not callable(getattr(game, call.name, None)):
                     raise ValueError(f"Tool {call.name} not found.")
-                result = arena.move(**call.arguments)
+                result = getattr(game, call.name)(**call.arguments)
             except Exception as exc:  # noqa: BLE001 -- as TRL: the error goes back to the model
                 result = {"error": str(exc)}
             replies.append({"role": "tool", "name": call.name, "content": str(result)})
         return StepResult(replies, {}, done=False)
+
+
+class MoveGame(ToolLoop):
+    game = Arena
+
+
+class CalcGame(ToolLoop):
+    game = Calc
 
 
 # ----------------------------------------------------------------------------- the warm start
@@ -215,6 +291,18 @@ def warm_up(model, tok, seeds: list[int], steps: int, lr: float = 1e-2, batch: i
 
 # ----------------------------------------------------------------------------- the two trainers
 
+# What differs between the two environments; every key but env and task is also a command-line option (main).
+SETTINGS = {
+    # GuessTheNumber from a 120-step warm-up of a random model (bench_model, warm_up)
+    "textarena": dict(env="MoveGame", task="seeds", steps=30, prompts=2, group=4, turns=8, episode_tokens=400,
+                      temperature=0.5, lr=1e-4, eval_every=10, eval_games=32, target=[0.5], micro_batch=0),
+    # multiplication with the calculator tool from examples/grpo_calculator.yaml's start and settings
+    "calculator": dict(env="CalcGame", task="multiplication:digits=3", steps=8, prompts=8, group=8, turns=3,
+                       episode_tokens=200, temperature=0.6, lr=2e-5, eval_every=1, eval_games=200,
+                       target=[0.5, 0.6, 0.7, 0.8], micro_batch=16),
+}
+
+
 def lmforge_state(model, tok, args, out_dir: str):
     """The state ``run_grpo`` builds (``rl.prepare``) with the environment and the settings of the module doc."""
     from lmforge import rl
@@ -222,60 +310,95 @@ def lmforge_state(model, tok, args, out_dir: str):
     from lmforge.recipes.grpo import GRPOConfig
 
     cfg = load_config(GRPOConfig, None, [
-        "data.task=seeds", "data.num_train=4096", "data.num_eval=0", "data.use_chat_template='on'",
-        "env.name=bench_env_vs_trl:MoveGame", f"env.max_turns={args.turns}",
+        f"data.task={args.task}", "data.num_train=4096", "data.num_eval=0", "data.use_chat_template='on'",
+        f"env.name=bench_env_vs_trl:{args.env}", f"env.max_turns={args.turns}",
         f"env.max_episode_tokens={args.episode_tokens}", "env.max_invalid_calls=0", "env.workers=2",
         f"rollout.num_prompts={args.prompts}", f"rollout.group_size={args.group}",
         f"rollout.temperature={args.temperature}",
         "rollout.top_k=0", "rollout.top_p=1.0", f"rollout.max_new_tokens={args.episode_tokens}",
         "rewards.functions=[]", "algo.advantage=group_norm", "algo.loss_type=token_clip",
-        "algo.aggregation=seq_mean_token_mean", "algo.skip_zero_advantage=false", "algo.eps_low=0.2",
+        "algo.aggregation=seq_mean_token_mean", "algo.skip_zero_advantage=true", "algo.eps_low=0.2",
         "algo.eps_high=0.2", "algo.kl_coef=0.0", "algo.entropy_coef=0.0", "algo.num_iterations=1",
         "algo.num_mini_batches=1", f"optim.lr={args.lr}", "optim.schedule=constant", "optim.warmup_steps=0",
         "optim.weight_decay=0.0", "optim.beta1=0.9", "optim.beta2=0.999", "optim.eps=1e-8",
-        "optim.max_grad_norm=1.0", f"train.micro_batch_size={args.prompts * args.group}",
-        "train.gradient_checkpointing='off'", "train.dtype=fp32", "train.device=cpu",
+        "optim.max_grad_norm=1.0", f"train.micro_batch_size={args.micro_batch or args.prompts * args.group}",
+        "train.gradient_checkpointing='off'", "train.dtype=fp32", "train.device=cpu", f"train.seed={args.seed}",
         f"train.max_steps={args.steps}", f"train.output_dir={out_dir}", "train.save_every=0",
         "train.eval_every=0", "logging.progress=false", "train.threads=2"])
     algo = cfg.algo.resolved()
     return rl.prepare(cfg, "bench_env_vs_trl", algo, model=model, tokenizer=tok), algo, cfg
 
 
-def trl_trainer(model, tok, args, out_dir: str, callback, train_seeds: list[int]):
+def trl_trainer(model, tok, args, out_dir: str, callback, train_problems: list):
     from datasets import Dataset
     from transformers.utils import logging as hf_logging
     from trl import GRPOConfig as TRLConfig, GRPOTrainer
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     hf_logging.set_verbosity_error()
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": ""}], "seed": s} for s in train_seeds])
+    game = globals()[args.env].game
+    micro = (args.micro_batch if args.trl_micro_batch is None else args.trl_micro_batch) or args.prompts * args.group
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": ""}], **game._row(p)} for p in train_problems])
     config = TRLConfig(
         output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        per_device_train_batch_size=args.prompts * args.group, gradient_accumulation_steps=1,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=args.prompts * args.group // micro,
         num_generations=args.group, max_completion_length=args.episode_tokens,
         max_tool_calling_iterations=args.turns - 1, temperature=args.temperature, top_p=1.0, top_k=0, beta=0.0,
         num_iterations=1, epsilon=0.2, loss_type="grpo", scale_rewards="group", learning_rate=args.lr,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
         adam_epsilon=1e-8, max_grad_norm=1.0, max_steps=args.steps, logging_steps=1, save_strategy="no",
-        report_to="none", dataloader_num_workers=0, disable_tqdm=True, seed=0, log_completions=False)
-    return GRPOTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok,
-                       environment_factory=Arena, callbacks=[callback])
+        report_to="none", dataloader_num_workers=0, disable_tqdm=True, seed=args.seed, log_completions=False,
+        use_transformers_continuous_batching=args.trl_continuous_batching)
+    return GRPOTrainer(model=model, args=config, reward_funcs=[trl_reward], train_dataset=dataset,
+                       processing_class=tok, environment_factory=game, callbacks=[callback])
 
 
-def check_same_prompt(trainer, state, seed: int) -> None:
-    """TRL's first prompt ids for a game equal lmforge's (same template, tools, observation)."""
+def check_same_prompt(trainer, state, args, problem) -> None:
+    """TRL's first prompt ids for a problem equal lmforge's (same template, tools, observation)."""
     from lmforge.envs.base import EpisodeState
     from lmforge.envs.toolcalls import render_messages
 
-    env, episode = MoveGame(), EpisodeState(types.SimpleNamespace(answer=str(seed)))
+    env = globals()[args.env]()
+    episode = EpisodeState(problem)
     text = render_messages(state.tokenizer, env.reset(episode.problem, episode), env.tools, add_generation_prompt=True)
     ours = state.tokenizer(text, add_special_tokens=False)["input_ids"]
-    arena = Arena()
-    prompt = [{"role": "user", "content": arena.reset(seed=seed)}]
-    theirs = trainer.processing_class.apply_chat_template(prompt, tools=[arena.move], add_generation_prompt=True,
+    game = env.game()
+    prompt = [{"role": "user", "content": game.reset(**game._row(problem))}]
+    tools = [getattr(game, t["function"]["name"]) for t in env.tools]
+    theirs = trainer.processing_class.apply_chat_template(prompt, tools=tools, add_generation_prompt=True,
                                                           tokenize=True, return_dict=False)
     print(f"[bench] first-prompt token ids identical on both sides: {list(theirs) == list(ours)} "
           f"({len(ours)} tokens)", flush=True)
+
+
+def start_model(args):
+    """Both sides' warm start: the bench's warm-up (textarena) or the checkpoint ``--start`` (calculator)."""
+    if args.env_name == "textarena":
+        model, tok = bench_model()
+        warm_up(model, tok, [int(p.answer) for p in args.train_problems[:256]], args.sft_steps)
+        return model, tok
+    from lmforge.config import ModelConfig
+    from lmforge.envs.toolcalls import ToolCall, format_tool_calls, render_messages
+    from lmforge.models import load_model
+
+    if not os.path.isdir(args.start):
+        sys.exit(f"--start {args.start}: no such checkpoint directory; make it with the three commands in "
+                 f"examples/sft_calculator.yaml's header (~10 min on 2 cores), or pass the path of yours")
+    model, tok = load_model(ModelConfig(name=args.start, tokenizer=""))
+    # TEMPLATE renders lmforge's messages (calls as text) as the checkpoint's own template does, and
+    # also renders TRL's ``tool_calls``; checked on one whole episode
+    episode = [{"role": "user", "content": "12*34="}, {"role": "assistant", "content": format_tool_calls(
+        [ToolCall("calculator", {"expression": "12*34"}, "")])}, {"role": "tool", "content": "408"},
+        {"role": "assistant", "content": "408"}]
+    texts = [render_messages(tok, episode, CalcGame().tools, add_generation_prompt=False)]
+    tok.chat_template = TEMPLATE
+    texts.append(render_messages(tok, episode, CalcGame().tools, add_generation_prompt=False))
+    if texts[0] != texts[1]:
+        sys.exit(f"--start {args.start}: its chat template renders a calculator episode otherwise than this "
+                 f"bench's TEMPLATE; the bench runs the char-level model of examples/sft_calculator.yaml")
+    tok.response_template = RESPONSE_TEMPLATE
+    print(f"[bench] start: {args.start}", flush=True)
+    return model, tok
 
 
 # ----------------------------------------------------------------------------- alternating
@@ -289,14 +412,14 @@ def run(args) -> None:
     from lmforge.rl.sources.episodes import episode_evaluator
 
     print(f"[bench] load average at start: {os.getloadavg()} (2 cores, shared with other jobs)", flush=True)
-    task = get_task("seeds")
-    train_seeds = [int(p.answer) for p in task.make_problems(4096, 0, "train")]
+    task = get_task(args.task)
+    args.train_problems = task.make_problems(4096, 0, "train")
     eval_problems = task.make_problems(args.eval_games, 0, "test")
-    model, tok = bench_model()
-    warm_up(model, tok, train_seeds[:256], args.sft_steps)
+    model, tok = start_model(args)
     out = tempfile.mkdtemp(prefix="bench_env_vs_trl_")
     state, algo, cfg = lmforge_state(copy.deepcopy(model), tok, args, os.path.join(out, "lmforge"))
-    evaluate = episode_evaluator(cfg.env, tok, eval_problems, task, [], args.episode_tokens, 2048, 10.0, 1)
+    evaluate = episode_evaluator(cfg.env, tok, eval_problems, task, [], args.episode_tokens,
+                                 model.config.max_position_embeddings, 10.0, 1)
     lm_step = rl.synced_steps(state, lambda done: grpo_step(state, algo, done))
     log = {"trl": [], "lmforge": []}  # (step, training seconds so far, episodes so far, accuracy)
     clock = {"trl": 0.0, "lmforge": 0.0, "mark": 0.0, "step": 0}
@@ -305,7 +428,7 @@ def run(args) -> None:
         for side, policy in (("trl", trl_model), ("lmforge", state.model)):
             accuracy = evaluate(policy)[0]["accuracy"]
             log[side].append((step, clock[side], step * args.prompts * args.group, accuracy))
-        print(f"[eval {step:3d}] held-out wins: trl {log['trl'][-1][3]:.2f}  lmforge {log['lmforge'][-1][3]:.2f}",
+        print(f"[eval {step:3d}] held-out success: trl {log['trl'][-1][3]:.3f}  lmforge {log['lmforge'][-1][3]:.3f}",
               flush=True)
 
     class Alternate(TrainerCallback):
@@ -329,8 +452,9 @@ def run(args) -> None:
                 evaluate_both(model, step)
             clock["mark"] = time.perf_counter()
 
-    trainer = trl_trainer(copy.deepcopy(model), tok, args, os.path.join(out, "trl"), Alternate(), train_seeds)
-    check_same_prompt(trainer, state, train_seeds[0])
+    trainer = trl_trainer(copy.deepcopy(model), tok, args, os.path.join(out, "trl"), Alternate(),
+                          args.train_problems)
+    check_same_prompt(trainer, state, args, args.train_problems[0])
     trainer.train()
     print(f"[bench] trl's last step: {trl_tool_use(trainer)}", flush=True)
     evaluate.close()
@@ -344,12 +468,17 @@ def report(log: dict, args) -> None:
     for side, rows in log.items():
         step, seconds, episodes, _ = rows[-1]
         rates[side] = episodes / seconds
-        reached = next((r for r in rows if r[3] >= args.target), None)
-        when = f"{reached[1]:.1f} s (step {reached[0]})" if reached else "not reached"
         print(f"[result] {side:8s}: {episodes} episodes in {seconds:.1f} s of training steps = "
-              f"{rates[side]:.2f} episodes/s; held-out wins {rows[0][3]:.2f} -> {rows[-1][3]:.2f}; "
-              f"time to {args.target:.2f}: {when}", flush=True)
+              f"{rates[side]:.2f} episodes/s; held-out success {rows[0][3]:.3f} -> {rows[-1][3]:.3f} "
+              f"(best {max(r[3] for r in rows):.3f})", flush=True)
     print(f"[result] episodes/s lmforge / trl = {rates['lmforge'] / rates['trl']:.2f}", flush=True)
+    for target in args.target:
+        reached = {side: next((r for r in rows if r[3] >= target), None) for side, rows in log.items()}
+        when = {side: f"{r[1]:.1f} s (step {r[0]})" if r else "not reached" for side, r in reached.items()}
+        ratio = (f"; trl / lmforge = {reached['trl'][1] / reached['lmforge'][1]:.2f}"
+                 if reached["trl"] and reached["lmforge"] and reached["lmforge"][1] > 0 else "")
+        print(f"[result] time to held-out success {target:.2f}: trl {when['trl']}, lmforge {when['lmforge']}{ratio}",
+              flush=True)
 
 
 def trl_tool_use(trainer) -> str:
@@ -360,21 +489,41 @@ def trl_tool_use(trainer) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=30, help="GRPO steps per side (default 30)")
-    parser.add_argument("--prompts", type=int, default=2, help="games per step (default 2)")
-    parser.add_argument("--group", type=int, default=4, help="episodes per game (default 4)")
-    parser.add_argument("--turns", type=int, default=8, help="replies per episode (default 8)")
-    parser.add_argument("--episode-tokens", type=int, default=400, help="tokens after the first prompt (default 400)")
-    parser.add_argument("--temperature", type=float, default=0.5,
-                        help="sampling temperature of both sides (default 0.5)")
-    parser.add_argument("--lr", type=float, default=1e-4,
-                        help="AdamW learning rate (default 1e-4: at 1e-3 both policies broke within 3 steps)")
-    parser.add_argument("--sft-steps", type=int, default=120, help="warm-up steps on scripted games (default 120)")
-    parser.add_argument("--eval-every", type=int, default=10, help="steps between held-out evaluations (default 10)")
-    parser.add_argument("--eval-games", type=int, default=32, help="held-out games per evaluation (default 32)")
-    parser.add_argument("--target", type=float, default=0.5, help="held-out win rate to time (default 0.5)")
+    parser.add_argument("--env", dest="env_name", choices=sorted(SETTINGS), default="calculator",
+                        help="the environment and its default settings (default calculator; module doc)")
+    parser.add_argument("--start", default="runs/sft_calculator3/final",
+                        help="calculator: the warm checkpoint both sides start from (default "
+                             "runs/sft_calculator3/final, examples/sft_calculator.yaml's third run)")
+    parser.add_argument("--seed", type=int, default=0, help="both sides' training seed (default 0)")
+    for key, kind, text in (("steps", int, "GRPO steps per side"), ("prompts", int, "problems per step"),
+                            ("group", int, "episodes per problem"), ("turns", int, "replies per episode"),
+                            ("episode_tokens", int, "tokens after the first prompt"),
+                            ("temperature", float, "sampling temperature of both sides"),
+                            ("lr", float, "AdamW learning rate"),
+                            ("eval_every", int, "steps between held-out evaluations"),
+                            ("eval_games", int, "held-out problems per evaluation"),
+                            ("target", float, "held-out success rates to time (one or more)"),
+                            ("micro_batch", int, "rows per forward and backward on both sides (lmforge "
+                             "train.micro_batch_size; TRL per_device_train_batch_size, gradient_accumulation_steps "
+                             "making up the batch): the same update either way; 0: the whole batch in one")):
+        defaults = ", ".join(f"{name} {values[key]}" for name, values in SETTINGS.items())
+        parser.add_argument("--" + key.replace("_", "-"), type=kind, nargs="+" if key == "target" else None,
+                            help=f"{text} (default: {defaults})")
+    parser.add_argument("--sft-steps", type=int, default=120,
+                        help="textarena: warm-up steps on scripted games (default 120)")
+    parser.add_argument("--trl-micro-batch", type=int, default=None,
+                        help="TRL's alone, when it differs from --micro-batch (0: the whole batch)")
+    parser.add_argument("--trl-continuous-batching", action="store_true",
+                        help="TRL generates with transformers' continuous batching (default: model.generate)")
     parser.add_argument("--quick", action="store_true", help="3 steps, 8 held-out games: to see it run")
     args = parser.parse_args()
+    for key, value in SETTINGS[args.env_name].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    batch = args.prompts * args.group
+    for name, micro in (("--micro-batch", args.micro_batch), ("--trl-micro-batch", args.trl_micro_batch)):
+        if micro is not None and (micro < 0 or (micro and batch % micro)):
+            parser.error(f"{name} {micro} must divide the batch, --prompts x --group = {batch} (or be 0: the whole batch)")
     if args.quick:
         args.steps, args.eval_every, args.eval_games = 3, 3, 8
     torch.set_num_threads(2)
