@@ -116,8 +116,7 @@ def terminal_rewards(rewards: torch.Tensor, trained_mask: torch.Tensor) -> torch
     """(B,) sequence rewards -> (B, C) per-token rewards: each on its row's last trained token (the
     policy's last action; environment tokens after it, if any, are not actions). A row with no
     trained token puts it on column 0, which GAE skips as it skips every untrained position."""
-    columns = torch.arange(1, trained_mask.shape[1] + 1, device=trained_mask.device)
-    last = ((trained_mask > 0) * columns).amax(1).clamp(min=1) - 1  # (B,) index of the last trained token
+    last = rl.trained_ends(trained_mask).clamp(min=1) - 1  # (B,) index of the last trained token
     return torch.zeros(trained_mask.shape, dtype=torch.float32, device=trained_mask.device).scatter(
         1, last[:, None], rewards.float()[:, None])
 

@@ -12,7 +12,8 @@
 
 The recipes (``lmforge.recipes.grpo``, ``.ppo``) own their step and loss and import from here.
 """
-from .batch import ScoredRollout, TrainBatch, pack_rollout, reduce_rollout_metrics, scatter_completion, trained_spans
+from .batch import (ScoredRollout, TrainBatch, pack_rollout, reduce_rollout_metrics, scatter_completion, trained_ends,
+                    trained_spans)
 from .forward import (batch_forward_flops, batch_logprobs, completion_logprobs, forward_flops, policy_logprobs,
                       reference_model, sampling_flops, shared_prompt_logits, shares_prompts, step_flops, trained_width)
 from .loop import RLState, make_evaluate, prepare, synced_steps, train_rl, update_state
@@ -29,5 +30,5 @@ __all__ = [
     "global_counts", "informative_rows", "make_evaluate", "make_source", "micro_batch_order", "mini_batch_rows", "pack_rollout",
     "policy_logprobs", "prepare", "rank_prompts", "reduce_metrics", "reduce_rollout_metrics", "reference_model",
     "sample_and_score", "sampling_flops", "scatter_completion", "shared_prompt_logits", "shares_prompts", "step_flops", "step_seed",
-    "synced_steps", "train_rl", "trained_spans", "trained_width", "update", "update_state",
+    "synced_steps", "train_rl", "trained_ends", "trained_spans", "trained_width", "update", "update_state",
 ]

@@ -76,6 +76,13 @@ def trained_spans(mask: Tensor) -> Tensor:
     return starts.long().cumsum(1) * trained
 
 
+def trained_ends(mask: Tensor) -> Tensor:
+    """(B, C) trained mask -> (B,) long: one past the column of each row's last trained token (0 for a
+    row with none)."""
+    columns = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return (mask.bool() * columns).amax(1) if mask.shape[1] else mask.new_zeros(mask.shape[0], dtype=torch.long)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainBatch:
     """A rollout laid out for the trainer (module doc). B rows, L packed length, C completion width."""

@@ -16,7 +16,7 @@ from transformers.cache_utils import DynamicCache
 from .. import lora
 from ..parallel.wrap import run_forward
 from ..train import PLAIN_HEAD_MODELS, Precision, decoder_of, logits_at
-from .batch import TrainBatch, scatter_completion
+from .batch import TrainBatch, scatter_completion, trained_ends
 
 Tensor = torch.Tensor
 
@@ -53,8 +53,7 @@ def trained_width(trained_mask: Tensor) -> int:
     """Completion columns up to a row's last trained token, the most of any row (0 if none): the
     columns after it are environment tokens or padding that predict nothing trained and, attention
     being causal, change no logit before them."""
-    columns = torch.arange(1, trained_mask.shape[1] + 1, device=trained_mask.device)
-    return int((trained_mask.bool() * columns).max()) if trained_mask.numel() else 0
+    return int(trained_ends(trained_mask).max()) if trained_mask.numel() else 0
 
 
 def shared_prompt_logits(model, batch: TrainBatch) -> Tensor:
