@@ -136,31 +136,38 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(monkeypatch):
     assert max(float((w - g).abs().max()) for w, g in zip(want, without)) > 1e-4
 
 
-def test_micro_batches_cut_from_length_sorted_rows_give_the_same_update():
-    """``rl.update`` cuts micro-batches from rows sorted informative-first, longest first (less
-    padding): the weights after two passes equal those of one micro-batch per mini-batch."""
+def test_micro_batches_cut_from_length_sorted_groups_give_the_same_update():
+    """``rl.update(length_order=True)`` cuts micro-batches from whole groups sorted informative-first,
+    longest first (less padding): the weights after two passes equal those of one micro-batch per
+    mini-batch, for an aggregation normalised by global counts."""
     model, batch = tiny_batch()
-    assert len(set(batch.attention_mask.sum(1).tolist())) > 1  # rows of different lengths
-    informative = torch.tensor([False, True, True, False, True, False, True, True])
-    order = rl_update.micro_batch_order(batch, informative).tolist()
-    lengths = batch.attention_mask.sum(1).tolist()
-    assert sorted(order) == list(range(8))
-    assert [informative[i].item() for i in order] == [True] * 5 + [False] * 3
-    assert [lengths[i] for i in order[:5]] == sorted((lengths[i] for i in order[:5]), reverse=True)
+    assert batch.group_index.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    lengths = batch.attention_mask.sum(1)
+    for shorter, want in ((range(4, 8), [0, 1, 2, 3, 4, 5, 6, 7]), (range(4), [4, 5, 6, 7, 0, 1, 2, 3])):
+        mask = batch.attention_mask.clone()
+        for row in shorter:  # one token less in every row of that group
+            mask[row, lengths[row] - 1] = 0
+        assert rl_update.micro_batch_order(batch.with_(attention_mask=mask)).tolist() == want
+    # a group with a row to train goes first, whatever its length; rows keep their order in a group
+    batch = batch.with_(advantages=torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, -1.0, 0.0, 0.5]))
+    informative = rl.informative_rows(batch.advantages)
+    assert rl_update.micro_batch_order(batch, informative).tolist() == [4, 5, 6, 7, 0, 1, 2, 3]
     algo = load_config(GRPOConfig, None, ["data.task=addition", "algo.preset=dapo", "algo.num_iterations=2",
                                           "algo.num_mini_batches=1"]).algo.resolved()
     precision = Precision(torch.device("cpu"), torch.float32)
     batch = batch.with_(old_logprobs=rl.batch_logprobs(model, batch, 8, 1.0, precision))
     results = []
-    for micro_batch_size in (8, 3):
+    for micro_batch_size, rows in ((8, None), (3, informative), (2, informative), (3, None)):
         trained = copy.deepcopy(model)
         updater = Updater.build(trained, OptimConfig(lr=1e-2, schedule="constant", weight_decay=0.0), 8, precision)
         rl.update(batch, algo, updater, micro_batch_size, 4,
-                  lambda micro, counts: micro_loss(trained, micro, algo, 1.0, counts, precision), 1)
+                  lambda micro, counts: micro_loss(trained, micro, algo, 1.0, counts, precision), 1,
+                  rows_to_train=rows, length_order=True)
         results.append([p.detach() for p in trained.parameters()])
     assert max(float((w - p.detach()).abs().max()) for w, p in zip(results[0], model.parameters())) > 1e-3
-    for whole, cut in zip(*results):
-        torch.testing.assert_close(cut, whole, rtol=0, atol=1e-5)
+    for cut in results[1:]:
+        for whole, got in zip(results[0], cut):
+            torch.testing.assert_close(got, whole, rtol=0, atol=1e-5)
 
 
 def test_first_mini_batch_takes_pi_old_from_its_own_forward():
@@ -209,19 +216,25 @@ def test_step_flops_equal_the_matmul_flops_torch_runs(micro_batch_size):
     rollouts = []
     sampling = measured_matmul_flops(lambda: rollouts.append(rl.sample_and_score(
         rl.PolicyEngine(model), tokenizer, prompts, [0, 1], cfg, RewardSet([("exact", 1.0)]), 0)[0]))
-    batch = rl.pack_rollout(rollouts[0], tokenizer.pad_token_id, need_rollout_logprobs=False)
+    rollout = rollouts[0]
+    batch = rl.pack_rollout(rollout, tokenizer.pad_token_id, need_rollout_logprobs=False)
     assert len(set(batch.trained_mask.sum(1).tolist())) > 1  # completions of different lengths
     precision = Precision(torch.device("cpu"), torch.float32)
 
-    def train_pass():  # forward + backward of every micro-batch, as rl.update runs them
+    def train_pass(batch):  # forward + backward of every micro-batch, as rl.update runs them
         for rows in torch.arange(batch.num_rows).split(micro_batch_size):
             logprobs, _ = rl.policy_logprobs(model, batch.select(rows), 1.0, precision)
             logprobs.sum().backward()
 
-    training = measured_matmul_flops(train_pass)
-    forward_only = measured_matmul_flops(lambda: rl.batch_logprobs(model, batch, micro_batch_size, 1.0, precision))
-    want = sampling + training + forward_only
-    assert rl.step_flops(model, batch, micro_batch_size, 1, 1) == pytest.approx(want, rel=0.01)
+    # and with each row's last token untrained (an environment's), which the shared forward does not run
+    last = rollout.completion_mask.cumsum(1) == rollout.completion_mask.sum(1, keepdim=True)
+    tail = rl.pack_rollout(dataclasses.replace(rollout, trained_mask=rollout.completion_mask * ~last),
+                           tokenizer.pad_token_id, need_rollout_logprobs=False)
+    for part in (batch, tail):
+        training = measured_matmul_flops(lambda: train_pass(part))
+        forward_only = measured_matmul_flops(lambda: rl.batch_logprobs(model, part, micro_batch_size, 1.0, precision))
+        want = sampling + training + forward_only
+        assert rl.step_flops(model, part, micro_batch_size, 1, 1) == pytest.approx(want, rel=0.01)
 
 
 def test_shared_prompt_forward_equals_the_packed_forward():

@@ -126,7 +126,8 @@ def grpo_step(state: rl.RLState, algo: GRPOAlgoConfig, step: int) -> dict:
     train_metrics = rl.update_state(
         batch, algo, state,
         lambda micro, counts: micro_loss(state.model, micro, algo, temperature, counts, precision, state.train.wrapped),
-        step, rows_to_train=informative if skip else None, first_on_policy=multi_update, flops_of=forward_flops)
+        step, rows_to_train=informative if skip else None, first_on_policy=multi_update, flops_of=forward_flops,
+        length_order=algo.aggregation != "token_mean")  # token_mean is a mean per micro-batch
     flops += 3 * train_metrics.pop("_forward_flops")
     return {**scored.metrics, **adv_metrics, **train_metrics, "time_training": time.perf_counter() - start,
             "num_tokens": int(batch.attention_mask.sum()) * algo.num_iterations, "num_flops": flops}

@@ -56,6 +56,14 @@ def trained_width(trained_mask: Tensor) -> int:
     return int(trained_ends(trained_mask).max()) if trained_mask.numel() else 0
 
 
+def completion_extent(batch: TrainBatch) -> int:
+    """The completion columns :func:`shared_prompt_logits` runs: up to the last trained one
+    (:func:`trained_width`), and at least 2 where there are, so that whether the completion call runs
+    depends on the batch's width only: every rank then calls the model body the same number of times
+    (FSDP2 gathers each layer's weights in each call)."""
+    return max(trained_width(batch.trained_mask), min(batch.completion_ids.shape[1], 2))
+
+
 def shared_prompt_logits(model, batch: TrainBatch) -> Tensor:
     """Logits (N, V) that predict the trained tokens, as ``logits_at`` on the packed rows, with each
     prompt run once per group instead of once per row.
@@ -83,7 +91,7 @@ def shared_prompt_logits(model, batch: TrainBatch) -> Tensor:
     prompt_out = body(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=source.clamp(min=0),
                       use_cache=True, **cache_kwarg)
     hidden = prompt_out.last_hidden_state[inverse, -1:]  # (B, 1, H): predicts completion token 0
-    extent = max(trained_width(batch.trained_mask), 1)  # C' <= C
+    extent = completion_extent(batch)  # C' <= C
     completion_in = batch.completion_ids[:, :extent - 1].clone()  # (B, C' - 1); a copy: the sampler's may be inference tensors
     if completion_in.shape[1]:
         cache.batch_select_indices(inverse)  # differentiable gather: each row gets its prompt's keys / values
@@ -135,13 +143,13 @@ def _distinct_prompts(part: TrainBatch) -> tuple[int, int]:
 
 def forward_flops(model, micro: TrainBatch, share_prompts: bool = True) -> float:
     """Matmul FLOPs of one forward over the micro-batch ``micro`` as the trainer runs it: its distinct
-    prompts once (left-padded) and then the completion columns before the last trained one of every row
-    (:func:`shared_prompt_logits`), or the packed rows with their padding; the LM head only where
-    the next token is trained."""
+    prompts once (left-padded) and then every row's completion columns but the last of
+    :func:`completion_extent` (:func:`shared_prompt_logits`), or the packed rows with their padding;
+    the LM head only where the next token is trained."""
     body, head = matmul_weights(model)
     if share_prompts and shares_prompts(model, micro):
         distinct, width = _distinct_prompts(micro)
-        tokens = distinct * width + micro.num_rows * max(trained_width(micro.trained_mask) - 1, 0)
+        tokens = distinct * width + micro.num_rows * max(completion_extent(micro) - 1, 0)
     else:
         tokens = micro.input_ids.numel()
     return 2.0 * (body * tokens + head * int(micro.trained_mask.sum()))

@@ -64,14 +64,23 @@ def mini_batch_rows(num_rows: int, num_mini_batches: int) -> tuple[Tensor, ...]:
 
 
 def micro_batch_order(batch: TrainBatch, informative: Tensor | None = None) -> Tensor:
-    """The rows of a mini-batch in the order they are cut into micro-batches: the rows to train
-    first (``informative``, when rows are skipped), each part longest first. A micro-batch's forward
-    is as wide as its longest row, so rows of like length together pad less (a multi-turn batch mixes
-    one-reply episodes with long ones); the loss is a sum over rows normalised by the mini-batch's
-    counts, so the order changes no update beyond float rounding."""
+    """The rows of a mini-batch in the order they are cut into micro-batches: whole groups (rows of
+    one ``group_index``, in their order), those with a row to train first (``informative``, when rows
+    are skipped), each part longest group first. A micro-batch's forward is as wide as its longest
+    row, so groups of like length together pad less (a multi-turn batch mixes one-reply episodes with
+    long ones). Whole groups keep a micro-batch's group pattern that of contiguous rows, so a group's
+    prompt still runs once and every rank makes the same model calls. Used only for a loss that is a
+    sum over rows normalised by the mini-batch's counts (:func:`update`'s ``length_order``)."""
     lengths = batch.attention_mask.sum(1).cpu()
-    key = -lengths if informative is None else (~informative.cpu()).long() * (int(lengths.max()) + 1) - lengths
-    return torch.sort(key, stable=True).indices
+    groups = torch.arange(batch.num_rows) if batch.group_index is None else batch.group_index.cpu()
+    _, group = torch.unique(groups, return_inverse=True)  # (B,) 0..G-1
+    count = int(group.max()) + 1
+    longest = torch.zeros(count, dtype=lengths.dtype).scatter_reduce(0, group, lengths, "amax")
+    useful = torch.ones(count, dtype=torch.bool) if informative is None else torch.zeros(
+        count, dtype=torch.long).scatter_reduce(0, group, informative.cpu().long(), "amax").bool()
+    place = torch.empty(count, dtype=torch.long)
+    place[torch.sort((~useful).long() * (int(longest.max()) + 1) - longest, stable=True).indices] = torch.arange(count)
+    return torch.sort(place[group] * batch.num_rows + torch.arange(batch.num_rows)).indices
 
 
 def informative_rows(advantages: Tensor) -> Tensor:
@@ -81,14 +90,15 @@ def informative_rows(advantages: Tensor) -> Tensor:
 
 def update(batch: TrainBatch, algo, updater, micro_batch_size: int, max_new_tokens: int, loss_fn: LossFn, step: int,
            ctx: ParallelContext | None = None, wrapped=None, rows_to_train: Tensor | None = None,
-           first_on_policy: bool = False, flops_of: Callable[[TrainBatch], float] | None = None) -> dict:
+           first_on_policy: bool = False, flops_of: Callable[[TrainBatch], float] | None = None,
+           length_order: bool = False) -> dict:
     """``algo.num_iterations`` passes over this rank's ``batch``, each of ``algo.num_mini_batches`` updates.
 
     Mini-batches are contiguous row ranges (a prompt's samples stay together); the rank's rows were
     chosen so that its m-th mini-batch is its share of the global m-th mini-batch
     (:func:`lmforge.rl.prompts.rank_prompts`). Each is split into micro-batches of ``micro_batch_size``
-    rows of like length (:func:`micro_batch_order`) whose losses, normalised by the mini-batch's
-    global counts, are accumulated into one optimizer step;
+    rows (contiguous; with ``length_order``, whole groups of like length, :func:`micro_batch_order`)
+    whose losses, normalised by the mini-batch's global counts, are accumulated into one optimizer step;
     gradients are summed across ranks (``ctx``; ``wrapped``, the parallel root) on the last
     micro-batch. ``loss_fn(micro_batch, counts) -> (loss, metrics)``.
 
@@ -103,6 +113,10 @@ def update(batch: TrainBatch, algo, updater, micro_batch_size: int, max_new_toke
 
     ``first_on_policy``: the first mini-batch of the first pass takes pi_old from its own (detached)
     forward, since the weights have not moved yet; ``batch.old_logprobs`` of its rows is not read.
+
+    ``length_order``: only for a loss that is a sum over rows normalised by global counts (not a
+    per-micro-batch mean such as ``token_mean``), whose update does not depend on which rows share a
+    micro-batch (up to float rounding).
 
     ``flops_of(micro)``: the forward FLOPs of a micro-batch, summed over those trained (returned as
     ``_forward_flops``, for the caller's FLOP count).
@@ -122,7 +136,8 @@ def update(batch: TrainBatch, algo, updater, micro_batch_size: int, max_new_toke
                 mini = mini.with_(old_logprobs=None)
             if m not in plans:
                 mini_informative = None if informative is None else informative[mini_rows]
-                micro_rows = list(micro_batch_order(mini, mini_informative).split(micro_batch_size))
+                order = micro_batch_order(mini, mini_informative) if length_order else torch.arange(mini.num_rows)
+                micro_rows = list(order.split(micro_batch_size))
                 run = micro_rows if informative is None else _rows_to_run(micro_rows, mini_informative, ctx)
                 plans[m] = (global_counts(mini, max_new_tokens, len(micro_rows), ctx), run)
             counts, plan = plans[m]
