@@ -64,23 +64,32 @@ def mini_batch_rows(num_rows: int, num_mini_batches: int) -> tuple[Tensor, ...]:
 
 
 def micro_batch_order(batch: TrainBatch, informative: Tensor | None = None) -> Tensor:
-    """The rows of a mini-batch in the order they are cut into micro-batches: whole groups (rows of
-    one ``group_index``, in their order), those with a row to train first (``informative``, when rows
-    are skipped), each part longest group first. A micro-batch's forward is as wide as its longest
-    row, so groups of like length together pad less (a multi-turn batch mixes one-reply episodes with
-    long ones). Whole groups keep a micro-batch's group pattern that of contiguous rows, so a group's
-    prompt still runs once and every rank makes the same model calls. Used only for a loss that is a
-    sum over rows normalised by the mini-batch's counts (:func:`update`'s ``length_order``)."""
+    """The rows of a mini-batch sorted for cutting into micro-batches: the rows to train first
+    (``informative``, when rows are skipped), each part longest first. A micro-batch's forward is as
+    wide as its longest row, so rows of like length together pad less (a multi-turn batch mixes
+    one-reply episodes with long ones); a group split over micro-batches runs its prompt in each, so
+    :func:`update` keeps this order only where its forwards cost less than contiguous rows'."""
     lengths = batch.attention_mask.sum(1).cpu()
-    groups = torch.arange(batch.num_rows) if batch.group_index is None else batch.group_index.cpu()
-    _, group = torch.unique(groups, return_inverse=True)  # (B,) 0..G-1
-    count = int(group.max()) + 1
-    longest = torch.zeros(count, dtype=lengths.dtype).scatter_reduce(0, group, lengths, "amax")
-    useful = torch.ones(count, dtype=torch.bool) if informative is None else torch.zeros(
-        count, dtype=torch.long).scatter_reduce(0, group, informative.cpu().long(), "amax").bool()
-    place = torch.empty(count, dtype=torch.long)
-    place[torch.sort((~useful).long() * (int(longest.max()) + 1) - longest, stable=True).indices] = torch.arange(count)
-    return torch.sort(place[group] * batch.num_rows + torch.arange(batch.num_rows)).indices
+    key = -lengths if informative is None else (~informative.cpu()).long() * (int(lengths.max()) + 1) - lengths
+    return torch.sort(key, stable=True).indices
+
+
+def _micro_batch_plan(mini: TrainBatch, micro_batch_size: int, informative: Tensor | None, ctx: ParallelContext,
+                      length_order: bool, flops_of: Callable[[TrainBatch], float] | None) -> tuple[int, list[Tensor]]:
+    """(number of micro-batches, the row sets that run) for a mini-batch: contiguous rows, or with
+    ``length_order`` (one process, ``flops_of`` given) the rows of :func:`micro_batch_order` when its
+    micro-batches' forwards cost fewer FLOPs."""
+    plans = []
+    orders = [torch.arange(mini.num_rows)]
+    if length_order and not ctx.distributed and flops_of is not None:
+        orders.append(micro_batch_order(mini, informative))
+    for order in orders:
+        micro_rows = list(order.split(micro_batch_size))
+        run = micro_rows if informative is None else _rows_to_run(micro_rows, informative, ctx)
+        plans.append((len(micro_rows), run))
+    if len(plans) == 1:
+        return plans[0]
+    return min(plans, key=lambda plan: sum(flops_of(mini.select(rows)) for rows in plan[1]))
 
 
 def informative_rows(advantages: Tensor) -> Tensor:
@@ -97,8 +106,8 @@ def update(batch: TrainBatch, algo, updater, micro_batch_size: int, max_new_toke
     Mini-batches are contiguous row ranges (a prompt's samples stay together); the rank's rows were
     chosen so that its m-th mini-batch is its share of the global m-th mini-batch
     (:func:`lmforge.rl.prompts.rank_prompts`). Each is split into micro-batches of ``micro_batch_size``
-    rows (contiguous; with ``length_order``, whole groups of like length, :func:`micro_batch_order`)
-    whose losses, normalised by the mini-batch's global counts, are accumulated into one optimizer step;
+    rows (contiguous, or of like length: ``length_order``) whose losses, normalised by the
+    mini-batch's global counts, are accumulated into one optimizer step;
     gradients are summed across ranks (``ctx``; ``wrapped``, the parallel root) on the last
     micro-batch. ``loss_fn(micro_batch, counts) -> (loss, metrics)``.
 
@@ -116,7 +125,10 @@ def update(batch: TrainBatch, algo, updater, micro_batch_size: int, max_new_toke
 
     ``length_order``: only for a loss that is a sum over rows normalised by global counts (not a
     per-micro-batch mean such as ``token_mean``), whose update does not depend on which rows share a
-    micro-batch (up to float rounding).
+    micro-batch (up to float rounding). On one process, with ``flops_of``, each mini-batch is then cut
+    from length-sorted rows where that costs fewer forward FLOPs (:func:`_micro_batch_plan`); under
+    several ranks micro-batches stay contiguous, so every rank makes the same model calls (FSDP2
+    gathers weights inside them).
 
     ``flops_of(micro)``: the forward FLOPs of a micro-batch, summed over those trained (returned as
     ``_forward_flops``, for the caller's FLOP count).
@@ -136,10 +148,8 @@ def update(batch: TrainBatch, algo, updater, micro_batch_size: int, max_new_toke
                 mini = mini.with_(old_logprobs=None)
             if m not in plans:
                 mini_informative = None if informative is None else informative[mini_rows]
-                order = micro_batch_order(mini, mini_informative) if length_order else torch.arange(mini.num_rows)
-                micro_rows = list(order.split(micro_batch_size))
-                run = micro_rows if informative is None else _rows_to_run(micro_rows, mini_informative, ctx)
-                plans[m] = (global_counts(mini, max_new_tokens, len(micro_rows), ctx), run)
+                num_micro, run = _micro_batch_plan(mini, micro_batch_size, mini_informative, ctx, length_order, flops_of)
+                plans[m] = (global_counts(mini, max_new_tokens, num_micro, ctx), run)
             counts, plan = plans[m]
             loss_sum = torch.zeros((), device=batch.input_ids.device)
             for index, rows in enumerate(plan):
