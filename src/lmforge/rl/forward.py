@@ -70,12 +70,11 @@ def shared_prompt_logits(model, batch: TrainBatch) -> Tensor:
 
     The distinct prompts go through the model body once, left-padded with positions counting real
     tokens (as in the sampler); their KV cache is repeated for each group's rows; then each row's
-    completion tokens (environment tokens included) up to the last trained one, less that one, run
-    against it (:func:`trained_width`). The last prompt position and the completion positions predict
-    the completion tokens. Attention is causal, so a
-    prompt position never sees a completion and this is the packed forward's computation, in fewer
-    rows; autograd sums the gradient of a shared prompt over its rows. The LM head runs only where
-    the next token is trained.
+    completion tokens (environment tokens included) but the last of :func:`completion_extent` run
+    against it. The last prompt position and the completion positions predict the completion
+    tokens. Attention is causal, so a prompt position never sees a completion and this is the packed
+    forward's computation, in fewer rows; autograd sums the gradient of a shared prompt over its rows.
+    The LM head runs only where the next token is trained.
     """
     body = decoder_of(model)
     _, inverse = torch.unique(batch.group_index, return_inverse=True)  # (B,) row -> its distinct prompt
