@@ -188,8 +188,10 @@ class ToolLoop:
         from lmforge.envs.toolcalls import function_schema
 
         instance = self.game()
-        self.tools = [function_schema(getattr(instance, name)) for name in sorted(vars(self.game))
-                      if not name.startswith("_") and name != "reset" and callable(getattr(instance, name))]
+        # TRL's tools: the class's public methods but reset
+        self.tool_names = [name for name in sorted(vars(self.game))
+                           if not name.startswith("_") and name != "reset" and callable(getattr(instance, name))]
+        self.tools = [function_schema(getattr(instance, name)) for name in self.tool_names]
 
     def reset(self, problem, state):
         state.info["game"] = self.game()
@@ -206,7 +208,7 @@ class ToolLoop:
         for call in calls:
             state.counts["tool_calls"] = state.counts.get("tool_calls", 0) + 1
             try:
-                if call.name.startswith("_") or call.name == "reset" or not callable(getattr(game, call.name, None)):
+                if call.name not in self.tool_names:
                     raise ValueError(f"Tool {call.name} not found.")
                 result = getattr(game, call.name)(**call.arguments)
             except Exception as exc:  # noqa: BLE001 -- as TRL: the error goes back to the model
