@@ -36,7 +36,7 @@ from typing import Hashable
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from .engine import SamplingParams, decode_step, left_pad, prefill, sample_token
+from .engine import SamplingParams, decode_step, left_pad, prefill, sample_token, verify_step
 
 
 def left_pad_cache(cache: DynamicCache, width: int) -> None:
@@ -117,6 +117,21 @@ class RunningBatch:
             trim_cache(self.cache, start)
             self.mask = self.mask[:, start:]
 
+    def compact(self) -> None:
+        """Move each row's real positions to the right end of the cache, in order, and cut the columns no
+        row needs: the holes that rejected draft tokens leave (``ContinuousDecoder``, ``draft_tokens``).
+        Attention sees the same keys in the same order, so nothing a row computes changes."""
+        real = self.mask.bool()
+        width = int(real.sum(1).max())
+        if width == self.mask.shape[1]:
+            return
+        # a stable sort puts each row's masked columns first and its real ones after them, in order
+        order = torch.sort(real.to(torch.int8), dim=1, stable=True).indices[:, -width:]  # (B, width)
+        for layer in self.cache.layers:
+            pick = lambda t: t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1]))  # noqa: E731
+            layer.keys, layer.values = pick(layer.keys), pick(layer.values)
+        self.mask = self.mask.gather(1, order)
+
     def decode(self, model: torch.nn.Module, tokens: torch.Tensor) -> None:
         """Feed one token per row (B,) and take the next logits."""
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(self), 1))], 1)  # (B, L + 1)
@@ -142,20 +157,103 @@ class _Row:
     generator: torch.Generator | None
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    pending: float | None = None  # the uniform a rejected draft position drew: the next step's draw uses it
+    index: dict | None = None  # NgramDrafter.index of ids (speculative decoding)
+
+
+class NgramDrafter:
+    """Draft tokens for speculative decoding, from token n-grams seen before (no second model).
+
+    ``observe(tokens)`` counts, for every ``n`` consecutive tokens, the token that came next;
+    ``propose(context, limit, stop_ids)`` follows the most frequent continuation of the last ``n``
+    tokens while it is confident -- seen at least ``min_count`` times and at least ``min_share`` of
+    what followed that context -- up to ``limit`` tokens or a stop token. A context's counts are
+    halved when one passes ``max_count``, so the table follows a policy that changes; past
+    ``max_contexts`` contexts the table starts again. Kept across RL steps, the table learns the text
+    the policy writes over and over (a tool call's syntax). Where it has nothing confident,
+    ``propose`` copies from the row's own ids what followed the last occurrence of the row's last
+    two tokens (``index``): a number copied from the question or from a tool's result.
+    """
+
+    def __init__(self, max_tokens: int, n: int = 4, min_count: int = 2, min_share: float = 0.75,
+                 max_count: int = 64, max_contexts: int = 1_000_000):
+        if max_tokens < 1 or n < 1:
+            raise ValueError(f"NgramDrafter needs max_tokens >= 1 and n >= 1, got {max_tokens}, {n}")
+        self.max_tokens, self.n, self.min_count, self.min_share = max_tokens, n, min_count, min_share
+        self.max_count, self.max_contexts = max_count, max_contexts
+        self.table: dict[tuple[int, ...], dict[int, int]] = {}
+
+    def observe(self, tokens: list[int]) -> None:
+        n, table = self.n, self.table
+        if len(table) > self.max_contexts:
+            table.clear()
+        for i in range(n, len(tokens)):
+            counts = table.setdefault(tuple(tokens[i - n:i]), {})
+            token = tokens[i]
+            counts[token] = counts.get(token, 0) + 1
+            if counts[token] > self.max_count:
+                for t in list(counts):
+                    counts[t] //= 2
+                    if not counts[t]:
+                        del counts[t]
+
+    @staticmethod
+    def index(ids: list[int]) -> dict:
+        """For ``propose``'s lookup in a row's own ids: the last position of each token, and of each pair
+        of tokens, that some token follows."""
+        return {(ids[i - 1], ids[i]): i for i in range(1, len(ids) - 1)}
+
+    def propose(self, context: list[int], limit: int, stop_ids: list[int], ids: list[int] | None = None,
+                index: dict | None = None) -> list[int]:
+        """Up to ``limit`` tokens to follow ``context`` (its last ``n`` tokens are what counts). When the
+        table has nothing confident and the row's ``ids`` and their ``index`` are given: what followed the
+        last occurrence in ``ids`` of the context's last two tokens, else of its last token (a copy from
+        the prompt or a tool's result)."""
+        draft = self._from_table(context, limit, stop_ids)
+        if draft or index is None or not context:
+            return draft
+        at = index.get(tuple(context[-2:])) if len(context) > 1 else None
+        if at is None:
+            return draft
+        for token in ids[at + 1:at + 1 + limit]:
+            draft.append(token)
+            if token in stop_ids:
+                break
+        return draft
+
+    def _from_table(self, context: list[int], limit: int, stop_ids: list[int]) -> list[int]:
+        if len(context) < self.n:
+            return []
+        key, draft = tuple(context[-self.n:]), []
+        while len(draft) < limit:
+            counts = self.table.get(key)
+            if not counts:
+                break
+            token, count = max(counts.items(), key=lambda item: item[1])
+            if count < self.min_count or count < self.min_share * sum(counts.values()):
+                break
+            draft.append(token)
+            if token in stop_ids:
+                break
+            key = key[1:] + (token,)
+        return draft
 
 
 class ContinuousDecoder:
     """Rows of ``model`` decoded together, joining and leaving between steps (module doc).
 
     The model must be in eval mode (the caller's to set); ``step`` runs under inference mode.
-    ``num_model_calls`` counts prefills and decode steps.
+    ``num_model_calls`` counts prefills and decode steps. With a ``drafter`` (speculative decoding,
+    module doc) ``num_draft_tokens`` / ``num_accepted_tokens`` count the drafted and accepted tokens.
     """
 
-    def __init__(self, model: torch.nn.Module, pad_token_id: int, keep_cache: bool = True):
-        self.model, self.pad_token_id, self.keep_cache = model, pad_token_id, keep_cache
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, keep_cache: bool = True,
+                 drafter: NgramDrafter | None = None):
+        self.model, self.pad_token_id, self.keep_cache, self.drafter = model, pad_token_id, keep_cache, drafter
         self.device = next(model.parameters()).device
         self.num_model_calls = 0
         self.num_prefilled_tokens = 0  # real tokens run through a prefill (kept caches spare their history)
+        self.num_draft_tokens = self.num_accepted_tokens = 0
         self._queue: list[_Row] = []
         self._rows: list[_Row] = []
         self._kept: dict[Hashable, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = {}
@@ -193,30 +291,128 @@ class ContinuousDecoder:
         if not self._rows:
             return []
         tokens = self._sample()  # (B,)
+        finished, keep = self._retire(fed_all=False)
+        if len(keep) < len(tokens):
+            tokens = tokens[torch.tensor(keep, dtype=torch.long, device=self.device)]
+        if self._rows:
+            if self.drafter is None:
+                self._batch.decode(self.model, tokens)
+            else:
+                self._verify(tokens)
+                finished += self._retire(fed_all=True)[0]  # rows that accepted drafts up to their end
+            self.num_model_calls += 1
+        return finished
+
+    # ------------------------------------------------------------------ internals
+
+    def _retire(self, fed_all: bool) -> tuple[list[FinishedRow], list[int]]:
+        """Take the rows that ended (a stop token, or max_new_tokens) out of the batch, keeping their KV
+        entries; returns them and the indices of the rows left. ``fed_all``: every token of a row has
+        been fed to the model (after a verify step), else all but the last one."""
         finished, keep = [], []
         for b, row in enumerate(self._rows):
             stop = row.tokens[-1] in row.params.stop_token_ids
             if stop or len(row.tokens) >= row.params.max_new_tokens:
                 finished.append(FinishedRow(row.key, row.tokens, row.logprobs, truncated=not stop))
                 if self.keep_cache:
-                    self._keep(b, row)
+                    self._keep(b, row, fed_all)
+                if self.drafter is not None:
+                    self.drafter.observe(row.ids[-self.drafter.n:] + row.tokens)
             else:
                 keep.append(b)
         if len(keep) < len(self._rows):
             self._rows = [self._rows[b] for b in keep]
             self._batch.keep(keep)
-            tokens = tokens[torch.tensor(keep, dtype=torch.long, device=self.device)]
-        if self._rows:
-            self._batch.decode(self.model, tokens)
-            self.num_model_calls += 1
-        return finished
+        return finished, keep
 
-    # ------------------------------------------------------------------ internals
+    def _verify(self, tokens: torch.Tensor) -> None:
+        """Speculative decoding: feed each row's sampled token (B,) and the tokens the drafter proposes
+        after it in one forward, accept a prefix of the drafts (``_accept``), and keep the cache entries
+        and next logits of what was accepted; the rejected positions are masked out (``compact`` cuts
+        them away once they are a quarter of the cache)."""
+        n, rows, batch = self.drafter.n, self._rows, self._batch
+        drafts = []
+        for row in rows:
+            limit = min(self.drafter.max_tokens, row.params.max_new_tokens - len(row.tokens))
+            context = row.tokens[-n:] if len(row.tokens) >= n else row.ids[len(row.tokens) - n:] + row.tokens
+            if limit <= 0:
+                drafts.append([])
+                continue
+            if row.index is None:
+                row.index = self.drafter.index(row.ids)
+            drafts.append(self.drafter.propose(context, limit, row.params.stop_token_ids, row.ids, row.index))
+        width = max(len(d) for d in drafts)
+        if not width:
+            batch.decode(self.model, tokens)
+            return
+        ids = torch.full((len(rows), 1 + width), self.pad_token_id, dtype=torch.long)
+        fed = torch.zeros((len(rows), 1 + width), dtype=torch.long)  # 1 on the sampled token and the drafts
+        ids[:, 0], fed[:, 0] = tokens.cpu(), 1
+        for b, draft in enumerate(drafts):
+            if draft:
+                ids[b, 1:1 + len(draft)], fed[b, 1:1 + len(draft)] = torch.tensor(draft), 1
+        self.num_draft_tokens += int(fed.sum()) - len(rows)
+        fed = fed.to(self.device)
+        positions = batch.positions[:, None] + torch.arange(1 + width, device=self.device)  # (B, 1 + width)
+        logits, batch.cache = verify_step(self.model, ids.to(self.device), batch.cache,
+                                          torch.cat([batch.mask, fed], 1), positions)  # (B, 1 + width, V)
+        accepted = torch.tensor(self._accept(drafts, logits), dtype=torch.long, device=self.device)  # (B,)
+        self.num_accepted_tokens += int(accepted.sum())
+        kept = fed * (torch.arange(1 + width, device=self.device)[None] <= accepted[:, None])
+        batch.mask = torch.cat([batch.mask, kept], 1)
+        batch.logits = logits[torch.arange(len(rows), device=self.device), accepted]  # after the last accepted
+        batch.positions = batch.positions + 1 + accepted
+        if 4 * (batch.mask.shape[1] - int(batch.mask.sum(1).max())) > batch.mask.shape[1]:
+            batch.compact()
 
-    def _keep(self, b: int, row: _Row) -> None:
-        """Keep row ``b``'s KV entries of its real positions: its ids and all but its last sampled token."""
+    def _accept(self, drafts: list[list[int]], logits: torch.Tensor) -> list[int]:
+        """How many of each row's drafts to keep, appending them (and their logprobs) to the row.
+
+        Row b's draft token d at offset i follows its sampled token and drafts 0..i-1, so logits[b, i]
+        are the logits its token there is drawn from. That token is drawn as ``step`` would draw it
+        (``sample_token``, with the next uniform of the row's generator; greedy: the argmax); d is kept
+        when the draw is d, and at the first draw that is not, the row stops: that draw's uniform waits
+        in ``_Row.pending`` for the next step, which draws the same token from the same logits. So a
+        row's tokens are the ones it samples one token at a time (up to the float rounding of a forward
+        of a different shape), and a draft is kept with probability p(d)."""
+        accepted = [0] * len(drafts)
+        groups: dict[tuple, list[int]] = {}
+        for b, (row, draft) in enumerate(zip(self._rows, drafts)):
+            if draft:
+                p = row.params
+                groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(b)
+        width = logits.shape[1] - 1
+        for (temperature, _, _), members in groups.items():
+            params = self._rows[members[0]].params
+            block = logits[torch.tensor(members, device=self.device), :width]  # (R, width, V)
+            uniforms, states = torch.zeros((len(members), width, 1)), []
+            if temperature > 0:
+                for r, b in enumerate(members):
+                    generator = self._rows[b].generator
+                    states.append(None if generator is None else generator.get_state())
+                    uniforms[r, :len(drafts[b]), 0] = torch.rand((len(drafts[b]),), generator=generator,
+                                                                 device=self.device).cpu()
+            drawn, logprobs = sample_token(block.reshape(-1, block.shape[-1]), params,
+                                           uniforms=uniforms.reshape(-1, 1).to(self.device))
+            drawn, logprobs = drawn.view(len(members), width).tolist(), logprobs.view(len(members), width).tolist()
+            for r, b in enumerate(members):
+                row, draft = self._rows[b], drafts[b]
+                kept = next((i for i, token in enumerate(draft) if drawn[r][i] != token), len(draft))
+                row.tokens += draft[:kept]
+                row.logprobs += logprobs[r][:kept]
+                accepted[b] = kept
+                if temperature > 0 and kept < len(draft):  # uniforms 0..kept used; the last one waits
+                    row.pending = float(uniforms[r, kept, 0])
+                    if states[r] is not None:
+                        row.generator.set_state(states[r])
+                        torch.rand((kept + 1,), generator=row.generator, device=self.device)
+        return accepted
+
+    def _keep(self, b: int, row: _Row, fed_all: bool = False) -> None:
+        """Keep row ``b``'s KV entries of its real positions: its ids and its sampled tokens, all of them
+        (``fed_all``) or all but the last (which was never fed to the model)."""
         real = self._batch.mask[b].bool()
-        fed = row.ids + row.tokens[:-1]
+        fed = row.ids + (row.tokens if fed_all else row.tokens[:-1])
         assert int(real.sum()) == len(fed), "the row's cached positions do not match its tokens"
         self._kept[row.key] = (fed, [(layer.keys[b:b + 1, :, real], layer.values[b:b + 1, :, real])
                                      for layer in self._batch.cache.layers])
@@ -243,6 +439,9 @@ class ContinuousDecoder:
                 unique.append(n)
             source.append(first[key])
         rows, num_cached = [batch[n] for n in unique], [cached[n] for n in unique]
+        if self.drafter is not None:
+            for row, c in zip(rows, num_cached):
+                self.drafter.observe(row.ids[max(0, c - self.drafter.n):])
         ids, new_mask = left_pad([row.ids[c:] for row, c in zip(rows, num_cached)], self.pad_token_id)  # (N, P)
         width = max(num_cached)
         cache = DynamicCache(config=self.model.config)
@@ -297,12 +496,18 @@ class ContinuousDecoder:
             first = self._rows[rows[0]]
             index = torch.tensor(rows, device=self.device)
             uniforms = None
-            if temperature > 0 and not unseeded:
-                uniforms = torch.cat([torch.rand((1, 1), generator=self._rows[b].generator, device=self.device)
-                                      for b in rows])  # (R, 1)
+            if temperature > 0 and (not unseeded or any(self._rows[b].pending is not None for b in rows)):
+                uniforms = torch.tensor([[self._draw(self._rows[b])] for b in rows], device=self.device)  # (R, 1)
             picked, logprobs = sample_token(self._batch.logits[index], first.params, uniforms=uniforms)
             tokens[index] = picked
             for b, token, logprob in zip(rows, picked.tolist(), logprobs.tolist()):
                 self._rows[b].tokens.append(token)
                 self._rows[b].logprobs.append(logprob)
         return tokens
+
+    def _draw(self, row: _Row) -> float:
+        """The row's next uniform: the one a rejected draft left waiting, else one from its generator."""
+        if row.pending is not None:
+            u, row.pending = row.pending, None
+            return u
+        return float(torch.rand((1,), generator=row.generator, device=self.device))

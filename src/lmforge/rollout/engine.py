@@ -105,14 +105,14 @@ def _forward_args(model: torch.nn.Module) -> tuple[str, str | None]:
     return _FORWARD_ARGS[key]
 
 
-def _forward(model, input_ids, attention_mask, position_ids, cache, last_only: bool):
+def _forward(model, input_ids, attention_mask, position_ids, cache, last_only: bool, every: bool = False):
     cache_arg, keep_arg = _forward_args(model)
     kwargs: dict[str, Any] = {cache_arg: cache, "use_cache": True}
     if last_only and keep_arg is not None:
         kwargs[keep_arg] = 1
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
     new_cache = out.cache if "cache" in out else out.past_key_values
-    return out.logits[:, -1, :].float(), new_cache
+    return (out.logits if every else out.logits[:, -1, :]).float(), new_cache
 
 
 def prefill(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: Any = None):
@@ -136,6 +136,17 @@ def decode_step(model: torch.nn.Module, token_ids: torch.Tensor, cache: Any,
     Returns logits (B, V) float32 for the next token and the updated cache.
     """
     return _forward(model, token_ids[:, None], attention_mask, position_ids[:, None], cache, last_only=False)
+
+
+def verify_step(model: torch.nn.Module, token_ids: torch.Tensor, cache: Any, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor):
+    """Feed T tokens per row after the cached ones and return the logits after each: ``(logits, cache)``
+    (speculative decoding checks drafted tokens this way).
+
+    token_ids: (B, T) long; attention_mask: (B, L + T), 0 on any of the T that are padding;
+    position_ids: (B, T) long. Returns logits (B, T, V) float32 and the updated cache.
+    """
+    return _forward(model, token_ids, attention_mask, position_ids, cache, last_only=False, every=True)
 
 
 class _PreallocatedLayer(DynamicLayer):
