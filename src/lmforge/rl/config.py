@@ -203,6 +203,10 @@ class EnvConfig:
                            "prefilled), and each turn samples from its own seed; false = rounds: every turn of "
                            "every episode waits for the slowest; models with sliding-window caches always run in rounds "
                            "(docs/environments.md, Rollouts)")
+    draft_tokens: int = opt(0, "continuous batching: speculative decoding -- each row may check up to this many "
+                            "drafted tokens per model call, proposed from token n-grams of earlier episodes and "
+                            "kept or rejected so that every token is drawn from the policy's own distribution "
+                            "(0 = off; docs/environments.md, Rollouts)")
 
     def validate(self) -> None:
         if not self.name:
@@ -212,10 +216,14 @@ class EnvConfig:
         for key in ("max_turns", "max_episode_tokens"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"env.{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("max_tool_result_tokens", "max_invalid_calls", "workers"):
+        for key in ("max_tool_result_tokens", "max_invalid_calls", "workers", "draft_tokens"):
             if getattr(self, key) < 0:
-                raise ConfigError(f"env.{key} must be >= 0 (0 = {'automatic' if key == 'workers' else 'no limit'}), "
-                                  f"got {getattr(self, key)}")
+                meaning = {"workers": "automatic", "draft_tokens": "off"}.get(key, "no limit")
+                raise ConfigError(f"env.{key} must be >= 0 (0 = {meaning}), got {getattr(self, key)}")
+        if self.draft_tokens and not self.continuous:
+            raise ConfigError(f"env.draft_tokens={self.draft_tokens} drafts tokens inside continuous batching; with "
+                              "env.continuous=false nothing would use it (set env.continuous=true or "
+                              "env.draft_tokens=0)")
         if not self.tool_timeout_s >= 0:
             raise ConfigError(f"env.tool_timeout_s must be >= 0 (0 = no limit), got {self.tool_timeout_s}")
         if not isinstance(self.args, dict):

@@ -23,7 +23,7 @@ from ...envs.registry import make_environment
 from ...errors import TrainingError
 from ...models import context_length
 from ...rollout import RewardOutput, RewardSet, RolloutBatch, SamplingParams, generate
-from ...rollout.continuous import ContinuousDecoder, has_full_attention_caches
+from ...rollout.continuous import ContinuousDecoder, NgramDrafter, has_full_attention_caches
 from ...rollout.rewards import default_workers
 from ..config import RolloutConfig
 from ..prompts import PromptSet
@@ -64,15 +64,19 @@ def rollout_metrics(rollout: RolloutBatch, rewards: RewardOutput, episodes: list
         "truncated_frac": rollout.truncated.float().mean(),
         **episode_metrics(episodes, times),
         "time_generation": times["time_generation"],
+        **({"draft_acceptance": times["accepted_tokens"] / max(1, times["draft_tokens"]),
+            "draft_tokens_per_episode": times["draft_tokens"] / len(episodes)} if "draft_tokens" in times else {}),
     }
 
 
 def run_episodes(runner: EpisodeRunner, continuous: bool, model: torch.nn.Module, generate_fn: Callable,
                  problems: list, group_size: int, params: SamplingParams,
-                 pad_token_id: int) -> tuple[list[Episode], dict]:
+                 pad_token_id: int, drafter: NgramDrafter | None = None) -> tuple[list[Episode], dict]:
     """``runner.run_continuous`` on ``model`` (in eval mode meanwhile) or round-based ``runner.run`` on
     ``generate_fn`` (``env.continuous``). A model whose KV cache has sliding-window or other special
-    layers, which the continuous decoder cannot merge between rows, runs in rounds, with one warning."""
+    layers, which the continuous decoder cannot merge between rows, runs in rounds, with one warning.
+    ``drafter``: the continuous decoder checks its drafts (``env.draft_tokens``); the times then also
+    hold ``draft_tokens`` and ``accepted_tokens``."""
     if continuous and not has_full_attention_caches(model):
         kind = getattr(model.config, "model_type", type(model).__name__)
         if kind not in _FELL_BACK:
@@ -86,13 +90,19 @@ def run_episodes(runner: EpisodeRunner, continuous: bool, model: torch.nn.Module
     was_training = model.training
     model.eval()  # no dropout while sampling
     try:
-        return runner.run_continuous(ContinuousDecoder(model, pad_token_id), problems, group_size, params)
+        decoder = ContinuousDecoder(model, pad_token_id, drafter=drafter)
+        episodes, times = runner.run_continuous(decoder, problems, group_size, params)
+        if drafter is not None:
+            times.update(draft_tokens=decoder.num_draft_tokens, accepted_tokens=decoder.num_accepted_tokens)
+        return episodes, times
     finally:
         model.train(was_training)
 
 
-def episode_sampler(runner: EpisodeRunner, continuous: bool) -> Callable:
-    """``SampledSource``'s ``sample``: run and score episodes of this rank's problems ``rows``."""
+def episode_sampler(runner: EpisodeRunner, continuous: bool, draft_tokens: int = 0) -> Callable:
+    """``SampledSource``'s ``sample``: run and score episodes of this rank's problems ``rows``; with
+    ``draft_tokens``, one n-gram drafter learns from every step's episodes (``env.draft_tokens``)."""
+    drafter = NgramDrafter(draft_tokens) if draft_tokens and continuous else None
 
     def sample(engine, tokenizer, prompts: PromptSet, rows: list[int], cfg: RolloutConfig,
                reward_set: RewardSet | None, seed: int) -> tuple[RolloutBatch, RewardOutput, dict]:
@@ -102,7 +112,7 @@ def episode_sampler(runner: EpisodeRunner, continuous: bool) -> Callable:
             return engine.generate(ids, turn_params, num_samples=num_samples, pad_token_id=tokenizer.pad_token_id)
 
         episodes, times = run_episodes(runner, continuous, engine.model, sample_turns, problems, cfg.group_size,
-                                       params, tokenizer.pad_token_id)
+                                       params, tokenizer.pad_token_id, drafter)
         if not any(e.num_trained and e.end not in BROKEN for e in episodes):
             ends = sorted({e.end for e in episodes})
             raise TrainingError(f"no episode of this batch is usable: each has no policy token to train on or its "
@@ -132,7 +142,8 @@ class EpisodeSource(SampledSource):
 
     def __init__(self, setup: SourceSetup):
         self.runner = make_runner(setup)
-        super().__init__(setup, make_engine(setup), sample=episode_sampler(self.runner, setup.env.continuous))
+        super().__init__(setup, make_engine(setup),
+                         sample=episode_sampler(self.runner, setup.env.continuous, setup.env.draft_tokens))
 
     def close(self) -> None:
         self.runner.close()
