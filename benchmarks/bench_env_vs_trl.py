@@ -16,7 +16,8 @@ ends at a limit instead). Two environments (``--env``):
   final reply is the exact product. Both sides start from ``--start``, the warm model of
   examples/grpo_calculator.yaml (the SFT runs in examples/sft_calculator.yaml's header, ~10 min: it
   can call the tool and copy, but greedy it answers at once with an estimate, 0% held-out), with that
-  example's settings: 8 problems x 8 episodes, temperature 0.6, lr 2e-5, <= 3 replies, <= 200 tokens.
+  example's settings: 8 problems x 8 episodes, temperature 0.6, lr 2e-5, <= 3 replies, <= 200 tokens;
+  lmforge decodes with that example's ``env.draft_tokens: 8`` (``--draft-tokens``).
 - ``textarena``: ``Arena``, TextArena's GuessTheNumber-v0 (unmodified, dealt by seed through
   ``lmforge.envs.textarena``) behind the tool ``move(action)``; reward the game's for player 0. Both
   sides start from a tiny random Llama trained here for ``--sft-steps`` on a bisecting player's tool
@@ -38,7 +39,10 @@ tests/recipes/test_grpo.py), AdamW at ``--lr`` constant, betas (0.9, 0.999), no 
 clip 1.0, fp32. Each side runs the batch's forward and backward in micro-batches of ``--micro-batch``
 rows (lmforge ``train.micro_batch_size``; TRL ``per_device_train_batch_size`` with
 ``gradient_accumulation_steps`` making up the batch): the same update as one micro-batch on both sides
-(both normalise by the whole batch), and faster on both here. Episode limits: ``--episode-tokens`` tokens after the first prompt
+(both normalise by the whole batch), and faster on both here. lmforge's speculative decoding
+(``--draft-tokens``, ``env.draft_tokens``) draws every token as decoding one token at a time draws it
+(tests/unit/test_speculative.py): an engine setting, not an algorithm one. Episode limits:
+``--episode-tokens`` tokens after the first prompt
 (lmforge ``env.max_episode_tokens`` = TRL ``max_completion_length``; a reply may use what is left of it:
 lmforge ``rollout.max_new_tokens`` = the same number), ``--turns`` replies (lmforge ``env.max_turns``; TRL
 ``max_tool_calling_iterations`` = turns - 1). Not the same: the problems each side draws per step (TRL's
@@ -297,11 +301,12 @@ def warm_up(model, tok, seeds: list[int], steps: int, lr: float = 1e-2, batch: i
 SETTINGS = {
     # GuessTheNumber from a 120-step warm-up of a random model (bench_model, warm_up)
     "textarena": dict(env="MoveGame", task="seeds", steps=30, prompts=2, group=4, turns=8, episode_tokens=400,
-                      temperature=0.5, lr=1e-4, eval_every=10, eval_games=32, target=[0.5], micro_batch=0),
+                      temperature=0.5, lr=1e-4, eval_every=10, eval_games=32, target=[0.5], micro_batch=0,
+                      draft_tokens=0),
     # multiplication with the calculator tool from examples/grpo_calculator.yaml's start and settings
     "calculator": dict(env="CalcGame", task="multiplication:digits=3", steps=8, prompts=8, group=8, turns=3,
                        episode_tokens=200, temperature=0.6, lr=2e-5, eval_every=1, eval_games=200,
-                       target=[0.5, 0.6, 0.7, 0.8], micro_batch=16),
+                       target=[0.5, 0.6, 0.7, 0.8], micro_batch=16, draft_tokens=8),
 }
 
 
@@ -315,6 +320,7 @@ def lmforge_state(model, tok, args, out_dir: str):
         f"data.task={args.task}", "data.num_train=4096", "data.num_eval=0", "data.use_chat_template='on'",
         f"env.name=bench_env_vs_trl:{args.env}", f"env.max_turns={args.turns}",
         f"env.max_episode_tokens={args.episode_tokens}", "env.max_invalid_calls=0", "env.workers=2",
+        f"env.draft_tokens={args.draft_tokens}",
         f"rollout.num_prompts={args.prompts}", f"rollout.group_size={args.group}",
         f"rollout.temperature={args.temperature}",
         "rollout.top_k=0", "rollout.top_p=1.0", f"rollout.max_new_tokens={args.episode_tokens}",
@@ -449,7 +455,10 @@ def run(args) -> None:
                   f"{float(metrics['reward']):.2f}, turns {float(metrics['turns_per_episode']):.1f}, policy tokens "
                   f"{float(metrics['completion_len_mean']):.0f} of {float(metrics['episode_len_mean']):.0f}; gen "
                   f"{float(metrics['time_generation']):.1f}s env {float(metrics['time_env']):.1f}s train "
-                  f"{float(metrics['time_training']):.1f}s)", flush=True)
+                  f"{float(metrics['time_training']):.1f}s"
+                  + (f"; drafts {float(metrics['draft_tokens_per_episode']):.0f} an episode, "
+                     f"{100 * float(metrics['draft_acceptance']):.0f}% kept" if "draft_acceptance" in metrics else "")
+                  + ")", flush=True)
             if step % args.eval_every == 0 or step == args.steps:
                 evaluate_both(model, step)
             clock["mark"] = time.perf_counter()
@@ -507,7 +516,9 @@ def main() -> None:
                             ("target", float, "held-out success rates to time (one or more)"),
                             ("micro_batch", int, "rows per forward and backward on both sides (lmforge "
                              "train.micro_batch_size; TRL per_device_train_batch_size, gradient_accumulation_steps "
-                             "making up the batch): the same update either way; 0: the whole batch in one")):
+                             "making up the batch): the same update either way; 0: the whole batch in one"),
+                            ("draft_tokens", int, "lmforge's env.draft_tokens (speculative decoding from n-gram "
+                             "drafts: the same tokens, fewer model calls; 0: off)")):
         defaults = ", ".join(f"{name} {values[key]}" for name, values in SETTINGS.items())
         parser.add_argument("--" + key.replace("_", "-"), type=kind, nargs="+" if key == "target" else None,
                             help=f"{text} (default: {defaults})")
