@@ -500,7 +500,7 @@ def test_drafted_tokens_give_the_run_without_them(tmp_path):
     # env.draft_tokens only changes how many model calls decode the same tokens: the same episodes, so the
     # same rewards and turns, and losses equal up to the rounding of the sampler's differently shaped
     # forwards (the loss uses the trainer's own logprobs); the drafter's counters are logged
-    args = MULTI + ["env.continuous=true", "train.max_steps=3"]
+    args = MULTI + ["env.continuous=true", "train.max_steps=3", "rollout.max_new_tokens=12"]
     run_grpo(load_config(GRPOConfig, None, args + [f"train.output_dir={tmp_path / 'plain'}"]))
     run_grpo(load_config(GRPOConfig, None, args + ["env.draft_tokens=4", f"train.output_dir={tmp_path / 'drafted'}"]))
     plain, drafted = records(tmp_path / "plain"), records(tmp_path / "drafted")
@@ -511,7 +511,10 @@ def test_drafted_tokens_give_the_run_without_them(tmp_path):
         for key in ("loss", "grad_norm"):
             assert drafted[step][key] == pytest.approx(plain[step][key], rel=1e-4, abs=1e-9), (step, key)
         assert "draft_acceptance" not in plain[step]
-    assert drafted[3]["draft_tokens_per_episode"] > 0 and 0 < drafted[3]["draft_acceptance"] <= 1
+    # drafts were checked at every step; a random tiny model keeps few of them (tests/unit/test_speculative.py
+    # checks kept and rejected drafts token by token)
+    for step in drafted:
+        assert drafted[step]["draft_tokens_per_episode"] > 0 and 0 <= drafted[step]["draft_acceptance"] <= 1
 
 
 def test_ppo_trains_on_episodes(tmp_path):

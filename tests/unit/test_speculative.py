@@ -9,6 +9,7 @@ import torch
 from lmforge.config import ModelConfig
 from lmforge.models import load_model
 from lmforge.rollout import SamplingParams
+from lmforge.rollout import continuous
 from lmforge.rollout.continuous import ContinuousDecoder, NgramDrafter, RunningBatch
 
 
@@ -53,9 +54,24 @@ class Spoiled(NgramDrafter):
 
 
 def spied(decoder, monkeypatch) -> dict:
-    """Count ``decoder``'s cache compactions and the rows it retired after a verify step."""
-    seen = {"compactions": 0, "retired_after_verify": 0}
+    """Count ``decoder``'s cache compactions and the rows it retired after a verify step, record the
+    highest position it feeds, and check every verify step's positions: a row's fed tokens count on from
+    its cached ones, and its padding columns never go past its last fed position."""
+    seen = {"compactions": 0, "retired_after_verify": 0, "max_position": -1}
     compact, keep = RunningBatch.compact, decoder._keep
+    verify = continuous.verify_step
+
+    def checking_verify(model, token_ids, cache, attention_mask, position_ids):
+        fed = attention_mask[:, -token_ids.shape[1]:]  # (B, T)
+        for b in range(len(fed)):
+            count, base = int(fed[b].sum()), int(attention_mask[b, :-token_ids.shape[1]].sum())
+            assert fed[b, :count].all() and not fed[b, count:].any()
+            assert position_ids[b, :count].tolist() == list(range(base, base + count))
+            assert int(position_ids[b].max()) == base + count - 1
+        seen["max_position"] = max(seen["max_position"], int(position_ids.max()))
+        return verify(model, token_ids, cache, attention_mask, position_ids)
+
+    monkeypatch.setattr(continuous, "verify_step", checking_verify)
 
     def counting_compact(self):
         seen["compactions"] += 1
@@ -89,7 +105,8 @@ def test_drafted_rows_decode_the_tokens_they_decode_one_at_a_time(tiny, params, 
     texts = ["12+34=", "7*8=", "999-1 = 5 5", "12+43="]  # (the char tokenizer's alphabet)
     admissions = {0: [(i, encode(tok, t), params) for i, t in enumerate(texts[:2])],
                   2: [(2, encode(tok, texts[2]), params)], 3: [(3, encode(tok, texts[3]), params)]}
-    want = drive(ContinuousDecoder(model, tok.pad_token_id), admissions)
+    plain = ContinuousDecoder(model, tok.pad_token_id)
+    want = drive(plain, admissions)
     # the drafter has seen the rows' own text, so most drafts are right; every third is spoiled
     drafter = Spoiled(len(tok), max_tokens=6, n=2, min_count=1,
                       min_share=0.5)
@@ -101,8 +118,7 @@ def test_drafted_rows_decode_the_tokens_they_decode_one_at_a_time(tiny, params, 
     check_same_rows(got, want)
     assert 0 < decoder.num_accepted_tokens < decoder.num_draft_tokens  # kept and rejected drafts both
     assert seen["compactions"] > 0
-    assert decoder.num_model_calls < ContinuousDecoder(model, tok.pad_token_id).num_model_calls + sum(
-        len(r.token_ids) for r in want.values())  # (sanity: fewer model calls than tokens)
+    assert decoder.num_model_calls < plain.num_model_calls
     # later turns on the kept caches: each history extends what the row fed, so only the new ids are
     # prefilled, and the drafted decoder still decodes what the plain one does
     histories = {key: ids + want[key].token_ids + encode(tok, f" 0{key}=")
@@ -115,7 +131,7 @@ def test_drafted_rows_decode_the_tokens_they_decode_one_at_a_time(tiny, params, 
 
 
 @pytest.mark.parametrize("end", ["limit", "stop"])
-def test_a_row_can_end_on_a_kept_draft_and_its_next_turn_reuses_every_fed_position(tiny, end, monkeypatch):
+def test_a_row_ends_on_a_kept_stop_or_at_its_limit_and_its_next_turn_reuses_every_fed_position(tiny, end, monkeypatch):
     model, tok = tiny
     params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
     prompt = encode(tok, "12+34= 31*17=")
@@ -131,14 +147,46 @@ def test_a_row_can_end_on_a_kept_draft_and_its_next_turn_reuses_every_fed_positi
     seen = spied(decoder, monkeypatch)
     got = drive(decoder, {0: [(0, prompt, params)]})[0]
     check_same_rows({0: got}, {0: want})
-    assert seen["retired_after_verify"] == 1  # it ended inside the verify step, on a kept draft
-    assert decoder.num_draft_tokens == decoder.num_accepted_tokens == len(want.token_ids) - 1
-    # its next turn starts with everything the row fed (its last token included): only the new ids prefill
+    # no position past the plain loop's last: the prompt's, then every sampled token but the last
+    assert seen["max_position"] <= len(prompt) + params.max_new_tokens - 2
+    if end == "stop":  # it ended inside the verify step, on a kept draft: every token it sampled was fed
+        assert seen["retired_after_verify"] == 1
+        assert decoder.num_draft_tokens == decoder.num_accepted_tokens == len(want.token_ids) - 1
+    else:  # drafts stop one short of the limit; the last token is sampled after them and never fed
+        assert seen["retired_after_verify"] == 0
+        assert decoder.num_draft_tokens == decoder.num_accepted_tokens == len(want.token_ids) - 2
+    # its next turn starts with everything the row fed: only the rest prefills
     history = prompt + want.token_ids + encode(tok, " 42=")
     prefilled = decoder.num_prefilled_tokens
     second = drive(decoder, {0: [(0, history, params)]})
-    assert decoder.num_prefilled_tokens - prefilled == len(" 42=")
+    assert decoder.num_prefilled_tokens - prefilled == len(" 42=") + (end == "limit")
     check_same_rows(second, drive(ContinuousDecoder(model, tok.pad_token_id), {0: [(0, history, params)]}))
+
+
+def test_a_kept_stop_token_ends_the_row_whatever_a_drafter_proposes_after_it(tiny, monkeypatch):
+    model, tok = tiny
+    prompt = encode(tok, "12+34= 31*17=")
+    free = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3)
+    tokens = drive(ContinuousDecoder(model, tok.pad_token_id), {0: [(0, prompt, free)]})[0].token_ids
+    stop = next(t for i, t in enumerate(tokens) if i >= 2 and t not in tokens[:i])
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3, stop_token_ids=[stop])
+    want = drive(ContinuousDecoder(model, tok.pad_token_id), {0: [(0, prompt, params)]})[0]
+
+    class PastTheStop(NgramDrafter):  # the tokens the row draws, on past the stop token
+        past = 0
+
+        def propose(self, context, limit, stop_ids, ids=None, index=None):
+            done = len(context) - len(prompt)  # (context: the prompt and the row's tokens, n large)
+            draft = (tokens[done:] + [0] * limit)[:limit]
+            self.past += stop in draft[:-1]
+            return draft
+
+    drafter = PastTheStop(max_tokens=10, n=64)
+    decoder = ContinuousDecoder(model, tok.pad_token_id, drafter=drafter)
+    got = drive(decoder, {0: [(0, prompt, params)]})[0]
+    assert drafter.past  # a draft went on past the stop token, with the tokens the row would draw there
+    check_same_rows({0: got}, {0: want})
+    assert got.token_ids[-1] == stop and decoder.num_accepted_tokens == len(want.token_ids) - 1
 
 
 def test_the_ngram_drafter_follows_confident_continuations_only():
@@ -166,6 +214,18 @@ def test_the_ngram_drafter_follows_confident_continuations_only():
     assert fading.propose([1], 1, stop_ids=[]) == [3] and 2 not in fading.table[(1,)]
     with pytest.raises(ValueError, match="max_tokens >= 1"):
         NgramDrafter(max_tokens=0)
+
+
+def test_a_full_ngram_table_drops_what_never_drafts_before_it_starts_again():
+    drafter = NgramDrafter(max_tokens=3, n=1, min_count=2, max_contexts=8)
+    drafter.observe([1, 2, 3] * 2)  # (1,) -> 2 and (2,) -> 3 twice, (3,) -> 1 once
+    drafter.observe(list(range(10, 17)))  # six contexts seen once: nine in all
+    drafter.observe([1, 2])  # past max_contexts: those seen once go, the confident ones stay
+    assert set(drafter.table) == {(1,), (2,)} and drafter.propose([1], 3, stop_ids=[]) == [2, 3]
+    drafter.observe(list(range(20, 30)))  # ten new ones
+    drafter.observe(list(range(30, 40)) * 2)  # seen twice: they stay, more than half of max_contexts
+    drafter.observe([5, 6])  # so the table starts again
+    assert drafter.table == {(5,): {6: 1}}
 
 
 def test_without_a_confident_continuation_the_drafter_copies_from_the_rows_own_ids():

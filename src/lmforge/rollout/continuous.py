@@ -20,10 +20,21 @@ greedy argmax or a sampled draw only at a near tie). Rows of equal settings shar
 ``sample_token`` call, each with the uniform drawn from its own generator.
 
 Kept caches (``keep_cache=True``): a finished row's KV entries (every position fed to the model:
-its ids and all but its last sampled token) are kept under its key. When the key is admitted again
+its ids and its sampled tokens but the last, or all of them when it ended on a kept draft) are kept
+under its key. When the key is admitted again
 with ids that start with exactly those tokens -- an episode's next turn: its history, the sampled
 turn and the environment's delta -- only the new ids are prefilled, after the kept entries (the
 padding between them masked). Any other ids are prefilled whole. ``release(key)`` drops a kept cache.
+
+Speculative decoding (``drafter=NgramDrafter(...)``): the model call that feeds each row's sampled
+token also feeds the tokens the drafter guesses after it (``verify_step``), so a row can gain several
+tokens per call. Each guessed position is drawn as the plain loop would draw it -- from the logits
+after the tokens before it, with the row's next uniform, by ``sample_token`` -- and kept only when the
+draw equals the guess. At the first draw that does not, the row stops and that draw's uniform waits
+(``_Row.pending``) for the next step, which draws the same token from the same logits. A seeded row
+therefore decodes the tokens it decodes without drafts (checked on CPU; up to float rounding, as with
+a different batch shape), an unseeded one the same distribution. Rejected positions stay in the cache,
+masked out, until ``RunningBatch.compact`` moves each row's real positions together.
 
 Shapes: B = running rows, L = cached positions (left-padded), V = vocabulary size, H = KV heads,
 D = head dim; N = rows admitted in one prefill.
@@ -157,7 +168,7 @@ class _Row:
     generator: torch.Generator | None
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
-    pending: float | None = None  # the uniform a rejected draft position drew: the next step's draw uses it
+    pending: torch.Tensor | None = None  # (1, 1): the uniform a rejected draft position drew, for the next draw
     index: dict | None = None  # NgramDrafter.index of ids (speculative decoding)
 
 
@@ -169,7 +180,8 @@ class NgramDrafter:
     tokens while it is confident -- seen at least ``min_count`` times and at least ``min_share`` of
     what followed that context -- up to ``limit`` tokens or a stop token. A context's counts are
     halved when one passes ``max_count``, so the table follows a policy that changes; past
-    ``max_contexts`` contexts the table starts again. Kept across RL steps, the table learns the text
+    ``max_contexts`` contexts, those seen fewer than ``min_count`` times (which never draft) are
+    dropped, and if that leaves more than half, the table starts again. Kept across RL steps, the table learns the text
     the policy writes over and over (a tool call's syntax). Where it has nothing confident,
     ``propose`` copies from the row's own ids what followed the last occurrence of the row's last
     two tokens (``index``): a number copied from the question or from a tool's result.
@@ -186,7 +198,7 @@ class NgramDrafter:
     def observe(self, tokens: list[int]) -> None:
         n, table = self.n, self.table
         if len(table) > self.max_contexts:
-            table.clear()
+            self._prune()
         for i in range(n, len(tokens)):
             counts = table.setdefault(tuple(tokens[i - n:i]), {})
             token = tokens[i]
@@ -197,18 +209,25 @@ class NgramDrafter:
                     if not counts[t]:
                         del counts[t]
 
+    def _prune(self) -> None:
+        table = self.table
+        for key in [key for key, counts in table.items() if sum(counts.values()) < self.min_count]:
+            del table[key]
+        if len(table) > self.max_contexts // 2:
+            table.clear()
+
     @staticmethod
     def index(ids: list[int]) -> dict:
-        """For ``propose``'s lookup in a row's own ids: the last position of each token, and of each pair
-        of tokens, that some token follows."""
+        """For ``propose``'s lookup in a row's own ids: the last position of each pair of consecutive
+        tokens that some token follows."""
         return {(ids[i - 1], ids[i]): i for i in range(1, len(ids) - 1)}
 
     def propose(self, context: list[int], limit: int, stop_ids: list[int], ids: list[int] | None = None,
                 index: dict | None = None) -> list[int]:
         """Up to ``limit`` tokens to follow ``context`` (its last ``n`` tokens are what counts). When the
         table has nothing confident and the row's ``ids`` and their ``index`` are given: what followed the
-        last occurrence in ``ids`` of the context's last two tokens, else of its last token (a copy from
-        the prompt or a tool's result)."""
+        last occurrence in ``ids`` of the context's last two tokens (a copy from the prompt or a tool's
+        result), up to ``limit`` tokens or a stop token."""
         draft = self._from_table(context, limit, stop_ids)
         if draft or index is None or not context:
             return draft
@@ -285,7 +304,9 @@ class ContinuousDecoder:
 
     @torch.inference_mode()
     def step(self) -> list[FinishedRow]:
-        """Admit the queued rows, sample a token for every row, retire finished rows, run the model on the rest."""
+        """Admit the queued rows, sample a token for every row, retire finished rows, run the model on the
+        rest (with a drafter: on each row's token and its drafts, keeping the drafts its draws confirm, and
+        retire the rows those ended)."""
         if self._queue:
             self._admit()
         if not self._rows:
@@ -333,7 +354,9 @@ class ContinuousDecoder:
         n, rows, batch = self.drafter.n, self._rows, self._batch
         drafts = []
         for row in rows:
-            limit = min(self.drafter.max_tokens, row.params.max_new_tokens - len(row.tokens))
+            # at most max_new_tokens - 1 sampled tokens are ever fed, as without drafts: no position goes
+            # past what the plain loop feeds (the model's context)
+            limit = min(self.drafter.max_tokens, row.params.max_new_tokens - len(row.tokens) - 1)
             context = row.tokens[-n:] if len(row.tokens) >= n else row.ids[len(row.tokens) - n:] + row.tokens
             if limit <= 0:
                 drafts.append([])
@@ -347,14 +370,17 @@ class ContinuousDecoder:
             return
         ids = torch.full((len(rows), 1 + width), self.pad_token_id, dtype=torch.long)
         fed = torch.zeros((len(rows), 1 + width), dtype=torch.long)  # 1 on the sampled token and the drafts
-        ids[:, 0], fed[:, 0] = tokens.cpu(), 1
+        fed[:, 0] = 1
         for b, draft in enumerate(drafts):
             if draft:
                 ids[b, 1:1 + len(draft)], fed[b, 1:1 + len(draft)] = torch.tensor(draft), 1
         self.num_draft_tokens += int(fed.sum()) - len(rows)
-        fed = fed.to(self.device)
-        positions = batch.positions[:, None] + torch.arange(1 + width, device=self.device)  # (B, 1 + width)
-        logits, batch.cache = verify_step(self.model, ids.to(self.device), batch.cache,
+        ids, fed = ids.to(self.device), fed.to(self.device)
+        ids[:, 0] = tokens  # the sampled tokens stay on the device
+        # padding columns repeat their row's last fed position: masked, and never past the row's own
+        offsets = torch.minimum(torch.arange(1 + width)[None], torch.tensor([[len(d)] for d in drafts]))
+        positions = batch.positions[:, None] + offsets.to(self.device)  # (B, 1 + width)
+        logits, batch.cache = verify_step(self.model, ids, batch.cache,
                                           torch.cat([batch.mask, fed], 1), positions)  # (B, 1 + width, V)
         accepted = torch.tensor(self._accept(drafts, logits), dtype=torch.long, device=self.device)  # (B,)
         self.num_accepted_tokens += int(accepted.sum())
@@ -374,7 +400,8 @@ class ContinuousDecoder:
         when the draw is d, and at the first draw that is not, the row stops: that draw's uniform waits
         in ``_Row.pending`` for the next step, which draws the same token from the same logits. So a
         row's tokens are the ones it samples one token at a time (up to the float rounding of a forward
-        of a different shape), and a draft is kept with probability p(d)."""
+        of a different shape), and a draft is kept with probability p(d). A kept stop token ends the
+        row: nothing after it is kept."""
         accepted = [0] * len(drafts)
         groups: dict[tuple, list[int]] = {}
         for b, (row, draft) in enumerate(zip(self._rows, drafts)):
@@ -385,28 +412,40 @@ class ContinuousDecoder:
         for (temperature, _, _), members in groups.items():
             params = self._rows[members[0]].params
             block = logits[torch.tensor(members, device=self.device), :width]  # (R, width, V)
-            uniforms, states = torch.zeros((len(members), width, 1)), []
+            uniforms, states = None, []
             if temperature > 0:
+                uniforms = torch.zeros((len(members), width, 1), device=self.device)
                 for r, b in enumerate(members):
-                    generator = self._rows[b].generator
-                    states.append(None if generator is None else generator.get_state())
-                    uniforms[r, :len(drafts[b]), 0] = torch.rand((len(drafts[b]),), generator=generator,
-                                                                 device=self.device).cpu()
-            drawn, logprobs = sample_token(block.reshape(-1, block.shape[-1]), params,
-                                           uniforms=uniforms.reshape(-1, 1).to(self.device))
+                    row = self._rows[b]
+                    states.append(None if row.generator is None else row.generator.get_state())
+                    # one draw per position, as ``_draw`` makes them (a (k,) draw need not equal k (1,)
+                    # draws: CUDA's generator), kept on the device (no sync per row)
+                    uniforms[r, :len(drafts[b])] = torch.cat([self._draw(row) for _ in drafts[b]])
+                uniforms = uniforms.reshape(-1, 1)
+            drawn, logprobs = sample_token(block.reshape(-1, block.shape[-1]), params, uniforms=uniforms)
             drawn, logprobs = drawn.view(len(members), width).tolist(), logprobs.view(len(members), width).tolist()
             for r, b in enumerate(members):
                 row, draft = self._rows[b], drafts[b]
                 kept = next((i for i, token in enumerate(draft) if drawn[r][i] != token), len(draft))
+                stop = next((i for i, token in enumerate(draft[:kept]) if token in row.params.stop_token_ids), None)
+                if stop is not None:
+                    kept = stop + 1
                 row.tokens += draft[:kept]
                 row.logprobs += logprobs[r][:kept]
                 accepted[b] = kept
-                if temperature > 0 and kept < len(draft):  # uniforms 0..kept used; the last one waits
-                    row.pending = float(uniforms[r, kept, 0])
-                    if states[r] is not None:
-                        row.generator.set_state(states[r])
-                        torch.rand((kept + 1,), generator=row.generator, device=self.device)
+                if temperature > 0 and kept < len(draft):
+                    self._rewind(row, states[r], uniforms[r * width:r * width + len(draft)], kept)
         return accepted
+
+    def _rewind(self, row: _Row, state: torch.Tensor | None, uniforms: torch.Tensor, kept: int) -> None:
+        """After ``kept`` drafts of a row were kept: the draws past ``kept`` never happened. The draw at
+        ``kept`` (a rejection's, which the next step repeats, or one a kept stop token left unused) waits
+        in ``pending``; the generator goes back to just after it."""
+        row.pending = uniforms[kept:kept + 1].view(1, 1)
+        if state is not None:
+            row.generator.set_state(state)
+            for _ in range(kept + 1):
+                torch.rand((1, 1), generator=row.generator, device=self.device)
 
     def _keep(self, b: int, row: _Row, fed_all: bool = False) -> None:
         """Keep row ``b``'s KV entries of its real positions: its ids and its sampled tokens, all of them
@@ -497,7 +536,7 @@ class ContinuousDecoder:
             index = torch.tensor(rows, device=self.device)
             uniforms = None
             if temperature > 0 and (not unseeded or any(self._rows[b].pending is not None for b in rows)):
-                uniforms = torch.tensor([[self._draw(self._rows[b])] for b in rows], device=self.device)  # (R, 1)
+                uniforms = torch.cat([self._draw(self._rows[b]) for b in rows])  # (R, 1)
             picked, logprobs = sample_token(self._batch.logits[index], first.params, uniforms=uniforms)
             tokens[index] = picked
             for b, token, logprob in zip(rows, picked.tolist(), logprobs.tolist()):
@@ -505,9 +544,10 @@ class ContinuousDecoder:
                 self._rows[b].logprobs.append(logprob)
         return tokens
 
-    def _draw(self, row: _Row) -> float:
-        """The row's next uniform: the one a rejected draft left waiting, else one from its generator."""
+    def _draw(self, row: _Row) -> torch.Tensor:
+        """The row's next uniform, (1, 1) on the device: the one a rejected draft left waiting, else one
+        from its generator (the global one for an unseeded row)."""
         if row.pending is not None:
             u, row.pending = row.pending, None
             return u
-        return float(torch.rand((1,), generator=row.generator, device=self.device))
+        return torch.rand((1, 1), generator=row.generator, device=self.device)
