@@ -4,10 +4,11 @@ serve``, and ``lmforge grpo rollout.backend=atropos`` training on what the API h
 weights back to the server.
 
 The smoke test uses a random tiny model (a few steps; it checks the wiring, not learning). The slow
-test starts from an SFT'd quickstart-size model and checks that the reward rises.
+test starts from an SFT'd quickstart-size model and checks that its held-out accuracy rises.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -98,6 +99,32 @@ def run_three_programs(tmp_path: Path, model_dir: Path, trainer_args: list[str],
         procs.stop()
 
 
+def sft_start_with_room(root: Path) -> Path:
+    """The quickstart's SFT stage (600 steps, seed 0) with a checkpoint and a held-out evaluation every
+    50 steps; returns the model of the latest checkpoint whose greedy accuracy is at most 90% (at least
+    50%), or the final model when none is. The accuracy climbs steeply late in the run and where it ends
+    depends on the CPU's kernels: the final model was 81.5% on the AVX2 2-core machine and 97.5% on the
+    AVX-512 one, where a rise cannot be told from noise on 200 problems."""
+    from lmforge.data.tasks import get_task
+    from lmforge.recipes.quickstart import QuickstartConfig, sft_config
+    from lmforge.recipes.sft import run_sft
+    from lmforge.tokenizer import char_tokenizer
+
+    cfg = QuickstartConfig(output_dir=str(root), grpo_steps=0, progress=False)
+    sft = sft_config(cfg, root)
+    sft = dataclasses.replace(sft, train=dataclasses.replace(
+        sft.train, eval_every=50, save_every=50, keep_last=cfg.sft_steps // 50))
+    model, tokenizer = load_model(sft.model, char_tokenizer(get_task(cfg.task).alphabet))
+    run_sft(sft, model, tokenizer)
+    run_dir = Path(sft.train.output_dir)
+    accuracy = {r["step"]: r["accuracy"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                if r["kind"] == "eval"}
+    print("SFT held-out accuracy by step: " + ", ".join(f"{s}: {a:.3f}" for s, a in sorted(accuracy.items())))
+    room = [step for step, acc in accuracy.items() if 0.5 <= acc <= 0.9]
+    step = max(room) if room else max(accuracy)
+    return run_dir / "checkpoints" / f"step-{step:06d}" / "model"
+
+
 def train_records(run_dir: Path) -> dict[int, dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r for r in map(json.loads, lines) if r["kind"] == "train"}
@@ -138,31 +165,32 @@ def test_run_api_environment_serve_and_trainer_smoke(tmp_path):
 @pytest.mark.e2e
 def test_grpo_through_atropos_raises_accuracy_of_the_quickstart_model(tmp_path):
     """The quickstart's SFT stage (tiny Llama, 128 hidden, 4 layers, char tokens), then 60 GRPO steps fed
-    by the environment through run-api: the held-out greedy accuracy rises. ``LMFORGE_TEST_SFT_MODEL=DIR``
+    by the environment through run-api: the held-out greedy accuracy rises. The GRPO stage starts from
+    the latest SFT checkpoint at 50-90% (``sft_start_with_room``). ``LMFORGE_TEST_SFT_MODEL=DIR``
     skips the SFT stage and starts from DIR (e.g. a quickstart's ``sft/final``).
 
-    Margin. The held-out accuracy is greedy on the same 200 problems each time; what varies between
-    runs is the order in which the environment's groups arrive (it runs up to two steps ahead). From
-    the 600-step quickstart SFT model of seed 0 (81.5%, 37 errors; AVX2 2-core machine), four runs at
-    lr 5e-5 ended at 94.5, 92.5, 96.5 and 94% (11, 15, 7 and 12 errors: at most 0.41 of the start's),
-    three at lr 1e-4 at 90.5, 93.5 and 92.5% (one dipped to 73.5% at step 30). From the seed-2 model
-    (69.5% by the trainer's evaluation) four runs at lr 5e-5 ended at 0.31-0.43 of its errors, from
-    the seed-1 model (93.5%) two at 0.15 and 0.31. Earlier, from a 69%
-    model at lr 1e-4, seven runs ended at 0.48-0.81 of its errors and one at 1.16: that run failed the
-    former check (a rise of 2 points), hence the lower lr. The check asks that the errors fall to at
-    most 0.75 of the start's, from a start of at least 50% (the SFT stage lands between 67 and 95.5%
-    over seeds 0-3 on that machine, and elsewhere on other CPUs); from a start above 96%, where that
-    would be within a few problems, that it ends at 97% or more. The sampled reward (T = 1, 64
-    completions per step) is printed, not asserted: its 15-step means fell in one earlier run whose
-    accuracy rose. About 1 min on a quiet 2-core machine, 7-8 min on a loaded one."""
+    Margin. The held-out accuracy is greedy on the same 200 problems each time; what varies between runs is the
+    order in which the environment's groups arrive (it runs up to two steps ahead). From the 600-step
+    quickstart SFT model of seed 0 (81.5%, 37 errors; AVX2 2-core machine), four runs at lr 5e-5 ended at 94.5,
+    92.5, 96.5 and 94% (11, 15, 7 and 12 errors: at most 0.41 of the start's), three at lr 1e-4 at 90.5, 93.5
+    and 92.5% (one dipped to 73.5% at step 30). From the seed-2 model (69.5% by the trainer's evaluation) four
+    runs at lr 5e-5 ended at 0.31-0.43 of its errors, from the seed-1 model (93.5%) two at 0.15 and 0.31.
+    Earlier, from a 69% model at lr 1e-4, seven runs ended at 0.48-0.81 of its errors and one at 1.16: that run
+    failed the former check (a rise of 2 points), hence the lower lr. On the AVX-512 2-core machine the
+    600-step model starts at 97.5% and one CI run went 97.5 -> 99.0 (step 30) -> 96.0%: at that height 200
+    problems cannot show a rise, hence the earlier checkpoint (step 500 there, 76%); from it three runs ended
+    at 95.0, 94.5 and 97.0% (10, 11 and 6 errors of 48: at most 0.23 of the start's; 1 min each, idle machine).
+    The check asks that the errors fall to at most 0.75 of the start's, from a start of at least 50%; from a
+    start above 96% (a model given by ``LMFORGE_TEST_SFT_MODEL``, or an SFT stage whose every checkpoint lands
+    outside 50-90%), that it ends at 97% or more. The sampled reward (T = 1, 64 completions per step) is
+    printed, not asserted: its 15-step means fell in one earlier run whose accuracy rose. About 1.5 min on a
+    quiet 2-core machine, 7-8 min on a loaded one."""
     pytest.importorskip("atroposlib")
     pytest.importorskip("fastapi")
-    from lmforge.recipes.quickstart import QuickstartConfig, run_quickstart
-
-    model_dir = Path(os.environ.get("LMFORGE_TEST_SFT_MODEL", ""))
-    if not os.environ.get("LMFORGE_TEST_SFT_MODEL"):
-        sft = run_quickstart(QuickstartConfig(output_dir=str(tmp_path / "quickstart"), grpo_steps=0, progress=False))
-        model_dir = Path(sft["run_dir"]) / "sft" / "final"
+    if os.environ.get("LMFORGE_TEST_SFT_MODEL"):
+        model_dir = Path(os.environ["LMFORGE_TEST_SFT_MODEL"])
+    else:
+        model_dir = sft_start_with_room(tmp_path / "quickstart")
     out, log, version = run_three_programs(
         tmp_path, model_dir,
         ["data.task=addition", "data.num_train=4000", "data.num_eval=200", "rollout.num_prompts=8",
