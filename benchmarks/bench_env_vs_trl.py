@@ -45,8 +45,9 @@ rows (lmforge ``train.micro_batch_size``; TRL ``per_device_train_batch_size`` wi
 ``--episode-tokens`` tokens after the first prompt
 (lmforge ``env.max_episode_tokens`` = TRL ``max_completion_length``; a reply may use what is left of it:
 lmforge ``rollout.max_new_tokens`` = the same number), ``--turns`` replies (lmforge ``env.max_turns``; TRL
-``max_tool_calling_iterations`` = turns - 1). Not the same: the problems each side draws per step (TRL's
-sampler order vs lmforge's), and the advantage's std epsilon (1e-6 lmforge, 1e-4 TRL). TRL generates
+``max_tool_calling_iterations`` = turns - 1). The same problems at each step: TRL's dataset is the
+problems lmforge's prompt order draws, step by step, read unshuffled (``shuffle_dataset=False``). Not the
+same: the sampling's random numbers, and the advantage's std epsilon (1e-6 lmforge, 1e-4 TRL). TRL generates
 with ``model.generate`` (its default); ``--trl-continuous-batching`` switches it to transformers'
 continuous batching, which was slower here (docs/benchmarks.md).
 
@@ -78,6 +79,8 @@ import types
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # env.name=bench_env_vs_trl:MoveGame
+if __name__ == "__main__":  # env.name imports this module by name: let it find this one, not a second copy
+    sys.modules.setdefault("bench_env_vs_trl", sys.modules["__main__"])
 
 GAME = "GuessTheNumber-v0"
 # How TEMPLATE renders an assistant message's ``tool_calls`` (TRL renders them; lmforge's replies carry
@@ -110,7 +113,10 @@ def textarena_game():
 
 # TRL's environment classes. TRL makes every public method but ``reset`` and ``get_reward`` a tool, so
 # what is not a tool starts with ``_``: ``_row`` (an lmforge Problem -> the dataset row whose fields TRL
-# passes to ``reset``) and ``_score`` (the reward of an episode ended by the plain reply ``final``).
+# passes to ``reset``), ``_score`` (the reward of an episode ended by the plain reply ``final``) and
+# ``_played`` (set by ``reset``: which problem the episode plays).
+
+PLAYED: dict = {"trl": set(), "lmforge": set()}  # the problems each side played since the last clear()
 
 class Arena:
     """One TextArena game behind the tool ``move`` (``--env textarena``, module doc)."""
@@ -122,6 +128,7 @@ class Arena:
     def reset(self, seed, **_) -> str:
         from lmforge.envs.base import EpisodeState
 
+        self._played = int(seed)
         self._state = EpisodeState({"answer": str(seed)})
         self._reward, self._over = 0.0, False
         return textarena_game().reset(self._state.problem, self._state)[0]["content"]
@@ -152,7 +159,7 @@ class Calc:
         return {"question": problem.prompt, "answer": problem.answer}
 
     def reset(self, question, answer, **_) -> str:
-        self._answer = str(answer)
+        self._answer, self._played = str(answer), question
         return question
 
     def calculator(self, expression: str) -> str:
@@ -173,6 +180,7 @@ def trl_reward(completions, environments, **_) -> list[float]:
     """TRL's reward function: ``_score`` of the final reply when the episode ended with a plain reply
     (no tool call), else 0 (it ended at a limit) -- as lmforge's side scores it."""
     rewards = []
+    PLAYED["trl"].update(environment._played for environment in environments)
     for messages, environment in zip(completions, environments):
         last = messages[-1]
         plain = last.get("role") == "assistant" and not last.get("tool_calls")
@@ -198,8 +206,10 @@ class ToolLoop:
         self.tools = [function_schema(getattr(instance, name)) for name in self.tool_names]
 
     def reset(self, problem, state):
-        state.info["game"] = self.game()
-        return [{"role": "user", "content": state.info["game"].reset(**self.game._row(problem))}]
+        state.info["game"] = game = self.game()
+        messages = [{"role": "user", "content": game.reset(**self.game._row(problem))}]
+        PLAYED["lmforge"].add(game._played)
+        return messages
 
     def step(self, state, message):
         from lmforge.envs.base import StepResult
@@ -347,6 +357,7 @@ def trl_trainer(model, tok, args, out_dir: str, callback, train_problems: list):
     game = globals()[args.env].game
     micro = (args.micro_batch if args.trl_micro_batch is None else args.trl_micro_batch) or args.prompts * args.group
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": ""}], **game._row(p)} for p in train_problems])
+    # read in order: row i is the problem lmforge plays at step i // prompts + 1 (lmforge_problems)
     config = TRLConfig(
         output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
         per_device_train_batch_size=micro, gradient_accumulation_steps=args.prompts * args.group // micro,
@@ -356,9 +367,21 @@ def trl_trainer(model, tok, args, out_dir: str, callback, train_problems: list):
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
         adam_epsilon=1e-8, max_grad_norm=1.0, max_steps=args.steps, logging_steps=1, save_strategy="no",
         report_to="none", dataloader_num_workers=0, disable_tqdm=True, seed=args.seed, log_completions=False,
+        shuffle_dataset=False,
         use_transformers_continuous_batching=args.trl_continuous_batching)
     return GRPOTrainer(model=model, args=config, reward_funcs=[trl_reward], train_dataset=dataset,
                        processing_class=tok, environment_factory=game, callbacks=[callback])
+
+
+def lmforge_problems(state, steps: int) -> list:
+    """The problems lmforge's source plays at steps 1..``steps``, in order: a copy of its prompt order
+    (``BatchOrder``, the run's own) drawn ahead, so that the run itself draws the same ones."""
+    from lmforge.train import BatchOrder
+
+    setup = state.source.setup
+    order = BatchOrder(setup.order.num_rows, setup.order.batch_rows, setup.order.seed)
+    order.load_state_dict(setup.order.state_dict())
+    return [setup.prompts.problems[row] for _ in range(steps) for row in order.next()]
 
 
 def check_same_prompt(trainer, state, args, problem) -> None:
@@ -430,7 +453,7 @@ def run(args) -> None:
                                  model.config.max_position_embeddings, 10.0, 1)
     lm_step = rl.synced_steps(state, lambda done: grpo_step(state, algo, done))
     log = {"trl": [], "lmforge": []}  # (step, training seconds so far, episodes so far, accuracy)
-    clock = {"trl": 0.0, "lmforge": 0.0, "mark": 0.0, "step": 0}
+    clock = {"trl": 0.0, "lmforge": 0.0, "mark": 0.0, "step": 0, "different_problems": []}
 
     def evaluate_both(trl_model, step: int) -> None:
         for side, policy in (("trl", trl_model), ("lmforge", state.model)):
@@ -442,6 +465,8 @@ def run(args) -> None:
     class Alternate(TrainerCallback):
         def on_train_begin(self, _args, _state, _control, model=None, **_):
             evaluate_both(model, 0)
+            for played in PLAYED.values():
+                played.clear()
             clock["mark"] = time.perf_counter()
 
         def on_step_end(self, _args, _state, _control, model=None, **_):
@@ -451,6 +476,9 @@ def run(args) -> None:
             start = time.perf_counter()
             metrics = lm_step(step)
             clock["lmforge"] += time.perf_counter() - start
+            expected = set(problem_keys[(step - 1) * args.prompts:step * args.prompts])
+            if not PLAYED["trl"] == PLAYED["lmforge"] == expected:
+                clock["different_problems"].append(step)
             print(f"step {step:3d}: trl {clock['trl']:7.1f}s  lmforge {clock['lmforge']:7.1f}s  (lmforge reward "
                   f"{float(metrics['reward']):.2f}, turns {float(metrics['turns_per_episode']):.1f}, policy tokens "
                   f"{float(metrics['completion_len_mean']):.0f} of {float(metrics['episode_len_mean']):.0f}; gen "
@@ -461,13 +489,20 @@ def run(args) -> None:
                   + ")", flush=True)
             if step % args.eval_every == 0 or step == args.steps:
                 evaluate_both(model, step)
+            for played in PLAYED.values():
+                played.clear()
             clock["mark"] = time.perf_counter()
 
-    trainer = trl_trainer(copy.deepcopy(model), tok, args, os.path.join(out, "trl"), Alternate(),
-                          args.train_problems)
-    check_same_prompt(trainer, state, args, args.train_problems[0])
+    problems = lmforge_problems(state, args.steps)
+    game = globals()[args.env].game
+    problem_keys = [next(iter(game._row(p).values())) for p in problems]  # what reset() records as _played
+    trainer = trl_trainer(copy.deepcopy(model), tok, args, os.path.join(out, "trl"), Alternate(), problems)
+    check_same_prompt(trainer, state, args, problems[0])
     trainer.train()
     print(f"[bench] trl's last step: {trl_tool_use(trainer)}", flush=True)
+    different = clock["different_problems"]
+    print(f"[bench] the same problems on both sides at every step: {not different}"
+          + (f" (not at steps {different})" if different else ""), flush=True)
     evaluate.close()
     state.source.close()
     report(log, args)
