@@ -506,6 +506,9 @@ def run(args) -> None:
     evaluate.close()
     state.source.close()
     report(log, args)
+    if different:  # the ratios above then compare runs on different problems: say so, and fail
+        sys.exit(f"[result] the two sides played different problems at steps {different}: the times above do "
+                 f"not compare the same training problems")
 
 
 def report(log: dict, args) -> None:

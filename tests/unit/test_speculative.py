@@ -189,6 +189,26 @@ def test_a_kept_stop_token_ends_the_row_whatever_a_drafter_proposes_after_it(tin
     assert got.token_ids[-1] == stop and decoder.num_accepted_tokens == len(want.token_ids) - 1
 
 
+def test_a_drafter_that_guesses_past_its_limit_is_cut_to_it(tiny, monkeypatch):
+    model, tok = tiny
+    prompt = encode(tok, "12+34= 31*17=")
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=5)
+    want = drive(ContinuousDecoder(model, tok.pad_token_id), {0: [(0, prompt, params)]})[0]
+
+    class Overrun(NgramDrafter):  # the tokens the row draws, then 20 more, whatever the limit
+        def propose(self, context, limit, stop_ids, ids=None, index=None):
+            done = len(context) - len(prompt)  # (context: the prompt and the row's tokens, n large)
+            return want.token_ids[done:] + [0] * 20
+
+    decoder = ContinuousDecoder(model, tok.pad_token_id, drafter=Overrun(max_tokens=10, n=64))
+    seen = spied(decoder, monkeypatch)
+    got = drive(decoder, {0: [(0, prompt, params)]})[0]
+    check_same_rows({0: got}, {0: want})
+    assert len(got.token_ids) == params.max_new_tokens
+    assert seen["max_position"] <= len(prompt) + params.max_new_tokens - 2
+    assert decoder.num_accepted_tokens == params.max_new_tokens - 2  # every guess inside the limit kept
+
+
 def test_the_ngram_drafter_follows_confident_continuations_only():
     drafter = NgramDrafter(max_tokens=5, n=2, min_count=2, min_share=0.75)
     for _ in range(3):

@@ -363,7 +363,9 @@ class ContinuousDecoder:
                 continue
             if row.index is None:
                 row.index = self.drafter.index(row.ids)
-            drafts.append(self.drafter.propose(context, limit, row.params.stop_token_ids, row.ids, row.index))
+            # cut to the limit whatever the drafter returns (a subclass's propose may overrun it)
+            drafts.append(list(self.drafter.propose(context, limit, row.params.stop_token_ids, row.ids,
+                                                    row.index))[:limit])
         width = max(len(d) for d in drafts)
         if not width:
             batch.decode(self.model, tokens)
