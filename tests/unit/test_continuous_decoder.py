@@ -9,6 +9,8 @@ from lmforge.models import load_model
 from lmforge.rollout import SamplingParams, generate
 from lmforge.rollout.continuous import ContinuousDecoder
 
+from decoding import drive, encode
+
 
 @pytest.fixture(scope="module")
 def tiny():
@@ -16,21 +18,6 @@ def tiny():
     model, tok = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2,
                                         num_heads=2, max_position_embeddings=256))
     return model.eval(), tok
-
-
-def encode(tok, text):
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
-def drive(decoder, admissions: dict[int, list[tuple]]) -> dict:
-    """Step ``decoder`` until idle, admitting ``admissions[step]`` (key, ids, params) before that step."""
-    out, step = {}, 0
-    while decoder.busy or step <= max(admissions):
-        for key, ids, params in admissions.get(step, []):
-            decoder.admit(key, ids, params)
-        out.update({row.key: row for row in decoder.step()})
-        step += 1
-    return out
 
 
 def alone(model, tok, ids, params):

@@ -12,6 +12,8 @@ from lmforge.rollout import SamplingParams
 from lmforge.rollout import continuous
 from lmforge.rollout.continuous import ContinuousDecoder, NgramDrafter, RunningBatch
 
+from decoding import drive, encode
+
 
 @pytest.fixture(scope="module")
 def tiny():
@@ -21,21 +23,6 @@ def tiny():
     with torch.no_grad():  # sharper distributions than a fresh init: drafts get kept and rejected both
         model.lm_head.weight.mul_(8.0)
     return model.eval(), tok
-
-
-def encode(tok, text):
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
-def drive(decoder, admissions: dict[int, list[tuple]]) -> dict:
-    """Step ``decoder`` until idle, admitting ``admissions[step]`` (key, ids, params) before that step."""
-    out, step = {}, 0
-    while decoder.busy or step <= max(admissions):
-        for key, ids, params in admissions.get(step, []):
-            decoder.admit(key, ids, params)
-        out.update({row.key: row for row in decoder.step()})
-        step += 1
-    return out
 
 
 class Spoiled(NgramDrafter):
