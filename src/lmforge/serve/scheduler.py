@@ -15,7 +15,8 @@ share the model call and are sampled in groups of equal settings. OpenAI's logit
 first, per row, on the raw logits: ``logit_bias[j]`` is added, and ``frequency_penalty * c[j] +
 presence_penalty * (c[j] > 0)`` subtracted, where c[j] counts token j among the row's sampled
 tokens so far; the stored logprobs (and ``top_logprobs`` alternatives) are of the distribution after
-them, the one the token was drawn from.
+them, the one the token was drawn from. A request's ``processors`` (``RowProcessor``: structured
+outputs, vLLM's sampling extras) run after them, per sample row, on the same raw logits.
 
 Streaming: a request's ``on_token(sample, token, logprob, top, finish_reason)`` is called from this
 thread after every token of every sample (``finish_reason`` is None until its last). A request whose
@@ -35,7 +36,7 @@ import dataclasses
 import queue
 import threading
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -49,6 +50,18 @@ class ServeError(RuntimeError):
 
 
 TokenCallback = Callable[[int, int, float, list, "str | None"], None]  # (sample, token, logprob, top, finish)
+
+
+class RowProcessor(Protocol):
+    """A per-sample logits processor (structured outputs, repetition penalty, min_tokens, ...).
+
+    ``process(logits, prompt_ids, tokens)`` changes one row's raw logits (V,) float32 in place before
+    temperature and truncation, given the row's prompt ids and the tokens it sampled so far (the newest
+    last). It is called once per sampled token, in order, so a stateful processor (a grammar matcher)
+    can advance by the tokens it has not seen yet. The stored logprobs are of the processed distribution.
+    """
+
+    def process(self, logits: torch.Tensor, prompt_ids: list[int], tokens: list[int]) -> None: ...
 
 
 @dataclasses.dataclass
@@ -66,13 +79,14 @@ class GenerationRequest:
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
     top_logprobs: int = 0
+    processors: list[Callable[[], RowProcessor]] = dataclasses.field(default_factory=list)  # one of each per sample
     on_token: TokenCallback | None = None
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     @property
     def adjusts_logits(self) -> bool:
-        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias or self.processors)
 
     def cancel(self) -> None:
         """The client is gone: never start, or free the running rows at the next step."""
@@ -104,6 +118,7 @@ class _Row:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     counts: torch.Tensor | None = None  # (V,) float32: how often each token was sampled (penalised rows only)
+    processors: list[RowProcessor] = dataclasses.field(default_factory=list)  # made from request.processors
     finish_reason: str | None = None
 
 
@@ -269,6 +284,8 @@ class BatchScheduler:
             if request.frequency_penalty or request.presence_penalty:
                 for row in siblings:
                     row.counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=self.device)
+            for row in siblings:
+                row.processors = [make() for make in request.processors]
             new_rows += siblings
         self._batch.add(cache, mask, logits)
         self._rows += new_rows
@@ -284,6 +301,8 @@ class BatchScheduler:
                 logits[i, ids] += torch.tensor(list(request.logit_bias.values()), device=self.device, dtype=logits.dtype)
             if row.counts is not None:
                 logits[i] -= request.frequency_penalty * row.counts + request.presence_penalty * (row.counts > 0)
+            for processor in row.processors:
+                processor.process(logits[i], request.prompt_ids, row.tokens)
         return logits
 
     def _sample(self) -> torch.Tensor:
