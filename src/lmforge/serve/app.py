@@ -255,22 +255,28 @@ def add_generation_routes(app, served: ServedModel) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest):
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            tools, parse_tools = request_tools(body)
-            if body.prefix_token_ids is None:
-                prompt = served.encode(render_chat(served.tokenizer, messages, tools))
-            else:  # token-in: the conversation so far as ids, only the new messages rendered (tools.py)
-                prompt = continue_prompt(served.tokenizer, messages, tools, body.prefix_token_ids,
-                                         served.stop_token_ids, served.encode)
-        except ToolRequestError as exc:
-            raise RequestError(str(exc), param=exc.param) from exc
-        max_tokens = served.check_prompt(prompt, body.max_completion_tokens or body.max_tokens, None)
-        if body.stream:
-            return served.stream("chat", [prompt], [max_tokens], body, parse_tools)
-        result = await served.generate(prompt, body, max_tokens)
-        return _reply(chat_body(served.name, prompt, result, body, served.decode_text, served.decode_token,
-                                parse_tools))
+        reply = await chat_completion(served, body)
+        return reply if body.stream else _reply(reply)
+
+
+async def chat_completion(served: ServedModel, body: ChatRequest):
+    """The chat route's work, shared with ``/v1/responses`` (``responses.py``, which builds a ChatRequest):
+    the response body as a dict, or with ``body.stream`` the StreamingResponse of chat chunks."""
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    try:
+        tools, parse_tools = request_tools(body)
+        if body.prefix_token_ids is None:
+            prompt = served.encode(render_chat(served.tokenizer, messages, tools))
+        else:  # token-in: the conversation so far as ids, only the new messages rendered (tools.py)
+            prompt = continue_prompt(served.tokenizer, messages, tools, body.prefix_token_ids,
+                                     served.stop_token_ids, served.encode)
+    except ToolRequestError as exc:
+        raise RequestError(str(exc), param=exc.param) from exc
+    max_tokens = served.check_prompt(prompt, body.max_completion_tokens or body.max_tokens, None)
+    if body.stream:
+        return served.stream("chat", [prompt], [max_tokens], body, parse_tools)
+    result = await served.generate(prompt, body, max_tokens)
+    return chat_body(served.name, prompt, result, body, served.decode_text, served.decode_token, parse_tools)
 
 
 def add_weight_routes(app, served: ServedModel) -> None:
