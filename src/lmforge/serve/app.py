@@ -29,7 +29,8 @@ from .protocol import (
     prompts_of,
     sampling_params,
 )
-from .scheduler import BatchScheduler, GenerationRequest, ServeError
+from .scheduler import BatchScheduler, GenerationRequest, GenerationResult, Sample, ServeError
+from .scoring import PromptScores, add_prompt_logprobs, prompt_logprobs_entries, score_prompts
 from .stream import feed, sse_events
 from .tools import ToolRequestError, continue_prompt, render_chat, request_tools
 from .weights import WeightsError, check_state, copy_state, read_checkpoint_dir, read_tensor_bytes
@@ -80,8 +81,10 @@ class ServedModel:
 
     def check_prompt(self, prompt: list[int], max_tokens: int | None, default_max_tokens: int | None,
                      index: int = 0) -> int:
-        """Validate one prompt; return its max_tokens (the default filled in)."""
+        """Validate one prompt; return its max_tokens (the default filled in; an explicit 0, echo's
+        scoring-only request, stays 0)."""
         where = "" if index == 0 else f" (prompt {index})"
+        least = 0 if max_tokens == 0 else 1
         if not prompt:
             raise RequestError(f"the prompt{where} is empty", param="prompt")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
@@ -91,10 +94,11 @@ class ServedModel:
         room = self.max_model_len - len(prompt)
         if max_tokens is None:
             max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
-        if len(prompt) + max_tokens > self.max_model_len or max_tokens < 1:
+        if len(prompt) + max_tokens > self.max_model_len or max_tokens < least:
             raise RequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{len(prompt) + max(max_tokens, 1)} tokens ({len(prompt)} in the prompt{where}, {max(max_tokens, 1)} "
+                f"{len(prompt) + max(max_tokens, least)} tokens ({len(prompt)} in the prompt{where}, "
+                f"{max(max_tokens, least)} "
                 f"for the completion). Shorten the prompt or lower max_tokens.",
                 param="max_tokens" if room > 0 else "prompt", code="context_length_exceeded")
         return max_tokens
@@ -118,6 +122,32 @@ class ServedModel:
 
     async def generate(self, prompt: list[int], body, max_tokens: int):
         return await asyncio.wrap_future(self.submit(self.request(prompt, body, max_tokens)))
+
+    async def score(self, prompts: list[list[int]], top_n: int) -> tuple[list[PromptScores], int]:
+        """The prompts' own logprobs with ``top_n`` alternatives each (``scoring.py``), and the weight version."""
+        job = self.scheduler.run_job(lambda model: score_prompts(model, prompts, top_n))
+        return await asyncio.wrap_future(job)
+
+    async def generate_all(self, prompts: list[list[int]], budgets: list[int], body, score_top: int | None = None
+                           ) -> tuple[list[GenerationResult], list[PromptScores] | None]:
+        """Every prompt's samples (none where its budget is 0: finish_reason "length") and, unless
+        ``score_top`` is None, the prompts' own logprobs, all from one weight version: the prompts run
+        as separate rows (and the scoring as a job), so if a weight update fell between them the whole
+        request runs again."""
+        for _ in range(MAX_RETRIES):
+            jobs = [self.generate(p, body, m) for p, m in zip(prompts, budgets) if m]
+            if score_top is not None:
+                jobs.append(self.score(prompts, score_top))
+            done = list(await asyncio.gather(*jobs))
+            scores, version = done.pop() if score_top is not None else (None, None)
+            versions = {r.weight_version for r in done} | ({version} if scores is not None else set())
+            if len(versions) == 1:
+                break
+        else:
+            raise ServeError(f"weights changed during each of {MAX_RETRIES} attempts at this request; retry it")
+        version, generated = versions.pop(), iter(done)
+        nothing = [Sample([], [], "length") for _ in range(body.n)]
+        return [next(generated) if m else GenerationResult(nothing, version) for m in budgets], scores
 
     def stream(self, kind: str, prompts: list[list[int]], budgets: list[int], body, parse_tools: bool = False):
         """A StreamingResponse of server-sent events for ``prompts`` (``stream.py``)."""
@@ -236,22 +266,22 @@ def add_generation_routes(app, served: ServedModel) -> None:
             prompts = prompts_of(body, served.encode)
         except ValueError as exc:
             raise RequestError(str(exc), param="prompt") from exc
+        if body.max_tokens == 0 and not body.echo:
+            raise RequestError("max_tokens 0 needs echo=true (it scores the prompt and generates nothing)",
+                               param="max_tokens")
         budgets = [served.check_prompt(p, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, i)
                    for i, p in enumerate(prompts)]
-        if body.echo and body.logprobs is not None:
-            raise RequestError("echo with logprobs (the prompt tokens' logprobs) is not supported; send one of them",
-                               param="echo")
+        if body.stream and body.scores_prompt:
+            raise RequestError("prompt logprobs (echo with logprobs, prompt_logprobs) are not streamed; send "
+                               "stream=false", param="stream")
         if body.stream:  # one version per request is not retried here: each chunk names its weight_version
             return served.stream("completion", prompts, budgets, body)
-        for _ in range(MAX_RETRIES):  # the prompts of one request run as separate rows; if a weight update
-            # fell between them, the whole request is sampled again so that one version answers it
-            results = await asyncio.gather(*(served.generate(p, body, m) for p, m in zip(prompts, budgets)))
-            if len({r.weight_version for r in results}) == 1:
-                break
-        else:
-            raise ServeError(f"weights changed during each of {MAX_RETRIES} attempts at this request; retry it")
-        return _reply(completion_body(served.name, prompts, list(results), body, served.decode_text,
-                                     served.decode_token))
+        top = max(body.prompt_logprobs or 0, body.logprobs or 0) if body.scores_prompt else None
+        results, scores = await served.generate_all(prompts, budgets, body, top)
+        reply = completion_body(served.name, prompts, results, body, served.decode_text, served.decode_token)
+        if scores is not None:
+            add_prompt_logprobs(reply, scores, body, served.decode_text, served.decode_token)
+        return _reply(reply)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest):
@@ -273,10 +303,15 @@ async def chat_completion(served: ServedModel, body: ChatRequest):
     except ToolRequestError as exc:
         raise RequestError(str(exc), param=exc.param) from exc
     max_tokens = served.check_prompt(prompt, body.max_completion_tokens or body.max_tokens, None)
+    if body.stream and body.prompt_logprobs is not None:
+        raise RequestError("prompt_logprobs are not streamed; send stream=false", param="stream")
     if body.stream:
         return served.stream("chat", [prompt], [max_tokens], body, parse_tools)
-    result = await served.generate(prompt, body, max_tokens)
-    return chat_body(served.name, prompt, result, body, served.decode_text, served.decode_token, parse_tools)
+    results, scores = await served.generate_all([prompt], [max_tokens], body, body.prompt_logprobs)
+    reply = chat_body(served.name, prompt, results[0], body, served.decode_text, served.decode_token, parse_tools)
+    if scores is not None:  # vLLM's extension, for the rendered prompt
+        reply["prompt_logprobs"] = prompt_logprobs_entries(scores[0], body.prompt_logprobs, served.decode_token)
+    return reply
 
 
 def add_weight_routes(app, served: ServedModel) -> None:

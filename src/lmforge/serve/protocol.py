@@ -89,11 +89,18 @@ class _Sampling(_Strict):
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: int | None = Field(None, ge=0, le=20)  # the sampled tokens' logprobs and N alternatives each
-    echo: bool = False  # the prompt's text before the completion's (not with logprobs)
+    echo: bool = False  # the prompt's text before the completion's; with logprobs, the prompt's logprobs too
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: score the prompt, generate nothing
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's extension (scoring.py)
 
     @property
     def top_logprobs(self) -> int:
         return self.logprobs or 0
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the prompt's own logprobs are asked for (scoring.py)."""
+        return self.prompt_logprobs is not None or (self.echo and self.logprobs is not None)
 
 
 class FunctionCall(_Strict):
@@ -142,6 +149,7 @@ class ChatRequest(_Sampling):
     tool_choice: Union[str, dict[str, Any], None] = None  # "auto" or "none" (tools.py says why not more)
     parallel_tool_calls: bool | None = None  # true (OpenAI's default: every call of a reply is returned); false: 400
     prefix_token_ids: list[int] | None = None  # extension: the conversation's ids through its last reply
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's extension: the rendered prompt's (scoring.py)
 
     @field_validator("top_logprobs")
     @classmethod

@@ -27,6 +27,9 @@ Weight updates are never mixed into a sequence: an update waits until the runnin
 (no new request is admitted meanwhile), is applied between steps, and raises the version. Every
 result carries the version of the weights that produced all of its tokens.
 
+A forward pass outside the batch (prompt logprobs, ``scoring.py``) is a job: ``run_job(fn)`` runs
+``fn(model)`` on this thread between two decode steps, one job per step while rows decode.
+
 Shapes: B = running rows, L = cached positions (left-padded), V = vocabulary size.
 """
 from __future__ import annotations
@@ -129,6 +132,12 @@ class _WeightUpdate:
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
 
 
+@dataclasses.dataclass
+class _Job:
+    run: Callable[[torch.nn.Module], object]  # a forward pass outside the batch (prompt scoring: scoring.py)
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+
+
 class BatchScheduler:
     """Owns ``model``; ``submit`` requests from any thread, get a future of a ``GenerationResult``.
 
@@ -150,6 +159,7 @@ class BatchScheduler:
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: list[GenerationRequest] = []
         self._updates: list[_WeightUpdate] = []
+        self._jobs: list[_Job] = []
         self._rows: list[_Row] = []
         self._admitting: list[GenerationRequest] = []  # taken from _waiting, not yet rows (prefill running)
         self._batch = RunningBatch()  # the rows' KV cache, mask, next logits and positions (rollout/continuous.py)
@@ -181,6 +191,15 @@ class BatchScheduler:
         self._inbox.put(update)
         return update.future
 
+    def run_job(self, run: Callable[[torch.nn.Module], object]) -> concurrent.futures.Future:
+        """Run ``run(model)`` on this thread between two decode steps (one job per step while rows
+        decode); the future gives ``(its result, the weight version it ran with)``."""
+        if self._stopping.is_set():
+            raise ServeError("the server is shutting down (or its generation thread stopped: see the server log)")
+        job = _Job(run)
+        self._inbox.put(job)
+        return job.future
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the thread; requests not yet finished fail with ``ServeError``."""
         self._stopping.set()
@@ -192,9 +211,11 @@ class BatchScheduler:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
-                self._collect(block=not self._rows and not self._waiting and not self._updates)
+                self._collect(block=not self._rows and not self._waiting and not self._updates and not self._jobs)
                 if self._stopping.is_set():
                     break
+                if self._jobs:
+                    self._run_job(self._jobs.pop(0))
                 if self._updates and not self._rows:
                     self._apply_update(self._updates.pop(0))
                     continue
@@ -229,14 +250,24 @@ class BatchScheduler:
                 self._waiting.append(item)
             elif isinstance(item, _WeightUpdate):
                 self._updates.append(item)
+            elif isinstance(item, _Job):
+                self._jobs.append(item)
 
     def _fail_all(self, exc: Exception) -> None:
         self._collect(block=False)
         pending = [r.request for r in self._rows] + self._admitting + self._waiting
-        for item in pending + [u for u in self._updates]:
+        for item in pending + [u for u in self._updates] + self._jobs:
             if not item.future.done():
                 item.future.set_exception(exc)
-        self._rows, self._admitting, self._waiting, self._updates = [], [], [], []
+        self._rows, self._admitting, self._waiting, self._updates, self._jobs = [], [], [], [], []
+
+    def _run_job(self, job: _Job) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return
+        try:
+            job.future.set_result((job.run(self.model), self.weight_version))
+        except Exception as exc:  # a job that fails (a bad prompt, out of memory) fails its request only
+            job.future.set_exception(exc)
 
     def _apply_update(self, update: _WeightUpdate) -> None:
         if not update.future.set_running_or_notify_cancel():
