@@ -23,6 +23,7 @@ from typing import Any
 from .protocol import (
     ChatRequest,
     CompletionRequest,
+    RequestError,
     chat_body,
     completion_body,
     error_body,
@@ -38,14 +39,6 @@ from .weights import WeightsError, check_state, copy_state, read_checkpoint_dir,
 INSTALL_HINT = "lmforge serve needs FastAPI and uvicorn: pip install 'lmforge[serve]' (or: pip install fastapi uvicorn)"
 MAX_RETRIES = 3  # attempts at a multi-prompt request whose prompts straddle a weight update
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
-
-
-class RequestError(ValueError):
-    """A request the server refuses with 400; ``param`` names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param, self.code = param, code
 
 
 def _require_fastapi():
@@ -181,6 +174,9 @@ def build_app(served: ServedModel):
     add_error_handlers(app)
     add_generation_routes(app, served)
     add_weight_routes(app, served)
+    from .generate import add_token_routes  # here: generate.py builds on this module
+
+    add_token_routes(app, served)
     return app
 
 

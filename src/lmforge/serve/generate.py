@@ -3,14 +3,19 @@
 ``POST /inference/v1/generate``: token ids in, token ids, per-token logprobs and finish reason out; the
 shape verifiers' training client (``renderers.client.generate``) sends and reads. It renders the
 conversation itself and posts ``{"model", "token_ids", "sampling_params": {...}}``;
-``sampling_params`` is vLLM's: every sampling option ``/v1/completions`` takes (checked by the same
-model, ``protocol.CompletionRequest``, so the two routes accept and refuse the same options), with
-``logprobs`` = N alternatives per token as in completions, plus ``stop_token_ids`` (stop on these ids
-too, on top of the model's end-of-sequence ids), ``skip_special_tokens`` (text only, and this route
-returns no text: accepted, no effect) and ``routed_experts_prompt_start`` (mixture-of-experts routing
-data verifiers asks for on a continued turn: there is none here; accepted, no effect). The reply's
-logprob entries name tokens as ``"token_id:<id>"``, as vLLM's do, so a client never decodes a token to
-find which one was sampled. The ``X-Session-ID`` header (one per verifiers rollout) is recorded on the
+``sampling_params`` is vLLM's: every sampling option ``/v1/completions`` takes, vLLM's extras included
+(``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``,
+``skip_special_tokens``, ...), checked by the same model (``protocol.CompletionRequest``) and sampled
+the same way, so the two routes accept and refuse the same options and give the same tokens and
+logprobs for the same ids and seed; ``logprobs`` = N alternatives per token, as in completions;
+``max_tokens`` defaults to the rest of the context, as in vLLM. Also accepted, with no effect:
+``routed_experts_prompt_start`` (mixture-of-experts routing data verifiers asks for on a continued
+turn: there is none here) and, at the top level, ``cache_salt`` (there is no prefix cache to salt).
+The reply's logprob entries name tokens as ``"token_id:<id>"``, as vLLM's do, so a client never decodes
+a token to find which one was sampled; it carries ``prompt_token_ids``, ``usage`` and ``weight_version``
+(the ``x-weight-version`` header too). Not implemented (a 400 naming the field): ``stream``, multimodal
+``features``, ``prompt_logprobs`` (``/v1/completions`` returns them for ids), ``priority`` other than 0.
+The ``X-Session-ID`` header (one per verifiers rollout) is recorded on the
 scheduler's request (``GenerationRequest.session_id``); nothing schedules by it yet.
 
 ``POST /tokenize`` (``{"prompt"}``, or ``{"messages"}`` rendered as the chat route renders them),
@@ -18,6 +23,7 @@ scheduler's request (``GenerationRequest.session_id``); nothing schedules by it 
 template): what lm-eval's remote tokenizer (``tokenizer_backend="remote"``) calls.
 """
 # No ``from __future__ import annotations``: FastAPI reads the route signatures at runtime (app.py).
+# ``served`` below is app.py's ServedModel, not imported: app.py imports this module (no import cycles).
 import asyncio
 import time
 import uuid
@@ -25,8 +31,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
-from .app import RequestError, ServedModel, _reply
-from .protocol import ChatMessage, ChatRequest, CompletionRequest, ToolSpec, _Strict, usage
+from .protocol import ChatMessage, ChatRequest, CompletionRequest, RequestError, ToolSpec, _Strict, usage
 from .tools import ToolRequestError, render_chat, request_tools
 
 # Fields of CompletionRequest that are not sampling options, refused in sampling_params, and why.
@@ -110,7 +115,7 @@ def token_logprobs(token_ids: list[int], logprobs: list[float], top: list[list[t
                         for t, lp, alt in zip(token_ids, logprobs, alternatives)]}
 
 
-async def generate_tokens(served: ServedModel, body: GenerateRequest, session_id: str | None) -> dict[str, Any]:
+async def generate_tokens(served, body: GenerateRequest, session_id: str | None) -> dict[str, Any]:
     """The ``/inference/v1/generate`` response body for ``body``."""
     served.check_model(body.model)
     if body.priority != 0:
@@ -136,7 +141,7 @@ async def generate_tokens(served: ServedModel, body: GenerateRequest, session_id
             "weight_version": result.weight_version}
 
 
-def tokenize(served: ServedModel, raw: Any) -> dict[str, Any]:
+def tokenize(served, raw: Any) -> dict[str, Any]:
     """The ``/tokenize`` response for a ``{"prompt"}`` or a ``{"messages"}`` body."""
     if not isinstance(raw, dict):
         raise RequestError("the body must be a JSON object with 'prompt' (text) or 'messages' (a conversation)")
@@ -153,7 +158,7 @@ def tokenize(served: ServedModel, raw: Any) -> dict[str, Any]:
     return reply
 
 
-def chat_text(served: ServedModel, body: TokenizeChat) -> str:
+def chat_text(served, body: TokenizeChat) -> str:
     """The chat route's rendering of ``body``'s conversation: its fields as the ChatRequest's (protocol.py)."""
     if body.continue_final_message and body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
         raise RequestError("continue_final_message and add_generation_prompt cannot both be true (the last message "
@@ -170,7 +175,7 @@ def chat_text(served: ServedModel, body: TokenizeChat) -> str:
         raise RequestError(str(exc), param=exc.param) from exc
 
 
-def tokenizer_info(served: ServedModel) -> dict[str, Any]:
+def tokenizer_info(served) -> dict[str, Any]:
     """What ``/tokenizer_info`` reports: the tokenizer's class, special tokens and chat template."""
     tokenizer = served.tokenizer
     info: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__, "model_max_length": served.max_model_len}
@@ -182,13 +187,15 @@ def tokenizer_info(served: ServedModel) -> dict[str, Any]:
     return info
 
 
-def add_token_routes(app, served: ServedModel) -> None:
+def add_token_routes(app, served) -> None:
     """/inference/v1/generate, /tokenize, /detokenize and /tokenizer_info (module doc)."""
-    from fastapi import Request
+    from fastapi import Request, Response
 
     @app.post("/inference/v1/generate")
-    async def generate(body: GenerateRequest, request: Request):
-        return _reply(await generate_tokens(served, body, request.headers.get("x-session-id")))
+    async def generate(body: GenerateRequest, request: Request, response: Response):
+        reply = await generate_tokens(served, body, request.headers.get("x-session-id"))
+        response.headers["x-weight-version"] = str(reply["weight_version"])  # as every generating route
+        return reply
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):

@@ -263,6 +263,15 @@ def chat_choice(index: int, text: str, finish_reason: str, parse_tools: bool) ->
     return choice
 
 
+class RequestError(ValueError):
+    """A request the server refuses with 400; ``param`` names the offending field (app.py's handler
+    writes it as ``error_body``). Defined here, below every route module, so that each can raise it."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""

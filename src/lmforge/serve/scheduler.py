@@ -83,6 +83,7 @@ class GenerationRequest:
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
     top_logprobs: int = 0
     processors: list[Callable[[], RowProcessor]] = dataclasses.field(default_factory=list)  # one of each per sample
+    session_id: str | None = None  # the client's X-Session-ID (generate.py): recorded for a gateway, not used here
     on_token: TokenCallback | None = None
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
