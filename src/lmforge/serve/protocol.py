@@ -8,8 +8,9 @@ string where a number belongs (``"max_tokens": "4"``) is a 400 too, not coerced.
 Supported OpenAI sampling options: ``n``, ``temperature``, ``top_p``, ``max_tokens`` /
 ``max_completion_tokens``, ``stop``, ``seed``, ``frequency_penalty`` and ``presence_penalty``
 (OpenAI's definition, ``scheduler.py``), ``logit_bias``, ``logprobs`` / ``top_logprobs`` (the N most
-likely alternatives of the distribution each token was drawn from), ``echo`` (completions, without
-logprobs), ``stream`` with ``stream_options.include_usage`` (server-sent events in OpenAI's chunk
+likely alternatives of the distribution each token was drawn from), ``echo`` (completions; with
+``logprobs``, the prompt's logprobs too, and ``max_tokens`` 0 scores the prompt only: ``scoring.py``),
+``stream`` with ``stream_options.include_usage`` (server-sent events in OpenAI's chunk
 format, ``stream.py``), ``tools`` with ``tool_choice`` "auto" / "none" (``tools.py``).
 
 Extensions to the OpenAI format, all additive (the ``openai`` client ignores them, or exposes them as
