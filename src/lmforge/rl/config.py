@@ -28,8 +28,8 @@ class RolloutConfig:
     max_new_tokens: int = opt(64, "longest completion; also the Dr. GRPO length normaliser")
     backend: str = opt(
         "inprocess", "rollout source (lmforge.rl.sources.SOURCES): inprocess (any device), vllm (one CUDA GPU, "
-        "unverified here; docs/vllm.md) or atropos (scored batches pulled from an Atropos API server; "
-        "docs/atropos.md)")
+        "unverified here; docs/vllm.md), atropos (scored batches pulled from an Atropos API server; "
+        "docs/atropos.md) or verifiers (episodes of a verifiers environment; docs/verifiers.md)")
     vllm_gpu_memory_utilization: float = opt(0.3, "vllm backend: fraction of GPU memory vLLM reserves "
                                              "(its weights + KV cache)")
     dtype: Literal["same", "bf16", "fp16"] = opt(
@@ -53,6 +53,17 @@ class RolloutConfig:
     api_retries: int = opt(5, "atropos backend: retries of a failed call (connection error, 5xx) before an error")
     api_backoff_s: float = opt(1.0, "atropos backend: the first retry waits this long, each next one twice as long")
 
+    # rollout.backend=verifiers (docs/verifiers.md): episodes of a verifiers v1 environment on the served policy
+    verifiers_env: str = opt("", "verifiers backend: the environment's taskset id (an importable module, e.g. "
+                             "vf-calculate for examples/vf_calculate.py on PYTHONPATH)")
+    verifiers_args: dict[str, Any] = opt({}, "verifiers backend: the taskset's config fields, e.g. {num_tasks: 500}")
+    verifiers_harness: str = opt("null", "verifiers backend: the harness that plays each episode (null: verifiers' "
+                                 "chat loop with the taskset's tools)")
+    verifiers_renderer: dict[str, Any] = opt({}, "verifiers backend: the renderers config verifiers tokenizes with "
+                                             "({} = lmforge's own rendering and tool-call parsing, as lmforge serve "
+                                             "does: rl/sources/vf_renderer.py; e.g. {name: qwen3} for a model "
+                                             "renderers knows)")
+
     def validate(self) -> None:
         if self.backend == "atropos":
             if not self.api_url:
@@ -63,6 +74,9 @@ class RolloutConfig:
                 raise ConfigError("rollout: need push_every >= 1, api_retries >= 0, api_timeout_s > 0, api_poll_s > 0 "
                                   f"and api_backoff_s >= 0, got {self.push_every}, {self.api_retries}, "
                                   f"{self.api_timeout_s}, {self.api_poll_s}, {self.api_backoff_s}")
+        if self.backend == "verifiers" and not self.verifiers_env:
+            raise ConfigError("rollout.backend=verifiers needs rollout.verifiers_env (a verifiers taskset id, e.g. "
+                              "vf-calculate with examples/ on PYTHONPATH)")
         for name in ("num_prompts", "group_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")

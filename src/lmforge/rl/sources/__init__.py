@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ...errors import ConfigError
-from . import atropos, episodes, inprocess, vllm
+from . import atropos, episodes, inprocess, verifiers, vllm
 from .base import Policy, RolloutSource, SourceSetup
 from .overlap import Overlapped, check_async
 
@@ -20,6 +20,7 @@ SOURCES: dict[str, Callable[[SourceSetup], RolloutSource]] = {
     "inprocess": inprocess.build,  # the built-in sampler, on the policy or a bf16 / fp16 copy (rollout.dtype)
     "vllm": vllm.build,  # vLLM in the training process (one CUDA GPU)
     "atropos": atropos.build,  # scored groups pulled from an Atropos API server
+    "verifiers": verifiers.build,  # episodes of a verifiers v1 environment on the policy, served in process
     "episodes": episodes.build,  # multi-turn episodes of env.name on the inprocess engines (chosen by env.name)
 }
 
