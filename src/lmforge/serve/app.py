@@ -177,6 +177,9 @@ def build_app(served: ServedModel):
     from .generate import add_token_routes  # here: generate.py builds on this module
 
     add_token_routes(app, served)
+    from .responses import add_responses_routes  # here: responses.py builds on this module's chat path
+
+    add_responses_routes(app, served)
     return app
 
 
