@@ -30,8 +30,12 @@ def _generate(server, tokenizer, **kwargs):
 
 def test_renderers_generate_round_trip(server, make_tiny):
     _, tokenizer = make_tiny()
+    served, seen = server.served, []
+    submit = served.submit
+    served.submit = lambda request: (seen.append(request.session_id), submit(request))[1]
     result = _generate(server, tokenizer, sampling_params={"temperature": 0.0, "max_tokens": 6},
                        extra_headers={"X-Session-ID": "rollout-1"})
+    assert seen == ["rollout-1"]
     prompt = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert result["prompt_ids"] == tokenizer.encode(prompt, add_special_tokens=False)
     completion = httpx.post(server.url + "/v1/completions", json={

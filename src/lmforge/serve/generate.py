@@ -96,7 +96,7 @@ def generate_params(body: GenerateRequest) -> CompletionRequest:
     if start is not None and type(start) is not int:
         raise RequestError("sampling_params.routed_experts_prompt_start must be an integer",
                            param="sampling_params.routed_experts_prompt_start")
-    if params.get("max_tokens") == 0:  # completions' scoring-only request: nothing to generate here
+    if type(params.get("max_tokens")) is int and params["max_tokens"] == 0:  # completions' scoring-only request: nothing to generate here
         raise RequestError("sampling_params.max_tokens must be >= 1", param="sampling_params.max_tokens")
     try:
         return CompletionRequest.model_validate({**params, "prompt": body.token_ids})
