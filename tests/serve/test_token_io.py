@@ -215,3 +215,22 @@ def test_lm_eval_remote_tokenizer(server, make_tiny):
     expected = _post(server, "/v1/completions", prompt="12+34=", max_tokens=5, temperature=0,
                      stop=["\n", "<eos>"]).json()["choices"][0]["text"]
     assert lm.generate_until([request]) == [expected]
+
+
+@pytest.mark.smollm2
+def test_smollm2_tokenize_and_lm_eval_remote_tokenizer(serve_model, smollm2):
+    """On the real tokenizer: chat tokenize equals the chat route's prompt, special tokens survive
+    tokenize/detokenize, and lm-eval's remote tokenizer finds the ids and renders the chat template."""
+    utils = pytest.importorskip("lm_eval.utils")
+    model, tokenizer = smollm2
+    server = serve_model(model, tokenizer, name="smollm2")
+    chat = _post(server, "/v1/chat/completions", messages=CONVERSATION, max_tokens=1).json()
+    assert _post(server, "/tokenize", messages=CONVERSATION).json()["tokens"] == chat["prompt_token_ids"]
+    text = "<|im_start|>user\nWhat is 12+34?<|im_end|>\n"
+    ids = _post(server, "/tokenize", prompt=text, add_special_tokens=False).json()["tokens"]
+    assert ids == tokenizer.encode(text, add_special_tokens=False)
+    assert _post(server, "/detokenize", tokens=ids).json()["prompt"] == text
+    remote = utils.RemoteTokenizer(server.url + "/v1/completions")
+    assert remote.eos_token_id == tokenizer.eos_token_id
+    assert remote.apply_chat_template(CONVERSATION) == tokenizer.apply_chat_template(
+        CONVERSATION, tokenize=False, add_generation_prompt=True)
