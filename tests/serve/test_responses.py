@@ -10,6 +10,7 @@ replies known in advance.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -286,7 +287,7 @@ def test_accepted_fields_that_change_nothing(client):
     assert same.model_extra["token_ids"] == plain.model_extra["token_ids"]
 
 
-def agents_round_trip(server, strict: bool) -> tuple[str, list]:
+def agents_round_trip(server, strict: bool, streamed: bool = False) -> tuple[str, list]:
     """Run an Agents SDK agent (its default model: OpenAIResponsesModel) whose tool is ``multiply``."""
     agents = pytest.importorskip("agents")
     calls = []
@@ -302,8 +303,16 @@ def agents_round_trip(server, strict: bool) -> tuple[str, list]:
                                                         max_retries=0), use_for_tracing=False)
     agents.set_default_openai_api("responses")
     agent = agents.Agent(name="calculator", instructions="Use the tool.", model="tiny-test", tools=[multiply_tool])
-    result = agents.Runner.run_sync(agent, QUESTION, max_turns=3)
-    return result.final_output, calls
+    if not streamed:
+        return agents.Runner.run_sync(agent, QUESTION, max_turns=3).final_output, calls
+
+    async def run() -> str:
+        result = agents.Runner.run_streamed(agent, QUESTION, max_turns=3)
+        async for _ in result.stream_events():
+            pass
+        return result.final_output
+
+    return asyncio.run(run()), calls
 
 
 def test_openai_agents_sdk_tool_round_trip(server):
@@ -313,6 +322,11 @@ def test_openai_agents_sdk_tool_round_trip(server):
 
 def test_openai_agents_sdk_default_strict_tool_round_trip(server):
     final, calls = agents_round_trip(server, strict=True)  # @function_tool's default: a strict schema
+    assert calls == [(12, 34)] and final == ANSWER
+
+
+def test_openai_agents_sdk_streamed_tool_round_trip(server):
+    final, calls = agents_round_trip(server, strict=True, streamed=True)  # the Responses events, parsed by the SDK
     assert calls == [(12, 34)] and final == ANSWER
 
 
@@ -331,3 +345,8 @@ def test_langchain_use_responses_api_tool_round_trip(server):
     messages += [reply, ToolMessage(str(multiply(**call["args"])), tool_call_id=call["id"])]
     final = with_tools.invoke(messages)
     assert final.text == ANSWER and not final.tool_calls
+    streamed = None
+    for chunk in with_tools.stream(messages[:1]):  # the streamed call, chunks added up
+        streamed = chunk if streamed is None else streamed + chunk
+    [call] = streamed.tool_calls
+    assert (call["name"], call["args"]) == ("multiply", {"a": 12, "b": 34})

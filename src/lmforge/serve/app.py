@@ -30,6 +30,7 @@ from .protocol import (
     prompts_of,
     sampling_params,
 )
+from .responses import add_responses_routes
 from .scheduler import BatchScheduler, GenerationRequest, GenerationResult, Sample, ServeError
 from .scoring import PromptScores, add_prompt_logprobs, prompt_logprobs_entries, score_prompts
 from .stream import feed, sse_events
@@ -177,9 +178,7 @@ def build_app(served: ServedModel):
     from .generate import add_token_routes  # here: generate.py builds on this module
 
     add_token_routes(app, served)
-    from .responses import add_responses_routes  # here: responses.py builds on this module's chat path
-
-    add_responses_routes(app, served)
+    add_responses_routes(app, served, chat_completion)  # /v1/responses runs through the chat path
     return app
 
 

@@ -3,7 +3,8 @@
 A Responses request is turned into the chat request it stands for (``protocol.ChatRequest``: input items
 become messages, ``instructions`` a first system message, Responses function tools chat tools,
 ``max_output_tokens`` ``max_completion_tokens``) and run through the chat route's own path
-(``app.chat_completion``), so the chat template, tool parsing, sampling options and every check of
+(``app.chat_completion``, handed in by ``build_app``, so that this module does not import ``app.py``), so
+the chat template, tool parsing, structured outputs, sampling options and every check of
 ``/v1/chat/completions`` hold here too; the chat result is then written as a Responses object: an
 ``output`` of a ``message`` item (``output_text``) and/or ``function_call`` items, ``usage`` in
 input/output tokens, ``status`` ("incomplete" when ``max_output_tokens`` cut the reply), and lmforge's
@@ -31,8 +32,7 @@ from typing import Any, AsyncIterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .app import RequestError, ServedModel, chat_completion
-from .protocol import ChatRequest
+from .protocol import ChatRequest, RequestError
 
 STORE_SIZE = 256  # responses kept per server for previous_response_id
 LOGPROBS = "message.output_text.logprobs"
@@ -42,14 +42,14 @@ INCLUDE_IGNORED = {"reasoning.encrypted_content", "file_search_call.results", "w
                    "web_search_call.action.sources", "message.input_image.image_url",
                    "computer_call_output.output.image_url", "code_interpreter_call.outputs"}
 # Responses fields this server cannot honour, and why
-UNSUPPORTED = {"conversation": "server-side conversations are not kept; send the items in input, or previous_response_id",
+UNSUPPORTED = {"conversation": "server-side conversations are not kept; send the items in input, or "
+                               "previous_response_id",
                "prompt": "stored prompt templates are not kept; send instructions and input",
                "max_tool_calls": "the number of tool calls is not limited; leave max_tool_calls out",
                "context_management": "the context is not compacted; leave context_management out"}
 # Chat Completions spellings: the Responses field to use instead
 CHAT_ONLY = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-             "response_format": "text.format", "logprobs": f"include: ['{LOGPROBS}']", "n": None,
-             "stream_options": None}
+             "response_format": "text.format", "logprobs": f"include: ['{LOGPROBS}']", "n": None}
 
 
 class _Strict(BaseModel):
@@ -114,6 +114,10 @@ class FunctionTool(_Strict):
     strict: bool | None = None
 
 
+class StreamOptions(_Strict):
+    include_obfuscation: bool | None = None  # accepted: nothing is obfuscated
+
+
 class ResponsesRequest(BaseModel):
     """A ``POST /v1/responses`` body. Fields it does not declare are chat sampling options (``seed``,
     ``stop``, vLLM's extras, ...): they go to the ChatRequest, which refuses what it does not know."""
@@ -130,7 +134,7 @@ class ResponsesRequest(BaseModel):
     max_output_tokens: int | None = Field(None, ge=1)
     top_logprobs: int | None = Field(None, ge=0, le=20)  # with include: ["message.output_text.logprobs"]
     stream: bool = False
-    stream_options: dict[str, bool] | None = None  # include_obfuscation: accepted, nothing is obfuscated
+    stream_options: StreamOptions | None = None
     store: bool = True
     previous_response_id: str | None = None
     include: list[str] | None = None
@@ -225,7 +229,7 @@ def _text_format(text: dict | None) -> dict | None:
 
 
 def _check_unsupported(body: ResponsesRequest) -> None:
-    """400 for what the server cannot honour (module doc of docs/serving.md's table)."""
+    """A 400 for a field this server cannot honour (docs/serving.md lists them)."""
     for name, why in UNSUPPORTED.items():
         if (body.model_extra or {}).get(name) is not None:
             raise RequestError(f"{name} is not supported: {why}", param=name)
@@ -468,8 +472,9 @@ async def stream_events(chunks: AsyncIterator[str], stream: EventStream, on_done
         await chunks.aclose()
 
 
-def add_responses_routes(app, served: ServedModel) -> None:
-    """``POST /v1/responses`` and ``GET /v1/responses/{id}`` (module doc)."""
+def add_responses_routes(app, served, chat_completion) -> None:
+    """``POST /v1/responses`` and ``GET /v1/responses/{id}`` on ``served`` (app.ServedModel), running each
+    request through ``chat_completion(served, chat_request)`` (app.py's chat path; module doc)."""
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.exceptions import HTTPException
 
