@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.e2e  # verifiers starts a harness and a tool server per episode (~45 s)
 pytest.importorskip("verifiers.v1")
 pytest.importorskip("uvicorn")
 if shutil.which("uv") is None:

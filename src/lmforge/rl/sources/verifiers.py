@@ -52,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import os
 import random
 import threading
 import time
@@ -136,6 +137,13 @@ def served_copy(policy: torch.nn.Module) -> torch.nn.Module:
     return served
 
 
+def absolute_pythonpath() -> None:
+    """Make ``$PYTHONPATH``'s relative entries absolute (``PYTHONPATH=examples`` still finds the
+    environment's module from the directory verifiers runs its tool server in)."""
+    entries = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    os.environ["PYTHONPATH"] = os.pathsep.join(os.path.abspath(e) for e in entries if e)
+
+
 def save_tokenizer(tokenizer, model: torch.nn.Module, run_dir: Path) -> Path:
     """The tokenizer (and the model's config, which renderers probes) where ``renderers`` can load it."""
     path = Path(run_dir) / "verifiers_tokenizer"
@@ -200,6 +208,7 @@ class VerifiersSource:
                               "live in the training process); launch without torchrun")
         self.setup, self.cfg = setup, setup.rollout
         cfg = self.cfg
+        absolute_pythonpath()  # verifiers starts the tool servers as `python -m <module>` in their own directories
         env_cfg = resolve_env_config({"taskset": {"id": cfg.verifiers_env, **cfg.verifiers_args},
                                       "agent": {"harness": {"id": cfg.verifiers_harness},
                                                 "runtime": {"type": "subprocess"}}})
