@@ -11,7 +11,8 @@ Supported OpenAI sampling options: ``n``, ``temperature``, ``top_p``, ``max_toke
 likely alternatives of the distribution each token was drawn from), ``echo`` (completions; with
 ``logprobs``, the prompt's logprobs too, and ``max_tokens`` 0 scores the prompt only: ``scoring.py``),
 ``stream`` with ``stream_options.include_usage`` (server-sent events in OpenAI's chunk
-format, ``stream.py``), ``tools`` with ``tool_choice`` "auto" / "none" (``tools.py``).
+format, ``stream.py``), ``tools`` with ``tool_choice`` "auto" / "none" / "required" / named (``tools.py``),
+``response_format`` json_object / json_schema (constrained decoding: ``grammar.py``).
 
 Extensions to the OpenAI format, all additive (the ``openai`` client ignores them, or exposes them as
 extra attributes): every response carries ``weight_version``; every choice carries ``token_ids``
@@ -133,7 +134,7 @@ class FunctionSpec(_Strict):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema, given to the chat template as is
-    strict: bool | None = None  # only false or absent: decoding is not constrained to the schema
+    strict: bool | None = None  # true: calls of this tool follow its parameters, by constrained decoding (grammar.py)
 
 
 class ToolSpec(_Strict):
@@ -147,8 +148,9 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)  # needs logprobs=true (as OpenAI)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[ToolSpec] | None = None
-    tool_choice: Union[str, dict[str, Any], None] = None  # "auto" or "none" (tools.py says why not more)
-    parallel_tool_calls: bool | None = None  # true (OpenAI's default: every call of a reply is returned); false: 400
+    tool_choice: Union[str, dict[str, Any], None] = None  # "auto", "none", "required" or a named function (tools.py)
+    parallel_tool_calls: bool | None = None  # true (OpenAI's default); false: at most one call, by a grammar
+    response_format: ResponseFormat | None = None  # a JSON reply by constrained decoding (grammar.py)
     prefix_token_ids: list[int] | None = None  # extension: the conversation's ids through its last reply
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's extension: the rendered prompt's (scoring.py)
 
@@ -208,6 +210,25 @@ def chat_logprobs(token_ids: list[int], logprobs: list[float], top: list[list[tu
     """A chat choice's ``logprobs`` object (None unless the request asked for logprobs)."""
     if not request.logprobs:
         return None
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON
+    strict: bool | None = None  # the reply follows the schema either way (grammar.py)
+
+
+class ResponseFormat(_Strict):
+    """``response_format``: "text" (nothing), "json_object" (any JSON object), "json_schema" (grammar.py)."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type \"json_schema\", and only with it")
+        return self
+
+
     entry = lambda t, lp: {"token": decode_token(t), "logprob": lp, "bytes": list(decode_token(t).encode())}  # noqa: E731
     alternatives = top if request.top_logprobs else [[] for _ in token_ids]
     return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in alt]}
