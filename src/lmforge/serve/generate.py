@@ -45,7 +45,7 @@ _NOT_SAMPLING = {
 class GenerateRequest(_Strict):
     """vLLM's ``/inference/v1/generate`` body (the fields this server implements)."""
 
-    model: str | None = None  # accepted and echoed, as in the other routes
+    model: str | None = None  # another name than the served model's is a 404, as in the other routes
     token_ids: list[int] = Field(min_length=1)
     sampling_params: dict[str, Any] = Field(default_factory=dict)  # checked by generate_params
     request_id: str | None = None  # echoed; a fresh one when absent
@@ -96,7 +96,7 @@ def generate_params(body: GenerateRequest) -> CompletionRequest:
     if start is not None and type(start) is not int:
         raise RequestError("sampling_params.routed_experts_prompt_start must be an integer",
                            param="sampling_params.routed_experts_prompt_start")
-    if type(params.get("max_tokens")) is int and params["max_tokens"] == 0:  # completions' scoring-only request: nothing to generate here
+    if type(params.get("max_tokens")) is int and params["max_tokens"] == 0:  # completions' scoring-only request
         raise RequestError("sampling_params.max_tokens must be >= 1", param="sampling_params.max_tokens")
     try:
         return CompletionRequest.model_validate({**params, "prompt": body.token_ids})
@@ -163,7 +163,8 @@ def chat_text(served, body: TokenizeChat) -> str:
     if body.continue_final_message and body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
         raise RequestError("continue_final_message and add_generation_prompt cannot both be true (the last message "
                            "is either continued or closed and answered)", param="continue_final_message")
-    fields = body.model_fields_set & {"tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
+    fields = body.model_fields_set & {"tools", "add_generation_prompt", "continue_final_message",
+                                      "chat_template_kwargs"}
     try:
         chat = ChatRequest.model_validate({"messages": body.messages, **{f: getattr(body, f) for f in fields}})
     except ValidationError as exc:
