@@ -5,7 +5,8 @@ trains on it with ``lmforge grpo examples/grpo_verifiers.yaml``.
 
 Each task asks for a product or sum of two numbers, generated in code from a seed (no dataset is
 downloaded). The model may call ``calculate`` (an MCP tool server, run by verifiers in its own
-process) and then answers with ``<answer>N</answer>``; the reward is 1 when N is the right value.
+process) and then answers with ``<answer>N</answer>``; the reward is 1 when N (or, without the tags, the
+reply's last number) is the right value.
 A second signal, ``used_tool``, is recorded as a metric.
 """
 
@@ -17,6 +18,7 @@ import re
 import verifiers.v1 as vf
 
 _ANSWER = re.compile(r"<answer>\s*(-?[\d,]+)\s*</answer>")
+_NUMBER = re.compile(r"-?\d[\d,]*")
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
@@ -64,7 +66,8 @@ class CalculateTask(vf.Task[CalculateData, vf.State, CalculateTaskConfig]):
 
     @vf.reward(weight=1.0)
     async def correct(self, trace: vf.Trace) -> float:
-        found = _ANSWER.findall(trace.last_reply)
+        """The <answer> value, else the reply's last number, is the right one."""
+        found = _ANSWER.findall(trace.last_reply) or _NUMBER.findall(trace.last_reply)
         return float(bool(found) and found[-1].replace(",", "") == str(self.data.answer))
 
     @vf.metric

@@ -95,8 +95,8 @@ class PolicyServer:
         from ...serve.app import ServedModel, build_app
 
         self.served = ServedModel(model, tokenizer, SERVED_NAME, max_batch_rows=max_batch_rows, gather_s=0.005)
-        self.url = f"http://127.0.0.1:{free_port()}"
-        port = int(self.url.rsplit(":", 1)[1])
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
         self.server = uvicorn.Server(uvicorn.Config(build_app(self.served), host="127.0.0.1", port=port,
                                                     log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, name="lmforge-verifiers-serve", daemon=True)
@@ -148,7 +148,7 @@ def save_tokenizer(tokenizer, model: torch.nn.Module, run_dir: Path) -> Path:
     """The tokenizer (and the model's config, which renderers probes) where ``renderers`` can load it."""
     path = Path(run_dir) / "verifiers_tokenizer"
     tokenizer.save_pretrained(str(path))
-    getattr(model, "config").save_pretrained(str(path))
+    model.config.save_pretrained(str(path))
     return path
 
 
@@ -200,7 +200,6 @@ class VerifiersSource:
 
     def __init__(self, setup: SourceSetup):
         vf = _require_verifiers()
-        from renderers import RendererConfig  # noqa: F401 -- verifiers' dependency; validated below
         from verifiers.v1.utils.loaders import load_environment, resolve_env_config
 
         if setup.ctx.distributed:
@@ -275,7 +274,10 @@ class VerifiersSource:
         output = RewardOutput(total=rewards, per_function=rewards[:, None], names=["verifiers"],
                               num_failed=torch.zeros(1, dtype=torch.long))
         trained = batch.trained.sum(1).float()
-        flat = lambda key: torch.tensor([float(v) for g in groups for v in g[key]])  # noqa: E731
+
+        def flat(key: str) -> torch.Tensor:
+            return torch.tensor([float(v) for g in groups for v in g[key]])
+
         metrics = {"reward": rewards.mean(), "reward_std": rewards.std(correction=0),
                    "completion_len_mean": trained.mean(), "completion_len_max": trained.max(),
                    "episode_len_mean": batch.completion_lens.float().mean(),
