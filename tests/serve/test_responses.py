@@ -278,6 +278,12 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_responses_field(client, kwa
     assert message in info.value.body["message"]
 
 
+def test_an_unknown_model_is_the_chat_routes_404(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.responses.create(model="gpt-4o", input="hi")
+    assert info.value.body["param"] == "model" and "tiny-test" in info.value.body["message"]
+
+
 def test_accepted_fields_that_change_nothing(client):
     plain = client.responses.create(model="tiny-test", input="Say it.", max_output_tokens=3)
     same = client.responses.create(model="tiny-test", input="Say it.", max_output_tokens=3, user="u",
