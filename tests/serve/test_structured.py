@@ -24,8 +24,8 @@ openai = pytest.importorskip("openai")
 xgr = pytest.importorskip("xgrammar")
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["color", "n", "ok", "word"],
-          "properties": {"color": {"type": "string", "enum": ["red", "green"]},
-                         "n": {"type": "integer", "minimum": 0, "maximum": 99},
+          "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "color": {"type": "string", "enum": ["red", "green"]},
                          "ok": {"type": "boolean"}, "word": {"type": "string", "maxLength": 6}}}
 JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
 TOOLS = [{"type": "function", "function": {"name": "multiply", "parameters": {
@@ -85,6 +85,7 @@ def test_json_schema_replies_match_the_schema_for_every_sample(client):
         for choice in ask(client, response_format=JSON_SCHEMA, seed=seed, n=N).choices:
             assert choice.finish_reason == "stop"
             assert valid_answer(parse_json(choice.message.content)), choice.message.content
+            assert list(parse_json(choice.message.content)) == list(SCHEMA["properties"])  # the schema's order
 
 
 def test_json_object_replies_are_json_objects(client):
@@ -197,7 +198,7 @@ def test_strict_tools_under_auto_constrain_a_call_once_it_starts(ascii_model):
     from lmforge.serve.grammar import Grammars, chat_constraint
     from lmforge.serve.protocol import ChatRequest
 
-    model, tok = ascii_model
+    _, tok = ascii_model
     strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
     body = ChatRequest.model_validate({"messages": QUESTION, "tools": strict})
     [make] = Grammars(tok, len(tok), [tok.eos_token_id]).processors(chat_constraint(body))

@@ -57,8 +57,8 @@ class ConstraintError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Constraint:
-    """What a reply must match: a JSON schema, or an xgrammar structural tag (``kind``), as canonical JSON
-    (``spec``, the cache key); ``param`` is the request field that asked for it, ``schemas`` the fields
+    """What a reply must match: a JSON schema, or an xgrammar structural tag (``kind``), as JSON (``spec``,
+    the cache key; keys in the request's order, since properties are generated in the schema's order); ``param`` is the request field that asked for it, ``schemas`` the fields
     whose schemas a structural tag holds (an error names the one that does not compile)."""
     kind: str  # "json_schema" | "structural_tag"
     spec: str
@@ -102,7 +102,7 @@ def chat_constraint(body) -> Constraint | None:
                                              calls]}
         return _tag(either, [(reply_param, schema), *schemas], "response_format")
     if schema is not None:
-        return Constraint("json_schema", json.dumps(schema, sort_keys=True), reply_param)
+        return Constraint("json_schema", json.dumps(schema), reply_param)
     if parse_tools and (body.parallel_tool_calls is False or any(t["function"].get("strict") for t in tools)):
         param = "parallel_tool_calls" if body.parallel_tool_calls is False else "tools"
         return _tag(*call_format(tools, body, text=True), param)
@@ -110,8 +110,8 @@ def chat_constraint(body) -> Constraint | None:
 
 
 def _tag(fmt: dict, schemas: list[tuple[str, dict]], param: str) -> Constraint:
-    spec = json.dumps({"type": "structural_tag", "format": fmt}, sort_keys=True)
-    return Constraint("structural_tag", spec, param, tuple((p, json.dumps(s, sort_keys=True)) for p, s in schemas))
+    spec = json.dumps({"type": "structural_tag", "format": fmt})
+    return Constraint("structural_tag", spec, param, tuple((p, json.dumps(s)) for p, s in schemas))
 
 
 # ---------------------------------------------------------------------------------------------------
