@@ -71,7 +71,7 @@ def score_prompts(model: torch.nn.Module, prompts: list[list[int]], top_n: int,
                   budget: int = LOGITS_BUDGET) -> list[PromptScores]:
     """The prompt logprobs of ``prompts`` (each at least one token) with their ``top_n`` best alternatives."""
     device = next(model.parameters()).device
-    vocab_size = int(model.get_output_embeddings().weight.shape[0])
+    vocab_size = int(model.config.vocab_size)  # for the budget only: the logits' last dimension may be padded
     scores: list[PromptScores | None] = [None] * len(prompts)
     for group in _chunks(prompts, vocab_size, budget):
         width = max(len(prompts[i]) for i in group)
