@@ -6,7 +6,7 @@ sampled token ids, the masks, the scores, the sampler's logprobs and the weight 
 them -- the batch ``lmforge grpo rollout.backend=atropos`` trains on. docs/atropos.md runs it:
 
     run-api --host 127.0.0.1 --port 8000
-    lmforge serve MODEL_DIR --port 9001
+    lmforge serve MODEL_DIR --port 9001 --name lmforge
     python examples/atropos_addition_env.py serve --env.tokenizer_name MODEL_DIR \\
         --openai.base_url http://127.0.0.1:9001/v1 --env.rollout_server_url http://127.0.0.1:8000
     lmforge grpo examples/grpo_atropos.yaml model.name=MODEL_DIR

@@ -77,7 +77,8 @@ def run_three_programs(tmp_path: Path, model_dir: Path, trainer_args: list[str],
         # answers, the environment waits until the trainer has registered, then samples from the server.
         _, api_log = procs.start("api", [run_api, "--host", "127.0.0.1", "--port", str(api_port)])
         _, server_log = procs.start("serve", [sys.executable, "-m", "lmforge", "serve", str(model_dir), "--port",
-                                              str(serve_port), "--threads", "1", "--log-level", "warning"])
+                                              str(serve_port), "--name", "lmforge", "--threads", "1", "--log-level",
+                                              "warning"])
         trainer, trainer_log = procs.start("trainer", [
             sys.executable, "-m", "lmforge", "grpo", f"model.name={model_dir}", "rollout.backend=atropos",
             f"rollout.api_url={api_url}", f"rollout.server_url={serve_url}", f"train.output_dir={out}",

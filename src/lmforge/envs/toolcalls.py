@@ -274,7 +274,7 @@ def supports_tools(tokenizer) -> bool:
 
 
 def render_messages(tokenizer, messages: list[dict], tools: list[dict] | None,
-                    add_generation_prompt: bool) -> str:
+                    add_generation_prompt: bool, **template_kwargs) -> str:
     """The chat template's text for ``messages`` with ``tools`` (OpenAI schemas; ``None`` or ``[]`` for
     none).
 
@@ -285,6 +285,8 @@ def render_messages(tokenizer, messages: list[dict], tools: list[dict] | None,
     the module docstring. ``content: None`` (an OpenAI assistant message that only calls tools) renders
     as "". An assistant message carries its calls either as ``<tool_call>`` text in its content or as
     ``tool_calls``: a message with both keeps its content and its ``tool_calls`` are not rendered again.
+    ``template_kwargs`` go to ``apply_chat_template`` as they are (``continue_final_message``, template
+    variables such as ``enable_thinking``).
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError("render_messages: the tokenizer has no chat template; give it one "
@@ -292,7 +294,7 @@ def render_messages(tokenizer, messages: list[dict], tools: list[dict] | None,
     has_calls = any(m.get("tool_calls") for m in messages)
     native = bool(tools or has_calls) and supports_tools(tokenizer)
     msgs = [_normalize(m, calls_as_text=not native) for m in messages]
-    kwargs = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+    kwargs = {"tokenize": False, "add_generation_prompt": add_generation_prompt, **template_kwargs}
     if native:
         return tokenizer.apply_chat_template(msgs, tools=tools, **kwargs)
     if tools:

@@ -29,7 +29,10 @@ from .protocol import (
     error_body,
     prompts_of,
     sampling_params,
+    stop_ids_of,
 )
+from .extras import extra_processors, scheduler_penalties
+from .middleware import Guard, RequestCounts, exposition
 from .responses import add_responses_routes
 from .scheduler import BatchScheduler, GenerationRequest, GenerationResult, Sample, ServeError
 from .scoring import PromptScores, add_prompt_logprobs, prompt_logprobs_entries, score_prompts
@@ -40,6 +43,10 @@ from .weights import WeightsError, check_state, copy_state, read_checkpoint_dir,
 INSTALL_HINT = "lmforge serve needs FastAPI and uvicorn: pip install 'lmforge[serve]' (or: pip install fastapi uvicorn)"
 MAX_RETRIES = 3  # attempts at a multi-prompt request whose prompts straddle a weight update
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
+class ModelNotFound(LookupError):
+    """A request names a model this server does not serve: 404, OpenAI's ``model_not_found``."""
 
 
 def _require_fastapi():
@@ -53,8 +60,10 @@ def _require_fastapi():
 class ServedModel:
     """The model, its tokenizer and the scheduler, plus the checks that need the model's limits."""
 
-    def __init__(self, model, tokenizer, name: str, max_batch_rows: int = 64, gather_s: float = 0.005):
+    def __init__(self, model, tokenizer, name: str, max_batch_rows: int = 64, gather_s: float = 0.005,
+                 aliases: tuple[str, ...] = ()):
         self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.aliases = {name, *aliases}  # the names a request's `model` may give (check_model)
         self.created = int(time.time())  # the model object's `created`: when this server loaded it
         self.max_model_len = int(getattr(model.config, "max_position_embeddings", 0) or 0)
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
@@ -67,8 +76,17 @@ class ServedModel:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def decode_text(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def decode_text(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decoder(self, body):
+        """The text of a request's samples: special tokens skipped unless ``skip_special_tokens`` is false."""
+        return self.decode_text if body.skip_special_tokens else lambda ids: self.decode_text(ids, False)
+
+    def check_model(self, model: str | None) -> None:
+        """A request's ``model`` must be absent or one of this server's names (``aliases``): a 404 otherwise."""
+        if model is not None and model not in self.aliases:
+            raise ModelNotFound(f"the model '{model}' does not exist; this server serves '{self.name}'")
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -97,16 +115,29 @@ class ServedModel:
                 param="max_tokens" if room > 0 else "prompt", code="context_length_exceeded")
         return max_tokens
 
-    def request(self, prompt: list[int], body, max_tokens: int, on_token=None) -> GenerationRequest:
-        """The scheduler's request for one prompt of ``body`` (a CompletionRequest or ChatRequest)."""
-        bad = [t for t in body.logit_bias if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"logit_bias names token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
-                               param="logit_bias")
+    def request(self, prompt: list[int], body, max_tokens: int, on_token=None,
+                processors: tuple = ()) -> GenerationRequest:
+        """The scheduler's request for one prompt of ``body`` (a CompletionRequest or ChatRequest).
+        ``processors``: factories of ``RowProcessor``s that mask (structured outputs); they run before
+        those of vLLM's sampling extras (``extras.py``)."""
+        for field in ("logit_bias", "stop_token_ids"):
+            bad = [t for t in getattr(body, field) if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(f"{field} names token ids outside the vocabulary [0, {self.vocab_size}): "
+                                   f"{bad[:5]}", param=field)
+        if body.min_tokens > max_tokens:
+            raise RequestError(f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})",
+                               param="min_tokens")
+        frequency, presence = scheduler_penalties(body)
         return GenerationRequest(prompt, sampling_params(body, max_tokens, self.stop_token_ids), n=body.n,
-                                 frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+                                 frequency_penalty=frequency, presence_penalty=presence,
                                  logit_bias=dict(body.logit_bias), top_logprobs=body.top_logprobs or 0,
-                                 on_token=on_token)
+                                 processors=[*processors, *extra_processors(body, self.stop_ids(body))],
+                                 min_tokens=body.min_tokens, on_token=on_token)
+
+    def stop_ids(self, body) -> list[int]:
+        """The ids that end a sample of ``body`` (``protocol.stop_ids_of``)."""
+        return stop_ids_of(body, self.stop_token_ids)
 
     def submit(self, request: GenerationRequest):
         try:
@@ -153,13 +184,15 @@ class ServedModel:
                     for prompt, budget, (on_token, _) in zip(prompts, budgets, callbacks)]
         for request, (_, on_done) in zip(requests, callbacks):  # all checked before any is submitted
             self.submit(request).add_done_callback(on_done)
-        events = sse_events(kind, self.name, requests, body, prompts, self.decode_text, self.decode_token, queue,
-                            parse_tools)
+        events = sse_events(kind, self.name, requests, body, prompts, self.decoder(body), self.decode_token, queue,
+                            parse_tools, self.stop_ids(body))
         return StreamingResponse(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
 
-def build_app(served: ServedModel):
-    """The FastAPI application serving ``served``; the scheduler thread stops when the app shuts down."""
+def build_app(served: ServedModel, api_key: str | None = None):
+    """The FastAPI application serving ``served``; the scheduler thread stops when the app shuts down.
+    With ``api_key`` every route but /health and /metrics needs ``Authorization: Bearer <api_key>``
+    (``middleware.py``)."""
     _require_fastapi()
     from fastapi import FastAPI
     from starlette.concurrency import run_in_threadpool
@@ -171,8 +204,11 @@ def build_app(served: ServedModel):
         await run_in_threadpool(served.scheduler.shutdown)
 
     app = FastAPI(title="lmforge serve", lifespan=lifespan)
+    counts = RequestCounts()
+    app.add_middleware(Guard, counts=counts, router=app.router, api_key=api_key)
 
     add_error_handlers(app)
+    add_metrics_route(app, served, counts)
     add_generation_routes(app, served)
     add_weight_routes(app, served)
     from .generate import add_token_routes  # here: generate.py builds on this module
@@ -225,6 +261,10 @@ def add_error_handlers(app) -> None:
     async def _bad_request(request: Request, exc: RequestError):
         return JSONResponse(error_body(str(exc), param=exc.param, code=exc.code), status_code=400)
 
+    @app.exception_handler(ModelNotFound)
+    async def _no_model(request: Request, exc: ModelNotFound):
+        return JSONResponse(error_body(str(exc), param="model", code="model_not_found"), status_code=404)
+
     @app.exception_handler(ServeError)
     async def _unavailable(request: Request, exc: ServeError):
         return JSONResponse(error_body(str(exc), kind="server_error"), status_code=503)
@@ -252,14 +292,12 @@ def add_generation_routes(app, served: ServedModel) -> None:
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id != served.name:
-            from starlette.exceptions import HTTPException
-
-            raise HTTPException(404, f"the model '{model_id}' does not exist; this server serves '{served.name}'")
+        served.check_model(model_id)
         return model_object()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
+        served.check_model(body.model)
         try:
             prompts = prompts_of(body, served.encode)
         except ValueError as exc:
@@ -276,9 +314,10 @@ def add_generation_routes(app, served: ServedModel) -> None:
             return served.stream("completion", prompts, budgets, body)
         top = max(body.prompt_logprobs or 0, body.logprobs or 0) if body.scores_prompt else None
         results, scores = await served.generate_all(prompts, budgets, body, top)
-        reply = completion_body(served.name, prompts, results, body, served.decode_text, served.decode_token)
+        reply = completion_body(served.name, prompts, results, body, served.decoder(body), served.decode_token,
+                                served.stop_ids(body))
         if scores is not None:
-            add_prompt_logprobs(reply, scores, body, served.decode_text, served.decode_token)
+            add_prompt_logprobs(reply, scores, body, served.decoder(body), served.decode_token)
         return _reply(reply)
 
     @app.post("/v1/chat/completions")
@@ -290,14 +329,22 @@ def add_generation_routes(app, served: ServedModel) -> None:
 async def chat_completion(served: ServedModel, body: ChatRequest):
     """The chat route's work, shared with ``/v1/responses`` (``responses.py``, which builds a ChatRequest):
     the response body as a dict, or with ``body.stream`` the StreamingResponse of chat chunks."""
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    served.check_model(body.model)
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]  # echoed fields left out (protocol.py)
+    if body.continue_final_message and body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
+        raise RequestError("continue_final_message and add_generation_prompt cannot both be true (the last message "
+                           "is either continued or closed and answered)", param="continue_final_message")
+    if body.continue_final_message and body.prefix_token_ids is not None:
+        raise RequestError("continue_final_message with prefix_token_ids: the ids already end the last assistant "
+                           "message; send its continuation as a completion of those ids instead",
+                           param="continue_final_message")
     try:
         tools, parse_tools = request_tools(body)
         if body.prefix_token_ids is None:
-            prompt = served.encode(render_chat(served.tokenizer, messages, tools))
+            prompt = served.encode(render_chat(served.tokenizer, messages, tools, **body.template_kwargs))
         else:  # token-in: the conversation so far as ids, only the new messages rendered (tools.py)
             prompt = continue_prompt(served.tokenizer, messages, tools, body.prefix_token_ids,
-                                     served.stop_token_ids, served.encode)
+                                     served.stop_token_ids, served.encode, body.template_kwargs)
     except ToolRequestError as exc:
         raise RequestError(str(exc), param=exc.param) from exc
     max_tokens = served.check_prompt(prompt, body.max_completion_tokens or body.max_tokens, None)
@@ -306,7 +353,8 @@ async def chat_completion(served: ServedModel, body: ChatRequest):
     if body.stream:
         return served.stream("chat", [prompt], [max_tokens], body, parse_tools)
     results, scores = await served.generate_all([prompt], [max_tokens], body, body.prompt_logprobs)
-    reply = chat_body(served.name, prompt, results[0], body, served.decode_text, served.decode_token, parse_tools)
+    reply = chat_body(served.name, prompt, results[0], body, served.decoder(body), served.decode_token, parse_tools,
+                      served.stop_ids(body))
     if scores is not None:  # vLLM's extension, for the rendered prompt
         reply["prompt_logprobs"] = prompt_logprobs_entries(scores[0], body.prompt_logprobs, served.decode_token)
     return reply
@@ -359,9 +407,19 @@ def add_weight_routes(app, served: ServedModel) -> None:
         return await _update(state, version)
 
 
-def run_server(served: ServedModel, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+def add_metrics_route(app, served: ServedModel, counts: RequestCounts) -> None:
+    """GET /metrics: Prometheus' text format (``middleware.exposition``)."""
+    from fastapi.responses import PlainTextResponse
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(exposition(counts, served.scheduler), media_type="text/plain; version=0.0.4")
+
+
+def run_server(served: ServedModel, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+               api_key: str | None = None) -> None:
     """Serve until SIGINT / SIGTERM; open requests finish first, then the scheduler thread stops."""
     _require_fastapi()
     import uvicorn
 
-    uvicorn.run(build_app(served), host=host, port=port, log_level=log_level)
+    uvicorn.run(build_app(served, api_key), host=host, port=port, log_level=log_level)

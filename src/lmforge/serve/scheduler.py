@@ -83,6 +83,7 @@ class GenerationRequest:
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
     top_logprobs: int = 0
     processors: list[Callable[[], RowProcessor]] = dataclasses.field(default_factory=list)  # one of each per sample
+    min_tokens: int = 0  # vLLM's: no stop token or stop string ends a sample before it has this many tokens
     session_id: str | None = None  # the client's X-Session-ID (generate.py): recorded for a gateway, not used here
     on_token: TokenCallback | None = None
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
@@ -157,6 +158,8 @@ class BatchScheduler:
         self.max_batch_rows, self.gather_s = max_batch_rows, gather_s
         self.weight_version = weight_version
         self.num_steps = 0  # decode steps run (shared by all rows of a step)
+        self.num_prompt_tokens = 0  # prompt tokens prefilled (once per request, whatever its n)
+        self.num_generated_tokens = 0  # tokens sampled, every row's
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: list[GenerationRequest] = []
         self._updates: list[_WeightUpdate] = []
@@ -174,6 +177,11 @@ class BatchScheduler:
     def num_running(self) -> int:
         """Rows decoding now (a snapshot read from another thread)."""
         return len(self._rows)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted and not yet decoding (a snapshot read from another thread)."""
+        return len(self._waiting) + self._inbox.qsize()
 
     def submit(self, request: GenerationRequest) -> concurrent.futures.Future:
         if self._stopping.is_set():
@@ -296,6 +304,7 @@ class BatchScheduler:
         if not batch:
             return
         self._admitting = batch
+        self.num_prompt_tokens += sum(len(r.prompt_ids) for r in batch)
         ids, mask = left_pad([r.prompt_ids for r in batch], self.pad_token_id)  # (N, P)
         cache = DynamicCache(config=self.model.config)
         logits, cache = prefill(self.model, ids.to(self.device), mask.to(self.device), cache)  # (N, V)
@@ -366,18 +375,22 @@ class BatchScheduler:
                     row.top_logprobs.append(top[i][:row.request.top_logprobs])
                 if row.counts is not None:
                     row.counts[token] += 1
+        self.num_generated_tokens += len(self._rows)
         return tokens
 
     def _finish_reason(self, row: _Row) -> str | None:
-        params = row.request.params
+        params, least = row.request.params, row.request.min_tokens
         if row.request.cancelled.is_set():
             return "cancelled"
-        if row.tokens[-1] in params.stop_token_ids:
+        if len(row.tokens) > least and row.tokens[-1] in params.stop_token_ids:
             return "stop"
-        if params.stop_strings:
+        if params.stop_strings and len(row.tokens) > least:
             window = max(map(len, params.stop_strings)) + 8
-            tail = self.decode_fn(row.tokens[-window:])
-            if any(s in tail for s in params.stop_strings):
+            start = max(0, len(row.tokens) - window)
+            tail = self.decode_fn(row.tokens[start:])
+            # with min_tokens, a stop string counts only if it ends past the first min_tokens tokens' text
+            after = len(self.decode_fn(row.tokens[start:least])) if start < least else 0
+            if any(s in tail[max(0, after - len(s) + 1):] for s in params.stop_strings):
                 return "stop"
         if len(row.tokens) >= params.max_new_tokens:
             return "length"

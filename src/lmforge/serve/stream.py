@@ -29,25 +29,30 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable
 
-from .protocol import chat_choice, chat_logprobs, completion_logprobs, cut_at_stop, usage
+from .protocol import chat_choice, chat_logprobs, completion_logprobs, reply_text, usage
 from .scheduler import GenerationRequest
 
 
 class ChoiceText:
-    """Incremental text of one streamed choice (module doc)."""
+    """Incremental text of one streamed choice (module doc); ``body`` and ``stop_ids`` as
+    ``protocol.reply_text`` takes them."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stops: list[str]):
-        self.decode, self.stops = decode, stops
-        self.hold = max(map(len, stops)) - 1 if stops else 0
+    def __init__(self, decode: Callable[[list[int]], str], body, stop_ids: list[int] = ()):
+        self.decode, self.body, self.stop_ids = decode, body, stop_ids
+        self.hold = max(map(len, body.stop)) - 1 if body.stop else 0
         self.tokens: list[int] = []
         self.sent = 0  # characters of the text sent so far
 
-    def push(self, token: int, finished: bool) -> str:
-        """Add ``token``; the text to send now."""
+    def final(self, finish: str) -> str:
+        """The whole text, as the non-streamed response has it."""
+        return reply_text(self.tokens, finish, self.body, self.decode, self.stop_ids)
+
+    def push(self, token: int, finish: str | None) -> str:
+        """Add ``token`` (the last of the choice when ``finish`` is set); the text to send now."""
         self.tokens.append(token)
         text = self.decode(self.tokens)
-        if finished:
-            final = cut_at_stop(text, self.stops)
+        if finish is not None:
+            final = self.final(finish)
             delta, self.sent = final[self.sent:], max(self.sent, len(final))
             return delta
         safe = len(text) - self.hold
@@ -65,7 +70,7 @@ def _sse(payload: dict[str, Any] | str) -> str:
 
 def tool_delta(index: int, text: ChoiceText, finish: str) -> dict[str, Any]:
     """A tools choice's last chunk piece: the whole reply as ``delta`` (module doc), and its finish."""
-    choice = chat_choice(index, cut_at_stop(text.decode(text.tokens), text.stops), finish, parse_tools=True)
+    choice = chat_choice(index, text.final(finish), finish, parse_tools=True)
     message = choice.pop("message")
     delta = {"content": message["content"]}
     if "tool_calls" in message:
@@ -75,16 +80,16 @@ def tool_delta(index: int, text: ChoiceText, finish: str) -> dict[str, Any]:
 
 async def sse_events(kind: str, model_name: str, requests: list[GenerationRequest], body, prompts: list[list[int]],
                      decode: Callable, decode_token: Callable, queue: asyncio.Queue,
-                     parse_tools: bool = False) -> AsyncIterator[str]:
+                     parse_tools: bool = False, stop_ids: list[int] = ()) -> AsyncIterator[str]:
     """The event stream of ``requests`` (one per prompt, each with ``body.n`` samples), whose
     ``on_token`` callbacks feed ``queue`` with ``(prompt, sample, token, logprob, top, finish, version)``
     and whose futures add ``("done", prompt, future)`` when they end. ``parse_tools``: chat replies
-    are parsed for tool calls (module doc)."""
+    are parsed for tool calls (module doc); ``stop_ids`` as ``protocol.reply_text`` takes them."""
     chat = kind == "chat"
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     n = body.n
-    texts = {(p, i): ChoiceText(decode, list(body.stop)) for p in range(len(requests)) for i in range(n)}
+    texts = {(p, i): ChoiceText(decode, body, stop_ids) for p in range(len(requests)) for i in range(n)}
     open_choices, completion_tokens, finished_requests = set(texts), 0, 0
 
     def chunk(index: int, piece: dict, finish: str | None, token: int | None, version: int) -> dict:
@@ -116,7 +121,7 @@ async def sse_events(kind: str, model_name: str, requests: list[GenerationReques
                 continue
             p, i, token, logprob, top, finish, version = event
             completion_tokens += 1
-            delta = texts[(p, i)].push(token, finish is not None)
+            delta = texts[(p, i)].push(token, finish)
             if chat:
                 piece = {"delta": {"content": "" if parse_tools else delta},
                          "logprobs": chat_logprobs([token], [logprob], [top], body, decode_token)}
