@@ -356,3 +356,44 @@ def test_langchain_use_responses_api_tool_round_trip(server):
         streamed = chunk if streamed is None else streamed + chunk
     [call] = streamed.tool_calls
     assert (call["name"], call["args"]) == ("multiply", {"a": 12, "b": 34})
+
+
+# ------------------------------------------------------------------------------------------ SmolLM2
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+def test_smollm2_agents_sdk_and_langchain_tool_round_trips(serve_model, smollm2):
+    """The real model, unsteered: a forced call (tool_choice "required", one call) with the Agents SDK's
+    default strict tool, then its answer; and LangChain's tool_choice "any" round trip."""
+    agents = pytest.importorskip("agents")
+    pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    server = serve_model(*smollm2)
+    calls = []
+
+    @agents.function_tool
+    def multiply_tool(a: int, b: int) -> int:
+        """Multiply two integers."""
+        calls.append((a, b))
+        return a * b
+
+    agents.set_tracing_disabled(True)
+    agents.set_default_openai_client(openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused",
+                                                        max_retries=0), use_for_tracing=False)
+    settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=64)
+    agent = agents.Agent(name="calculator", instructions="You are a calculator. Use the tool, then state the result.",
+                         model="tiny-test", tools=[multiply_tool], model_settings=settings)
+    result = agents.Runner.run_sync(agent, "What is 12 times 34?", max_turns=4)
+    assert calls == [(12, 34)] and isinstance(result.final_output, str) and result.final_output.strip()
+
+    llm = ChatOpenAI(model="tiny-test", base_url=server.url + "/v1", api_key="unused", use_responses_api=True,
+                     temperature=0, max_tokens=64, max_retries=0)
+    messages = [HumanMessage("What is 12 times 34? Use the tool.")]
+    reply = llm.bind_tools([multiply], tool_choice="any", parallel_tool_calls=False).invoke(messages)
+    [call] = reply.tool_calls
+    assert (call["name"], call["args"]) == ("multiply", {"a": 12, "b": 34})
+    messages += [reply, ToolMessage(str(multiply(**call["args"])), tool_call_id=call["id"])]
+    final = llm.bind_tools([multiply]).invoke(messages)
+    assert not final.tool_calls and final.text.strip()
