@@ -3,11 +3,13 @@
 Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (both also streamed: ``stream.py``),
 ``GET /v1/weights`` (current version), ``POST /v1/weights`` (load a checkpoint directory),
-``POST /v1/weights/tensors`` (safetensors body), ``GET /health``. The wire format is in
-``protocol.py``, the batching in ``scheduler.py``, the weight loading in ``weights.py``.
+``POST /v1/weights/tensors`` (safetensors body), ``GET /health``, ``GET /metrics`` (Prometheus,
+``middleware.py``, which also checks ``--api-key``). The wire format is in ``protocol.py``, the
+batching in ``scheduler.py``, vLLM's sampling extras in ``extras.py``, the weight loading in ``weights.py``.
 
 Every error is JSON in OpenAI's shape with a 4xx status for a bad request (400: malformed body,
-unknown field, prompt over the context length, weights that do not fit; 404: unknown path) and 503
+unknown field, prompt over the context length, weights that do not fit; 401: no or a wrong API key;
+404: unknown path, or a ``model`` the server does not answer to: ``ServedModel.check_model``) and 503
 when the server is shutting down. Handlers never run the model: they tokenise, check, submit to the
 scheduler thread and await its future, so the event loop keeps accepting requests that join the
 running batch.

@@ -1,9 +1,14 @@
 """The OpenAI wire format that ``lmforge serve`` speaks: request models, validation, response bodies.
 
 Requests are pydantic models that forbid unknown fields: a sampling option the server would silently
-ignore (``best_of``, ``suffix``, ``top_k``, ...) would give a trainer samples from a
+ignore (``best_of``, ``suffix``, ``reasoning_effort``, ...) would give a trainer samples from a
 distribution other than the one it asked for, so it is a 400 that names the field instead. Types are strict: a
-string where a number belongs (``"max_tokens": "4"``) is a 400 too, not coerced.
+string where a number belongs (``"max_tokens": "4"``) is a 400 too, not coerced. What standard clients
+send that changes nothing here is accepted and ignored: ``store``, ``metadata``, ``user``,
+``service_tier``, ``return_token_ids``; in messages, the fields the openai SDK's ``model_dump()`` of a
+reply carries (``refusal``, ``annotations``, ``audio``, null ``function_call``, ``tool_calls[].index``,
+``parse()``'s values), never given to the chat template; content as a list of text parts is joined
+with newlines (any other part is a 400: the model reads text only).
 
 Supported OpenAI sampling options: ``n``, ``temperature``, ``top_p``, ``max_tokens`` /
 ``max_completion_tokens``, ``stop``, ``seed``, ``frequency_penalty`` and ``presence_penalty``
@@ -13,6 +18,12 @@ likely alternatives of the distribution each token was drawn from), ``echo`` (co
 ``stream`` with ``stream_options.include_usage`` (server-sent events in OpenAI's chunk
 format, ``stream.py``), ``tools`` with ``tool_choice`` "auto" / "none" / "required" / named (``tools.py``),
 ``response_format`` json_object / json_schema (constrained decoding: ``grammar.py``).
+
+vLLM's sampling extras, top-level fields: ``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``
+(``extras.py``: their definitions and order), and for chat ``chat_template_kwargs``,
+``add_generation_prompt``, ``continue_final_message``. The returned logprobs (and top alternatives,
+less those the truncation removed) are of the distribution each token was drawn from.
 
 Extensions to the OpenAI format, all additive (the ``openai`` client ignores them, or exposes them as
 extra attributes): every response carries ``weight_version``; every choice carries ``token_ids``

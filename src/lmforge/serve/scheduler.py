@@ -16,7 +16,8 @@ first, per row, on the raw logits: ``logit_bias[j]`` is added, and ``frequency_p
 presence_penalty * (c[j] > 0)`` subtracted, where c[j] counts token j among the row's sampled
 tokens so far; the stored logprobs (and ``top_logprobs`` alternatives) are of the distribution after
 them, the one the token was drawn from. A request's ``processors`` (``RowProcessor``: structured
-outputs, vLLM's sampling extras) run after them, per sample row, on the same raw logits.
+outputs, vLLM's sampling extras) run after them, per sample row, on the same raw logits. A request's
+``min_tokens`` keeps stop tokens and stop strings from ending a sample before it has that many tokens.
 
 Streaming: a request's ``on_token(sample, token, logprob, top, finish_reason)`` is called from this
 thread after every token of every sample (``finish_reason`` is None until its last). A request whose
