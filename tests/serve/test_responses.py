@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 import torch
@@ -45,6 +46,8 @@ def script(prompt: str) -> str:
     conversation, then the answer."""
     if "Answer in JSON." in prompt:
         return JSON
+    if "Go on and on." in prompt:
+        return "la " * 1300
     return ANSWER if "408" in prompt else CALL
 
 
@@ -158,6 +161,19 @@ def test_streamed_events_in_order_end_with_the_whole_response(client):
     assert final.model_extra["token_ids"] == whole.model_extra["token_ids"]
     assert (final.usage.input_tokens, final.usage.output_tokens) == (whole.usage.input_tokens,
                                                                      whole.usage.output_tokens)
+
+
+def test_a_client_that_leaves_a_stream_cancels_its_generation(server, client):
+    import httpx
+
+    with client.responses.stream(model="tiny-test", input="Go on and on.") as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                break  # 3900 tokens to go (about 50 s here): the server must not decode them for nobody
+    deadline = time.monotonic() + 10
+    while httpx.get(server.url + "/health").json()["running_rows"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(server.url + "/health").json()["running_rows"] == 0
 
 
 def test_function_call_round_trip_puts_the_result_in_the_next_prompt(server, client):
