@@ -231,3 +231,29 @@ def test_chat_template_extras_that_conflict_are_a_400(server, extra, param):
     response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.smollm2
+def test_smollm2_continues_a_reply_and_keeps_special_tokens_on_request(serve_model, smollm2):
+    """SmolLM2's own template through the openai client's extra_body: continue_final_message leaves the
+    assistant's prefix open; with skip_special_tokens false the text of an EOS-ended reply still leaves
+    the EOS out, unless include_stop_str_in_output asks for it (vLLM's behaviour)."""
+    openai = pytest.importorskip("openai")
+    model, tokenizer = smollm2
+    client = openai.OpenAI(base_url=serve_model(model, tokenizer).url + "/v1", api_key="unused", max_retries=0)
+    prefix = [{"role": "user", "content": "What is the capital of France?"},
+              {"role": "assistant", "content": "The capital of France is"}]
+    reply = client.chat.completions.create(model="tiny-test", messages=prefix, max_tokens=8, temperature=0,
+                                           extra_body={"continue_final_message": True})
+    assert tokenizer.decode(reply.model_extra["prompt_token_ids"]).endswith("<|im_start|>assistant\nThe capital of "
+                                                                           "France is")
+    assert "Paris" in reply.choices[0].message.content
+    question = [{"role": "user", "content": [{"type": "text", "text": "Say hi."}]}]  # smolagents' content shape
+    kept = {}
+    for include in (False, True):
+        answer = client.chat.completions.create(
+            model="tiny-test", messages=question, max_tokens=40, temperature=0,
+            extra_body={"skip_special_tokens": False, "include_stop_str_in_output": include})
+        assert answer.choices[0].finish_reason == "stop"
+        kept[include] = answer.choices[0].message.content
+    assert kept[True] == kept[False] + "<|im_end|>" and "<|im_end|>" not in kept[False]
