@@ -91,8 +91,11 @@ def keyed(serve_model, make_tiny, monkeypatch):
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"},
                                      {"Authorization": "Bearer sesame2"}])
 def test_an_api_key_guards_the_api(keyed, headers):
-    for method, path, body in (("POST", "/v1/completions", {"prompt": "1", "max_tokens": 1}), ("GET", "/v1/models", None),
+    for method, path, body in (("POST", "/v1/completions", {"prompt": "1", "max_tokens": 1}),
+                               ("GET", "/v1/models", None),
                                ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}]}),
+                               ("POST", "/inference/v1/generate", {"token_ids": [5]}),
+                               ("POST", "/tokenize", {"prompt": "1"}), ("POST", "/v1/responses", {"input": "1"}),
                                ("GET", "/v1/weights", None), ("GET", "/nowhere", None)):
         response = httpx.request(method, keyed.url + path, json=body, headers=headers, timeout=30)
         assert response.status_code == 401, (path, response.text)
