@@ -34,6 +34,7 @@ from .protocol import (
     stop_ids_of,
 )
 from .extras import extra_processors, scheduler_penalties
+from .grammar import ConstraintError, Grammars, chat_processors
 from .middleware import Guard, RequestCounts, exposition
 from .responses import add_responses_routes
 from .scheduler import BatchScheduler, GenerationRequest, GenerationResult, Sample, ServeError
@@ -74,6 +75,7 @@ class ServedModel:
         self.stop_token_ids = sorted({*eos, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])})
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.scheduler = BatchScheduler(model, pad, self.decode_text, max_batch_rows=max_batch_rows, gather_s=gather_s)
+        self.grammars = Grammars(tokenizer, self.vocab_size, self.stop_token_ids)  # compiled on first use
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -117,11 +119,14 @@ class ServedModel:
                 param="max_tokens" if room > 0 else "prompt", code="context_length_exceeded")
         return max_tokens
 
-    def request(self, prompt: list[int], body, max_tokens: int, on_token=None,
-                processors: tuple = ()) -> GenerationRequest:
+    def request(self, prompt: list[int], body, max_tokens: int, on_token=None) -> GenerationRequest:
         """The scheduler's request for one prompt of ``body`` (a CompletionRequest or ChatRequest).
-        ``processors``: factories of ``RowProcessor``s that mask (structured outputs); they run before
-        those of vLLM's sampling extras (``extras.py``)."""
+        A chat reply's structure (response_format, forced or strict tool calls) is a grammar's mask
+        (``grammar.py``); it runs before vLLM's sampling extras (``extras.py``)."""
+        try:
+            processors = chat_processors(self.grammars, body)
+        except ConstraintError as exc:
+            raise RequestError(str(exc), param=exc.param) from exc
         for field in ("logit_bias", "stop_token_ids"):
             bad = [t for t in getattr(body, field) if not 0 <= t < self.vocab_size]
             if bad:
