@@ -137,3 +137,25 @@ def test_aliases_are_accepted(server):
                               timeout=30)
         assert response.status_code == 200, response.text
         assert httpx.get(server.url + f"/v1/models/{name}", timeout=30).json()["id"] == "tiny-test"
+
+
+def test_an_unknown_role_is_a_400_and_developer_is_the_system_message(server):
+    response = chat(server, [{"role": "wizard", "content": "Hi"}])
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages.0.role"
+    developer = prompt_ids(server, [{"role": "developer", "content": "Be brief."}, QUESTION])
+    assert developer == prompt_ids(server, [{"role": "system", "content": "Be brief."}, QUESTION])
+
+
+@pytest.mark.parametrize("seed", [2**64, -2**63 - 1])
+def test_a_seed_torch_cannot_take_is_a_400_and_the_server_keeps_serving(server, seed):
+    """A seed outside torch.Generator's range once stopped the generation thread (every later request a 503)."""
+    response = chat(server, [QUESTION], seed=seed)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "seed"
+    assert chat(server, [QUESTION], seed=2**64 - 1).status_code == 200
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_health_fails_once_the_generation_thread_has_stopped(server):
+    server.served.scheduler.shutdown()
+    response = httpx.get(server.url + "/health", timeout=10)
+    assert response.status_code == 503 and "generation thread" in response.json()["error"]["message"]

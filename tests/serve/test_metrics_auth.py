@@ -131,3 +131,9 @@ def test_the_cli_takes_the_key_from_the_flag_or_the_environment(monkeypatch):
     assert parse("--api-key", "flag")[1].api_key == "flag"
     serve_help = parser._subparsers._group_actions[0].choices["serve"].format_help()
     assert "--api-key" in serve_help and "LMFORGE_API_KEY" in serve_help
+
+
+def test_the_bearer_scheme_is_case_insensitive(keyed):
+    for header in ("bearer sesame", "BEARER sesame", "Bearer  sesame"):
+        response = httpx.get(keyed.url + "/v1/models", headers={"Authorization": header}, timeout=30)
+        assert response.status_code == 200, header

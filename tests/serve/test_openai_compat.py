@@ -190,3 +190,29 @@ def test_langchain_clients_complete_and_stream(server):
     pieces = [chunk.content for chunk in chat.stream("3+4=")]
     assert "".join(pieces) == chat.invoke("3+4=").content
     assert len(pieces) > 1  # streamed, not one piece
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", {"prompt": "hi", "n": 2}),
+    ("/inference/v1/generate", {"token_ids": [5, 6, 7]}),
+    ("/v1/responses", {"input": "hi"}),
+])
+def test_a_non_streamed_request_whose_client_left_is_cancelled(serve_model, path, body):
+    """A client that times out and hangs up frees its rows; before, they decoded on to max_tokens for nobody
+    (on /inference/v1/generate's default, the rest of the context)."""
+    from lmforge.config import ModelConfig
+    from lmforge.models import load_model
+
+    model, tokenizer = load_model(ModelConfig(name="tiny:llama", hidden_size=32, num_layers=2, num_heads=2,
+                                              max_position_embeddings=4096))
+    server = serve_model(model.eval(), tokenizer)
+    scheduler = server.served.scheduler
+    budget = {"sampling_params": {"max_tokens": 4000, "ignore_eos": True}} if "token_ids" in body else \
+        {"max_output_tokens": 4000, "ignore_eos": True} if "input" in body else {"max_tokens": 4000, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + path, json={**body, **budget}, timeout=1.0)
+    deadline = time.monotonic() + 20
+    while scheduler.num_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert scheduler.num_running == 0 and scheduler.num_steps < 3000

@@ -157,3 +157,12 @@ def test_a_prompt_filling_the_context_can_be_scored(server):
                      max_tokens=0)
     assert response.status_code == 200, response.text
     assert len(response.json()["choices"][0]["logprobs"]["token_logprobs"]) == CONTEXT
+
+
+def test_echo_with_max_tokens_0_and_no_logprobs_echoes_the_prompt(server):
+    """Nothing to generate and nothing to score: once a false 'weights changed' 503."""
+    response = _post(server, "/v1/completions", prompt=["1+2=", "3+4="], echo=True, max_tokens=0, n=2)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert [c["text"] for c in body["choices"]] == ["1+2=", "1+2=", "3+4=", "3+4="]
+    assert {c["finish_reason"] for c in body["choices"]} == {"length"} and body["usage"]["completion_tokens"] == 0

@@ -257,3 +257,17 @@ def test_smollm2_continues_a_reply_and_keeps_special_tokens_on_request(serve_mod
         assert answer.choices[0].finish_reason == "stop"
         kept[include] = answer.choices[0].message.content
     assert kept[True] == kept[False] + "<|im_end|>" and "<|im_end|>" not in kept[False]
+
+
+@pytest.mark.parametrize("truncation", [{"top_k": 2}, {"top_p": 0.5}])
+def test_greedy_top_logprobs_follow_the_sampled_tokens_convention(server, make_tiny, truncation):
+    """At temperature 0 the sampled token's logprob is the untempered, untruncated log-softmax; its
+    alternatives are of that same distribution (once the truncated one: the same token had two values)."""
+    model, _ = make_tiny()
+    choice = complete(server, max_tokens=5, temperature=0, logprobs=3, ignore_eos=True, **truncation)
+    for i, (token, logprob) in enumerate(zip(choice["token_ids"], choice["logprobs"]["token_logprobs"])):
+        want = torch.log_softmax(next_logits(model, PROMPT + choice["token_ids"][:i]), -1)
+        assert logprob == pytest.approx(want[token].item(), abs=1e-4)
+        best = choice["logprobs"]["top_logprobs"][i]
+        assert sorted(best.values(), reverse=True) == pytest.approx(torch.topk(want, 3).values.tolist(), abs=1e-4)
+        assert max(best.values()) == pytest.approx(logprob, abs=1e-4)  # greedy: the best is the sampled one

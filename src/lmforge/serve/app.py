@@ -35,7 +35,7 @@ from .protocol import (
 )
 from .extras import extra_processors, scheduler_penalties
 from .grammar import ConstraintError, Grammars, chat_processors
-from .middleware import Guard, RequestCounts, exposition
+from .middleware import Guard, RequestCounts, client_gone, exposition
 from .responses import add_responses_routes
 from .scheduler import BatchScheduler, GenerationRequest, GenerationResult, Sample, ServeError
 from .scoring import PromptScores, add_prompt_logprobs, prompt_logprobs_entries, score_prompts
@@ -46,6 +46,10 @@ from .weights import WeightsError, check_state, copy_state, read_checkpoint_dir,
 INSTALL_HINT = "lmforge serve needs FastAPI and uvicorn: pip install 'lmforge[serve]' (or: pip install fastapi uvicorn)"
 MAX_RETRIES = 3  # attempts at a multi-prompt request whose prompts straddle a weight update
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
+class ClientGone(ConnectionError):
+    """The client hung up before its reply; its request was cancelled (logged as 499, nginx's 'client closed')."""
 
 
 class ModelNotFound(LookupError):
@@ -153,7 +157,24 @@ class ServedModel:
             raise RequestError(str(exc), param="n") from exc
 
     async def generate(self, prompt: list[int], body, max_tokens: int):
-        return await asyncio.wrap_future(self.submit(self.request(prompt, body, max_tokens)))
+        return await self.wait(self.request(prompt, body, max_tokens))
+
+    async def wait(self, request: GenerationRequest) -> GenerationResult:
+        """Submit ``request`` and await its result; if the HTTP client hangs up first (``middleware.client_gone``),
+        cancel it, so that its rows leave the batch at the next step instead of decoding for nobody."""
+        result = asyncio.wrap_future(self.submit(request))
+        gone = client_gone()
+        if gone is None:
+            return await result
+        hung_up = asyncio.ensure_future(gone.wait())
+        try:
+            await asyncio.wait({result, hung_up}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hung_up.cancel()
+        if not result.done():
+            request.cancel()
+            raise ClientGone("the client disconnected before the reply")
+        return result.result()
 
     async def score(self, prompts: list[list[int]], top_n: int) -> tuple[list[PromptScores], int]:
         """The prompts' own logprobs with ``top_n`` alternatives each (``scoring.py``), and the weight version."""
@@ -173,6 +194,8 @@ class ServedModel:
             done = list(await asyncio.gather(*jobs))
             scores, version = done.pop() if score_top is not None else (None, None)
             versions = {r.weight_version for r in done} | ({version} if scores is not None else set())
+            if not versions:  # echo with max_tokens 0 and no logprobs: nothing ran, nothing to disagree
+                versions = {self.scheduler.weight_version}
             if len(versions) == 1:
                 break
         else:
@@ -272,6 +295,10 @@ def add_error_handlers(app) -> None:
     async def _no_model(request: Request, exc: ModelNotFound):
         return JSONResponse(error_body(str(exc), param="model", code="model_not_found"), status_code=404)
 
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone):  # nobody reads it; the status is for the log and /metrics
+        return JSONResponse(error_body(str(exc), kind="client_closed_request"), status_code=499)
+
     @app.exception_handler(ServeError)
     async def _unavailable(request: Request, exc: ServeError):
         return JSONResponse(error_body(str(exc), kind="server_error"), status_code=503)
@@ -286,6 +313,8 @@ def add_generation_routes(app, served: ServedModel) -> None:
     """/health, /v1/models, /v1/completions and /v1/chat/completions."""
     @app.get("/health")
     async def health():
+        if not served.scheduler.alive:  # a probe must see that nothing will be generated any more
+            raise ServeError("the generation thread has stopped (see the server log): restart the server")
         return {"status": "ok", "weight_version": served.scheduler.weight_version,
                 "running_rows": served.scheduler.num_running}
 

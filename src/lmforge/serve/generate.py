@@ -24,7 +24,6 @@ template): what lm-eval's remote tokenizer (``tokenizer_backend="remote"``) call
 """
 # No ``from __future__ import annotations``: FastAPI reads the route signatures at runtime (app.py).
 # ``served`` below is app.py's ServedModel, not imported: app.py imports this module (no import cycles).
-import asyncio
 import time
 import uuid
 from typing import Any
@@ -127,11 +126,10 @@ async def generate_tokens(served, body: GenerateRequest, session_id: str | None)
         max_tokens = served.check_prompt(prompt, sampling.max_tokens, None)
         request = served.request(prompt, sampling, max_tokens)
         request.session_id = session_id
-        future = served.submit(request)
+        result = await served.wait(request)  # submits (n over the batch is a RequestError) and awaits
     except RequestError as exc:
         exc.param = "token_ids" if exc.param == "prompt" else exc.param and f"sampling_params.{exc.param}"
         raise
-    result = await asyncio.wrap_future(future)
     choices = [{"index": i, "token_ids": s.token_ids, "finish_reason": s.finish_reason,
                 "logprobs": token_logprobs(s.token_ids, s.logprobs, s.top_logprobs, sampling.logprobs)}
                for i, s in enumerate(result.samples)]

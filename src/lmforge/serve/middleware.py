@@ -7,6 +7,11 @@ it). It counts every answered request by route and status, and, when the server 
 ``Authorization: Bearer <key>``, except on the open paths: ``/health`` (load balancers' probes)
 and ``/metrics`` (counts only, no request content).
 
+It also notices a client that hangs up before its (non-streamed) answer: once the request's body has
+been read, a watcher waits on the connection, and a disconnect sets the request's ``client_gone()``
+event, which ``ServedModel.wait`` (app.py) races against the generation so that the rows of a request
+nobody will read leave the batch at the next step.
+
 The exposition is written by hand (a dozen lines; no ``prometheus_client`` dependency): counters of
 requests (``route``, ``status``), prompt and generated tokens and decode steps; gauges of the
 waiting requests, the running rows, the batch's row limit and occupancy, and the weight version.
@@ -15,12 +20,21 @@ by ``other``, so the label set stays bounded.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import contextvars
 import hmac
 import json
 import threading
 from collections import Counter
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+_CLIENT_GONE: contextvars.ContextVar[asyncio.Event | None] = contextvars.ContextVar("client_gone", default=None)
+
+
+def client_gone() -> asyncio.Event | None:
+    """The current request's disconnect event (set when its client hangs up), or None outside a request."""
+    return _CLIENT_GONE.get()
 
 
 class RequestCounts:
@@ -44,7 +58,7 @@ class Guard:
 
     def __init__(self, app, counts: RequestCounts, router, api_key: str | None = None):
         self.app, self.counts, self.router = app, counts, router  # router: its routes label the counts
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = api_key.encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -61,9 +75,26 @@ class Guard:
                 status = message["status"]
             await send(message)
 
+        gone, watcher = asyncio.Event(), None
+
+        async def watching_receive():
+            nonlocal watcher
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                gone.set()
+            elif message["type"] == "http.request" and not message.get("more_body") and watcher is None:
+                watcher = asyncio.ensure_future(_watch(receive, gone))  # the body is in: wait on the connection
+            return message
+
+        token = _CLIENT_GONE.set(gone)
         try:
-            await self.app(scope, receive, counting_send)
+            await self.app(scope, watching_receive, counting_send)
         finally:
+            _CLIENT_GONE.reset(token)
+            if watcher is not None:
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
             self.counts.add(self._route(scope), status)
 
     def _route(self, scope) -> str:
@@ -75,8 +106,15 @@ class Guard:
         return "other"
 
     def _authorized(self, scope) -> bool:
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        return hmac.compare_digest(given, self.expected)  # constant time: the key is not guessed byte by byte
+        scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+        # the scheme is case-insensitive (RFC 7235); the key is compared in constant time, not byte by byte
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.expected)
+
+
+async def _watch(receive, gone: asyncio.Event) -> None:
+    """After the body: the next message is ``http.disconnect``, when the client hangs up (or the reply is sent)."""
+    if (await receive())["type"] == "http.disconnect":
+        gone.set()
 
 
 async def _unauthorized(send) -> None:

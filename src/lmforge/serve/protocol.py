@@ -70,7 +70,7 @@ class _Sampling(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)
     stop: Union[str, list[str], None] = Field(default_factory=list)  # validated into a list
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, lt=2**64)  # what torch.Generator.manual_seed takes
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = Field(default_factory=dict)  # token id (as a string, OpenAI's JSON) -> added to its logit
@@ -161,6 +161,9 @@ class ToolCallPart(_Strict):
     index: int | None = Field(None, exclude=True)  # a streamed call's position, kept by accumulating clients
 
 
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
 class ChatMessage(_Strict):
     role: str
     content: Any = None  # a string, a list of text parts (joined, validated below) or None
@@ -193,6 +196,15 @@ class ChatMessage(_Strict):
                                  f"{sorted(part)}")
             texts.append(part["text"])
         return "\n".join(texts)
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, value):
+        """OpenAI's roles; ``developer`` (its newer name for the system message) is rendered as ``system``, which
+        is what chat templates know. Anything else is a 400, not a turn the template would render verbatim."""
+        if value not in ROLES:
+            raise ValueError(f"unknown role {value!r}: send one of {', '.join(sorted(ROLES))}")
+        return "system" if value == "developer" else value
 
     @field_validator("function_call")
     @classmethod
