@@ -25,6 +25,15 @@ def tiny_model(seed: int = 0, sharpness: float = 3.0):
     return model.eval(), tokenizer
 
 
+def ascii_model(context: int = 2048, seed: int = 0):
+    """(model, tokenizer): a tiny random Llama on the ASCII character tokenizer (``char:ascii``), which xgrammar
+    can describe; at temperature 1 it writes noise, so a valid structure in its replies is the grammar's doing."""
+    cfg = ModelConfig(name="tiny:llama", tokenizer="char:ascii", hidden_size=32, num_layers=2, num_heads=2,
+                      max_position_embeddings=context, init_seed=seed)
+    model, tokenizer = load_model(cfg)
+    return model.eval(), tokenizer
+
+
 class ThreadServer:
     """``build_app(served)`` under uvicorn in a background thread, on 127.0.0.1 and a free port."""
 
@@ -50,6 +59,12 @@ class ThreadServer:
         self.server.should_exit = True
         self.thread.join(60)
         assert not self.thread.is_alive(), "the server thread did not stop"
+
+
+@pytest.fixture(scope="session")
+def make_ascii():
+    """The ``ascii_model`` factory (module-scoped fixtures build their models with it)."""
+    return ascii_model
 
 
 @pytest.fixture

@@ -15,9 +15,6 @@ import json
 
 import pytest
 
-from lmforge.config import ModelConfig
-from lmforge.models import load_model
-
 openai = pytest.importorskip("openai")
 pytest.importorskip("xgrammar")
 
@@ -28,11 +25,8 @@ ADD_TOOL = {"type": "function", "function": {"name": "add", "description": "Add 
 
 
 @pytest.fixture(scope="module")
-def long_context_model():
-    cfg = ModelConfig(name="tiny:llama", tokenizer="char:ascii", hidden_size=32, num_layers=2, num_heads=2,
-                      max_position_embeddings=32768, init_seed=1)
-    model, tokenizer = load_model(cfg)
-    return model.eval(), tokenizer
+def long_context_model(make_ascii):
+    return make_ascii(context=32768, seed=1)
 
 
 @pytest.fixture

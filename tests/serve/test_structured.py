@@ -16,9 +16,7 @@ import math
 import pytest
 import torch
 
-from lmforge.config import ModelConfig
 from lmforge.envs.toolcalls import parse_tool_calls
-from lmforge.models import load_model
 
 openai = pytest.importorskip("openai")
 xgr = pytest.importorskip("xgrammar")
@@ -60,11 +58,8 @@ def parse_json(text: str):
 
 
 @pytest.fixture(scope="module")
-def ascii_model():
-    cfg = ModelConfig(name="tiny:llama", tokenizer="char:ascii", hidden_size=32, num_layers=2, num_heads=2,
-                      max_position_embeddings=2048, init_seed=0)
-    model, tokenizer = load_model(cfg)
-    return model.eval(), tokenizer
+def ascii_model(make_ascii):
+    return make_ascii(context=2048, seed=0)
 
 
 @pytest.fixture
