@@ -1,5 +1,5 @@
-"""``lmforge serve tiny:llama`` as a user starts it: a subprocess that answers, and on SIGINT lets the
-request in flight finish, then exits with status 0."""
+"""``lmforge serve tiny:llama`` as a user starts it: a subprocess that answers, and on SIGINT (Ctrl-C) or
+SIGTERM (what docker and systemd send) lets the request in flight finish, then exits with status 0."""
 from __future__ import annotations
 
 import os
@@ -16,7 +16,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 
-def test_cli_serve_answers_and_shuts_down_cleanly(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_cli_serve_answers_and_shuts_down_cleanly(tmp_path, stop):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -49,7 +50,7 @@ def test_cli_serve_answers_and_shuts_down_cleanly(tmp_path):
         while httpx.get(url + "/health", timeout=10).json()["running_rows"] == 0:  # wait until it decodes
             assert client.is_alive(), "the request finished before it was seen running"
             time.sleep(0.005)
-        process.send_signal(signal.SIGINT)
+        process.send_signal(stop)
         client.join(120)
         assert process.wait(60) == 0
     finally:

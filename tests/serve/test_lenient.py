@@ -159,3 +159,27 @@ def test_health_fails_once_the_generation_thread_has_stopped(server):
     server.served.scheduler.shutdown()
     response = httpx.get(server.url + "/health", timeout=10)
     assert response.status_code == 503 and "generation thread" in response.json()["error"]["message"]
+
+
+TOOL = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+
+
+@pytest.mark.parametrize("tools, param, needle", [
+    ([{**TOOL, "function": {**TOOL["function"], "name": "my tool"}}], "tools.0.function.name", "^[a-zA-Z0-9_-]{1,64}$"),
+    ([{**TOOL, "function": {**TOOL["function"], "name": "x" * 65}}], "tools.0.function.name", "OpenAI's rule"),
+    ([TOOL, TOOL], "tools.1.function.name", "two tools are named 'add'"),
+    ([{**TOOL, "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "int"}}}}}],
+     "tools.0.function.parameters", "not a valid JSON Schema at properties/a/type"),
+    ([{**TOOL, "function": {"name": "add", "parameters": {"type": "object", "required": "a"}}}],
+     "tools.0.function.parameters", "not a valid JSON Schema at required"),
+    ([{**TOOL, "function": {"name": "add", "parameters": {"type": "string"}}}],
+     "tools.0.function.parameters", "object schema"),
+])
+def test_tool_definitions_openai_refuses_are_a_400_naming_the_field(roomy, tools, param, needle):
+    pytest.importorskip("jsonschema")
+    response = chat(roomy, [QUESTION], tools=tools)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and needle in error["message"], error
+    assert chat(roomy, [QUESTION], tools=[TOOL]).status_code == 200  # the well-formed one is served

@@ -454,8 +454,25 @@ def add_metrics_route(app, served: ServedModel, counts: RequestCounts) -> None:
 
 def run_server(served: ServedModel, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
                api_key: str | None = None) -> None:
-    """Serve until SIGINT / SIGTERM; open requests finish first, then the scheduler thread stops."""
+    """Serve until SIGINT / SIGTERM; open requests finish first, then the scheduler thread stops and the
+    process exits 0 on either signal.
+
+    uvicorn catches both, shuts down gracefully, then raises the signal again under the handler it found.
+    SIGINT's is Python's (a KeyboardInterrupt, which ``uvicorn.run`` swallows); SIGTERM's default would kill
+    the process there (status -15 after a clean shutdown), so SIGTERM is made a KeyboardInterrupt too."""
+    import signal
+    import threading
+
     _require_fastapi()
     import uvicorn
 
-    uvicorn.run(build_app(served, api_key), host=host, port=port, log_level=log_level)
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, interrupt) if main else None
+    try:
+        uvicorn.run(build_app(served, api_key), host=host, port=port, log_level=log_level)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)

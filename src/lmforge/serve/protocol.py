@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from typing import Any, Literal, Union
@@ -220,11 +221,43 @@ class ChatMessage(_Strict):
         return self
 
 
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
+
+
 class FunctionSpec(_Strict):
-    name: str = Field(min_length=1)
+    name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema, given to the chat template as is
     strict: bool | None = None  # true: calls of this tool follow its parameters, by constrained decoding (grammar.py)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value):
+        if not TOOL_NAME.fullmatch(value):
+            raise ValueError(f"function names must match ^[a-zA-Z0-9_-]{{1,64}}$ (OpenAI's rule), got {value!r}")
+        return value
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema(cls, value):
+        """An object schema that is valid JSON Schema (checked against its metaschema by ``jsonschema``, part
+        of the serve extra; skipped where it is not installed): the model is shown it and calls are parsed
+        as objects, so a broken schema is the request's error, not a confused model's."""
+        if value is None:
+            return value
+        if value.get("type", "object") != "object":
+            raise ValueError(f"a function's parameters are an object schema (type \"object\"), got type "
+                             f"{json.dumps(value['type'])}")
+        try:
+            import jsonschema
+        except ImportError:
+            return value
+        try:
+            jsonschema.validators.validator_for(value).check_schema(value)
+        except jsonschema.SchemaError as exc:
+            where = "/".join(map(str, exc.absolute_path)) or "the top level"
+            raise ValueError(f"not a valid JSON Schema at {where}: {exc.message}") from None
+        return value
 
 
 class ToolSpec(_Strict):

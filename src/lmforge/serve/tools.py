@@ -43,6 +43,11 @@ def request_tools(body) -> tuple[list[dict] | None, bool]:
     """(the tool schemas to render, whether to parse the reply for calls) of a ChatRequest; a
     ``tool_choice`` that is not one of the four forms, or names no tool, is a ToolRequestError."""
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    names = [t["function"]["name"] for t in tools]
+    for i, name in enumerate(names):
+        if name in names[:i]:  # which one a call names would be ambiguous
+            raise ToolRequestError(f"two tools are named {name!r}: tools {names.index(name)} and {i}",
+                                   f"tools.{i}.function.name")
     choice = body.tool_choice
     if choice is not None and not tools:
         raise ToolRequestError("tool_choice needs tools: send tools, or leave tool_choice out", "tool_choice")
