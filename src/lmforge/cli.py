@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
@@ -87,39 +88,73 @@ def _config_command(sub, name: str, help_text: str, config_cls, runner: Callable
     parser.set_defaults(func=run)
 
 
-def _recipes() -> list[tuple[str, str, type, Callable]]:
-    from .recipes.distill import DistillConfig, run_distill
-    from .recipes.dpo import DPOConfig, run_dpo
-    from .recipes.grpo import GRPOConfig, run_grpo
-    from .recipes.ppo import PPOConfig, run_ppo
-    from .recipes.pretrain import PretrainConfig, run_pretrain
-    from .recipes.quickstart import QuickstartConfig, run_quickstart
-    from .recipes.rm import RMConfig, run_rm
-    from .recipes.sft import SFTConfig, run_sft
+# command: (help text, its module under lmforge.recipes, the config class and the run function there)
+RECIPES = {
+    "quickstart": ("train a tiny model on synthetic addition (SFT, then GRPO), offline, in minutes",
+                   "quickstart", "QuickstartConfig", "run_quickstart"),
+    "pretrain": ("train a model on packed raw text (optionally its own BPE tokenizer)",
+                 "pretrain", "PretrainConfig", "run_pretrain"),
+    "sft": ("supervised fine-tuning with a completion-only loss", "sft", "SFTConfig", "run_sft"),
+    "grpo": ("RL from verifiable rewards: GRPO and its variants (Dr. GRPO, DAPO, GSPO, RLOO)",
+             "grpo", "GRPOConfig", "run_grpo"),
+    "ppo": ("RL from verifiable rewards: PPO with a value head and GAE", "ppo", "PPOConfig", "run_ppo"),
+    "dpo": ("preference optimisation on prompt / chosen / rejected pairs: DPO, IPO, SimPO",
+            "dpo", "DPOConfig", "run_dpo"),
+    "rm": (("a reward model (Bradley-Terry) on prompt / chosen / rejected pairs, saved for "
+            "AutoModelForSequenceClassification"), "rm", "RMConfig", "run_rm"),
+    "distill": (("distillation from a teacher: on-policy (per-token reverse KL on the student's samples) or "
+                 "logit (forward KL at a temperature on fixed data)"), "distill", "DistillConfig", "run_distill"),
+}
+# the listed help of the commands built by a module that imports torch (tests/recipes/test_cli.py checks it
+# against the built command's)
+ANTIDISTILL_HELP = "antidistillation sampling pipeline: traces, grad, sample, distill, eval, report (or all)"
+SERVE_HELP = ("OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) with batching and weight "
+              "updates")
+QUANTIZE_HELP = "write a quantized checkpoint (compressed-tensors, GGUF, ternary)"
 
-    return [
-        ("quickstart", "train a tiny model on synthetic addition (SFT, then GRPO), offline, in minutes",
-         QuickstartConfig, run_quickstart),
-        ("pretrain", "train a model on packed raw text (optionally its own BPE tokenizer)",
-         PretrainConfig, run_pretrain),
-        ("sft", "supervised fine-tuning with a completion-only loss", SFTConfig, run_sft),
-        ("grpo", "RL from verifiable rewards: GRPO and its variants (Dr. GRPO, DAPO, GSPO, RLOO)",
-         GRPOConfig, run_grpo),
-        ("ppo", "RL from verifiable rewards: PPO with a value head and GAE", PPOConfig, run_ppo),
-        ("dpo", "preference optimisation on prompt / chosen / rejected pairs: DPO, IPO, SimPO", DPOConfig, run_dpo),
-        ("rm", "a reward model (Bradley-Terry) on prompt / chosen / rejected pairs, saved for "
-         "AutoModelForSequenceClassification", RMConfig, run_rm),
-        ("distill", "distillation from a teacher: on-policy (per-token reverse KL on the student's samples) or "
-         "logit (forward KL at a temperature on fixed data)", DistillConfig, run_distill),
-    ]
+
+class Commands(argparse._SubParsersAction):
+    """Subcommands whose parsers are built when one is chosen: building most of them imports torch (a
+    config class, a table of formats), which ``lmforge --help`` and ``--version`` must not wait for."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.builders: dict[str, Callable] = {}
+
+    def add_command(self, name: str, help_text: str, build: Callable) -> None:
+        """List ``name`` with ``help_text``; ``build(self)`` adds its real parser once it is chosen."""
+        self.add_parser(name, help=help_text)
+        self.builders[name] = build
+
+    def build(self, name: str) -> None:
+        build = self.builders.pop(name, None)
+        if build is not None:
+            del self._name_parser_map[name]
+            listed = [action.dest for action in self._choices_actions].index(name)
+            self._choices_actions.pop(listed)
+            build(self)
+            self._choices_actions.insert(listed, self._choices_actions.pop())  # listed where it was
+
+    def build_all(self) -> None:
+        for name in list(self.builders):
+            self.build(name)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        self.build(values[0])
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _recipe(sub, name: str) -> None:
+    help_text, module, config, runner = RECIPES[name]
+    recipe = importlib.import_module(f".recipes.{module}", __package__)
+    _config_command(sub, name, help_text, getattr(recipe, config), getattr(recipe, runner))
 
 
 def _antidistill(sub) -> None:
     """``lmforge antidistill <stage> CONFIG``: one subcommand per pipeline stage, sharing one config."""
     from .recipes.antidistill import STAGES, AntidistillConfig
 
-    parser = sub.add_parser("antidistill", help="antidistillation sampling pipeline: traces, grad, sample, "
-                            "distill, eval, report (or all)", description="antidistillation sampling pipeline")
+    parser = sub.add_parser("antidistill", help=ANTIDISTILL_HELP, description="antidistillation sampling pipeline")
     stages = parser.add_subparsers(dest="stage", metavar="STAGE", required=True)
     for name, (help_text, runner) in STAGES.items():
         _config_command(stages, name, help_text, AntidistillConfig, runner)
@@ -154,9 +189,9 @@ def _plot(args) -> None:
     print(plot_run(args.run_dir, args.out))
 
 
-def _quant_commands(sub) -> None:
-    """``lmforge quantize`` and ``lmforge dequantize`` (see lmforge.quantize)."""
-    from .quantize import FORMATS, dequantize, quantize
+def _quantize(sub) -> None:
+    """``lmforge quantize`` (see lmforge.quantize)."""
+    from .quantize import FORMATS, quantize
 
     def run_quantize(args) -> None:
         result = quantize(args.model, args.format, args.out)
@@ -164,31 +199,37 @@ def _quant_commands(sub) -> None:
               f"{result.seconds:.1f} s ({', '.join(f.name for f in result.files)})")
 
     formats = "\n".join(f"  {f.name:<14} {f.description}" for f in FORMATS.values())
-    q = sub.add_parser("quantize", help="write a quantized checkpoint (compressed-tensors, GGUF, ternary)",
-                       epilog="formats:\n" + formats)
+    q = sub.add_parser("quantize", help=QUANTIZE_HELP, epilog="formats:\n" + formats)
     q.add_argument("model", help="HF directory, a run's final/ directory, a .gguf file or smollm2-135m-instruct")
     q.add_argument("--format", required=True, metavar="F", help="one of the formats listed below")
     q.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     q.set_defaults(func=run_quantize)
-    d = sub.add_parser("dequantize", help="turn a quantized checkpoint back into a plain HF directory")
-    d.add_argument("source", help="a directory written by `lmforge quantize`, or a .gguf file")
-    d.add_argument("--out", required=True, help="output HF directory (must not exist or be empty)")
-    d.set_defaults(func=lambda args: print(f"wrote {dequantize(args.source, args.out)}"))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _dequantize(args) -> None:
+    from .quantize import dequantize
+
+    print(f"wrote {dequantize(args.source, args.out)}")
+
+
+def _serve(sub) -> None:
+    from .serve.command import add_parser
+
+    add_parser(sub)
+
+
+def build_parser(complete: bool = False) -> argparse.ArgumentParser:
+    """The ``lmforge`` parser; a command's own parser is built when it is chosen (or now, if ``complete``)."""
     from . import __version__
 
     parser = Parser(prog="lmforge", description=textwrap.dedent(__doc__ or ""))
     parser.add_argument("--version", action="version", version=f"lmforge {__version__}",
                         help="print lmforge's version and exit")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, help_text, config_cls, runner in _recipes():
-        _config_command(sub, name, help_text, config_cls, runner)
-    _antidistill(sub)
-    from .serve.command import add_parser as add_serve_parser
-
-    add_serve_parser(sub)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", action=Commands)
+    for name, (help_text, *_) in RECIPES.items():
+        sub.add_command(name, help_text, lambda sub, name=name: _recipe(sub, name))
+    sub.add_command("antidistill", ANTIDISTILL_HELP, _antidistill)
+    sub.add_command("serve", SERVE_HELP, _serve)
     hw = sub.add_parser("hardware", help="print detected hardware and the automatic choices")
     hw.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | mps")
     hw.set_defaults(func=_hardware)
@@ -202,7 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", help="run directory holding metrics.jsonl")
     plot.add_argument("--out", default=None, help="output PNG (default RUN_DIR/curves.png)")
     plot.set_defaults(func=_plot)
-    _quant_commands(sub)
+    sub.add_command("quantize", QUANTIZE_HELP, _quantize)
+    d = sub.add_parser("dequantize", help="turn a quantized checkpoint back into a plain HF directory")
+    d.add_argument("source", help="a directory written by `lmforge quantize`, or a .gguf file")
+    d.add_argument("--out", required=True, help="output HF directory (must not exist or be empty)")
+    d.set_defaults(func=_dequantize)
+    if complete:
+        sub.build_all()
     return parser
 
 

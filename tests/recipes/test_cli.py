@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from lmforge.cli import main
+from lmforge.cli import build_parser, main
 
 
 def help_text(capsys, *args) -> str:
@@ -32,6 +32,28 @@ def test_console_script_entry_point_runs():
     # one subprocess: `python -m lmforge.cli` as the installed `lmforge` script runs it
     proc = subprocess.run([sys.executable, "-m", "lmforge.cli", "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "lmforge" in proc.stdout, proc.stderr
+
+
+# the commands whose help needs no torch yet: the recipes' config classes, lmforge.serve and the quantize
+# formats are defined in modules that import torch (issue 38)
+LIGHT_HELP = [["--version"], ["--help"], ["hardware", "--help"], ["export", "--help"], ["plot", "--help"],
+              ["dequantize", "--help"]]
+
+
+def test_version_and_help_import_no_torch():
+    # `lmforge --version` / `--help` in a fresh process: importing torch and transformers takes seconds
+    script = ("import contextlib, io, sys\nfrom lmforge.cli import main\n"
+              f"for argv in {LIGHT_HELP!r}:\n"
+              "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+              "        main(argv)\n"
+              "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", (proc.stdout, proc.stderr)
+
+
+def test_listed_help_is_the_built_commands_help():
+    # the listing of `lmforge --help` is built before the commands are: it says what they say
+    assert build_parser().format_help() == build_parser(complete=True).format_help()
 
 
 def test_unknown_key_exits_with_suggestion(capsys):

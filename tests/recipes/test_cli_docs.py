@@ -35,7 +35,7 @@ def test_version(capsys):
 
 
 def test_every_option_of_every_command_has_help_and_its_default():
-    commands = dict(subcommands(build_parser()))
+    commands = dict(subcommands(build_parser(complete=True)))
     assert {"lmforge serve", "lmforge grpo", "lmforge antidistill sample", "lmforge quantize"} <= set(commands)
     for name, parser in commands.items():
         text = parser.format_help()

@@ -400,15 +400,14 @@ def test_optional_float_rejects_non_finite_but_accepts_null():
 # ----------------------------------------------------------------------------- the CLI
 
 def _fail_in_recipe(monkeypatch, exc):
-    """`lmforge sft` runs a recipe that raises ``exc`` (patched in the CLI's table, so that no recipe
-    module keeps the broken function after the test)."""
-    real = cli._recipes
+    """`lmforge sft` runs a recipe that raises ``exc`` (the CLI looks its run function up when it builds
+    the command; monkeypatch puts the real one back after the test)."""
+    from lmforge.recipes import sft
 
     def broken(cfg):
         raise exc
 
-    monkeypatch.setattr(cli, "_recipes", lambda: [(name, text, cls, broken if name == "sft" else runner)
-                                                   for name, text, cls, runner in real()])
+    monkeypatch.setattr(sft, "run_sft", broken)
 
 
 def test_cli_internal_error_exit_1_with_a_traceback_log(tmp_path, monkeypatch, capsys):

@@ -4,9 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
-import torch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("bfloat16", "float16", "float32")  # names of torch dtypes (torch is imported to run, not to parse)
 
 
 def add_parser(sub) -> None:
@@ -43,6 +41,8 @@ def _model_spec(spec: str) -> str:
 
 
 def run(args: argparse.Namespace) -> None:
+    import torch
+
     from ..config import ModelConfig
     from ..hardware import detect
     from ..models import load_model
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     device = detect(args.device).device
     model, tokenizer = load_model(ModelConfig(name=_model_spec(args.model), tokenizer=args.tokenizer),
-                                  dtype=DTYPES[args.dtype])
+                                  dtype=getattr(torch, args.dtype))
     served = ServedModel(model.to(device), tokenizer, args.name or args.model, max_batch_rows=args.max_batch_rows,
                          gather_s=args.gather_ms / 1000, aliases=(args.model,))
     print(f"lmforge serve: {args.name or args.model} on {device} ({args.dtype}), context {served.max_model_len} "
