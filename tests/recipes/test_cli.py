@@ -37,7 +37,7 @@ def test_console_script_entry_point_runs():
 # the commands whose help needs no torch yet: the recipes' config classes, lmforge.serve and the quantize
 # formats are defined in modules that import torch (issue 38)
 LIGHT_HELP = [["--version"], ["--help"], ["hardware", "--help"], ["export", "--help"], ["plot", "--help"],
-              ["dequantize", "--help"]]
+              ["dequantize", "--help"], ["serve", "--help"]]
 
 
 def test_version_and_help_import_no_torch():
