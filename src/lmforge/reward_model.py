@@ -95,10 +95,18 @@ def load_reward_model(path: str | Path, dtype: torch.dtype = torch.float32):
     check_reward_model_dir(path)
     tokenizer = load_tokenizer_for(ModelConfig(name=str(path)))
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=dtype)
+        model, info = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=dtype,
+                                                                         output_loading_info=True)
     except Exception as exc:  # noqa: BLE001 - any failure here is about the directory's files
         raise ConfigError(f"reward model {str(path)!r}: transformers cannot load it "
                           f"({type(exc).__name__}: {exc})") from exc
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:  # transformers fills them with random values: a random head scores noise, and the run exits 0
+        raise ConfigError(f"reward model {str(path)!r}: its weights lack {len(missing)} tensor(s) the config's "
+                          f"{model.config.architectures} needs ({', '.join(missing[:5])}), which would be random; "
+                          "its config names a scoring head its weights do not hold (a causal LM's weights under a "
+                          "reward model's config.json?). Point rm: at the directory `lmforge rm` wrote (its final/ "
+                          "or a step-N/model/), or train one with `lmforge rm CONFIG`")
     if model.config.pad_token_id is None:
         raise ConfigError(f"reward model {str(path)!r}: config.json has no pad_token_id (the reward is read at "
                           "the last non-pad token)")

@@ -124,3 +124,16 @@ def test_grpo_with_a_missing_reward_model_stops_before_taking_the_run_directory(
     with pytest.raises(ConfigError, match="no such directory"):
         run_grpo(load_config(GRPOConfig, None, args))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_reward_model_config_over_weights_without_the_head_is_refused(tmp_path):
+    """A causal LM's weights under a reward model's config.json: transformers would load it with a random
+    scoring head (a warning, then noise for rewards and exit 0); lmforge names the missing tensors."""
+    model, tokenizer = load_model(TINY)
+    save_model(model, tokenizer, tmp_path / "lm")
+    config = json.loads((tmp_path / "lm" / "config.json").read_text())
+    config.update(architectures=["LlamaForSequenceClassification"], num_labels=1, id2label={"0": "LABEL_0"},
+                  label2id={"LABEL_0": 0})
+    (tmp_path / "lm" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"weights lack 1 tensor\(s\).*\(score\.weight\).*lmforge rm"):
+        RewardSet([(f"rm:{tmp_path / 'lm'}", 1.0)])
