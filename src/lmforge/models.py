@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -211,9 +212,23 @@ def resolve_pretrained(spec: str) -> str:
                                  + (f"; it is a checkpoint: its model is {inner}" if inner else ""))
         _check_config_json(path / "config.json")
         return str(path)
-    if spec.startswith(("./", "/", "../", "~")):
-        raise ModelLoadError(f"model path not found: {spec}")
+    if spec.startswith(("./", "/", "../", "~")) or spec.count("/") > 1:  # a hub id is "owner/name"
+        raise ModelLoadError(f"model path not found: {spec}: no such directory{_maker_hint(spec)}")
     return spec
+
+
+def _maker_hint(spec: str) -> str:
+    """Where a shipped example writes the run directory ``spec`` lies in (its ``output_dir``), as a hint."""
+    examples = Path(__file__).resolve().parents[2] / "examples"  # a source checkout; absent from a wheel
+    parts = Path(spec).parts
+    for depth in range(len(parts) - 1, 0, -1):
+        run_dir = "/".join(parts[:depth])
+        pattern = re.compile(rf"output_dir[:=]\s*{re.escape(run_dir)}\s*$", re.MULTILINE)
+        for example in sorted(examples.glob("*.yaml")) if examples.is_dir() else []:
+            if pattern.search(example.read_text(errors="replace")):
+                return (f" (the run directory {run_dir} is written by a command in examples/{example.name}: see "
+                        "its comments; run it first, or point model.name at a model that exists)")
+    return ""
 
 
 def _refuse_reward_model(source: str, spec: str) -> None:

@@ -50,6 +50,14 @@ def test_bad_specs_are_clear(tmp_path, monkeypatch):
         load_model(ModelConfig(name=str(tmp_path / "missing.gguf"), tokenizer="char"))
     with pytest.raises(ModelLoadError, match="model path not found"):
         load_model(ModelConfig(name="./nowhere/model", tokenizer="char"))
+    # a relative path of a run that was never made: the missing directory, not a hub id; and for a shipped
+    # example's run directory, which example writes it (examples/grpo_calculator.yaml starts from this one)
+    monkeypatch.chdir(tmp_path)  # whatever runs/ the checkout holds
+    with pytest.raises(ModelLoadError, match=r"runs/sft_calculator3/final: no such directory \(the run directory "
+                       r"runs/sft_calculator3 is written by a command in examples/sft_calculator\.yaml"):
+        load_model(ModelConfig(name="runs/sft_calculator3/final", tokenizer="char"))
+    with pytest.raises(ModelLoadError, match=r"runs/never_made/final: no such directory$"):
+        load_model(ModelConfig(name="runs/never_made/final", tokenizer="char"))
     # huggingface_hub reads HF_HUB_OFFLINE once, at import: set its constant, or this waits ~45 s on
     # network timeouts instead of failing at once
     import huggingface_hub.constants
