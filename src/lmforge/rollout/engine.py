@@ -216,8 +216,11 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
     logits: (B, V). Returns (B, V) float32: log_softmax(logits / T), with tokens outside the top-k set
     and then outside the top-p nucleus set to -inf and the rest renormalised. Ties at the k-th value
-    are all kept. T = 0 is treated as T = 1 here (greedy stores untempered logprobs).
+    are all kept. T = 0 (greedy) is the untempered, untruncated log_softmax(logits): the distribution
+    ``sample_token`` reports a greedy token's logprob from.
     """
+    if params.temperature == 0:
+        return torch.log_softmax(logits.float(), dim=-1)
     scaled = logits.float()
     if params.temperature not in (0.0, 1.0):
         scaled = scaled / params.temperature

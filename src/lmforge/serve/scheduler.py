@@ -370,11 +370,8 @@ class BatchScheduler:
             tokens[index] = picked
             wanted = max(self._rows[b].request.top_logprobs for b in rows)
             top = None
-            if wanted:  # the most likely alternatives of the distribution each token was drawn from; greedy
-                # rows report the untempered, untruncated log-softmax, as their sampled token's logprob is
-                params = first.request.params
-                dist = torch.log_softmax(logits.float(), -1) if params.temperature == 0 else process_logits(logits, params)
-                values, ids = torch.topk(dist, wanted, dim=-1)
+            if wanted:  # the most likely alternatives of the distribution each token was drawn from
+                values, ids = torch.topk(process_logits(logits, first.request.params), wanted, dim=-1)
                 top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
             for i, (b, token, logprob) in enumerate(zip(rows, picked.tolist(), logprobs.tolist())):
                 row = self._rows[b]
