@@ -33,7 +33,7 @@ from .protocol import (
     sampling_params,
     stop_ids_of,
 )
-from .extras import extra_processors, scheduler_penalties
+from .extras import extra_processors
 from .grammar import ConstraintError, Grammars, chat_processors
 from .middleware import Guard, RequestCounts, client_gone, exposition
 from .responses import add_responses_routes
@@ -139,9 +139,9 @@ class ServedModel:
         if body.min_tokens > max_tokens:
             raise RequestError(f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})",
                                param="min_tokens")
-        frequency, presence = scheduler_penalties(body)
         return GenerationRequest(prompt, sampling_params(body, max_tokens, self.stop_token_ids), n=body.n,
-                                 frequency_penalty=frequency, presence_penalty=presence,
+                                 frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+                                 repetition_penalty=body.repetition_penalty,
                                  logit_bias=dict(body.logit_bias), top_logprobs=body.top_logprobs or 0,
                                  processors=[*processors, *extra_processors(body, self.stop_ids(body))],
                                  min_tokens=body.min_tokens, on_token=on_token)

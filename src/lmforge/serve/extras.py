@@ -3,14 +3,15 @@
 Clients written for vLLM send these as top-level request fields (the ``openai`` client's
 ``extra_body``); ``protocol.py`` declares them, :func:`extra_processors` turns a request's into the
 factories ``GenerationRequest.processors`` takes. ``top_k`` needs no processor: it is the engine's
-own (``SamplingParams.top_k``), applied after temperature and before top-p, as vLLM does.
+own (``SamplingParams.top_k``), applied after temperature and before top-p, as vLLM does. The
+penalties need none either: the scheduler runs :class:`Penalties` on every penalised row, after
+``logit_bias`` and before any request processor.
 
 Order of operations per sampled token, vLLM's (``vllm/v1/sample/sampler.py``): raw logits ->
 ``min_tokens`` (stop ids to -inf) -> ``logit_bias`` -> penalties (``repetition_penalty``, then
 ``frequency_penalty``, ``presence_penalty``) -> temperature -> ``min_p`` -> top-k -> top-p -> draw.
-The scheduler adds ``logit_bias`` and OpenAI's two penalties before any processor; a request with a
-``repetition_penalty`` therefore has :class:`Penalties` apply all three in vLLM's order (and the
-scheduler none). ``min_tokens`` masks to -inf, so its place before ``logit_bias`` changes nothing.
+``min_tokens`` and a grammar mask set logits to -inf, which the penalties leave at -inf, so their
+place after the penalties changes nothing.
 
 ``min_p`` keeps the tokens with ``p_i >= min_p * p_max`` of the tempered distribution. Since
 ``p_i / p_max = exp((z_i - z_max) / T)``, that is ``z_i - z_max >= T * log(min_p)`` on the logits
@@ -46,20 +47,22 @@ class Penalties:
 
     def __init__(self, repetition: float, frequency: float, presence: float):
         self.repetition, self.frequency, self.presence = repetition, frequency, presence
-        self.seen: torch.Tensor | None = None  # (V,) bool: in the prompt or the output so far
         self.counts: torch.Tensor | None = None  # (V,) float32: how often each token was sampled
-        self.num_counted = 0  # tokens of the output already in ``seen`` / ``counts``
+        self.seen: torch.Tensor | None = None  # (V,) bool: in the prompt or the output so far (repetition only)
+        self.num_counted = 0  # tokens of the output already in ``counts`` / ``seen``
 
     def process(self, logits: torch.Tensor, prompt_ids: list[int], tokens: list[int]) -> None:
-        if self.seen is None:
-            self.seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-            self.seen[prompt_ids] = True
+        if self.counts is None:
             self.counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
+            if self.repetition != 1.0:
+                self.seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+                self.seen[prompt_ids] = True
         for token in tokens[self.num_counted:]:
-            self.seen[token] = True
             self.counts[token] += 1
+            if self.seen is not None:
+                self.seen[token] = True
         self.num_counted = len(tokens)
-        if self.repetition != 1.0:
+        if self.seen is not None:
             scale = torch.where(logits > 0, 1.0 / self.repetition, self.repetition)
             logits.copy_(torch.where(self.seen, logits * scale, logits))
         if self.frequency or self.presence:
@@ -83,15 +86,7 @@ def extra_processors(body, stop_ids: list[int]) -> list[Callable[[], object]]:
     made: list[Callable[[], object]] = []
     if body.min_tokens and stop_ids:
         made.append(lambda: MinTokens(body.min_tokens, stop_ids))
-    if body.repetition_penalty != 1.0:
-        made.append(lambda: Penalties(body.repetition_penalty, body.frequency_penalty, body.presence_penalty))
     if body.min_p > 0 and body.temperature > 0:
         made.append(lambda: MinP(body.min_p, body.temperature))
     return made
 
-
-def scheduler_penalties(body) -> tuple[float, float]:
-    """(frequency, presence) for the scheduler: zero when :class:`Penalties` applies them (module doc)."""
-    if body.repetition_penalty != 1.0:
-        return 0.0, 0.0
-    return body.frequency_penalty, body.presence_penalty

@@ -12,9 +12,10 @@ Sampling reuses the engine's ``sample_token`` and stores the same logprobs (``ro
 module doc): ``log p(token)`` of the processed distribution (temperature, then top-p) the token was
 drawn from; for temperature 0 the untempered model logprob. Rows with different sampling settings
 share the model call and are sampled in groups of equal settings. OpenAI's logit adjustments come
-first, per row, on the raw logits: ``logit_bias[j]`` is added, and ``frequency_penalty * c[j] +
-presence_penalty * (c[j] > 0)`` subtracted, where c[j] counts token j among the row's sampled
-tokens so far; the stored logprobs (and ``top_logprobs`` alternatives) are of the distribution after
+first, per row, on the raw logits: ``logit_bias[j]`` is added, then the penalties
+(``extras.Penalties``): vLLM's ``repetition_penalty`` over the prompt and the output, then
+``frequency_penalty * c[j] + presence_penalty * (c[j] > 0)`` subtracted, where c[j] counts token j
+among the row's sampled tokens so far; the stored logprobs (and ``top_logprobs`` alternatives) are of the distribution after
 them, the one the token was drawn from. A request's ``processors`` (``RowProcessor``: structured
 outputs, vLLM's sampling extras) run after them, per sample row, on the same raw logits. A request's
 ``min_tokens`` keeps stop tokens and stop strings from ending a sample before it has that many tokens.
@@ -46,6 +47,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from ..rollout.continuous import RunningBatch
+from .extras import Penalties
 from ..rollout.engine import SamplingParams, left_pad, prefill, process_logits, sample_token
 
 
@@ -81,6 +83,7 @@ class GenerationRequest:
     n: int = 1
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's (extras.Penalties); 1: off
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
     top_logprobs: int = 0
     processors: list[Callable[[], RowProcessor]] = dataclasses.field(default_factory=list)  # one of each per sample
@@ -92,7 +95,11 @@ class GenerationRequest:
 
     @property
     def adjusts_logits(self) -> bool:
-        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias or self.processors)
+        return bool(self.penalised or self.logit_bias or self.processors)
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
 
     def cancel(self) -> None:
         """The client is gone: never start, or free the running rows at the next step."""
@@ -123,7 +130,7 @@ class _Row:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
-    counts: torch.Tensor | None = None  # (V,) float32: how often each token was sampled (penalised rows only)
+    penalties: Penalties | None = None  # the request's penalties over this row's tokens (penalised rows only)
     processors: list[RowProcessor] = dataclasses.field(default_factory=list)  # made from request.processors
     finish_reason: str | None = None
 
@@ -328,10 +335,10 @@ class BatchScheduler:
                 generator = torch.Generator(device=self.device).manual_seed(request.params.seed)
             siblings: list[_Row] = []
             siblings += [_Row(request, generator, siblings, index=i) for i in range(request.n)]
-            if request.frequency_penalty or request.presence_penalty:
-                for row in siblings:
-                    row.counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=self.device)
             for row in siblings:
+                if request.penalised:
+                    row.penalties = Penalties(request.repetition_penalty, request.frequency_penalty,
+                                              request.presence_penalty)
                 row.processors = [make() for make in request.processors]
             new_rows += siblings
         self._batch.add(cache, mask, logits)
@@ -346,8 +353,8 @@ class BatchScheduler:
             if request.logit_bias:
                 ids = torch.tensor(list(request.logit_bias), device=self.device)
                 logits[i, ids] += torch.tensor(list(request.logit_bias.values()), device=self.device, dtype=logits.dtype)
-            if row.counts is not None:
-                logits[i] -= request.frequency_penalty * row.counts + request.presence_penalty * (row.counts > 0)
+            if row.penalties is not None:
+                row.penalties.process(logits[i], request.prompt_ids, row.tokens)
             for processor in row.processors:
                 processor.process(logits[i], request.prompt_ids, row.tokens)
         return logits
@@ -379,8 +386,6 @@ class BatchScheduler:
                 row.logprobs.append(logprob)
                 if row.request.top_logprobs:
                     row.top_logprobs.append(top[i][:row.request.top_logprobs])
-                if row.counts is not None:
-                    row.counts[token] += 1
         self.num_generated_tokens += len(self._rows)
         return tokens
 
