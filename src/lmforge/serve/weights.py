@@ -84,12 +84,9 @@ def copy_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 # ----------------------------------------------------------------------------- trainer side
 
-def state_dict_bytes(model: torch.nn.Module) -> bytes:
-    """``model``'s weights as safetensors bytes (tied tensors are cloned: safetensors refuses shared memory).
-    A model with LoRA adapters is sent merged (``W + scale * B A``) under the plain HF names, which is
-    what a server holding the plain model expects."""
-    from safetensors.torch import save
-
+def plain_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s weights under the plain HF names, detached: a model with LoRA adapters merged
+    (``W + scale * B A``), which is what a server holding the plain model expects."""
     from .. import lora
 
     unwrapped = getattr(model, "module", model)
@@ -99,7 +96,15 @@ def state_dict_bytes(model: torch.nn.Module) -> bytes:
         merged = dict(lora.merged_named_parameters(unwrapped))
         state = {lora.plain_name(name): merged.get(lora.plain_name(name), tensor)
                  for name, tensor in state.items() if ".lora_" not in name}
-    return save({name: t.detach().to("cpu").clone().contiguous() for name, t in state.items()})
+    return {name: t.detach() for name, t in state.items()}
+
+
+def state_dict_bytes(model: torch.nn.Module) -> bytes:
+    """``model``'s :func:`plain_state` as safetensors bytes (tied tensors are cloned: safetensors refuses
+    shared memory)."""
+    from safetensors.torch import save
+
+    return save({name: t.to("cpu").clone().contiguous() for name, t in plain_state(model).items()})
 
 
 

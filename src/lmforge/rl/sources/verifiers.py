@@ -66,7 +66,7 @@ from ...errors import ConfigError, TrainingError
 from ...parallel.context import free_port
 from ...rollout import RewardOutput
 from ...serve.atropos import IGNORE, batch_to_rollout
-from ...serve.weights import copy_state
+from ...serve.weights import copy_state, plain_state
 from ..batch import ScoredRollout
 from .base import Policy, SourceSetup
 
@@ -115,16 +115,6 @@ class PolicyServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(60)
-
-
-def plain_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``model``'s weights under the plain HF names (LoRA adapters merged in)."""
-    unwrapped = getattr(model, "module", model)
-    state = unwrapped.state_dict()
-    if lora.has_adapters(unwrapped):
-        merged = dict(lora.merged_named_parameters(unwrapped))
-        state = {lora.plain_name(n): merged.get(lora.plain_name(n), t) for n, t in state.items() if ".lora_" not in n}
-    return {name: t.detach() for name, t in state.items()}
 
 
 def served_copy(policy: torch.nn.Module) -> torch.nn.Module:
