@@ -1,15 +1,12 @@
-"""Fixtures for the serving tests: a tiny model with the char tokenizer, and a real server on a free port."""
+"""Fixtures for the serving tests: a tiny model with the char tokenizer, and a real server on a free port
+(``lmforge.serve.app.ThreadedServer``)."""
 from __future__ import annotations
-
-import threading
-import time
 
 import pytest
 import torch
 
 from lmforge.config import ModelConfig
 from lmforge.models import load_model
-from lmforge.parallel.context import free_port
 
 CONTEXT = 64  # max_position_embeddings of the test model: small, so the context-limit error is cheap to hit
 
@@ -34,33 +31,6 @@ def ascii_model(context: int = 2048, seed: int = 0):
     return model.eval(), tokenizer
 
 
-class ThreadServer:
-    """``build_app(served)`` under uvicorn in a background thread, on 127.0.0.1 and a free port."""
-
-    def __init__(self, served):
-        import uvicorn
-
-        from lmforge.serve.app import build_app
-
-        self.served = served
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(build_app(served), host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the test server did not start within 60 s")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)
-        assert not self.thread.is_alive(), "the server thread did not stop"
-
-
 @pytest.fixture(scope="session")
 def make_ascii():
     """The ``ascii_model`` factory (module-scoped fixtures build their models with it)."""
@@ -77,12 +47,12 @@ def make_tiny():
 def server():
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
-    from lmforge.serve.app import ServedModel
+    from lmforge.serve.app import ServedModel, ThreadedServer
 
     model, tokenizer = tiny_model()
-    running = ThreadServer(ServedModel(model, tokenizer, "tiny-test", max_batch_rows=32, gather_s=0.005))
+    running = ThreadedServer(ServedModel(model, tokenizer, "tiny-test", max_batch_rows=32, gather_s=0.005))
     yield running
-    running.stop()
+    assert running.stop(), "the server thread did not stop"
 
 
 @pytest.fixture
@@ -90,14 +60,14 @@ def serve_model():
     """Start a server on a given (model, tokenizer); every server started is stopped after the test."""
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
-    from lmforge.serve.app import ServedModel
+    from lmforge.serve.app import ServedModel, ThreadedServer
 
     started = []
 
-    def start(model, tokenizer, name: str = "tiny-test") -> ThreadServer:
-        started.append(ThreadServer(ServedModel(model, tokenizer, name, max_batch_rows=8, gather_s=0.005)))
+    def start(model, tokenizer, name: str = "tiny-test") -> ThreadedServer:
+        started.append(ThreadedServer(ServedModel(model, tokenizer, name, max_batch_rows=8, gather_s=0.005)))
         return started[-1]
 
     yield start
     for running in started:
-        running.stop()
+        assert running.stop(), "the server thread did not stop"

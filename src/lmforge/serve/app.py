@@ -452,6 +452,37 @@ def add_metrics_route(app, served: ServedModel, counts: RequestCounts) -> None:
         return PlainTextResponse(exposition(counts, served.scheduler), media_type="text/plain; version=0.0.4")
 
 
+class ThreadedServer:
+    """``build_app(served)`` under uvicorn in a daemon thread on 127.0.0.1 and a free port: a server inside
+    another program (the verifiers rollout source serves its policy so; the tests' servers). Raises
+    RuntimeError when it has not started within ``start_timeout_s``."""
+
+    def __init__(self, served: ServedModel, name: str = "lmforge-serve", start_timeout_s: float = 60.0):
+        import threading
+
+        import uvicorn
+
+        from ..parallel.context import free_port
+
+        self.served, self.port = served, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(build_app(served), host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, name=name, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + start_timeout_s
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"the server in thread {name} did not start within {start_timeout_s:.0f} s")
+            time.sleep(0.02)
+
+    def stop(self, timeout_s: float = 60.0) -> bool:
+        """Let the requests in flight finish and stop; whether the thread has ended."""
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+        return not self.thread.is_alive()
+
+
 def run_server(served: ServedModel, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
                api_key: str | None = None) -> None:
     """Serve until SIGINT / SIGTERM; open requests finish first, then the scheduler thread stops and the

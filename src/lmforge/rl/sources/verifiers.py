@@ -54,7 +54,6 @@ import copy
 import logging
 import os
 import random
-import threading
 import time
 from pathlib import Path
 
@@ -63,7 +62,6 @@ import torch
 from ... import lora
 from ...envs.toolcalls import render_messages
 from ...errors import ConfigError, TrainingError
-from ...parallel.context import free_port
 from ...rollout import RewardOutput
 from ...serve.atropos import IGNORE, batch_to_rollout
 from ...serve.weights import copy_state, plain_state
@@ -90,22 +88,14 @@ class PolicyServer:
     """``lmforge serve`` on a copy of the policy, under uvicorn in a daemon thread on 127.0.0.1."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, max_batch_rows: int):
-        import uvicorn
-
-        from ...serve.app import ServedModel, build_app
+        from ...serve.app import ServedModel, ThreadedServer
 
         self.served = ServedModel(model, tokenizer, SERVED_NAME, max_batch_rows=max_batch_rows, gather_s=0.005)
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(build_app(self.served), host="127.0.0.1", port=port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, name="lmforge-verifiers-serve", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise TrainingError("rollout.backend=verifiers: the policy server did not start within 60 s")
-            time.sleep(0.02)
+        try:
+            self.server = ThreadedServer(self.served, name="lmforge-verifiers-serve")
+        except RuntimeError as exc:
+            raise TrainingError(f"rollout.backend=verifiers: the policy server did not start ({exc})") from exc
+        self.url = self.server.url
 
     def load(self, model: torch.nn.Module, version: int) -> None:
         """The served copy takes ``model``'s weights (merged if LoRA) as ``version``."""
@@ -113,8 +103,7 @@ class PolicyServer:
         self.served.scheduler.update_weights(lambda served: copy_state(served, state), version).result()
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)
+        self.server.stop()
 
 
 def served_copy(policy: torch.nn.Module) -> torch.nn.Module:
