@@ -3,6 +3,7 @@ as ``package.module:Class``; ``env.args`` go to its constructor (docs/environmen
 from __future__ import annotations
 
 import inspect
+import traceback
 from typing import Any
 
 from ..config import import_object
@@ -59,13 +60,36 @@ def check_environment(name: str, args: dict[str, Any] | None = None) -> type:
 
 
 def make_environment(name: str, args: dict[str, Any] | None = None) -> Environment:
-    """An instance of the environment ``name`` built with ``args`` (:func:`check_environment`);
-    ConfigError when its constructor raises."""
+    """An instance of the environment ``name`` built with ``args`` (:func:`check_environment`).
+
+    Whatever its constructor raises (a server that is down, a file that is missing, a bad argument) is
+    a ConfigError -- the user's to fix, exit 2 -- naming the class, the file and line it raised at and
+    the exception, not an internal error of lmforge. Signals (BaseException) pass through."""
     cls = check_environment(name, args)
     try:
         env = cls(**dict(args or {}))
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"env.name={name!r}: {cls.__name__}(**env.args) failed: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - the environment's code, not lmforge's: reported as the user's
+        raise ConfigError(f"env.name={name!r}: {cls.__module__}.{cls.__qualname__}(**env.args) raised "
+                          f"{_where(exc, cls)}: {type(exc).__name__}: {exc}") from exc
     if not isinstance(getattr(env, "tools", []), list):
         raise ConfigError(f"env.name={name!r}: {cls.__name__}.tools must be a list of tool schemas")
     return env
+
+
+def _where(exc: BaseException, cls: type) -> str:
+    """``at FILE:LINE`` for the innermost frame of ``exc``'s traceback, and ``(called from FILE:LINE)``
+    for the last line of ``cls``'s own file on the way there when that is another place (a library
+    raised: the line of the environment that called it)."""
+    frames = traceback.extract_tb(exc.__traceback__)[1:]  # [0] is the call in make_environment
+    if not frames:
+        return "in its constructor"
+    last = frames[-1]
+    text = f"at {last.filename}:{last.lineno}"
+    try:
+        own_file = inspect.getsourcefile(cls)
+    except TypeError:  # a class without a source file (built in C)
+        own_file = None
+    own = [f for f in frames if own_file and f.filename == own_file]
+    if own and own[-1] is not last:
+        text += f" (called from {own[-1].filename}:{own[-1].lineno})"
+    return text

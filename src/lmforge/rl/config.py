@@ -202,9 +202,10 @@ class EnvConfig:
                     "messages (docs/environments.md)")
     args: dict[str, Any] = opt({}, "keyword arguments for the environment's class")
     max_turns: int = opt(8, "assistant turns per episode; the episode ends there (counted: num_truncated_turns)")
-    max_episode_tokens: int = opt(512, "tokens an episode adds after its first prompt (the policy's turns and the "
+    max_episode_tokens: int = opt(256, "tokens an episode adds after its first prompt (the policy's turns and the "
                                   "environment's messages); a turn that would pass it is cut and the episode ends "
-                                  "(num_truncated_episode_tokens)")
+                                  "(num_truncated_episode_tokens); the default leaves half of a default tiny "
+                                  "model's 512-token context (model.max_position_embeddings) to the first prompt")
     max_tool_result_tokens: int = opt(256, "a tool message longer than this is cut to it (num_tool_results_cut; "
                                       "0 = no limit)")
     tool_timeout_s: float = opt(10.0, "longest an environment call (reset, or step with its tool calls) may run; "

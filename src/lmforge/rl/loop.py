@@ -100,8 +100,11 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
     env = getattr(cfg, "env", None)  # env.name set: rows are episodes (sources/episodes.py)
     completion_len = env.max_episode_tokens if env is not None and env.name else cfg.rollout.max_new_tokens
     if completion_len != cfg.rollout.max_new_tokens and completion_len >= (context_length(model) or completion_len + 1):
+        tiny = cfg.model.name.startswith("tiny:")
         raise ConfigError(f"env.max_episode_tokens={completion_len} leaves no room for a prompt in the model's "
-                          f"context of {context_length(model)} tokens; lower it")
+                          f"context of {context_length(model)} tokens" + (" (model.max_position_embeddings)" if tiny
+                                                                          else "") + "; lower env.max_episode_tokens"
+                          + (" or raise model.max_position_embeddings" if tiny else ""))
     seq_len = max(len(p) for p in prompts.prompt_ids) + completion_len
     cfg.algo = algo  # the saved config holds the resolved algo (presets applied)
     rows = cfg.rollout.num_prompts * cfg.rollout.group_size
