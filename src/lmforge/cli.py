@@ -30,6 +30,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
+from . import confighelp
 from .config import describe, load_config
 from .errors import Interrupted, LmforgeError, describe_errno, environment_errno
 
@@ -55,15 +56,30 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose subcommands use :class:`HelpFormatter` too (subparsers are built with
-    the parent's class)."""
+    the parent's class). ``epilog_of``: a function giving the epilog, called only when help is printed."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, epilog_of: Callable[[], str] | None = None, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+        self.epilog_of = epilog_of
+
+    def format_help(self) -> str:
+        if self.epilog_of is not None:
+            self.epilog, self.epilog_of = self.epilog_of(), None
+        return super().format_help()
 
 
-def _options_epilog(config_cls) -> str:
-    rows = describe(config_cls)
+def _option_rows(module: str, config: str) -> list[tuple[str, str, str]]:
+    """``describe`` of the config class ``config`` of ``lmforge.recipes.<module>``, read from the source
+    (no torch import: lmforge.confighelp); imported and described where the reader cannot follow it."""
+    try:
+        return confighelp.option_rows(f"recipes.{module}", config)
+    except (confighelp.Unreadable, OSError, SyntaxError):
+        return describe(getattr(importlib.import_module(f".recipes.{module}", __package__), config))
+
+
+def _options_epilog(module: str, config: str) -> str:
+    rows = _option_rows(module, config)
     width = max(len(k) for k, _, _ in rows)
     lines = ["options (set in the YAML file or as key=value after it):"]
     for key, default, text in rows:
@@ -71,19 +87,23 @@ def _options_epilog(config_cls) -> str:
     return "\n".join(lines)
 
 
-def _config_command(sub, name: str, help_text: str, config_cls, runner: Callable) -> None:
-    parser = sub.add_parser(name, help=help_text, description=help_text, epilog=_options_epilog(config_cls))
+def _config_command(sub, name: str, help_text: str, module: str, config: str, runner: Callable) -> None:
+    """``lmforge NAME [CONFIG] [key=value ...]``: the config class ``config`` of ``lmforge.recipes.<module>``
+    loaded and given to ``runner(recipe module)(cfg)``; the module (and torch) is imported only to run."""
+    parser = sub.add_parser(name, help=help_text, description=help_text,
+                            epilog_of=lambda: _options_epilog(module, config))
     parser.add_argument("config", nargs="?", help="YAML config file (optional: every key has a default)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 train.max_steps=100")
 
     def run(args) -> None:
-        config, overrides = args.config, list(args.overrides)
-        if config and "=" in config and not config.endswith((".yaml", ".yml")):
-            config, overrides = None, [config] + overrides
-        cfg = load_config(config_cls, config, overrides)
+        config_path, overrides = args.config, list(args.overrides)
+        if config_path and "=" in config_path and not config_path.endswith((".yaml", ".yml")):
+            config_path, overrides = None, [config_path] + overrides
+        recipe = importlib.import_module(f".recipes.{module}", __package__)
+        cfg = load_config(getattr(recipe, config), config_path, overrides)
         train = getattr(cfg, "train", None)
         args.run_dir = getattr(train, "output_dir", None) or getattr(cfg, "output_dir", None)  # for an error log
-        runner(cfg)
+        runner(recipe)(cfg)
 
     parser.set_defaults(func=run)
 
@@ -105,8 +125,8 @@ RECIPES = {
     "distill": (("distillation from a teacher: on-policy (per-token reverse KL on the student's samples) or "
                  "logit (forward KL at a temperature on fixed data)"), "distill", "DistillConfig", "run_distill"),
 }
-# the listed help of the commands built by a module that imports torch (tests/recipes/test_cli.py checks it
-# against the built command's)
+# the listed help of the commands whose parser is built by a function of its own (tests/recipes/test_cli.py
+# checks it against the built command's)
 ANTIDISTILL_HELP = "antidistillation sampling pipeline: traces, grad, sample, distill, eval, report (or all)"
 SERVE_HELP = ("OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) with batching and weight "
               "updates")
@@ -114,8 +134,8 @@ QUANTIZE_HELP = "write a quantized checkpoint (compressed-tensors, GGUF, ternary
 
 
 class Commands(argparse._SubParsersAction):
-    """Subcommands whose parsers are built when one is chosen: building most of them imports torch (a
-    config class, a table of formats), which ``lmforge --help`` and ``--version`` must not wait for."""
+    """Subcommands whose parsers are built when one is chosen: building one reads sources (a config's options,
+    a table of formats: lmforge.confighelp), which ``lmforge --help`` and ``--version`` need not wait for."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -146,18 +166,22 @@ class Commands(argparse._SubParsersAction):
 
 def _recipe(sub, name: str) -> None:
     help_text, module, config, runner = RECIPES[name]
-    recipe = importlib.import_module(f".recipes.{module}", __package__)
-    _config_command(sub, name, help_text, getattr(recipe, config), getattr(recipe, runner))
+    _config_command(sub, name, help_text, module, config, lambda recipe: getattr(recipe, runner))
 
 
 def _antidistill(sub) -> None:
     """``lmforge antidistill <stage> CONFIG``: one subcommand per pipeline stage, sharing one config."""
-    from .recipes.antidistill import STAGES, AntidistillConfig
+    try:  # {stage: help text} of recipes.antidistill.STAGES, read without importing it (nor torch)
+        stage_help = confighelp.mapping_heads("recipes.antidistill", "STAGES")
+    except (confighelp.Unreadable, OSError, SyntaxError):
+        from .recipes.antidistill import STAGES
 
+        stage_help = {name: help_text for name, (help_text, _) in STAGES.items()}
     parser = sub.add_parser("antidistill", help=ANTIDISTILL_HELP, description="antidistillation sampling pipeline")
     stages = parser.add_subparsers(dest="stage", metavar="STAGE", required=True)
-    for name, (help_text, runner) in STAGES.items():
-        _config_command(stages, name, help_text, AntidistillConfig, runner)
+    for name, help_text in stage_help.items():
+        _config_command(stages, name, help_text, "antidistill", "AntidistillConfig",
+                        lambda recipe, name=name: recipe.STAGES[name][1])
 
 
 def _hardware(args) -> None:
@@ -191,14 +215,19 @@ def _plot(args) -> None:
 
 def _quantize(sub) -> None:
     """``lmforge quantize`` (see lmforge.quantize)."""
-    from .quantize import FORMATS, quantize
 
     def run_quantize(args) -> None:
+        from .quantize import quantize
+
         result = quantize(args.model, args.format, args.out)
         print(f"wrote {args.format} to {args.out}: {result.num_bytes / 2**20:.2f} MiB in "
               f"{result.seconds:.1f} s ({', '.join(f.name for f in result.files)})")
 
-    formats = "\n".join(f"  {f.name:<14} {f.description}" for f in FORMATS.values())
+    try:  # quantize.catalog's table, read without importing the package (its writers import torch)
+        descriptions = confighelp.constant("quantize.catalog", "DESCRIPTIONS")
+    except (confighelp.Unreadable, OSError, SyntaxError):
+        from .quantize.catalog import DESCRIPTIONS as descriptions
+    formats = "\n".join(f"  {name:<14} {text}" for name, text in descriptions.items())
     q = sub.add_parser("quantize", help=QUANTIZE_HELP, epilog="formats:\n" + formats)
     q.add_argument("model", help="HF directory, a run's final/ directory, a .gguf file or smollm2-135m-instruct")
     q.add_argument("--format", required=True, metavar="F", help="one of the formats listed below")

@@ -14,6 +14,14 @@ from lmforge.quantize.ternary import absmean_ternary, stored_scale, unpack_2bit
 from quant_helpers import PROMPT, load_plain, logits_of, needs_ct, needs_gguf
 
 
+def test_every_format_is_listed_in_the_catalog_in_order():
+    # `lmforge quantize --help` lists quantize.catalog (read from source, without torch); FORMATS is what runs
+    from lmforge.quantize.catalog import DESCRIPTIONS
+
+    assert {name: f.description for name, f in FORMATS.items()} == DESCRIPTIONS
+    assert list(FORMATS) == list(DESCRIPTIONS)
+
+
 def rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from .catalog import DESCRIPTIONS
 from .common import Format, QuantizeError, require
 
 SCHEMES = {  # format name -> compressed_tensors.QuantizationArgs fields
@@ -122,12 +123,8 @@ def load_compressed(model_dir: Path):
 def formats() -> list[Format]:
     # bits per weight with the fp32 scales: a group's scale adds 32 / G; a row's scale adds 32 / in_features
     bits = {"int8": 8.0, "fp8": 8.0, "int4-g32": 5.0, "int4-g64": 4.5, "int4-g128": 4.25}
-    text = {"int8": "int8 weight-only, one scale per output channel",
-            "fp8": "fp8 e4m3 weights, one scale per output channel"}
 
     def make(name):
         return lambda model, tok, out: write_compressed(model, tok, out, name)
 
-    return [Format(name, "compressed-tensors", bits[name],
-                   text.get(name, f"int4 group-wise, group {SCHEMES[name].get('group_size')}"), make(name))
-            for name in SCHEMES]
+    return [Format(name, "compressed-tensors", bits[name], DESCRIPTIONS[name], make(name)) for name in SCHEMES]

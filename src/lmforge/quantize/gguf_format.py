@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .catalog import DESCRIPTIONS
 from .common import Format, QuantizeError, require
 
 # transformers model_type -> (gguf.MODEL_ARCH member, permute q/k to llama.cpp's interleaved rotary layout)
@@ -247,6 +248,4 @@ def formats() -> list[Format]:
     def make(qtype):
         return lambda model, tok, out: write_gguf(model, tok, out, qtype)
 
-    readers = {t: "llama.cpp, Ollama, transformers" for t in _TYPES}
-    readers.update(TQ1_0="llama.cpp, transformers >= 5.24", TQ2_0="llama.cpp, transformers >= 5.24")
-    return [Format(f"gguf-{t.lower()}", "gguf", bits[t], f"GGUF {t} ({readers[t]})", make(t)) for t in _TYPES]
+    return [Format(f"gguf-{t.lower()}", "gguf", bits[t], DESCRIPTIONS[f"gguf-{t.lower()}"], make(t)) for t in _TYPES]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from .catalog import DESCRIPTIONS
 from .common import Format, QuantizeError, read_config
 from .qat import decoder_layers
 from .ternary import PACKINGS, absmean_ternary, stored_scale
@@ -106,7 +107,5 @@ def formats() -> list[Format]:
     def make(packing):
         return lambda model, tok, out: write_ternary(model, tok, out, packing)
 
-    return [Format("ternary", FORMAT_NAME, 2.0, "lmforge packed ternary (absmean), 4 weights per byte",
-                   make("2bit")),
-            Format("ternary-5trit", FORMAT_NAME, 1.6, "lmforge packed ternary (absmean), 5 weights per byte",
-                   make("5trit"))]
+    return [Format("ternary", FORMAT_NAME, 2.0, DESCRIPTIONS["ternary"], make("2bit")),
+            Format("ternary-5trit", FORMAT_NAME, 1.6, DESCRIPTIONS["ternary-5trit"], make("5trit"))]
