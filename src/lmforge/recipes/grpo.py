@@ -75,12 +75,24 @@ class GRPOConfig:
     logging: LoggingConfig = section(LoggingConfig, "progress and metrics sinks")
 
 
-def advantages_of(rewards: torch.Tensor, algo: GRPOAlgoConfig, group_size: int):
-    """(B,) rewards -> (B,) advantages and metrics (zero-variance groups are counted, advantage 0)."""
+def advantages_of(rewards: torch.Tensor, algo: GRPOAlgoConfig, group_size: int,
+                  episode_index: torch.Tensor | None = None):
+    """(B,) rewards -> (B,) advantages and metrics (zero-variance groups are counted, advantage 0).
+
+    With ``episode_index`` (B,) (an agent's episodes may give several rows each: RolloutBatch), the
+    groups are of episodes: each episode's reward (that of its first row) is compared with its group's,
+    and its advantage shared by its rows; a row of episode -1 (padding) gets 0."""
     options = {}
     if "std_eps" in inspect.signature(ADVANTAGES[algo.advantage]).parameters:
         options["std_eps"] = algo.std_eps
-    return compute_advantages(algo.advantage, rewards, group_size, **options)
+    if episode_index is None:
+        return compute_advantages(algo.advantage, rewards, group_size, **options)
+    real = episode_index >= 0
+    rows = real.nonzero()[:, 0]
+    first = torch.full((int(episode_index.max()) + 1,), len(real), dtype=torch.long)
+    first.scatter_reduce_(0, episode_index[rows], rows, reduce="amin")  # each episode's first row
+    per_episode, metrics = compute_advantages(algo.advantage, rewards[first], group_size, **options)
+    return torch.where(real, per_episode[episode_index.clamp(min=0)], 0.0), metrics
 
 
 def micro_loss(model, batch: rl.TrainBatch, algo: GRPOAlgoConfig, temperature: float, counts: dict,
@@ -103,7 +115,8 @@ def grpo_step(state: rl.RLState, algo: GRPOAlgoConfig, step: int) -> dict:
     cfg = state.run.cfg
     scored = state.source.next_batch(step)  # this rank's rows, scored (lmforge.rl.sources)
     start = time.perf_counter()
-    advantages, adv_metrics = advantages_of(scored.rewards.total, algo, cfg.rollout.group_size)
+    advantages, adv_metrics = advantages_of(scored.rewards.total, algo, cfg.rollout.group_size,
+                                            scored.rollout.episode_index)
     adv_metrics = rl.reduce_rollout_metrics(adv_metrics, state.run.ctx)
     batch = rl.pack_rollout(scored.rollout, state.tokenizer.pad_token_id, need_rollout_logprobs=algo.is_level != "none")
     batch = batch.with_(advantages=advantages).to(state.run.device)

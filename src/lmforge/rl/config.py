@@ -29,7 +29,8 @@ class RolloutConfig:
     backend: str = opt(
         "inprocess", "rollout source (lmforge.rl.sources.SOURCES): inprocess (any device), vllm (one CUDA GPU, "
         "unverified here; docs/vllm.md), atropos (scored batches pulled from an Atropos API server; "
-        "docs/atropos.md) or verifiers (episodes of a verifiers environment; docs/verifiers.md)")
+        "docs/atropos.md), verifiers (episodes of a verifiers environment; docs/verifiers.md) or agent (an "
+        "unmodified agent program against the served policy; docs/agents.md)")
     vllm_gpu_memory_utilization: float = opt(0.3, "vllm backend: fraction of GPU memory vLLM reserves "
                                              "(its weights + KV cache)")
     dtype: Literal["same", "bf16", "fp16"] = opt(
@@ -64,7 +65,25 @@ class RolloutConfig:
                                              "does: rl/sources/vf_renderer.py; e.g. {name: qwen3} for a model "
                                              "renderers knows)")
 
+    # rollout.backend=agent (docs/agents.md): an agent program run per episode against the served policy
+    agent_entry: str = opt("", "agent backend: the agent, 'package.module:function' or 'path/file.py:function', "
+                           "called per episode as function(base_url, problem) (plain or async); it returns the "
+                           "reward (a number, a dict of named parts, or its final text for rewards.functions)")
+    agent_args: dict[str, Any] = opt({}, "agent backend: more keyword arguments for the agent function")
+    agent_concurrency: int = opt(0, "agent backend: episodes run at once (0 = all of a step's: their calls share "
+                                 "the server's continuous batch)")
+    agent_timeout_s: float = opt(300.0, "agent backend: wall clock per episode; then its session ends and it "
+                                 "counts in agent_timeouts with reward 0")
+
     def validate(self) -> None:
+        if self.backend == "agent":
+            if ":" not in self.agent_entry:
+                raise ConfigError(f"rollout.backend=agent needs rollout.agent_entry='package.module:function' or "
+                                  f"'path/file.py:function' (the agent to run per episode), got "
+                                  f"{self.agent_entry!r}")
+            if self.agent_concurrency < 0 or not self.agent_timeout_s > 0:
+                raise ConfigError(f"rollout: need agent_concurrency >= 0 and agent_timeout_s > 0, got "
+                                  f"{self.agent_concurrency}, {self.agent_timeout_s}")
         if self.backend == "atropos":
             if not self.api_url:
                 raise ConfigError("rollout.backend=atropos needs rollout.api_url (the Atropos API server, e.g. "

@@ -33,6 +33,7 @@ from .config import check_rl_config
 from .forward import reference_model
 from .prompts import PromptSet, build_prompts, prompt_budget
 from .sources import RolloutSource, SourceSetup, check_source, make_source, resume_source
+from .sources.agent import agent_evaluator, problem_dict
 from .sources.episodes import episode_evaluator
 from .updates import LossFn, update
 
@@ -153,6 +154,8 @@ def make_evaluate(state: RLState) -> Callable[[int], dict] | None:
     cfg = run.cfg
     if getattr(cfg, "env", None) is not None and cfg.env.name:
         return make_episode_evaluate(state)
+    if cfg.rollout.backend == "agent":
+        return make_agent_evaluate(state)
     evaluator = held_out_evaluator(state.tokenizer, prompts.eval_problems, prompts.chat, cfg.train.max_new_tokens,
                                    task=prompts.task, reward_specs=cfg.rewards.specs(), pass_k=cfg.data.pass_k,
                                    temperature=cfg.rollout.temperature, seed=cfg.train.seed,
@@ -186,6 +189,26 @@ def make_episode_evaluate(state: RLState) -> Callable[[int], dict]:
         k = cfg.train.num_samples
         if run.ctx.is_main:
             save_episodes(run.dir, step, episodes[:k], totals[:k], run.print)
+        return metrics
+
+    evaluate.close = evaluator.close
+    return evaluate
+
+
+def make_agent_evaluate(state: RLState) -> Callable[[int], dict]:
+    """Held-out success of the agent's greedy episodes on the policy (``sources.agent.agent_evaluator``);
+    a few episodes' calls, decoded, written to samples.jsonl."""
+    run, cfg = state.run, state.run.cfg
+    evaluator = agent_evaluator(cfg.rollout, state.tokenizer, state.prompts.eval_problems, state.prompts.task,
+                                state.reward_set, cfg.train.max_new_tokens)
+
+    def evaluate(step: int) -> dict:
+        metrics, episodes, totals = evaluator(state.sampler_model())
+        k = cfg.train.num_samples
+        if run.ctx.is_main:
+            replies = [" | ".join(state.tokenizer.decode(c.token_ids) for c in e.calls) for e in episodes[:k]]
+            save_samples(run.dir, step, [problem_dict(e.problem).get("prompt", "") for e in episodes[:k]], replies,
+                         run.print)
         return metrics
 
     evaluate.close = evaluator.close

@@ -82,6 +82,10 @@ class RolloutBatch:
     # (B, C) long, 1 on the policy's tokens, within completion_mask; None: every completion token (single-turn
     # sampling). Keyword-only, so that subclasses (antidistill's batch) add required fields after it.
     trained_mask: torch.Tensor | None = field(default=None, kw_only=True)
+    # (B,) long, the episode each row belongs to, where an episode may give several rows (an agent's:
+    # rl/sources/agent_samples.py); advantages are then an episode's, shared by its rows (-1: a padding
+    # row of no episode). None: each row is its own episode.
+    episode_index: torch.Tensor | None = field(default=None, kw_only=True)
 
     @property
     def trained(self) -> torch.Tensor:

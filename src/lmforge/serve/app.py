@@ -27,9 +27,11 @@ from .protocol import (
     CompletionRequest,
     RequestError,
     chat_body,
+    chat_choice,
     completion_body,
     error_body,
     prompts_of,
+    reply_text,
     sampling_params,
     stop_ids_of,
 )
@@ -38,6 +40,7 @@ from .grammar import ConstraintError, Grammars, chat_processors
 from .middleware import Guard, RequestCounts, client_gone, exposition
 from .responses import add_responses_routes
 from .scheduler import BatchScheduler, GenerationRequest, GenerationResult, Sample, ServeError
+from .sessions import SessionNotFound, SessionPaths, SessionRecorder, call_context
 from .scoring import PromptScores, add_prompt_logprobs, prompt_logprobs_entries, score_prompts
 from .stream import feed, sse_events
 from .tools import ToolRequestError, continue_prompt, render_chat, request_tools
@@ -68,8 +71,9 @@ class ServedModel:
     """The model, its tokenizer and the scheduler, plus the checks that need the model's limits."""
 
     def __init__(self, model, tokenizer, name: str, max_batch_rows: int = 64, gather_s: float = 0.005,
-                 aliases: tuple[str, ...] = ()):
+                 aliases: tuple[str, ...] = (), sessions: SessionRecorder | None = None):
         self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.sessions = sessions  # an agent gateway's: calls under /sessions/<id>/ are recorded (sessions.py)
         self.aliases = {name, *aliases}  # the names a request's `model` may give (check_model)
         self.created = int(time.time())  # the model object's `created`: when this server loaded it
         self.max_model_len = int(getattr(model.config, "max_position_embeddings", 0) or 0)
@@ -91,9 +95,14 @@ class ServedModel:
         """The text of a request's samples: special tokens skipped unless ``skip_special_tokens`` is false."""
         return self.decode_text if body.skip_special_tokens else lambda ids: self.decode_text(ids, False)
 
+    def session(self):
+        """The open agent session of the request being handled (``sessions.py``), or None."""
+        return None if self.sessions is None else self.sessions.current()
+
     def check_model(self, model: str | None) -> None:
-        """A request's ``model`` must be absent or one of this server's names (``aliases``): a 404 otherwise."""
-        if model is not None and model not in self.aliases:
+        """A request's ``model`` must be absent or one of this server's names (``aliases``): a 404 otherwise.
+        An agent session takes any name (the agent's own configuration names some model)."""
+        if model is not None and model not in self.aliases and self.session() is None:
             raise ModelNotFound(f"the model '{model}' does not exist; this server serves '{self.name}'")
 
     def decode_token(self, token_id: int) -> str:
@@ -105,6 +114,9 @@ class ServedModel:
         scoring-only request, stays 0)."""
         where = "" if index == 0 else f" (prompt {index})"
         least = 0 if max_tokens == 0 else 1
+        session = self.session()
+        if session is not None:  # the run's budget per call (sessions.py)
+            max_tokens = session.budget(max_tokens, self.max_model_len - len(prompt))
         if not prompt:
             raise RequestError(f"the prompt{where} is empty", param="prompt")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
@@ -126,7 +138,11 @@ class ServedModel:
     def request(self, prompt: list[int], body, max_tokens: int, on_token=None) -> GenerationRequest:
         """The scheduler's request for one prompt of ``body`` (a CompletionRequest or ChatRequest).
         A chat reply's structure (response_format, forced or strict tool calls) is a grammar's mask
-        (``grammar.py``); it runs before vLLM's sampling extras (``extras.py``)."""
+        (``grammar.py``); it runs before vLLM's sampling extras (``extras.py``). In an agent session the
+        run's sampling replaces the request's and the call is recorded (``sessions.py``)."""
+        session = self.session()
+        if session is not None:
+            body = session.impose(body)
         try:
             processors = chat_processors(self.grammars, body)
         except ConstraintError as exc:
@@ -139,12 +155,15 @@ class ServedModel:
         if body.min_tokens > max_tokens:
             raise RequestError(f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})",
                                param="min_tokens")
-        return GenerationRequest(prompt, sampling_params(body, max_tokens, self.stop_token_ids), n=body.n,
-                                 frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
-                                 repetition_penalty=body.repetition_penalty,
-                                 logit_bias=dict(body.logit_bias), top_logprobs=body.top_logprobs or 0,
-                                 processors=[*processors, *extra_processors(body, self.stop_ids(body))],
-                                 min_tokens=body.min_tokens, on_token=on_token)
+        request = GenerationRequest(prompt, sampling_params(body, max_tokens, self.stop_token_ids), n=body.n,
+                                    frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+                                    repetition_penalty=body.repetition_penalty,
+                                    logit_bias=dict(body.logit_bias), top_logprobs=body.top_logprobs or 0,
+                                    processors=[*processors, *extra_processors(body, self.stop_ids(body))],
+                                    min_tokens=body.min_tokens, on_token=on_token)
+        if session is not None:
+            session.attach(request)
+        return request
 
     def stop_ids(self, body) -> list[int]:
         """The ids that end a sample of ``body`` (``protocol.stop_ids_of``)."""
@@ -236,6 +255,8 @@ def build_app(served: ServedModel, api_key: str | None = None):
     app = FastAPI(title="lmforge serve", lifespan=lifespan)
     counts = RequestCounts()
     app.add_middleware(Guard, counts=counts, router=app.router, api_key=api_key)
+    if served.sessions is not None:  # an agent gateway: /sessions/<id>/... (added last: it runs first)
+        app.add_middleware(SessionPaths)
 
     add_error_handlers(app)
     add_metrics_route(app, served, counts)
@@ -291,6 +312,10 @@ def add_error_handlers(app) -> None:
     async def _bad_request(request: Request, exc: RequestError):
         return JSONResponse(error_body(str(exc), param=exc.param, code=exc.code), status_code=400)
 
+    @app.exception_handler(SessionNotFound)
+    async def _no_session(request: Request, exc: SessionNotFound):
+        return JSONResponse(error_body(str(exc), kind="not_found_error", code="session_not_found"), status_code=404)
+
     @app.exception_handler(ModelNotFound)
     async def _no_model(request: Request, exc: ModelNotFound):
         return JSONResponse(error_body(str(exc), param="model", code="model_not_found"), status_code=404)
@@ -338,6 +363,9 @@ def add_generation_routes(app, served: ServedModel) -> None:
             prompts = prompts_of(body, served.encode)
         except ValueError as exc:
             raise RequestError(str(exc), param="prompt") from exc
+        session = served.session()
+        if session is not None:
+            prompts = session_completion_prompts(served, session, body, prompts)
         if body.max_tokens == 0 and not body.echo:
             raise RequestError("max_tokens 0 needs echo=true (it scores the prompt and generates nothing)",
                                param="max_tokens")
@@ -376,7 +404,10 @@ async def chat_completion(served: ServedModel, body: ChatRequest):
                            param="continue_final_message")
     try:
         tools, parse_tools = request_tools(body)
-        if body.prefix_token_ids is None:
+        session = served.session()
+        if session is not None:
+            prompt = session_chat_prompt(served, session, body, messages, tools, parse_tools)
+        elif body.prefix_token_ids is None:
             prompt = served.encode(render_chat(served.tokenizer, messages, tools, **body.template_kwargs))
         else:  # token-in: the conversation so far as ids, only the new messages rendered (tools.py)
             prompt = continue_prompt(served.tokenizer, messages, tools, body.prefix_token_ids,
@@ -394,6 +425,41 @@ async def chat_completion(served: ServedModel, body: ChatRequest):
     if scores is not None:  # vLLM's extension, for the rendered prompt
         reply["prompt_logprobs"] = prompt_logprobs_entries(scores[0], body.prompt_logprobs, served.decode_token)
     return reply
+
+
+def session_chat_prompt(served: ServedModel, session, body: ChatRequest, messages: list[dict],
+                        tools: list[dict] | None, parse_tools: bool) -> list[int]:
+    """A chat call's prompt in an agent session: earlier replies of the session from their sampled ids
+    (``sessions.py``, rule 1); the call recorded with its conversation and its reply as the client gets it."""
+    stop_ids, decode = served.stop_ids(body), served.decoder(body)
+    call_context(endpoint="chat", reply=lambda ids, finish: chat_choice(
+        0, reply_text(ids, finish, body, decode, stop_ids), finish, parse_tools)["message"])
+    if body.prefix_token_ids is not None:  # token-in: the client's ids, as without a session
+        session.note_history(messages, tools, body.template_kwargs)
+        return continue_prompt(served.tokenizer, messages, tools, body.prefix_token_ids, served.stop_token_ids,
+                               served.encode, body.template_kwargs)
+    prompt = session.chat_prompt(messages, tools, body.template_kwargs, served.tokenizer, served.stop_token_ids,
+                                 served.encode)
+    return prompt if prompt is not None else served.encode(render_chat(served.tokenizer, messages, tools,
+                                                                       **body.template_kwargs))
+
+
+def session_completion_prompts(served: ServedModel, session, body: CompletionRequest,
+                               prompts: list[list[int]]) -> list[list[int]]:
+    """A completions call's prompt in an agent session: one prompt; text that continues an earlier call's
+    prompt and returned text continues its ids (``sessions.py``, rule 1)."""
+    if len(prompts) != 1:
+        raise RequestError(f"a training session takes one prompt per completions call, got {len(prompts)}",
+                           param="prompt")
+    stop_ids, decode = served.stop_ids(body), served.decoder(body)
+    if not isinstance(body.prompt, str) and not (isinstance(body.prompt, list) and len(body.prompt) == 1
+                                                 and isinstance(body.prompt[0], str)):
+        call_context(endpoint="completions")  # token ids: as sent
+        return prompts
+    text = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+    call_context(endpoint="completions", text=text, stop_ids=stop_ids,
+                 reply=lambda ids, finish: reply_text(ids, finish, body, decode, stop_ids))
+    return [session.completion_prompt(text, served.encode) or prompts[0]]
 
 
 def add_weight_routes(app, served: ServedModel) -> None:

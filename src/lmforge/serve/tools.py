@@ -25,6 +25,7 @@ import json
 import uuid
 from typing import Any
 
+from ..envs.safe_encode import ControlTextError, Rendered, as_template, encode_rendered, render_marked
 from ..envs.toolcalls import CALL_CLOSE, CALL_OPEN, ParsedReply, parse_tool_calls, render_messages
 
 # Stands in for the last assistant message's content when finding the text a template writes after it.
@@ -123,16 +124,35 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None, **tem
         raise ToolRequestError(f"the chat template could not render these messages: {exc}", "messages") from exc
 
 
+def render_chat_marked(tokenizer, messages: list[dict], tools: list[dict] | None, **template) -> Rendered:
+    """:func:`render_chat`'s text and where the messages' special-token strings landed in it
+    (``envs.safe_encode``); one the template does not write as given is the request's error."""
+    try:
+        return render_marked(tokenizer, lambda msgs, tls: render_chat(tokenizer, msgs, tls, **template), messages,
+                             tools)
+    except ControlTextError as exc:
+        raise ToolRequestError(str(exc), exc.field) from exc
+
+
+def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None, **template) -> list[int]:
+    """The prompt ids of :func:`render_chat`'s text: the messages' text is encoded as text, so only the
+    template's own special tokens are control tokens (``envs.safe_encode``; docs/serving.md)."""
+    return encode_rendered(tokenizer, render_chat_marked(tokenizer, messages, tools, **template))
+
+
 def continue_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, prefix_ids: list[int],
-                    stop_token_ids: list[int], encode, template: dict | None = None) -> list[int]:
-    """``prefix_ids`` + the tokens of the messages after the last assistant message (module doc).
+                    stop_token_ids: list[int], encode, template: dict | None = None,
+                    last: int | None = None) -> list[int]:
+    """``prefix_ids`` + the tokens of the messages after the last assistant message (module doc), or
+    after message ``last`` (an assistant message) when given: the agent gateway's (``sessions.py``).
 
     The new text is the full rendering minus the rendering of the conversation through the last
     assistant message (a template that rewrites earlier turns fails this: a 400), preceded by what the
     template writes after an assistant message's content that the sampled ids do not already hold
     (e.g. the newline after ``<|im_end|>``; all of it when the reply did not end in a stop token).
     """
-    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+    if last is None:
+        last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
     if last is None:
         raise ToolRequestError("prefix_token_ids stand for the conversation through its last assistant message, "
                                "but messages has none; send the first turn without prefix_token_ids",
@@ -142,8 +162,8 @@ def continue_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, p
     history, template = messages[:last + 1], template or {}
     variables = {k: v for k, v in template.items() if k != "add_generation_prompt"}
     head = _render(tokenizer, history, tools, **variables)
-    full = render_chat(tokenizer, messages, tools, **template)
-    if not full.startswith(head):
+    full = render_chat_marked(tokenizer, messages, tools, **template)
+    if not full.text.startswith(head):
         raise ToolRequestError("this chat template does not render the conversation prefix by prefix (it rewrites "
                                "earlier turns), so new messages have no token delta; send the whole conversation "
                                "without prefix_token_ids", "prefix_token_ids")
@@ -152,7 +172,7 @@ def continue_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, p
         stop_text = tokenizer.decode(prefix_ids[-1:], skip_special_tokens=False)
         if closing.startswith(stop_text):
             closing = closing[len(stop_text):]
-    return list(prefix_ids) + encode(closing + full[len(head):])
+    return list(prefix_ids) + encode_rendered(tokenizer, as_template(tokenizer, closing) + full.cut(len(head)), encode)
 
 
 def _render(tokenizer, messages: list[dict], tools: list[dict] | None, **variables) -> str:

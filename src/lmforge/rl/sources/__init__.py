@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ...errors import ConfigError
-from . import atropos, episodes, inprocess, verifiers, vllm
+from . import agent, atropos, episodes, inprocess, verifiers, vllm
 from .base import Policy, RolloutSource, SourceSetup
 from .overlap import Overlapped, check_async
 
@@ -21,6 +21,7 @@ SOURCES: dict[str, Callable[[SourceSetup], RolloutSource]] = {
     "vllm": vllm.build,  # vLLM in the training process (one CUDA GPU)
     "atropos": atropos.build,  # scored groups pulled from an Atropos API server
     "verifiers": verifiers.build,  # episodes of a verifiers v1 environment on the policy, served in process
+    "agent": agent.build,  # episodes of an unmodified OpenAI-client agent on the policy, served in process
     "episodes": episodes.build,  # multi-turn episodes of env.name on the inprocess engines (chosen by env.name)
 }
 

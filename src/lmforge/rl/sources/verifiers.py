@@ -50,7 +50,6 @@ the serve compatibility clients) and ``uv`` on PATH for the chat harness.
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import os
 import random
@@ -59,19 +58,17 @@ from pathlib import Path
 
 import torch
 
-from ... import lora
 from ...envs.toolcalls import render_messages
 from ...errors import ConfigError, TrainingError
 from ...rollout import RewardOutput
 from ...serve.atropos import IGNORE, batch_to_rollout
-from ...serve.weights import copy_state, plain_state
 from ..batch import ScoredRollout
 from .base import Policy, SourceSetup
+from .served import SERVED_NAME, PolicyServer, served_copy
 
 log = logging.getLogger(__name__)
 INSTALL_HINT = ("rollout.backend=verifiers needs verifiers (pip install verifiers; it pins openai 2.x, so use a "
                 "venv of its own) and lmforge's serve extra (pip install 'lmforge[serve]')")
-SERVED_NAME = "policy"
 RENDERER = "lmforge.rl.sources.vf_renderer.LmforgeRenderer"  # vf_renderer.py (imported by renderers, by name)
 
 
@@ -82,38 +79,6 @@ def _require_verifiers():
     except ImportError as exc:
         raise ConfigError(INSTALL_HINT) from exc
     return vf
-
-
-class PolicyServer:
-    """``lmforge serve`` on a copy of the policy, under uvicorn in a daemon thread on 127.0.0.1."""
-
-    def __init__(self, model: torch.nn.Module, tokenizer, max_batch_rows: int):
-        from ...serve.app import ServedModel, ThreadedServer
-
-        self.served = ServedModel(model, tokenizer, SERVED_NAME, max_batch_rows=max_batch_rows, gather_s=0.005)
-        try:
-            self.server = ThreadedServer(self.served, name="lmforge-verifiers-serve")
-        except RuntimeError as exc:
-            raise TrainingError(f"rollout.backend=verifiers: the policy server did not start ({exc})") from exc
-        self.url = self.server.url
-
-    def load(self, model: torch.nn.Module, version: int) -> None:
-        """The served copy takes ``model``'s weights (merged if LoRA) as ``version``."""
-        state = plain_state(model)
-        self.served.scheduler.update_weights(lambda served: copy_state(served, state), version).result()
-
-    def stop(self) -> None:
-        self.server.stop()
-
-
-def served_copy(policy: torch.nn.Module) -> torch.nn.Module:
-    """A plain copy of the policy for the server (adapters stripped, merged weights loaded)."""
-    unwrapped = getattr(policy, "module", policy)
-    served = copy.deepcopy(unwrapped)
-    if lora.has_adapters(served):
-        lora.strip_adapters(served)
-        copy_state(served, plain_state(unwrapped))
-    return served
 
 
 def absolute_pythonpath() -> None:
@@ -197,7 +162,8 @@ class VerifiersSource:
         self.order = list(range(len(self.tasks)))
         random.Random(setup.seed).shuffle(self.order)
         tokenizer_dir = save_tokenizer(setup.tokenizer, setup.policy, setup.run_dir)
-        self.server = PolicyServer(served_copy(setup.policy), setup.tokenizer, cfg.num_prompts * cfg.group_size)
+        self.server = PolicyServer(served_copy(setup.policy), setup.tokenizer, cfg.num_prompts * cfg.group_size,
+                                   "verifiers")
         renderer = cfg.verifiers_renderer or {"name": "custom", "import_path": RENDERER}
         client = vf.TrainClientConfig(base_url=f"{self.server.url}/v1", api_key_var="LMFORGE_VERIFIERS_API_KEY",
                                       renderer=renderer, renderer_model_name=str(tokenizer_dir))
@@ -267,7 +233,7 @@ class VerifiersSource:
     def sync_weights(self, policy: Policy, version: int) -> None:
         """The served copy takes the weights after ``version`` steps (nothing to copy at the start: the
         copy was made from them)."""
-        if version > self.server.served.scheduler.weight_version:
+        if version > self.server.weight_version:
             self.server.load(policy(), version)
 
     def state_dict(self) -> dict:
