@@ -164,6 +164,7 @@ def test_a_non_root_user_gets_namespaces_through_a_user_namespace(tmp_path):
     if "skip" in seen:
         pytest.skip(f"cannot make a user namespace here to act as a non-root user: {seen['skip']}")
     assert seen["euid"] == 1000
+    assert seen["isolation"].pop("private").startswith("empty read-only tmpfs over ")
     assert seen["isolation"] == {"network": "new network namespace (no interfaces up)",
                                  "processes": "new PID namespace, fresh /proc, no capabilities",
                                  "files": "read-only, nodev mounts except the temporary directory"}

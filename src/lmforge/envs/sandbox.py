@@ -14,6 +14,8 @@ first moves into new network, mount and PID namespaces:
 - network: a fresh namespace has only a loopback device, and it is down -- no connection goes anywhere;
 - files: every mount is remounted read-only, nodev and nosuid, except a bind of the temporary directory;
   /dev is replaced by a tmpfs holding only null, zero, full, random and urandom;
+- private files: an empty tmpfs covers each of :data:`PRIVATE_DIRS` and the user's home, with what the code
+  needs inside them (the interpreter's prefixes, ``sys.path``, the temporary directory) bound back;
 - processes: the code runs as PID 1 of its own PID namespace with a fresh /proc, so it sees no other
   process, and everything it starts dies with it; in a session of its own, so that kill(0) does not reach
   the supervisor (the code dies with the supervisor, PR_SET_PDEATHSIG, in both modes).
@@ -22,9 +24,10 @@ undo the mounts, mount anything, or enter another namespace; and it runs under R
 RLIMIT_FSIZE and RLIMIT_CORE = 0.
 
 Where namespaces are not available (a kernel or container that forbids unshare, or ``namespaces=False``),
-the code process installs an audit hook that refuses writes outside the directory, sockets other than
-AF_UNIX pairs, and starting processes -- a best effort: code can get around an in-process hook (ctypes,
-interpreter internals). Each result says which protection was in force and why (``isolation``).
+the code process installs an audit hook that refuses writes outside the directory, reading the private
+directories, sockets other than AF_UNIX pairs, and starting processes -- a best effort: code can get
+around an in-process hook (ctypes, interpreter internals). Each result says which protection was in
+force and why (``isolation``).
 docs/environments.md, "The sandboxed Python tool", lists what this does and does not guard against.
 """
 from __future__ import annotations
@@ -49,7 +52,8 @@ from ..errors import ConfigError
 @dataclass(frozen=True)
 class SandboxLimits:
     """Limits for one run of sandboxed code."""
-    wall_s: float = 10.0            # wall-clock seconds before the whole process group is killed
+    wall_s: float = 6.0             # wall-clock seconds before the whole process group is killed; with the
+                                    # start (~0.3 s) and the backstop (2 s) below env.tool_timeout_s (10 s)
     cpu_s: int = 5                  # CPU seconds (RLIMIT_CPU, SIGKILL when used up)
     memory_mb: int = 512            # address space (RLIMIT_AS); Python raises MemoryError past it
     file_size_mb: int = 16          # largest file the code may write (RLIMIT_FSIZE)
@@ -270,7 +274,59 @@ def _supervise(pid: int, wall_s: float) -> dict:
 
 def _no_namespaces(reason: str) -> dict:
     return {"network": f"audit hook (best effort): {reason}", "files": f"audit hook (best effort): {reason}",
-            "processes": f"audit hook refuses new processes (best effort): {reason}"}
+            "processes": f"audit hook refuses new processes (best effort): {reason}",
+            "private": f"audit hook refuses reading private directories (best effort): {reason}"}
+
+
+# Directories of private files (every user's home, runtime sockets and keys, mounted secrets) that the code
+# must not read; the home of the user running lmforge is added wherever it is (docs/environments.md).
+PRIVATE_DIRS = ("/root", "/home", "/run/user", "/run/secrets")
+
+
+def _inside(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip(os.sep) + os.sep)
+
+
+def _private_dirs(work: str) -> tuple[list[str], list[str]]:
+    """(the private directories to hide, the paths inside them the code needs: the interpreter's
+    prefixes, ``sys.path`` -- lmforge's own directory included -- and ``work``). A private directory
+    that lies inside one of those (an interpreter installed as /home/me) cannot be hidden: left out."""
+    import pwd
+
+    try:
+        home = pwd.getpwuid(os.getuid()).pw_dir
+    except KeyError:  # a uid without a passwd entry
+        home = None
+    private = {os.path.realpath(d) for d in (*PRIVATE_DIRS, home) if d and os.path.isdir(d)} - {"/"}
+    needed = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                                            *sys.path, work) if os.path.exists(p)}
+    private = {d for d in private if not any(_inside(d, n) for n in needed)}
+    hide = sorted(d for d in private if not any(d != e and _inside(d, e) for e in private))
+    keep = sorted(n for n in needed if any(_inside(n, d) for d in hide)
+                  and not any(n != m and _inside(n, m) for m in needed))
+    return hide, keep
+
+
+def _hide_private(work: str) -> str:
+    """Mount an empty tmpfs over each private directory (read-only once ``_read_only_except`` has run),
+    then bind back the paths inside them that the code needs, opened before they were hidden."""
+    hide, keep = _private_dirs(work)
+    handles = {path: os.open(path, os.O_PATH) for path in keep}
+    try:
+        for top in hide:
+            _mount("tmpfs", top, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        for path, fd in handles.items():
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                os.makedirs(path, exist_ok=True)
+            else:  # a file (a zipped standard library): a file to bind it onto
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                open(path, "w").close()
+            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+    finally:
+        for fd in handles.values():
+            os.close(fd)
+    text = f"empty read-only tmpfs over {', '.join(hide) or 'nothing (none found)'}"
+    return text + (f"; bound back read-only: {', '.join(keep)}" if keep else "")
 
 
 def _isolate(work: str) -> dict:
@@ -288,6 +344,11 @@ def _isolate(work: str) -> dict:
         return _no_namespaces(f"{reason}: {exc}")
     isolation = {"network": "new network namespace (no interfaces up)",
                  "processes": "new PID namespace, fresh /proc, no capabilities"}
+    try:
+        _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted below reaches the host's namespace
+        isolation["private"] = _hide_private(work)
+    except OSError as exc:
+        isolation["private"] = f"audit hook (best effort): empty mounts failed ({exc})"
     try:
         _read_only_except(work)
         isolation["files"] = "read-only, nodev mounts except the temporary directory"
@@ -339,6 +400,13 @@ def _audit_hook(work: str, hooked: set[str]):
 
     root = os.path.realpath(work)
     me = os.getpid()  # fork is refused too, so this stays the code's only pid
+    hide, keep = _private_dirs(work) if "private" in hooked else ([], [])
+
+    def private(path) -> bool:
+        if isinstance(path, int):
+            return False
+        real = os.path.realpath(os.fsdecode(path))
+        return any(_inside(real, d) for d in hide) and not any(_inside(real, k) for k in keep)
 
     def outside(path) -> bool:
         if isinstance(path, int):  # an open file descriptor
@@ -354,6 +422,9 @@ def _audit_hook(work: str, hooked: set[str]):
                 raise PermissionError(f"sandbox: writing outside the working directory is refused: {args[0]}")
             if event in _PATH_EVENTS and any(outside(a) for a in args[:2] if isinstance(a, (str, bytes))):
                 raise PermissionError(f"sandbox: {event} outside the working directory is refused")
+        if "private" in hooked and event in ("open", "os.listdir", "os.scandir") and args[0] is not None \
+                and private(args[0]):
+            raise PermissionError(f"sandbox: reading a private directory is refused: {args[0]}")
         if "network" in hooked and event == "socket.__new__" and args[1] != socket.AF_UNIX:
             raise PermissionError("sandbox: network access is refused")
         if "processes" in hooked and event in _PROCESS_EVENTS:
