@@ -31,7 +31,7 @@ from typing import Any
 from pydantic import Field, ValidationError
 
 from .protocol import ChatMessage, ChatRequest, CompletionRequest, RequestError, ToolSpec, _Strict, usage
-from .tools import ToolRequestError, render_chat, request_tools
+from .tools import ToolRequestError, encode_chat, request_tools
 
 # Fields of CompletionRequest that are not sampling options, refused in sampling_params, and why.
 _NOT_SAMPLING = {
@@ -125,7 +125,7 @@ async def generate_tokens(served, body: GenerateRequest, session_id: str | None)
     try:  # the same checks as completions, naming this route's fields
         max_tokens = served.check_prompt(prompt, sampling.max_tokens, None)
         request = served.request(prompt, sampling, max_tokens)
-        request.session_id = session_id
+        request.session_id = request.session_id or session_id  # a gateway session's id comes first
         result = await served.wait(request)  # submits (n over the batch is a RequestError) and awaits
     except RequestError as exc:
         exc.param = "token_ids" if exc.param == "prompt" else exc.param and f"sampling_params.{exc.param}"
@@ -148,16 +148,27 @@ def tokenize(served, raw: Any) -> dict[str, Any]:
     except ValidationError as exc:
         raise _invalid(exc) from exc
     served.check_model(body.model)
-    text = chat_text(served, body) if isinstance(body, TokenizeChat) else body.prompt
-    ids = served.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+    if isinstance(body, TokenizeChat):
+        ids = chat_ids(served, body)
+        ids = _around(served.tokenizer, ids) if body.add_special_tokens else ids
+    else:
+        ids = served.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     reply = {"tokens": ids, "count": len(ids), "max_model_len": served.max_model_len}
     if body.return_token_strs:
         reply["token_strs"] = served.tokenizer.convert_ids_to_tokens(ids)
     return reply
 
 
-def chat_text(served, body: TokenizeChat) -> str:
-    """The chat route's rendering of ``body``'s conversation: its fields as the ChatRequest's (protocol.py)."""
+def _around(tokenizer, ids: list[int]) -> list[int]:
+    """``ids`` between the special tokens the tokenizer adds around a text (e.g. a Llama-style BOS)."""
+    plain, full = tokenizer.encode("a", add_special_tokens=False), tokenizer.encode("a", add_special_tokens=True)
+    start = next(i for i in range(len(full)) if full[i:i + len(plain)] == plain)
+    return full[:start] + ids + full[start + len(plain):]
+
+
+def chat_ids(served, body: TokenizeChat) -> list[int]:
+    """The chat route's prompt ids of ``body``'s conversation: its fields as the ChatRequest's (protocol.py),
+    the messages' text encoded as text (``tools.encode_chat``)."""
     if body.continue_final_message and body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
         raise RequestError("continue_final_message and add_generation_prompt cannot both be true (the last message "
                            "is either continued or closed and answered)", param="continue_final_message")
@@ -169,7 +180,7 @@ def chat_text(served, body: TokenizeChat) -> str:
         raise _invalid(exc) from exc
     messages = [m.model_dump(exclude_none=True) for m in chat.messages]
     try:
-        return render_chat(served.tokenizer, messages, request_tools(chat)[0], **chat.template_kwargs)
+        return encode_chat(served.tokenizer, messages, request_tools(chat)[0], **chat.template_kwargs)
     except ToolRequestError as exc:
         raise RequestError(str(exc), param=exc.param) from exc
 

@@ -17,6 +17,7 @@ from ...errors import TrainingError
 from ...serve.weights import copy_state, plain_state
 
 SERVED_NAME = "policy"
+LOAD_TIMEOUT_S = 600.0  # longest wait for the served copy to take new weights
 
 
 class PolicyServer:
@@ -40,7 +41,13 @@ class PolicyServer:
     def load(self, model: torch.nn.Module, version: int) -> None:
         """The served copy takes ``model``'s weights (merged if LoRA) as ``version``."""
         state = plain_state(model)
-        self.served.scheduler.update_weights(lambda served: copy_state(served, state), version).result()
+        update = self.served.scheduler.update_weights(lambda served: copy_state(served, state), version)
+        try:  # it waits for the rows in flight (at most one call's tokens each): bounded, never a hang
+            update.result(timeout=LOAD_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise TrainingError(f"the served policy did not take the weights of version {version} within "
+                                f"{LOAD_TIMEOUT_S:.0f} s (its generation thread is stuck or dead: "
+                                f"alive={self.served.scheduler.alive})") from exc
 
     def stop(self) -> None:
         self.server.stop()
