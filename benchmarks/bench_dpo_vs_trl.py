@@ -13,7 +13,8 @@ Settings (``--settings``):
   allows, ``gradient_checkpointing=True``; lmforge: ``train.dtype=auto``,
   ``gradient_checkpointing=auto``), printed.
 
-Timing alternates step by step (TRL drives ``trainer.train()``; at each TRL ``on_step_end`` one
+Both sides take the same pairs in the same order: TRL is given the pairs in the order lmforge's
+``BatchOrder`` will take them and reads them sequentially (no reshuffle). Timing alternates step by step (TRL drives ``trainer.train()``; at each TRL ``on_step_end`` one
 lmforge ``dpo_step`` runs), so both see the same background load; the first ``--warmup`` steps are
 not timed, then medians and the median of the paired ratios. Threads: ``--threads`` for the whole
 process (0 = lmforge's choice for this machine).
@@ -76,10 +77,15 @@ def lmforge_stepper(model, tokenizer, rows, settings: str, args, out_dir: str):
                                           device="cpu", dtype="fp32" if settings == "fp32" else "auto",
                                           gradient_checkpointing="off" if settings == "fp32" else "auto"))
     data = tokenize_pairs(rows, tokenizer, MAX_LEN)
+    if len(data) != len(rows):  # TRL is handed rows by lmforge's indices (same_order)
+        raise SystemExit(f"{len(rows) - len(data)} pairs dropped by lmforge's tokenization; the two sides would "
+                         "differ in data")
     # as run_dpo: the hardware choice sizes memory for the longest pair as the forward runs it
     run = start_run(cfg, "bench", model, seq_len=dpo.choice_seq_len(data), console=Quiet())
     reference = dpo.make_reference(model, "sigmoid")
-    state = build_state(run, model, tokenizer, BatchOrder(len(data), args.batch, 0), 10 ** 6)
+    order = BatchOrder(len(data), args.batch, 0)
+    planned = copy.deepcopy(order)  # the pairs lmforge's steps will take, in order, before it takes any
+    state = build_state(run, model, tokenizer, order, 10 ** 6)
     counter = {"step": 0}
 
     def step():
@@ -88,7 +94,7 @@ def lmforge_stepper(model, tokenizer, rows, settings: str, args, out_dir: str):
 
     tokens = sum(len(side.input_ids) for pair in data.pairs for side in pair) / len(data)
     choice = f"dtype={str(run.choices.dtype).replace('torch.', '')}, checkpointing={run.choices.gradient_checkpointing}"
-    return step, choice, tokens
+    return step, choice, tokens, planned
 
 
 def trl_trainer(model, tokenizer, rows, settings: str, args, out_dir: str, callback, max_steps: int):
@@ -100,17 +106,23 @@ def trl_trainer(model, tokenizer, rows, settings: str, args, out_dir: str, callb
                        learning_rate=LR, beta=BETA, loss_type=["sigmoid"], max_length=MAX_LEN, max_steps=max_steps,
                        max_grad_norm=1.0, weight_decay=0.0, logging_steps=10 ** 6, save_strategy="no", report_to=[],
                        use_cpu=True, dataloader_num_workers=0, seed=0, **extra)
-    return DPOTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-                      callbacks=[callback])
+    class InOrder(DPOTrainer):  # the rows as given (lmforge's order), not reshuffled by TRL's sampler
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    return InOrder(model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                   callbacks=[callback])
 
 
 def compare(settings: str, args, out_dir: str) -> dict:
     model, tokenizer = load_model(ModelConfig(name="smollm2-135m-instruct"))
     rows = pair_rows()
-    lm_step, lm_choice, tokens = lmforge_stepper(copy.deepcopy(model), tokenizer, rows, settings, args, out_dir)
+    lm_step, lm_choice, tokens, planned = lmforge_stepper(copy.deepcopy(model), tokenizer, rows, settings, args,
+                                                          out_dir)
     record = {"trl": [], "lmforge": []}
     total = args.warmup + args.steps
-    trainer = trl_trainer(model, tokenizer, rows, settings, args, f"{out_dir}/trl-{settings}",
+    same_order = [rows[i] for _ in range(total) for i in planned.next()]  # each side's step k: the same pairs
+    trainer = trl_trainer(model, tokenizer, same_order, settings, args, f"{out_dir}/trl-{settings}",
                           make_callback(lm_step, args.warmup, record), total)
     trl_choice = f"bf16={trainer.args.bf16}, gradient_checkpointing={trainer.args.gradient_checkpointing}"
     print(f"[bench] {settings}: {len(rows)} pairs, {args.batch} per step, {tokens:.0f} tokens per pair (both sides) on "

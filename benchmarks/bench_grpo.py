@@ -6,7 +6,9 @@ task through the model's chat template, the same prompts in the same order on bo
 dataset laid out in lmforge's ``BatchOrder`` and ``shuffle_dataset=False``; the script checks that
 TRL's chat-template token ids equal lmforge's). Reward: the task's ``exact`` scorer on both sides.
 
-Same loss settings on both sides: no KL term (lmforge ``algo.kl_coef=0``, TRL ``beta=0``: no
+The same work by default: lmforge trains every row as TRL does (``algo.skip_zero_advantage=false``;
+``--shipped-defaults`` turns lmforge's default skip of zero-advantage groups back on, and the ratio then
+counts rows lmforge did not train). Same loss settings on both sides: no KL term (lmforge ``algo.kl_coef=0``, TRL ``beta=0``: no
 reference model), one iteration / one mini-batch (on-policy: both take old logprobs from the
 update's own forward, ratio 1), clip 0.2 / 0.2, temperature 1, no top-k / top-p, group-std
 normalised advantages (Bessel std; eps 1e-6 lmforge, 1e-4 TRL), per-sequence token mean then mean
@@ -84,6 +86,8 @@ def lmforge_state(model, tokenizer, args, out_dir: str, total_steps: int):
         "algo.advantage=group_norm", "algo.loss_type=token_clip", "algo.aggregation=seq_mean_token_mean",
         f"algo.eps_low={CLIP_EPS}", f"algo.eps_high={CLIP_EPS}", "algo.kl_coef=0.0", "algo.entropy_coef=0.0",
         "algo.num_iterations=1", "algo.num_mini_batches=1",
+        # the same work as TRL, which trains every row: lmforge's default skips zero-advantage rows
+        f"algo.skip_zero_advantage={'true' if args.shipped_defaults else 'false'}",
         f"optim.lr={LR}", "optim.schedule=constant", "optim.warmup_steps=0", "optim.weight_decay=0.0",
         "optim.beta1=0.9", f"optim.beta2={BETA2}", "optim.eps=1e-8", f"optim.max_grad_norm={MAX_GRAD_NORM}",
         f"train.micro_batch_size={args.prompts * args.samples}", "train.gradient_checkpointing='off'",
@@ -286,6 +290,9 @@ def main() -> None:
                         help="lmforge's rollout.dtype; bf16 (a bf16 sampler copy, synced every step) also sets "
                              "algo.is_level=token, so the loss differs from TRL's by the importance weights")
     parser.add_argument("--profile", action="store_true", help="after timing, profile one lmforge step")
+    parser.add_argument("--shipped-defaults", action="store_true",
+                        help="lmforge skips the rows of zero-advantage groups, as `lmforge grpo` does by default "
+                             "(less work than TRL's step); without it both sides train every row (the same work)")
     args = parser.parse_args()
     if args.steps < 1 or args.samples < 2:
         parser.error("need --steps >= 1 and --samples >= 2")
@@ -309,7 +316,8 @@ def main() -> None:
               f"params={count_parameters(model) / 1e6:.1f}M fp32 threads={torch.get_num_threads()} "
               f"torch={torch.__version__} transformers={transformers.__version__} trl={trl_version} "
               f"rows={args.prompts}x{args.samples} new_tokens={args.new_tokens} steps={args.warmup}+{args.steps} "
-              f"lmforge rollout.dtype={args.rollout_dtype}",
+              f"lmforge rollout.dtype={args.rollout_dtype} "
+              f"work={'shipped defaults (zero-advantage rows skipped)' if args.shipped_defaults else 'same'}",
               flush=True)
         print(f"[bench] lmforge algo: {rl_config.describe_algo(algo)}", flush=True)
         if args.no_trl:
