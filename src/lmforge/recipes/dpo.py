@@ -94,6 +94,9 @@ class PreferenceAlgoConfig:
     gamma: float = opt(0.0, "simpo: the target reward margin (the paper: 0.5-1.5 with beta 2-2.5)")
     nll_coef: float = opt(0.0, "weight of the chosen completions' mean token NLL added to the loss (RPO; "
                           "1.0 in the paper): keeps the chosen answers likely")
+    disable_dropout: bool = opt(True, "turn off the model's own dropout (its config's attention / hidden dropout) "
+                                "in the policy's training forwards, as TRL does: the reference runs without it, so "
+                                "with it the log-ratios are noise even at step 1 (LoRA's model.lora.dropout stays)")
 
     def validate(self) -> None:
         try:
@@ -188,6 +191,25 @@ def policy_logps(state: TrainState, batch: PairPack) -> tuple[torch.Tensor, torc
     """(2b,) sequence log-probabilities of the trained policy and the trained-token counts, through
     the parallel root (DDP / FSDP2 see the forward)."""
     return side_logps(run_forward(state.wrapped, pair_logits, state.model, batch), batch)
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Set every dropout of ``model`` to 0 -- ``nn.Dropout`` modules and the ``attention_dropout`` rates
+    that Hugging Face attention modules apply in training mode -- except the LoRA adapters' own
+    (``model.lora.dropout``, the user's choice: at step 1 it drops only zeros). In memory only: the
+    saved config keeps its rates. Returns how many rates were set to 0."""
+    num_disabled = 0
+    for name, module in model.named_modules():
+        if "lora_dropout" in name:
+            continue
+        if isinstance(module, torch.nn.Dropout) and module.p:
+            module.p = 0.0
+            num_disabled += 1
+        rate = getattr(module, "attention_dropout", None)
+        if isinstance(rate, float) and rate:
+            module.attention_dropout = 0.0
+            num_disabled += 1
+    return num_disabled
 
 
 def make_reference(model, loss: str):
@@ -362,6 +384,8 @@ def run_dpo(cfg: DPOConfig, model=None, tokenizer=None, console=None) -> dict:
         raise DataError(f"{len(train_data)} training pairs are fewer than one batch (train.batch_size="
                         f"{cfg.train.batch_size}); lower train.batch_size or add data")
     model = lora.apply_for_run(model, cfg.model.lora, cfg.train, run.ctx).to(run.device)
+    if cfg.algo.disable_dropout and (num_disabled := disable_dropout(model)):
+        run.print(f"[algo] dropout off in the policy ({num_disabled} rate(s) set to 0; algo.disable_dropout)")
     reference = make_reference(model, cfg.algo.loss)  # before resuming: the reference is the starting model
     order = BatchOrder(len(train_data), cfg.train.batch_size, cfg.train.seed)
     state = build_state(run, model, tokenizer, order, cfg.train.max_steps)
