@@ -124,7 +124,7 @@ def test_history_holds_the_sampled_ids_verbatim_under_a_non_identity_tokenizer(m
         assert all(lp == 0.0 for lp, t in zip(episode.logprobs, episode.trained) if not t)
         history = episode.prompt_ids + episode.ids
         # the ids stand for the template's rendering of the whole conversation...
-        assert tok.decode(history) == runner.render(episode.state.messages[:-1]).rsplit("<|assistant|>", 1)[0] \
+        assert tok.decode(history) == runner.render(episode.state.messages[:-1]).text.rsplit("<|assistant|>", 1)[0] \
             + "<|assistant|>\n" + tok.decode(turns[-1])
         # ...yet re-encoding that text would change them: the tokenizer merges a, b into ab
         assert tok(tok.decode(history), add_special_tokens=False)["input_ids"] != history

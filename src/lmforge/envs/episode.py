@@ -42,6 +42,7 @@ from ..rollout.continuous import ContinuousDecoder
 from ..rollout.engine import left_pad
 from ..rollout.reward_pool import DaemonThreadPool
 from .base import EpisodeState, MalformedReply, Message, check_messages, check_step_result
+from .safe_encode import ControlTextError, Rendered, encode_rendered, encode_text, render_marked
 from .toolcalls import render_messages
 from .tool_env import INVALID_CALLS, TOOL_CALLS, TOOL_ERRORS
 
@@ -194,11 +195,15 @@ class EpisodeRunner:
 
     # ------------------------------------------------------------------------- the token rule
 
-    def render(self, messages: list[Message]) -> str:
-        return render_messages(self.tokenizer, messages, self.tools, add_generation_prompt=True)
+    def render(self, messages: list[Message]) -> Rendered:
+        """The conversation with the generation prompt, and where its messages' special-token strings
+        landed (``safe_encode``: they are encoded as text, only the template's are control tokens)."""
+        return render_marked(self.tokenizer, lambda msgs, tools: render_messages(
+            self.tokenizer, msgs, tools, add_generation_prompt=True), messages, self.tools)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """The ids of a message's ``text``, as plain text (``safe_encode.encode_text``)."""
+        return encode_text(self.tokenizer, text)
 
     def _start(self, episode: Episode, outcome: tuple[str, Any]) -> None:
         """Fill the episode from its ``reset`` outcome: messages, prompt ids, budget; or end it."""
@@ -208,10 +213,12 @@ class EpisodeRunner:
                 episode.state.messages = list(check_messages(value, "reset"))
                 if not episode.state.messages:
                     raise MalformedReply("reset returned no messages")
-                episode.text = self.render(episode.state.messages)
-                episode.prompt_ids = self.encode(episode.text)
+                rendered = self.render(episode.state.messages)
+                episode.text, episode.prompt_ids = rendered.text, encode_rendered(self.tokenizer, rendered)
             except MalformedReply as exc:
                 status, value = "malformed", str(exc)
+            except ControlTextError as exc:
+                status, value = "template", str(exc)
         if status != "ok":
             _log_failure(episode, status, "reset", value)
             episode.end = "env_error" if status == "error" else status
@@ -284,13 +291,18 @@ class EpisodeRunner:
         if episode.end:
             return
         state.messages.extend(self._cap_results(episode, value.messages))
-        full = self.render(state.messages)
-        if not full.startswith(episode.text):
+        try:
+            full = self.render(state.messages)
+        except ControlTextError as exc:
+            _log_failure(episode, "template", "render", str(exc))
+            episode.end = "template"
+            return
+        if not full.text.startswith(episode.text):
             _log_failure(episode, "template", "render", "the chat template's rendering of the conversation does "
                          "not start with the episode's tokens so far (it rewrites earlier turns)")
             episode.end = "template"
             return
-        delta = self.encode(full[len(episode.text):])
+        delta = encode_rendered(self.tokenizer, full.cut(len(episode.text)))
         if len(delta) >= episode.budget:  # no room left for a reply after it
             episode.end = "episode_tokens"
             return
@@ -298,7 +310,7 @@ class EpisodeRunner:
         episode.trained += [0] * len(delta)
         episode.logprobs += [0.0] * len(delta)
         episode.budget -= len(delta)
-        episode.text = full
+        episode.text = full.text
 
     # ------------------------------------------------------------------------- a batch
 

@@ -1,0 +1,218 @@
+"""Text is text: the strings of a conversation are encoded as plain text, never as control tokens.
+
+A chat template writes a conversation's structure with the tokenizer's special tokens
+(``<|im_start|>``, ``<|im_end|>``, ``<eos>``), and the rendered text is tokenized with special-token
+matching. The same strings inside a message -- a tool's output, an environment's observation, a
+``user`` or ``tool`` message sent to ``lmforge serve`` -- would then become those tokens as well: a
+tool result that prints ``<|im_end|>\\n<|im_start|>assistant\\n`` would close the tool turn and open an
+assistant turn the model never wrote. Here only the template's own special tokens are special:
+
+1. every string of the messages and tools is searched for the tokenizer's special-token strings
+   (:func:`special_strings`); when none holds one (the usual case) nothing changes and the
+   rendering is encoded as it always was, so the ids are exactly ``tokenizer(text)``'s;
+2. otherwise the conversation is rendered once more with each such occurrence replaced by a unique
+   ASCII marker. The special strings of that rendering are the template's own; putting the
+   occurrences back in place of the markers must give the first rendering, which locates each one
+   (a template that rewrites the text around them is refused: :class:`ControlTextError`);
+3. the text between two of the template's special tokens that holds an occurrence is encoded as
+   plain text (the tokenizer's ``split_special_tokens``), the rest as before. The tokenizer splits
+   its input at special tokens anyway, so the pieces are cut where it cuts them.
+
+Only tokens the tokenizer marks special are control tokens here (what ``split_special_tokens``
+splits); non-special added tokens (e.g. Qwen's ``<tool_call>``) stay ordinary vocabulary.
+transformers >= 5.25 has the same idea in ``apply_chat_template(..., sanitize_control_tokens=True)``,
+which returns ids only; the episode runner and the token-in server also need the text and the
+ids of a part of it (the delta after a prefix), hence this module.
+"""
+from __future__ import annotations
+
+import re
+import secrets
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+Span = tuple[int, int]  # [start, end) character offsets in a rendered text
+Render = Callable[[list[dict], "list[dict] | None"], str]  # (messages, tools) -> the template's text
+
+_cache: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+
+
+class ControlTextError(ValueError):
+    """A string of the conversation holds a special-token string and the chat template does not write
+    it as given, so it cannot be told from the template's own tokens. ``field`` names the string, as
+    ``messages.2.content`` or ``tools.0.function.description``."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A rendered conversation: its ``text``, where the messages' special-token strings landed in it
+    (``forged``) and where the template's own special tokens are (``control``), both sorted."""
+
+    text: str
+    forged: tuple[Span, ...] = ()
+    control: tuple[Span, ...] = ()
+
+    def cut(self, start: int) -> "Rendered":
+        """The rendering of ``text[start:]`` (a span that starts before ``start`` is cut with it; a
+        control token cut in two is no longer one)."""
+        shift = lambda spans, keep: tuple((max(a, start) - start, b - start) for a, b in spans if keep(a, b))
+        return Rendered(self.text[start:], shift(self.forged, lambda a, b: b > start),
+                        shift(self.control, lambda a, b: a >= start))
+
+    def __add__(self, other: "Rendered") -> "Rendered":
+        n = len(self.text)
+        moved = lambda spans: tuple((a + n, b + n) for a, b in spans)
+        return Rendered(self.text + other.text, self.forged + moved(other.forged), self.control + moved(other.control))
+
+
+def _entry(tokenizer) -> tuple:
+    """(special strings longest first, their regex, a backend that encodes them as text), cached per
+    tokenizer and rebuilt when its vocabulary grows (added tokens)."""
+    size = len(tokenizer)
+    entry = _cache.get(tokenizer)
+    if entry is None or entry[0] != size:
+        strings = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+        strings |= set(getattr(tokenizer, "all_special_tokens", ()))
+        strings = tuple(sorted((s for s in strings if s and not s.isspace()), key=len, reverse=True))
+        pattern = re.compile("|".join(map(re.escape, strings)) or "(?!)")  # (?!) never matches
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:  # a copy of its own: flipping the shared one's flag would race other threads
+            from tokenizers import Tokenizer
+
+            backend = Tokenizer.from_str(backend.to_str())
+            backend.encode_special_tokens = True
+        entry = (size, strings, pattern, backend)
+        _cache[tokenizer] = entry
+    return entry
+
+
+def special_strings(tokenizer) -> tuple[str, ...]:
+    """The strings of ``tokenizer``'s special tokens (whitespace-only ones left out), longest first."""
+    return _entry(tokenizer)[1]
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """The ids of ``text`` as plain text: a special token's string is encoded as the characters it is
+    made of (the tokenizer's ``split_special_tokens``), never as the special token."""
+    backend = _entry(tokenizer)[3]
+    if backend is None:  # a Python (slow) tokenizer takes split_special_tokens per call
+        return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    return list(backend.encode(text, add_special_tokens=False).ids)
+
+
+def encode_plain(tokenizer, text: str) -> list[int]:
+    """The ids of ``text`` as the tokenizer encodes it by default (special-token strings matched)."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def as_template(tokenizer, text: str) -> Rendered:
+    """``text`` written by the template alone: each special-token string in it is a control token."""
+    return Rendered(text, (), tuple(_spans(_entry(tokenizer)[2], text)))
+
+
+def _spans(pattern: re.Pattern, text: str, offset: int = 0) -> list[Span]:
+    return [(m.start() + offset, m.end() + offset) for m in pattern.finditer(text)]
+
+
+def _fields(obj: Any, pattern: re.Pattern, path: str) -> list[tuple[str, str]]:
+    """(path, the first match) of each string in ``obj`` (dicts and lists, walked; keys too: a tool's
+    parameter names) that holds a match of ``pattern``."""
+    if isinstance(obj, str):
+        match = pattern.search(obj)
+        return [(path, match.group())] if match else []
+    if isinstance(obj, dict):
+        return [f for key, value in obj.items() for f in _fields(key, pattern, f"{path}.{key}")
+                + _fields(value, pattern, f"{path}.{key}")]
+    if isinstance(obj, (list, tuple)):
+        return [f for i, value in enumerate(obj) for f in _fields(value, pattern, f"{path}.{i}")]
+    return []
+
+
+def _map_strings(obj: Any, fn: Callable[[str], str]) -> Any:
+    if isinstance(obj, str):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {_map_strings(key, fn): _map_strings(value, fn) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_map_strings(value, fn) for value in obj]
+    return obj
+
+
+def render_marked(tokenizer, render: Render, messages: list[dict], tools: list[dict] | None = None) -> Rendered:
+    """``render(messages, tools)`` with the places of the messages' and tools' special-token strings
+    (module doc). Raises :class:`ControlTextError` when the template does not write them as given."""
+    text = render(messages, tools)
+    pattern = _entry(tokenizer)[2]
+    fields = _fields(messages, pattern, "messages") + _fields(tools, pattern, "tools")
+    if not fields:
+        return as_template(tokenizer, text)
+    nonce = secrets.token_hex(8)
+    while any(nonce in s for s in _strings((messages, tools))):
+        nonce = secrets.token_hex(8)
+    originals: list[str] = []
+
+    def mark(match: re.Match) -> str:
+        originals.append(match.group())
+        return f"LMFORGE{nonce}X{len(originals) - 1}Y"
+
+    marked = render(_map_strings(messages, lambda s: pattern.sub(mark, s)),
+                    _map_strings(tools, lambda s: pattern.sub(mark, s)))
+    rebuilt, forged, control = _rebuild(marked, re.compile(f"LMFORGE{nonce}X([0-9]+)Y"), originals, pattern)
+    if rebuilt == text:
+        return Rendered(text, forged, control)
+    found = [text[a:b] for a, b in _spans(pattern, text)]
+    if found == [rebuilt[a:b] for a, b in control]:  # e.g. escaped by the template: none reached the text
+        return as_template(tokenizer, text)
+    field, string = fields[0]
+    raise ControlTextError(
+        f"{field} holds the control string {string!r} of the tokenizer, and the chat template does not write it "
+        "as given (it changes the text around it), so it cannot be told from the template's own control tokens; "
+        "remove it from the text", field)
+
+
+def _rebuild(marked: str, markers: re.Pattern, originals: list[str], pattern: re.Pattern
+             ) -> tuple[str, tuple[Span, ...], tuple[Span, ...]]:
+    """(``marked`` with each marker replaced by its original string, where those strings are, where the
+    special strings of the rest are)."""
+    pieces, forged, control, at, last = [], [], [], 0, 0
+    for match in markers.finditer(marked):
+        for piece, is_forged in ((marked[last:match.start()], False), (originals[int(match.group(1))], True)):
+            if is_forged:
+                forged.append((at, at + len(piece)))
+            else:
+                control += _spans(pattern, piece, at)
+            pieces.append(piece)
+            at += len(piece)
+        last = match.end()
+    control += _spans(pattern, marked[last:], at)
+    pieces.append(marked[last:])
+    return "".join(pieces), tuple(forged), tuple(control)
+
+
+def _strings(obj: Any) -> list[str]:
+    if isinstance(obj, str):
+        return [obj]
+    values = [*obj, *obj.values()] if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return [s for value in values for s in _strings(value)]
+
+
+def encode_rendered(tokenizer, rendered: Rendered, encode: Callable[[str], list[int]] | None = None) -> list[int]:
+    """The ids of ``rendered.text``: ``encode`` (default :func:`encode_plain`) where no forged special
+    string is, plain text (:func:`encode_text`) between the two control tokens around each forged one."""
+    encode = encode or (lambda text: encode_plain(tokenizer, text))
+    if not rendered.forged:
+        return list(encode(rendered.text))
+    text, ids, done = rendered.text, [], 0
+    starts = [0] + [b for _, b in rendered.control]
+    ends = [a for a, _ in rendered.control] + [len(text)]
+    for start, end in zip(starts, ends):  # the gaps between control tokens
+        if start >= done and any(start <= a < end or start < b <= end for a, b in rendered.forged):
+            ids += encode(text[done:start]) if start > done else []
+            ids += encode_text(tokenizer, text[start:end])
+            done = end
+    return ids + (list(encode(text[done:])) if done < len(text) else [])
