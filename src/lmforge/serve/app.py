@@ -43,7 +43,7 @@ from .scheduler import BatchScheduler, GenerationRequest, GenerationResult, Samp
 from .sessions import SessionNotFound, SessionPaths, SessionRecorder, call_context
 from .scoring import PromptScores, add_prompt_logprobs, prompt_logprobs_entries, score_prompts
 from .stream import feed, sse_events
-from .tools import ToolRequestError, continue_prompt, render_chat, request_tools
+from .tools import ToolRequestError, continue_prompt, encode_chat, request_tools
 from .weights import WeightsError, check_state, copy_state, read_checkpoint_dir, read_tensor_bytes
 
 INSTALL_HINT = "lmforge serve needs FastAPI and uvicorn: pip install 'lmforge[serve]' (or: pip install fastapi uvicorn)"
@@ -408,7 +408,7 @@ async def chat_completion(served: ServedModel, body: ChatRequest):
         if session is not None:
             prompt = session_chat_prompt(served, session, body, messages, tools, parse_tools)
         elif body.prefix_token_ids is None:
-            prompt = served.encode(render_chat(served.tokenizer, messages, tools, **body.template_kwargs))
+            prompt = encode_chat(served.tokenizer, messages, tools, **body.template_kwargs)  # text as text
         else:  # token-in: the conversation so far as ids, only the new messages rendered (tools.py)
             prompt = continue_prompt(served.tokenizer, messages, tools, body.prefix_token_ids,
                                      served.stop_token_ids, served.encode, body.template_kwargs)
@@ -440,8 +440,7 @@ def session_chat_prompt(served: ServedModel, session, body: ChatRequest, message
                                served.encode, body.template_kwargs)
     prompt = session.chat_prompt(messages, tools, body.template_kwargs, served.tokenizer, served.stop_token_ids,
                                  served.encode)
-    return prompt if prompt is not None else served.encode(render_chat(served.tokenizer, messages, tools,
-                                                                       **body.template_kwargs))
+    return prompt if prompt is not None else encode_chat(served.tokenizer, messages, tools, **body.template_kwargs)
 
 
 def session_completion_prompts(served: ServedModel, session, body: CompletionRequest,
