@@ -131,7 +131,8 @@ def test_a_template_that_rewrites_a_control_string_is_refused_and_ends_the_episo
     from lmforge.envs.episode import episode_metrics
 
     tok = load_tokenizer("char:ascii")
-    tok.chat_template = tok.chat_template.replace("message['content']", "message['content'] | replace('<eos>', '<eos>!<eos>')")
+    rewrite = "message['content'] | replace('<eos>', '<eos>!<eos>')"  # writes the string twice
+    tok.chat_template = tok.chat_template.replace("message['content']", rewrite)
     with pytest.raises(ControlTextError, match=r"messages\.1\.content holds the control string '<eos>'") as info:
         render_marked(tok, render(tok), [{"role": "user", "content": "hi"}, {"role": "tool", "content": "a<eos>"}],
                       None)
