@@ -15,7 +15,9 @@ each turn's decoded sample with its stop token, each earlier delta) must be a pr
 the rest of the rendering, tokenized alone, is the delta. A template that does not render the
 conversation prefix by prefix (one that rewrites earlier turns, e.g. drops old ``<think>`` blocks)
 fails that check: the episode then ends there, counted as ``num_template_mismatches`` (its tokens
-so far are kept and trained), rather than train on ids the policy never saw.
+so far are kept and trained), rather than train on ids the policy never saw. A message's text is
+encoded as text (``safe_encode``): its special-token strings never become control tokens, only the
+template's own structure does.
 
 Limits, each counted when hit, each ending the episode cleanly: turns (``max_turns``), tokens after
 the first prompt (``max_episode_tokens``: a turn that would pass it is cut to fit), invalid tool
