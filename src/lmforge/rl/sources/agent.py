@@ -71,6 +71,10 @@ def load_agent(entry: str) -> Callable:
     except ImportError as exc:
         raise ConfigError(f"rollout.agent_entry={entry!r}: cannot import {target} ({exc}); put its directory on "
                           "PYTHONPATH, or give the file's path: path/to/file.py:function") from exc
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the agent's module failed in its own code while being imported
+        raise ConfigError(f"rollout.agent_entry={entry!r}: importing {target} raised {failure_text(exc)}") from exc
     function = getattr(module, name, None)
     if not callable(function):
         raise ConfigError(f"rollout.agent_entry={entry!r}: {target} has no function {name!r}")
