@@ -458,7 +458,8 @@ class TrainConfig:
     seed: int = opt(0, "seed for data order, sampling and dropout")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps")
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = opt("auto", "compute dtype (auto: fp32 on CPU, bf16 on recent GPUs)")
-    threads: int = opt(0, "CPU threads for torch (0 = chosen by hardware tier)")
+    threads: int = opt(0, "CPU threads for torch (0 = the cores the load average leaves; lmforge hardware shows "
+                       "the choice)")
     gradient_checkpointing: Literal["auto", "on", "off"] = opt("auto", "recompute activations in backward to save memory")
     eval_every: int = opt(50, "evaluate (val loss, samples, accuracy) every N steps (0 = only at the end)")
     save_every: int = opt(100, "checkpoint every N steps (0 = only best and final)")

@@ -61,3 +61,44 @@ def test_gpu_tiers_and_batch_from_accelerator_memory():
     assert (tight.micro_batch_size, tight.gradient_checkpointing) == (1, True)
     assert (roomy.micro_batch_size, roomy.gradient_checkpointing) == (4, False)
     assert "70% of 141 GB (large-gpu)" in roomy.reasons["micro_batch_size"]
+
+
+def test_threads_follow_the_cores_the_load_leaves_and_busy_is_passive():
+    from lmforge.hardware import choose_threads
+
+    quiet, busy, crowded = choose_threads(2, 0.7), choose_threads(2, 1.0), choose_threads(2, 6.0)
+    assert (quiet.threads, quiet.passive) == (2, False) and "load average 0.7 on 2 cores: quiet" in quiet.reason
+    assert (busy.threads, busy.passive) == (1, True) and (crowded.threads, crowded.passive) == (1, True)
+    assert "busy" in crowded.reason and "OpenMP's default wait policy" in crowded.reason  # torch started without it
+    assert "sleep while they wait" in choose_threads(2, 6.0, wait="OMP_WAIT_POLICY=PASSIVE").reason
+    assert "OMP_WAIT_POLICY=ACTIVE from the environment" in choose_threads(2, 6.0, wait="OMP_WAIT_POLICY=ACTIVE").reason
+    assert choose_threads(16, 4.5).threads == 12 and not choose_threads(16, 4.5).passive  # floor: 4 cores taken
+    assert (choose_threads(16, 10.0).threads, choose_threads(16, 10.0).passive) == (6, True)
+    # torchrun: each of the ranks on the machine takes its share of the free cores, at least one
+    assert choose_threads(4, 0.2, local_ranks=2).threads == 2 and "shared by the 2 ranks" in choose_threads(4, 0.2, 2).reason
+    assert choose_threads(4, 3.0, local_ranks=2).threads == 1
+    # train.threads wins; the wait policy still follows the load
+    set_busy = choose_threads(2, 6.0, threads=2)
+    assert (set_busy.threads, set_busy.passive) == (2, True) and set_busy.reason.startswith("set in config")
+    assert choose(cpu(bf16=False), threads=3).threads == 3
+
+
+def test_choose_takes_the_load_from_the_hardware():
+    loaded = Hardware("cpu", "none", 2, 24.0, 0.0, False, load=3.0)
+    assert choose(loaded).threads == 1 and "busy" in choose(loaded).reasons["threads"]
+    assert choose(cpu(bf16=False)).threads == 2
+
+
+def test_prepare_process_sets_passive_only_when_busy_and_unset(monkeypatch):
+    from lmforge import hardware
+
+    monkeypatch.setattr(hardware, "_num_cores", lambda: 2)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for load, user, expected in ((6.0, {}, "PASSIVE"), (0.2, {}, None), (6.0, {"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"),
+                                 (6.0, {"GOMP_SPINCOUNT": "1000"}, None)):
+        monkeypatch.setattr(hardware, "start_load", lambda load=load: load)
+        environ = dict(user)
+        choice = hardware.prepare_process(environ)
+        assert environ.get("OMP_WAIT_POLICY") == expected, (load, user)
+        assert choice.threads == (1 if load > 1 else 2)

@@ -131,17 +131,14 @@ def start_run(cfg, name: str, model=None, seq_len: int = 256, console=None, upda
     lora.check_settings(lora_section(cfg), cfg.train, ctx)  # before the run directory is locked or written
     mcfg = getattr(model, "config", None)
     # Several ranks on one CPU share its cores: each gets its part unless threads are set.
-    threads = tcfg.threads or (max(hw.num_cores // local_world_size(), 1) if hw.device == "cpu" and ctx.distributed else 0)
+    ranks = local_world_size() if hw.device == "cpu" and ctx.distributed else 1
     choices = hardware.choose(
-        hw, dtype=tcfg.dtype, threads=threads, micro_batch_size=tcfg.micro_batch_size,
+        hw, dtype=tcfg.dtype, threads=tcfg.threads, local_ranks=ranks, micro_batch_size=tcfg.micro_batch_size,
         gradient_checkpointing=tcfg.gradient_checkpointing,
         num_params=count_parameters(model) if model is not None else 0, seq_len=seq_len,
         hidden=getattr(mcfg, "hidden_size", 128), layers=getattr(mcfg, "num_hidden_layers", 4),
     )
     choices.device = device
-    if threads and not tcfg.threads:  # chosen here, not set: say so
-        choices.reasons["threads"] = (f"{hw.num_cores} usable cores shared by the {local_world_size()} ranks on "
-                                      "this machine (train.threads sets it)")
     if update_rows is None:
         tcfg.batch_size = tcfg.batch_size or DEFAULT_BATCH_SIZE
         update_rows = tcfg.batch_size
