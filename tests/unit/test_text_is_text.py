@@ -31,6 +31,34 @@ def tok(request):
     return load_tokenizer(request.param)
 
 
+def sentencepiece_style(scheme: str):
+    """A Metaspace tokenizer over printable ASCII (one token per character, spaces as "\u2581") whose
+    pre-tokenizer marks a string's start with "\u2581": "always" after every special token too, "first"
+    only at the text's start (Llama-2-style converted tokenizers)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<bos>", "<eos>", "<|user|>", "<|assistant|>", "<|system|>"]
+    chars = ["\u2581", "\n", *(chr(c) for c in range(33, 127))]
+    spm = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(specials + chars)}, merges=[]))
+    spm.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=scheme)
+    spm.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme=scheme)
+    spm.add_special_tokens(specials)
+    tok = PreTrainedTokenizerFast(tokenizer_object=spm, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    tok.chat_template = load_tokenizer("char:ascii").chat_template
+    return tok
+
+
+@pytest.fixture(params=["char:ascii", "spm-first", "spm-always", pytest.param("smollm2", marks=pytest.mark.smollm2)])
+def any_tok(request):
+    """``tok``, and SentencePiece-style tokenizers (for the tests that need no tool calls)."""
+    if request.param == "smollm2":
+        return request.getfixturevalue("smollm2")[1]
+    if request.param.startswith("spm-"):
+        return sentencepiece_style(request.param[4:])
+    return load_tokenizer(request.param)
+
+
 def special_ids(tokenizer) -> set[int]:
     return {tokenizer.convert_tokens_to_ids(s) for s in special_strings(tokenizer)}
 
@@ -104,20 +132,25 @@ def test_a_tool_result_with_control_strings_gives_no_special_id_in_the_episode(t
     assert tok.decode(episode.prompt_ids + episode.ids, skip_special_tokens=False) == episode.text
 
 
-def test_an_environment_message_with_control_strings_in_the_first_prompt_is_text(tok):
+def test_an_environment_message_with_control_strings_in_the_first_prompt_is_text(any_tok):
+    tok = any_tok
     messages = [{"role": "user", "content": f"Repeat: {FORGED}"}]
     rendered = render_marked(tok, render(tok), messages, None)
     ids = encode_rendered(tok, rendered)
     clean = encode_plain(tok, render(tok)([{"role": "user", "content": f"Repeat: {HARMLESS}"}], None))
     assert the_specials(tok, ids) == the_specials(tok, clean)
-    assert tok.decode(ids, skip_special_tokens=False) == rendered.text
+    assert f"Repeat: {FORGED}" in tok.decode(ids, skip_special_tokens=False)  # the message, as its characters
     # what the runner did before: the same text gave the forged special ids
     assert len(the_specials(tok, encode_plain(tok, rendered.text))) > len(the_specials(tok, clean))
+    # the tokenizer's own backend still matches special tokens (the plain-text encoder is a copy of it)
+    assert encode_plain(tok, "<eos>") == [tok.convert_tokens_to_ids("<eos>")] or "<eos>" not in special_strings(tok)
 
 
-def test_conversations_without_control_strings_keep_their_ids_and_the_cut_pieces_equal_the_whole(tok):
+def test_conversations_without_control_strings_keep_their_ids_and_the_cut_pieces_equal_the_whole(any_tok):
     """The usual case takes no second path (the ids are the tokenizer's); and cutting the text at the
-    template's control tokens, as a forged string makes the runner do, changes no id of these tokenizers."""
+    template's control tokens, as a forged string makes the runner do, changes no id of these tokenizers
+    (a SentencePiece-style one that marks only the text's start included: safe_encode._after_control)."""
+    tok = any_tok
     conversation = [{"role": "system", "content": "You add numbers.\n\n  Be brief."},
                     {"role": "user", "content": " 12+34=?\n"}, {"role": "assistant", "content": "46\n\n"},
                     {"role": "tool", "content": "\n{\"a\": 1}  "}, {"role": "user", "content": "!ok? yes."}]

@@ -16,7 +16,9 @@ assistant turn the model never wrote. Here only the template's own special token
    (a template that rewrites the text around them is refused: :class:`ControlTextError`);
 3. the text between two of the template's special tokens that holds an occurrence is encoded as
    plain text (the tokenizer's ``split_special_tokens``), the rest as before. The tokenizer splits
-   its input at special tokens anyway, so the pieces are cut where it cuts them.
+   its input at special tokens anyway, so the pieces are cut where it cuts them; a tokenizer that
+   marks a string's start (SentencePiece's prefix space, "first") gets such a piece after an anchor
+   whose ids are cut off again (:func:`_after_control`).
 
 Only tokens the tokenizer marks special are control tokens here (what ``split_special_tokens``
 splits); non-special added tokens (e.g. Qwen's ``<tool_call>``) stay ordinary vocabulary.
@@ -35,7 +37,9 @@ from typing import Any, Callable
 Span = tuple[int, int]  # [start, end) character offsets in a rendered text
 Render = Callable[[list[dict], "list[dict] | None"], str]  # (messages, tools) -> the template's text
 
-_cache: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+_cache: "weakref.WeakKeyDictionary[Any, _Plain]" = weakref.WeakKeyDictionary()
+_PROBE = "\nab, cd"  # text that follows a special token in the probe of _Plain.marks_start
+_ANCHOR = "\n"  # encoded before a piece and cut off again, so that the piece is not a string's start
 
 
 class ControlTextError(ValueError):
@@ -70,12 +74,22 @@ class Rendered:
         return Rendered(self.text + other.text, self.forged + moved(other.forged), self.control + moved(other.control))
 
 
-def _entry(tokenizer) -> tuple:
-    """(special strings longest first, their regex, a backend that encodes them as text), cached per
-    tokenizer and rebuilt when its vocabulary grows (added tokens)."""
+@dataclass
+class _Plain:
+    """What encoding text as text needs of one tokenizer (cached per tokenizer by :func:`_plain`)."""
+
+    size: int  # len(tokenizer) when built: added tokens make it stale
+    strings: tuple[str, ...]  # the special strings, longest first
+    pattern: re.Pattern  # any of them
+    backend: Any  # a copy of the tokenizers backend that splits special tokens, or None (a Python tokenizer)
+    marks_start: bool = False  # a piece encoded alone gets a start mark (a Metaspace "first" prefix)
+
+
+def _plain(tokenizer) -> _Plain:
+    """The tokenizer's :class:`_Plain`, rebuilt when its vocabulary grows (added tokens)."""
     size = len(tokenizer)
-    entry = _cache.get(tokenizer)
-    if entry is None or entry[0] != size:
+    plain = _cache.get(tokenizer)
+    if plain is None or plain.size != size:
         strings = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
         strings |= set(getattr(tokenizer, "all_special_tokens", ()))
         strings = tuple(sorted((s for s in strings if s and not s.isspace()), key=len, reverse=True))
@@ -86,20 +100,23 @@ def _entry(tokenizer) -> tuple:
 
             backend = Tokenizer.from_str(backend.to_str())
             backend.encode_special_tokens = True
-        entry = (size, strings, pattern, backend)
-        _cache[tokenizer] = entry
-    return entry
+        plain = _Plain(size, strings, pattern, backend)
+        _cache[tokenizer] = plain
+        if strings:  # does text after a special token encode as it does alone?
+            after = encode_plain(tokenizer, strings[-1] + _PROBE)
+            plain.marks_start = after[len(encode_plain(tokenizer, strings[-1])):] != encode_text(tokenizer, _PROBE)
+    return plain
 
 
 def special_strings(tokenizer) -> tuple[str, ...]:
     """The strings of ``tokenizer``'s special tokens (whitespace-only ones left out), longest first."""
-    return _entry(tokenizer)[1]
+    return _plain(tokenizer).strings
 
 
 def encode_text(tokenizer, text: str) -> list[int]:
     """The ids of ``text`` as plain text: a special token's string is encoded as the characters it is
     made of (the tokenizer's ``split_special_tokens``), never as the special token."""
-    backend = _entry(tokenizer)[3]
+    backend = _plain(tokenizer).backend
     if backend is None:  # a Python (slow) tokenizer takes split_special_tokens per call
         return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
     return list(backend.encode(text, add_special_tokens=False).ids)
@@ -112,7 +129,7 @@ def encode_plain(tokenizer, text: str) -> list[int]:
 
 def as_template(tokenizer, text: str) -> Rendered:
     """``text`` written by the template alone: each special-token string in it is a control token."""
-    return Rendered(text, (), tuple(_spans(_entry(tokenizer)[2], text)))
+    return Rendered(text, (), tuple(_spans(_plain(tokenizer).pattern, text)))
 
 
 def _spans(pattern: re.Pattern, text: str, offset: int = 0) -> list[Span]:
@@ -147,7 +164,7 @@ def render_marked(tokenizer, render: Render, messages: list[dict], tools: list[d
     """``render(messages, tools)`` with the places of the messages' and tools' special-token strings
     (module doc). Raises :class:`ControlTextError` when the template does not write them as given."""
     text = render(messages, tools)
-    pattern = _entry(tokenizer)[2]
+    pattern = _plain(tokenizer).pattern
     fields = _fields(messages, pattern, "messages") + _fields(tools, pattern, "tools")
     if not fields:
         return as_template(tokenizer, text)
@@ -211,8 +228,18 @@ def encode_rendered(tokenizer, rendered: Rendered, encode: Callable[[str], list[
     starts = [0] + [b for _, b in rendered.control]
     ends = [a for a, _ in rendered.control] + [len(text)]
     for start, end in zip(starts, ends):  # the gaps between control tokens
-        if start >= done and any(start <= a < end or start < b <= end for a, b in rendered.forged):
+        if start >= done and any(a < end and b > start for a, b in rendered.forged):
             ids += encode(text[done:start]) if start > done else []
-            ids += encode_text(tokenizer, text[start:end])
+            ids += _after_control(tokenizer, text[start:end]) if start else encode_text(tokenizer, text[start:end])
             done = end
     return ids + (list(encode(text[done:])) if done < len(text) else [])
+
+
+def _after_control(tokenizer, text: str) -> list[int]:
+    """:func:`encode_text` of a piece that follows a control token, as the tokenizer encodes text there: a
+    tokenizer that marks a string's start (SentencePiece's prefix space, "first") gets the piece after
+    :data:`_ANCHOR`, whose ids are then cut off (unless the two merged: then the piece alone)."""
+    if not _plain(tokenizer).marks_start:
+        return encode_text(tokenizer, text)
+    anchor, ids = encode_text(tokenizer, _ANCHOR), encode_text(tokenizer, _ANCHOR + text)
+    return ids[len(anchor):] if ids[:len(anchor)] == anchor else encode_text(tokenizer, text)
