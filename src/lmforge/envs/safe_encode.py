@@ -28,6 +28,7 @@ ids of a part of it (the delta after a prefix), hence this module.
 """
 from __future__ import annotations
 
+import functools
 import re
 import secrets
 import weakref
@@ -74,37 +75,52 @@ class Rendered:
         return Rendered(self.text + other.text, self.forged + moved(other.forged), self.control + moved(other.control))
 
 
-@dataclass
 class _Plain:
-    """What encoding text as text needs of one tokenizer (cached per tokenizer by :func:`_plain`)."""
+    """What encoding text as text needs of one tokenizer (cached per tokenizer by :func:`_plain`). The
+    backend copy and the probe are built on first use: a conversation without control strings needs
+    neither (copying SmolLM2's backend took 0.5 s on the busy 2-core test machine)."""
 
-    size: int  # len(tokenizer) when built: added tokens make it stale
-    strings: tuple[str, ...]  # the special strings, longest first
-    pattern: re.Pattern  # any of them
-    backend: Any  # a copy of the tokenizers backend that splits special tokens, or None (a Python tokenizer)
-    marks_start: bool = False  # a piece encoded alone gets a start mark (a Metaspace "first" prefix)
+    def __init__(self, tokenizer):
+        self._tokenizer = weakref.ref(tokenizer)  # the cache holds this entry as long as the tokenizer lives
+        self.size = len(tokenizer)  # added tokens make the entry stale
+        strings = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+        strings |= set(getattr(tokenizer, "all_special_tokens", ()))
+        self.strings = tuple(sorted((s for s in strings if s and not s.isspace()), key=len, reverse=True))
+        self.pattern = re.compile("|".join(map(re.escape, self.strings)) or "(?!)")  # (?!) never matches
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer()
+
+    @functools.cached_property
+    def backend(self):
+        """A copy of the tokenizers backend that splits special tokens, or None (a Python tokenizer). A
+        copy of its own: flipping the shared one's flag per call would race other threads' encodes."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return None
+        from tokenizers import Tokenizer
+
+        backend = Tokenizer.from_str(backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
+    @functools.cached_property
+    def marks_start(self) -> bool:
+        """Whether a piece encoded alone gets a start mark it has not after a special token (a Metaspace
+        "first" prefix space)."""
+        if not self.strings:
+            return False
+        special = self.strings[-1]
+        after = encode_plain(self.tokenizer, special + _PROBE)[len(encode_plain(self.tokenizer, special)):]
+        return after != encode_text(self.tokenizer, _PROBE)
 
 
 def _plain(tokenizer) -> _Plain:
     """The tokenizer's :class:`_Plain`, rebuilt when its vocabulary grows (added tokens)."""
-    size = len(tokenizer)
     plain = _cache.get(tokenizer)
-    if plain is None or plain.size != size:
-        strings = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
-        strings |= set(getattr(tokenizer, "all_special_tokens", ()))
-        strings = tuple(sorted((s for s in strings if s and not s.isspace()), key=len, reverse=True))
-        pattern = re.compile("|".join(map(re.escape, strings)) or "(?!)")  # (?!) never matches
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None:  # a copy of its own: flipping the shared one's flag would race other threads
-            from tokenizers import Tokenizer
-
-            backend = Tokenizer.from_str(backend.to_str())
-            backend.encode_special_tokens = True
-        plain = _Plain(size, strings, pattern, backend)
-        _cache[tokenizer] = plain
-        if strings:  # does text after a special token encode as it does alone?
-            after = encode_plain(tokenizer, strings[-1] + _PROBE)
-            plain.marks_start = after[len(encode_plain(tokenizer, strings[-1])):] != encode_text(tokenizer, _PROBE)
+    if plain is None or plain.size != len(tokenizer):
+        plain = _cache[tokenizer] = _Plain(tokenizer)
     return plain
 
 
