@@ -48,6 +48,7 @@ from .tools import continue_prompt
 PREFIX = "/sessions/"
 _SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("lmforge_session", default=None)
 _CALL: contextvars.ContextVar[dict | None] = contextvars.ContextVar("lmforge_session_call", default=None)
+FORGOTTEN_KEPT = 65536  # ended sessions' ids a recorder remembers after forgetting them (SessionRecorder.forget)
 # The logit changes a session's calls run without (their trainer scores logits / T only), and their off values.
 NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
            "logit_bias": {}}
@@ -269,6 +270,7 @@ class SessionRecorder:
     def __init__(self):
         self._sessions: dict[str, Session] = {}
         self.counts: Counter = Counter()  # calls no open session could take (unknown ids, ended sessions)
+        self._forgotten: dict[str, None] = {}  # ids of forgotten sessions, oldest first (at most FORGOTTEN_KEPT)
         self._lock = threading.Lock()
 
     def open(self, sampling: RunSampling) -> Session:
@@ -286,10 +288,14 @@ class SessionRecorder:
         return session.close()
 
     def forget(self, sessions: list[Session]) -> None:
-        """Drop ended ``sessions`` (a later call naming one counts as unknown)."""
+        """Drop ended ``sessions``; their ids are kept (the last ``FORGOTTEN_KEPT``), so that a later call
+        naming one (a timed-out agent still running) still counts as late, not as an unknown id."""
         with self._lock:
             for session in sessions:
                 self._sessions.pop(session.id, None)
+                self._forgotten[session.id] = None
+            while len(self._forgotten) > FORGOTTEN_KEPT:
+                del self._forgotten[next(iter(self._forgotten))]
 
     def drain(self) -> Counter:
         """The calls no open session could take (``late_calls``, ``unknown_session_calls``) since the last drain."""
@@ -305,11 +311,12 @@ class SessionRecorder:
             return None
         with self._lock:
             session = self._sessions.get(session_id)
-            if session is None or not session.open:
-                self.counts["late_calls" if session is not None else "unknown_session_calls"] += 1
+            ended = session_id in self._forgotten if session is None else not session.open
+            if session is None or ended:
+                self.counts["late_calls" if ended else "unknown_session_calls"] += 1
+        if ended:
+            raise SessionNotFound(f"session {session_id} has ended (its episode is over)")
         if session is None:
             raise SessionNotFound(f"no session {session_id!r} on this server: use the base URL your episode was "
                                   "given")
-        if not session.open:
-            raise SessionNotFound(f"session {session_id} has ended (its episode is over)")
         return session
