@@ -143,6 +143,25 @@ def test_n_above_one_is_refused(gateway, recorder):
     assert recorder.close(session) == [] and session.counts["refused_calls"] == 1
 
 
+@pytest.mark.parametrize("body", [
+    {"messages": "hi"},  # not a list of messages
+    {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},  # a field of the wrong type
+    {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "a b"}}]},
+    {},  # no messages at all
+])
+def test_a_malformed_request_is_a_400_counted_on_its_session_and_logged(gateway, recorder, body, caplog):
+    session = recorder.open(RUN)
+    response = post(gateway, session.id, "/v1/chat/completions", body)
+    assert response.status_code == 400, response.text
+    assert post(gateway, session.id, "/v1/chat/completions", {"messages": "again"}).status_code == 400
+    assert recorder.close(session) == [] and session.counts["refused_calls"] == 2
+    episode = SimpleNamespace(number=7, session=session, end="ok", calls=[], error="")
+    with caplog.at_level(logging.WARNING, logger="lmforge.rl.sources.agent"):
+        counts = report([episode], [[]], recorder.drain())
+    assert counts["num_refused_calls"] == 2
+    assert f"agent episode 7 (session {session.id}): 2 call(s) refused" in caplog.text
+
+
 def test_an_unknown_session_is_a_404_and_counted(gateway, recorder):
     response = chat(gateway, "0123456789abcdef01234567", [{"role": "user", "content": "hi"}])
     assert response.status_code == 404 and response.json()["error"]["code"] == "session_not_found"

@@ -256,7 +256,7 @@ def build_app(served: ServedModel, api_key: str | None = None):
     counts = RequestCounts()
     app.add_middleware(Guard, counts=counts, router=app.router, api_key=api_key)
     if served.sessions is not None:  # an agent gateway: /sessions/<id>/... (added last: it runs first)
-        app.add_middleware(SessionPaths)
+        app.add_middleware(SessionPaths, recorder=served.sessions)
 
     add_error_handlers(app)
     add_metrics_route(app, served, counts)

@@ -22,7 +22,8 @@ version. Three rules make the record exact by construction:
    A request that set any of these otherwise is served with the run's value, counted per field in
    ``overrides``. Honoured as sent: stop strings and ids, ``min_tokens``, ``ignore_eos``, tools and
    ``tool_choice``, ``response_format`` (a grammar masks the distribution: docs/serving.md), what is
-   returned (logprobs, token ids). ``n > 1`` is a 400: an episode is one trajectory per call.
+   returned (logprobs, token ids). ``n > 1`` is a 400: an episode is one trajectory per call. Every 400 a
+   session's call gets (``n > 1``, a malformed request) is counted in its ``refused_calls``.
 3. **Nothing after the end.** :meth:`SessionRecorder.close` ends a session: its calls still decoding
    are cancelled, a later call is a 404 and counted in ``late_calls``, a call that finishes after the
    end is not recorded (``late_calls`` too). A call the client abandoned (a stream it hung up on) is
@@ -59,10 +60,11 @@ class SessionNotFound(LookupError):
 
 
 class SessionPaths:
-    """ASGI middleware: ``/sessions/<id>/<route>`` runs ``/<route>`` with ``<id>`` as the request's session."""
+    """ASGI middleware: ``/sessions/<id>/<route>`` runs ``/<route>`` with ``<id>`` as the request's session;
+    a 400 answered to it is counted on the session (``SessionRecorder.refused``)."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, recorder: "SessionRecorder | None" = None):
+        self.app, self.recorder = app, recorder
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith(PREFIX):
@@ -70,8 +72,14 @@ class SessionPaths:
         session, _, route = scope["path"][len(PREFIX):].partition("/")
         scope = {**scope, "path": "/" + route, "raw_path": ("/" + route).encode()}
         token = _SESSION.set(session)
+
+        async def sending(message):
+            if message["type"] == "http.response.start" and message["status"] == 400 and self.recorder is not None:
+                self.recorder.refused(session)
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, sending)
         finally:
             _SESSION.reset(token)
 
@@ -151,8 +159,7 @@ class Session:
     def impose(self, body):
         """A copy of ``body`` (a CompletionRequest or ChatRequest) with the run's sampling (module doc,
         rule 2); the fields that differed counted in ``overrides``."""
-        if body.n != 1:
-            self.counts["refused_calls"] += 1
+        if body.n != 1:  # counted with the other 400s (SessionRecorder.refused)
             raise RequestError(f"n={body.n}: a training session samples one reply per call (send n=1 and call again "
                                "for more)", param="n")
         run = self.sampling
@@ -296,6 +303,14 @@ class SessionRecorder:
                 self._forgotten[session.id] = None
             while len(self._forgotten) > FORGOTTEN_KEPT:
                 del self._forgotten[next(iter(self._forgotten))]
+
+    def refused(self, session_id: str) -> None:
+        """Count a call the server refused with a 400 (malformed, ``n > 1``) on its session, if known."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+        if session is not None:
+            with session._lock:
+                session.counts["refused_calls"] += 1
 
     def drain(self) -> Counter:
         """The calls no open session could take (``late_calls``, ``unknown_session_calls``) since the last drain."""

@@ -273,6 +273,9 @@ def report(episodes: list[AgentEpisode], samples: list[list], late: Counter) -> 
         if e.end != "ok":
             log.warning("agent episode %d (session %s) ended as %s: %s", e.number, e.session.id, e.end,
                         e.error or "no error text")
+        if e.session.counts["refused_calls"]:
+            log.warning("agent episode %d (session %s): %d call(s) refused with a 400 (malformed, or n > 1)",
+                        e.number, e.session.id, e.session.counts["refused_calls"])
     calls = sum(len(e.calls) for e in episodes)
     return {"num_agent_errors": ends["error"], "num_agent_timeouts": ends["timeout"],
             "num_agent_bad_rewards": ends["bad_reward"], "num_agent_no_calls": sum(not e.calls for e in episodes),
