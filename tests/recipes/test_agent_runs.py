@@ -38,10 +38,11 @@ import os
 import openai
 
 
-def run(base_url, problem, episode):
+def run(base_url, problem, episode, temperature_on_rank_0=None):
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": problem["prompt"]}]
-    first = client.chat.completions.create(model="policy", messages=messages).choices[0].message
+    asked = {"temperature": temperature_on_rank_0} if temperature_on_rank_0 and os.environ["RANK"] == "0" else {}
+    first = client.chat.completions.create(model="policy", messages=messages, **asked).choices[0].message
     messages += [first.model_dump(exclude_none=True), {"role": "user", "content": "="}]
     second = client.chat.completions.create(model="policy", messages=messages).choices[0].message
     log = os.environ.get("AGENT_LOG")
@@ -95,7 +96,7 @@ def test_two_turn_agent_merges_into_one_sample_per_episode_and_learns(four_steps
         assert record["calls_per_episode"] == 2.0
         # the second call continues the first reply's sampled ids: one multi-turn sample, no text-rendered turn
         assert record["samples_per_episode"] == 1.0
-        assert "num_text_rendered_turns" not in record
+        assert record["num_text_rendered_turns"] == 0
     assert any(r["grad_norm"] > 0 for r in train.values()), "no step had a learning signal"
 
 
@@ -130,10 +131,12 @@ def _played(log: Path) -> list[list[tuple[str, str]]]:
 @pytest.mark.slow  # one torchrun of two ranks, each with its own server: ~35 s on the 2-core machine
 # (no held-out problems: every rank would run the whole evaluation on a server of its own, as every backend's does)
 def test_two_ranks_shard_episodes_with_groups_whole_and_a_server_each(two_turns, tmp_path):
+    """Also: a count only one rank has (its agent asks for a temperature: overrides) is summed, not a collective
+    mismatch (every rank logs every count; before, gloo aborted the run)."""
     log = tmp_path / "played"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            "-m", "lmforge", "grpo", *ARGS, f"rollout.agent_entry={two_turns}:run", "rollout.num_prompts=4",
-           "data.num_eval=0", "train.max_steps=2", "train.eval_every=0", f"train.output_dir={tmp_path / 'run'}"]
+           "rollout.agent_args={temperature_on_rank_0: 0.5}", "data.num_eval=0", "train.max_steps=2", "train.eval_every=0", f"train.output_dir={tmp_path / 'run'}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "AGENT_LOG": str(log)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -146,3 +149,5 @@ def test_two_ranks_shard_episodes_with_groups_whole_and_a_server_each(two_turns,
     assert all(len(s) == 1 for s in servers) and servers[0] != servers[1]  # one server per rank
     train = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in train if r["kind"] == "train"] == [1, 2]
+    # rank 0's 4 episodes ask once each per step; rank 1's never
+    assert [r["num_override_temperature"] for r in train if r["kind"] == "train"] == [4.0, 4.0]

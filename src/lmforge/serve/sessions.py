@@ -53,6 +53,10 @@ FORGOTTEN_KEPT = 65536  # ended sessions' ids a recorder remembers after forgett
 # The logit changes a session's calls run without (their trainer scores logits / T only), and their off values.
 NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
            "logit_bias": {}}
+# Every count a session or the recorder keeps (Session.counts, SessionRecorder.counts): a trainer logs each at
+# every step, so that under torchrun all ranks log the same metric keys.
+COUNTS = ("text_rendered_turns", "cancelled_calls", "refused_calls", "late_calls", "unknown_session_calls",
+          *(f"override_{field}" for field in ("temperature", "top_p", "top_k", *NEUTRAL, "seed", "max_tokens")))
 
 
 class SessionNotFound(LookupError):

@@ -42,7 +42,7 @@ import torch
 from ...envs.episode import episode_seed
 from ...errors import ConfigError, TrainingError
 from ...rollout import RewardOutput
-from ...serve.sessions import RunSampling, SessionRecorder
+from ...serve.sessions import COUNTS, RunSampling, SessionRecorder
 from ..batch import ScoredRollout
 from .agent_samples import agent_rollout, merge_calls
 from .base import SourceSetup
@@ -281,7 +281,8 @@ def report(episodes: list[AgentEpisode], samples: list[list], late: Counter) -> 
             "num_agent_bad_rewards": ends["bad_reward"], "num_agent_no_calls": sum(not e.calls for e in episodes),
             "calls_per_episode": calls / len(episodes),
             "samples_per_episode": sum(len(s) for s in samples) / len(episodes),
-            **{f"num_{k}": v for k, v in sorted(counts.items())}}
+            # every count, 0 when none: rl.batch.reduce_rollout_metrics reduces the ranks' metrics by position
+            **{f"num_{k}": counts[k] for k in sorted({*COUNTS, *counts})}}
 
 
 class AgentSource(SampledSource):
