@@ -421,7 +421,8 @@ def test_an_async_agent_runs_and_its_calls_are_recorded(gateway, recorder):
 
 def sampler_run(gateway, function, timeout_s: float = 30.0):
     """The agent source's ``sample`` (``agent_sampler``) over PROBLEMS, 2 episodes each."""
-    engine = SimpleNamespace(runner=runner(gateway, function, timeout_s), recorder=gateway.recorder, samples=[])
+    engine = SimpleNamespace(runner=runner(gateway, function, timeout_s), recorder=gateway.recorder, samples=[],
+                             ctx=SimpleNamespace(distributed=False))
     cfg = RolloutConfig(backend="agent", agent_entry="x:y", num_prompts=2, group_size=2, max_new_tokens=8)
     prompts = SimpleNamespace(problems=PROBLEMS, task=None)
     return agent_sampler(engine)(engine, gateway.tokenizer, prompts, [0, 1], cfg, None, 5)

@@ -50,7 +50,8 @@ def run(base_url, problem, episode, temperature_on_rank_0=None):
         with open(f"{log}.{os.getpid()}", "a") as out:
             out.write(f"{problem['prompt']}\\t{base_url.split('/sessions/')[0]}\\n")
     text = (first.content or "") + (second.content or "")
-    return sum(c in "13579" for c in text) / max(len(text), 1)
+    odd = sum(c in "13579" for c in text) / max(len(text), 1)
+    return {"odd": odd, "asked": 0.0} if asked else odd
 '''
 
 
@@ -131,8 +132,8 @@ def _played(log: Path) -> list[list[tuple[str, str]]]:
 @pytest.mark.slow  # one torchrun of two ranks, each with its own server: ~35 s on the 2-core machine
 # (no held-out problems: every rank would run the whole evaluation on a server of its own, as every backend's does)
 def test_two_ranks_shard_episodes_with_groups_whole_and_a_server_each(two_turns, tmp_path):
-    """Also: a count only one rank has (its agent asks for a temperature: overrides) is summed, not a collective
-    mismatch (every rank logs every count; before, gloo aborted the run)."""
+    """Also: a count only one rank has (its agent asks for a temperature: overrides) is summed, and reward parts
+    only one rank's agent returns are logged, not a collective mismatch (before, gloo aborted the run)."""
     log = tmp_path / "played"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            "-m", "lmforge", "grpo", *ARGS, f"rollout.agent_entry={two_turns}:run", "rollout.num_prompts=4",
@@ -151,3 +152,4 @@ def test_two_ranks_shard_episodes_with_groups_whole_and_a_server_each(two_turns,
     assert [r["step"] for r in train if r["kind"] == "train"] == [1, 2]
     # rank 0's 4 episodes ask once each per step; rank 1's never
     assert [r["num_override_temperature"] for r in train if r["kind"] == "train"] == [4.0, 4.0]
+    assert all(r["reward_asked"] == 0.0 and 0 <= r["reward_odd"] <= 0.5 for r in train if r["kind"] == "train")

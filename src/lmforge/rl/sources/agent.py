@@ -193,6 +193,7 @@ class AgentEngine:
         self.runner = AgentRunner(load_agent(cfg.agent_entry), cfg.agent_args, self.server.url, self.recorder,
                                   cfg.agent_concurrency, cfg.agent_timeout_s)
         self.version = 0
+        self.ctx = setup.ctx
         self.samples: list[list] = []  # the last step's samples (AgentSource pads them under torchrun)
         setup.print(f"[agent] {cfg.agent_entry}: policy served at {self.server.url}/sessions/<episode>/v1, "
                     f"{cfg.agent_concurrency or 'all'} episodes at once, {cfg.agent_timeout_s:g} s each")
@@ -240,6 +241,9 @@ def agent_sampler(engine: AgentEngine) -> Callable:
                                      lambda number: dataclasses.replace(run, seed=number))
         generated = time.perf_counter()
         rewards, part_means = score(episodes, reward_set, prompts.task, cfg.max_new_tokens)
+        if engine.ctx.distributed:  # every rank logs every part (the metrics are all-reduced by position)
+            names = sorted({name for rank in engine.ctx.gather_objects(sorted(part_means)) for name in rank})
+            part_means = {name: part_means.get(name, 0.0) for name in names}
         samples = [merge_calls(e.calls) for e in episodes]
         counts = report(episodes, samples, engine.recorder.drain())
         if not any(s and e.end == "ok" for e, s in zip(episodes, samples)):
