@@ -419,10 +419,24 @@ def test_an_async_agent_runs_and_its_calls_are_recorded(gateway, recorder):
     recorder.drain()
 
 
-def sampler_run(gateway, function, timeout_s: float = 30.0):
+class OneRank:
+    """A ParallelContext stand-in: one process, or (``others``) a rank whose other ranks had that many usable
+    episodes."""
+
+    def __init__(self, others: int | None = None):
+        self.distributed, self.others = others is not None, others or 0
+
+    def sum_counts(self, *counts):
+        return [c + self.others for c in counts]
+
+    def gather_objects(self, obj):
+        return [obj]
+
+
+def sampler_run(gateway, function, timeout_s: float = 30.0, ctx: OneRank | None = None):
     """The agent source's ``sample`` (``agent_sampler``) over PROBLEMS, 2 episodes each."""
     engine = SimpleNamespace(runner=runner(gateway, function, timeout_s), recorder=gateway.recorder, samples=[],
-                             ctx=SimpleNamespace(distributed=False))
+                             ctx=ctx or OneRank())
     cfg = RolloutConfig(backend="agent", agent_entry="x:y", num_prompts=2, group_size=2, max_new_tokens=8)
     prompts = SimpleNamespace(problems=PROBLEMS, task=None)
     return agent_sampler(engine)(engine, gateway.tokenizer, prompts, [0, 1], cfg, None, 5)
@@ -453,6 +467,13 @@ def test_a_batch_where_every_episode_fails_stops_with_the_first_error(gateway, r
     with pytest.raises(TrainingError, match="no agent episode of this step is usable.*"
                                             "RuntimeError: tool server down for episode 0"):
         sampler_run(gateway, agent)
+    with pytest.raises(TrainingError, match="no agent episode of this step is usable"):
+        sampler_run(gateway, agent, ctx=OneRank(others=0))  # under torchrun, no rank had one either
+    # under torchrun, a rank whose own share failed goes on when another rank's episodes are usable: the
+    # batch is the step's, and this rank's rows train with reward 0
+    rollout, rewards, metrics = sampler_run(gateway, agent, ctx=OneRank(others=3))
+    assert rewards.total.tolist() == [0.0, 1.0, 0.0, 1.0] and int(rollout.trained.sum()) == 0
+    assert metrics["num_agent_errors"] == 2 and metrics["num_agent_no_calls"] == 4
 
 
 # ----------------------------------------------------------------------------- load_agent

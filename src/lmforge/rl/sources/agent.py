@@ -246,7 +246,8 @@ def agent_sampler(engine: AgentEngine) -> Callable:
             part_means = {name: part_means.get(name, 0.0) for name in names}
         samples = [merge_calls(e.calls) for e in episodes]
         counts = report(episodes, samples, engine.recorder.drain())
-        if not any(s and e.end == "ok" for e, s in zip(episodes, samples)):
+        usable = sum(bool(s) and e.end == "ok" for e, s in zip(episodes, samples))
+        if not engine.ctx.sum_counts(usable)[0]:  # under torchrun: the step's usable episodes, all ranks'
             first = next((e for e in episodes if e.error), None)
             raise TrainingError(f"no agent episode of this step is usable (each failed, or never called the model: "
                                 f"{dict(Counter(e.end for e in episodes))}); the first error: "
