@@ -43,7 +43,10 @@ def run(base_url, problem, episode, temperature_on_rank_0=None):
     messages = [{"role": "user", "content": problem["prompt"]}]
     asked = {"temperature": temperature_on_rank_0} if temperature_on_rank_0 and os.environ["RANK"] == "0" else {}
     first = client.chat.completions.create(model="policy", messages=messages, **asked).choices[0].message
-    messages += [first.model_dump(exclude_none=True), {"role": "user", "content": "="}]
+    sent = first.model_dump(exclude_none=True)
+    if asked:  # rank 0 also edits the reply it sends back: a second sample per episode, so rank 1's rows are padded
+        sent["content"] = "[edited]"
+    messages += [sent, {"role": "user", "content": "="}]
     second = client.chat.completions.create(model="policy", messages=messages).choices[0].message
     log = os.environ.get("AGENT_LOG")
     if log:
@@ -133,7 +136,8 @@ def _played(log: Path) -> list[list[tuple[str, str]]]:
 # (no held-out problems: every rank would run the whole evaluation on a server of its own, as every backend's does)
 def test_two_ranks_shard_episodes_with_groups_whole_and_a_server_each(two_turns, tmp_path):
     """Also: a count only one rank has (its agent asks for a temperature: overrides) is summed, and reward parts
-    only one rank's agent returns are logged, not a collective mismatch (before, gloo aborted the run)."""
+    only one rank's agent returns are logged, not a collective mismatch (before, gloo aborted the run); rank 0's
+    episodes give two samples each (an edited reply), so rank 1 pads its rows to as many."""
     log = tmp_path / "played"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            "-m", "lmforge", "grpo", *ARGS, f"rollout.agent_entry={two_turns}:run", "rollout.num_prompts=4",
@@ -153,3 +157,5 @@ def test_two_ranks_shard_episodes_with_groups_whole_and_a_server_each(two_turns,
     # rank 0's 4 episodes ask once each per step; rank 1's never
     assert [r["num_override_temperature"] for r in train if r["kind"] == "train"] == [4.0, 4.0]
     assert all(r["reward_asked"] == 0.0 and 0 <= r["reward_odd"] <= 0.5 for r in train if r["kind"] == "train")
+    assert all(r["samples_per_episode"] == 1.5 and r["num_text_rendered_turns"] == 4 for r in train
+               if r["kind"] == "train")
