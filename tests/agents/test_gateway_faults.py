@@ -379,9 +379,15 @@ def test_a_call_still_decoding_at_the_timeout_is_cancelled_not_recorded(gateway,
 def test_rewards_numbers_parts_and_text(gateway, recorder):
     assert episode_reward(True) == (1.0, {}, None)
     assert episode_reward(0.25) == (0.25, {}, None)
+    np = pytest.importorskip("numpy")
+    # numbers of NumPy and torch (an agent's own scoring often makes these) count as numbers
+    assert episode_reward(np.float32(0.5)) == (0.5, {}, None) and episode_reward(np.bool_(True)) == (1.0, {}, None)
+    assert episode_reward(torch.tensor(2.0)) == (2.0, {}, None)
+    assert episode_reward({"a": np.int64(1), "b": torch.tensor([0.5])}) == (1.5, {"a": 1.0, "b": 0.5}, None)
     assert episode_reward({"correct": 1, "format": 0.5}) == (1.5, {"correct": 1.0, "format": 0.5}, None)
     assert episode_reward("42") == (None, {}, "42")
-    for bad in (None, math.inf, math.nan, [1.0], {}, {"a": math.nan}, {"a": "1"}, {1: 1.0}, object()):
+    for bad in (None, math.inf, math.nan, [1.0], {}, {"a": math.nan}, {"a": "1"}, {1: 1.0}, object(),
+                np.float32("nan"), torch.tensor([1.0, 2.0]), b"1"):
         assert episode_reward(bad) == (None, {}, None), bad
 
     def agent(base_url, problem, episode):

@@ -163,19 +163,29 @@ def failure_text(exc: BaseException) -> str:
     return "".join(traceback.format_exception_only(exc)).strip() + where
 
 
+def finite_number(value: Any) -> float | None:
+    """``value`` as a finite float if it is a number (Python's, NumPy's ``float32`` or ``bool_``, a one-element
+    tensor), else None."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError, RuntimeError):  # a tensor of several elements
+        return None
+    return number if math.isfinite(number) else None
+
+
 def episode_reward(returned: Any) -> tuple[float | None, dict[str, float], str | None]:
     """(total or None, named parts, final text or None) of an agent's return value; (None, {}, None)
     for a value that is none of a finite number, a dict of finite numbers, a string."""
-    if isinstance(returned, (bool, int, float)):
-        value = float(returned)
-        return (value, {}, None) if math.isfinite(value) else (None, {}, None)
     if isinstance(returned, str):
         return None, {}, returned
-    if isinstance(returned, dict) and returned and all(isinstance(v, (bool, int, float)) and math.isfinite(float(v))
-                                                       and isinstance(k, str) for k, v in returned.items()):
-        parts = {k: float(v) for k, v in returned.items()}
-        return sum(parts.values()), parts, None
-    return None, {}, None
+    if not isinstance(returned, dict):
+        return finite_number(returned), {}, None
+    parts = {k: finite_number(v) for k, v in returned.items()}
+    if not parts or any(v is None or not isinstance(k, str) for k, v in parts.items()):
+        return None, {}, None
+    return sum(parts.values()), parts, None
 
 
 class AgentEngine:
