@@ -135,13 +135,15 @@ def _played(log: Path) -> list[list[tuple[str, str]]]:
 @pytest.mark.slow  # one torchrun of two ranks, each with its own server: ~35 s on the 2-core machine
 # (no held-out problems: every rank would run the whole evaluation on a server of its own, as every backend's does)
 def test_two_ranks_shard_episodes_with_groups_whole_and_a_server_each(two_turns, tmp_path):
-    """Also: a count only one rank has (its agent asks for a temperature: overrides) is summed, and reward parts
+    """Each rank plays its share of the step's problems, groups whole, against a server of its own. A count only one
+    rank has (its agent asks for a temperature: overrides) is summed, and reward parts
     only one rank's agent returns are logged, not a collective mismatch (before, gloo aborted the run); rank 0's
     episodes give two samples each (an edited reply), so rank 1 pads its rows to as many."""
     log = tmp_path / "played"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            "-m", "lmforge", "grpo", *ARGS, f"rollout.agent_entry={two_turns}:run", "rollout.num_prompts=4",
-           "rollout.agent_args={temperature_on_rank_0: 0.5}", "data.num_eval=0", "train.max_steps=2", "train.eval_every=0", f"train.output_dir={tmp_path / 'run'}"]
+           "rollout.agent_args={temperature_on_rank_0: 0.5}", "data.num_eval=0", "train.max_steps=2",
+           "train.eval_every=0", f"train.output_dir={tmp_path / 'run'}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "AGENT_LOG": str(log)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -67,7 +67,7 @@ class SessionPaths:
     """ASGI middleware: ``/sessions/<id>/<route>`` runs ``/<route>`` with ``<id>`` as the request's session;
     a 400 answered to it is counted on the session (``SessionRecorder.refused``)."""
 
-    def __init__(self, app, recorder: "SessionRecorder | None" = None):
+    def __init__(self, app, recorder: SessionRecorder | None = None):
         self.app, self.recorder = app, recorder
 
     async def __call__(self, scope, receive, send):
