@@ -376,6 +376,28 @@ def test_a_call_still_decoding_at_the_timeout_is_cancelled_not_recorded(gateway,
     assert episodes[0].session.counts["cancelled_calls"] == 1
 
 
+def test_at_most_concurrency_episodes_run_at_once_each_with_its_problem(gateway, recorder):
+    lock, running, seen = threading.Lock(), [0], []
+
+    def agent(base_url, problem, episode, api_key):
+        with lock:
+            running[0] += 1
+            seen.append((episode, problem["prompt"], running[0], api_key, base_url))
+        time.sleep(0.1)
+        with lock:
+            running[0] -= 1
+        return 1.0
+
+    episodes = runner(gateway, agent, concurrency=2).run(PROBLEMS, 2, lambda number: RUN)
+    assert [e.end for e in episodes] == ["ok"] * 4
+    assert sorted((n, p) for n, p, *_ in seen) == [(0, "p0"), (1, "p0"), (2, "p1"), (3, "p1")]  # groups adjacent
+    assert max(r for _, _, r, *_ in seen) == 2
+    urls = {url for *_, url in seen}
+    assert len(urls) == 4 and all(url.startswith(f"{gateway.url}/sessions/") and url.endswith("/v1") for url in urls)
+    assert {key for _, _, _, key, _ in seen} == {"lmforge"}
+    recorder.drain()
+
+
 def test_rewards_numbers_parts_and_text(gateway, recorder):
     assert episode_reward(True) == (1.0, {}, None)
     assert episode_reward(0.25) == (0.25, {}, None)
