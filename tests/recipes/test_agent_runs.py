@@ -112,11 +112,11 @@ def test_resume_reproduces_the_uninterrupted_agent_run_bit_for_bit(four_steps, t
                                 "calls_per_episode"))
 
 
-def test_overlapped_rollouts_run_the_agent_one_step_ahead(two_turns, tmp_path):
+def test_overlapped_rollouts_run_the_agent_one_step_ahead_and_resume_exactly(two_turns, tmp_path):
     out = tmp_path / "run"
-    run_grpo(load_config(GRPOConfig, None, ARGS + [
-        f"rollout.agent_entry={two_turns}:run", "train.max_steps=3", "train.eval_every=0", "rollout.async_steps=1",
-        "algo.is_level=token", f"train.output_dir={out}"]))
+    args = ARGS + [f"rollout.agent_entry={two_turns}:run", "train.max_steps=3", "train.eval_every=0",
+                   "rollout.async_steps=1", "algo.is_level=token", "train.save_every=1", "train.keep_last=10"]
+    run_grpo(load_config(GRPOConfig, None, args + [f"train.output_dir={out}"]))
     train = records(out)
     assert sorted(train) == [1, 2, 3]
     assert [train[k]["staleness"] for k in (1, 2, 3)] == [0, 1, 1]
@@ -124,6 +124,9 @@ def test_overlapped_rollouts_run_the_agent_one_step_ahead(two_turns, tmp_path):
     assert all(r["calls_per_episode"] == 2.0 and r["samples_per_episode"] == 1.0 for r in train.values())
     # step 1 on-policy: the recorded logprobs are the trainer's (up to rounding); later ones a version behind
     assert train[1]["rollout_diff_abs_max"] < 1e-4
+    # the checkpoint of step 2 holds the launched batch of step 3: resumed, step 3 is the same
+    assert_resume_is_bit_exact(run_grpo, GRPOConfig, args, out, tmp_path / "resumed", 2,
+                               ("loss", "reward", "grad_norm", "is_weight_mean", "rollout_version"))
 
 
 def _played(log: Path) -> list[list[tuple[str, str]]]:
