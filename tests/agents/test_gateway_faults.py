@@ -366,7 +366,7 @@ def test_a_call_still_decoding_at_the_timeout_is_cancelled_not_recorded(gateway,
             status["code"] = type(exc).__name__
         return 1.0
 
-    episodes = runner(gateway, agent, timeout_s=0.5).run(PROBLEMS[:1], 1, lambda number: LONG)
+    episodes = runner(gateway, agent, timeout_s=0.2).run(PROBLEMS[:1], 1, lambda number: LONG)
     assert episodes[0].end == "timeout" and episodes[0].calls == []
     deadline = time.monotonic() + 20
     while "code" not in status and time.monotonic() < deadline:
