@@ -177,6 +177,7 @@ def save_checkpoint(state, extra: dict, keep_last: int) -> Path:
     run, ctx = state.run, state.run.ctx
     root = Path(run.dir) / "checkpoints"
     final = root / f"step-{state.step:06d}"
+    ctx.mark(f"the checkpoint save at step {state.step}")
     _refuse_nonfinite(state, final)
     rngs = ctx.gather_objects(rng_state())
     trainer_state = {"data": state.order.state_dict(), **extra, "step": state.step, "rng": rngs[0],
@@ -225,6 +226,7 @@ def save_checkpoint(state, extra: dict, keep_last: int) -> Path:
         torch.save(trainer_state, tmp / "trainer_state.pt")
         _commit(tmp, final)
 
+    ctx.mark(f"the checkpoint barrier at step {state.step}")
     ctx.barrier()  # every rank's shards are written
     _on_main(ctx, write)
     return final

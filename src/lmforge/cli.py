@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(args, argv: list[str] | None, exc: BaseException) -> int:
     """Print ``exc`` as its kind deserves (once under torchrun) and return the exit code."""
-    from .parallel.context import is_peer_loss, peers_note, rank_prefix, should_report
+    from .parallel.context import is_peer_loss, peers_note, rank_prefix, should_report, stall_note
 
     name = f"lmforge {args.command}"
     if isinstance(exc, SystemExit):
@@ -330,8 +330,8 @@ def report(args, argv: list[str] | None, exc: BaseException) -> int:
                   "and nothing half-written is left (resume with train.resume=auto)", file=sys.stderr)
         return Interrupted(signum).exit_code
     if not isinstance(exc, LmforgeError) and is_peer_loss(exc):
-        who = peers_note(wait_s=2.0) or ("another rank stopped or lost contact (torchrun's summary names it and "
-                                         "its exit code or signal)")
+        who = stall_note(exc) or peers_note(wait_s=2.0) or (  # a rank that never came, one that is gone
+            "another rank stopped or lost contact (torchrun's summary names it and its exit code or signal)")
         if should_report(exc):  # after peers_note: a rank 0 that is gone is known to be gone
             print(f"{name}: {rank_prefix()}stopping: {who}. Completed checkpoints are intact (resume with "
                   "train.resume=auto)", file=sys.stderr)

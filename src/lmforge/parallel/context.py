@@ -80,6 +80,14 @@ class ParallelContext:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
+    def mark(self, phase: str) -> None:
+        """Record where this rank is, worded to follow "did not reach" ("the checkpoint barrier at step
+        4"): a rank whose collective times out names the ranks that never reached it and their last
+        mark (:func:`stall_note`). Under torchrun one small write to the rendezvous store."""
+        _WHERE["phase"] = phase
+        if self.distributed and (store := _store()) is not None:
+            store.set(f"lmforge/where/{self.rank}", phase)
+
     def check_all_ok(self, error: BaseException | None) -> None:
         """Collective error flag, for work where one rank may fail alone (data, rewards, a save).
 
@@ -134,6 +142,7 @@ def init_parallel(strategy: str, device: torch.device, timeout_s: float = 600.0)
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+    _WHERE["timeout_s"] = timeout_s
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
@@ -307,6 +316,55 @@ def peers_note(wait_s: float = 0.0) -> str:
 _PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Connection refused|"
                         r"NCCL communicator was aborted|Socket Timeout|timed out|Timeout|"
                         r"failed to recv|failed to send|read error|Connection reset", re.IGNORECASE)
+
+
+# ------------------------------------------------------------------ stalled ranks
+# Each rank marks its phase (ParallelContext.mark); a collective that times out (parallel.timeout_s) is
+# either a rank that never came (stalled: a hung call, a deadlock, a rank that sleeps) or one that is gone.
+_WHERE: dict = {"phase": "the start-up collectives", "timeout_s": 600.0}
+_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+
+
+def _store():
+    """The process group's rendezvous store (torchrun's TCPStore), or None."""
+    try:
+        return dist.distributed_c10d._get_default_store()  # private, but the group's own store
+    except Exception:  # noqa: BLE001 - no group, or a torch without it: no marks
+        return None
+
+
+def stall_note(exc: BaseException, grace_s: float = 3.0) -> str:
+    """For a collective that timed out: 'rank 1 (PID 4242) did not reach the checkpoint barrier at step
+    4 within 300 s (parallel.timeout_s); its last mark: the collectives of training step 4' ('' when
+    ``exc`` is not a timeout or no rank is missing). Every rank that timed out says so in the store and
+    waits up to ``grace_s`` for the others; the ranks that never did are the stalled ones, and the
+    lowest rank that did reports (``exc.lmforge_report``)."""
+    store, (rank, world, _) = _store(), torchrun_world()
+    if world <= 1 or store is None or not _TIMED_OUT.search(str(exc)):
+        return ""
+    import time
+
+    try:
+        store.set_timeout(datetime.timedelta(seconds=grace_s))
+        store.set(f"lmforge/timed-out/{rank}", _WHERE["phase"])
+        deadline, stalled = time.monotonic() + grace_s, []
+        while time.monotonic() < deadline:
+            stalled = [r for r in range(world) if not store.check([f"lmforge/timed-out/{r}"])]
+            if not stalled:
+                return ""
+            time.sleep(0.05)
+        last = {r: store.get(f"lmforge/where/{r}").decode() if store.check([f"lmforge/where/{r}"]) else ""
+                for r in stalled}
+    except Exception:  # noqa: BLE001 - the store went with rank 0: say what is known without it
+        return ""
+    exc.lmforge_report = rank == min(set(range(world)) - set(stalled))
+    notes = []
+    for r in stalled:
+        pid = f" (PID {_PEERS[r][1]})" if r < len(_PEERS) else ""
+        was = f"; its last mark: {last[r]}" if last[r] else ""
+        notes.append(f"rank {r}{pid} did not reach {_WHERE['phase']} within {_WHERE['timeout_s']:g} s "
+                     f"(parallel.timeout_s){was}")
+    return "; ".join(notes)
 
 
 def is_peer_loss(exc: BaseException) -> bool:

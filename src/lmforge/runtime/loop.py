@@ -158,6 +158,7 @@ def train_loop(state: TrainState, trainer: Trainer) -> dict:
                 final = {f"{key}_before": value for key, value in before.items()}
             for step in range(state.step, tcfg.max_steps):
                 done, start = step + 1, time.perf_counter()
+                run.ctx.mark(f"the collectives of training step {done}")  # named if a rank stalls here
                 metrics = trainer.step(done)
                 step_time = time.perf_counter() - start
                 work = run.ctx.all_reduce(torch.tensor([metrics.pop("num_tokens"), metrics.pop("num_flops", 0.0)],
@@ -171,6 +172,7 @@ def train_loop(state: TrainState, trainer: Trainer) -> dict:
                 state.step = done
                 last = done == tcfg.max_steps
                 if trainer.evaluate is not None and due(tcfg.eval_every, done, last):
+                    run.ctx.mark(f"the evaluation at step {done}")
                     evaluation = trainer.evaluate(done)
                     logger.log(done, evaluation, kind="eval")
                     final.update(evaluation)
@@ -180,6 +182,7 @@ def train_loop(state: TrainState, trainer: Trainer) -> dict:
                 if due(tcfg.save_every, done, last):
                     ckpt.save_checkpoint(state, {**trainer.extra_state(), "best_metric": best, "timer": timer.state_dict(),
                                                  "time_totals": dict(totals)}, tcfg.keep_last)
+            run.ctx.mark("the save of final/")
             ckpt.save_model_dir(run.dir / "final", state, quantized_copies(state, run.dir / "final"))
             if lora.has_adapters(state.model) and run.cfg.model.lora.save_merged:
                 ckpt.save_merged_dir(run.dir / "final" / "merged", state)
