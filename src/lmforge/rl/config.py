@@ -47,6 +47,8 @@ class RolloutConfig:
     server_url: str = opt("", "atropos backend: the lmforge serve the environments sample from; new weights are "
                           "pushed there every push_every steps ('' = never push)")
     push_every: int = opt(1, "atropos backend: push the weights to server_url after every N-th step")
+    push_timeout_s: float = opt(600.0, "atropos backend: longest a weight push may take, retries included; then "
+                                "an error naming server_url (the last checkpoint resumes)")
     max_staleness: int = opt(-1, "atropos backend: drop groups sampled more than this many optimizer steps ago "
                              "(counted in atropos_dropped_stale_*; -1 = keep all)")
     api_timeout_s: float = opt(600.0, "atropos backend: longest wait for a step's groups, then an error")
@@ -89,10 +91,12 @@ class RolloutConfig:
                 raise ConfigError("rollout.backend=atropos needs rollout.api_url (the Atropos API server, e.g. "
                                   "http://127.0.0.1:8000)")
             if self.push_every < 1 or self.api_retries < 0 or not (self.api_timeout_s > 0 and self.api_poll_s > 0
-                                                                    and self.api_backoff_s >= 0):
-                raise ConfigError("rollout: need push_every >= 1, api_retries >= 0, api_timeout_s > 0, api_poll_s > 0 "
-                                  f"and api_backoff_s >= 0, got {self.push_every}, {self.api_retries}, "
-                                  f"{self.api_timeout_s}, {self.api_poll_s}, {self.api_backoff_s}")
+                                                                    and self.api_backoff_s >= 0
+                                                                    and self.push_timeout_s > 0):
+                raise ConfigError("rollout: need push_every >= 1, api_retries >= 0, api_timeout_s > 0, api_poll_s > 0, "
+                                  f"api_backoff_s >= 0 and push_timeout_s > 0, got {self.push_every}, "
+                                  f"{self.api_retries}, {self.api_timeout_s}, {self.api_poll_s}, {self.api_backoff_s}, "
+                                  f"{self.push_timeout_s}")
         if self.backend == "verifiers" and not self.verifiers_env:
             raise ConfigError("rollout.backend=verifiers needs rollout.verifiers_env (a verifiers taskset id, e.g. "
                               "vf-calculate with examples/ on PYTHONPATH)")

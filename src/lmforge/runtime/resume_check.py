@@ -39,7 +39,8 @@ FREE = frozenset({
     # rollout: memory of the vLLM engine, threads, and where the Atropos servers are / how patiently
     # they are polled (what they return is governed by the compared keys push_every, max_staleness)
     "rollout.vllm_gpu_memory_utilization", "rollout.async_threads", "rollout.api_url", "rollout.server_url",
-    "rollout.api_timeout_s", "rollout.api_poll_s", "rollout.api_retries", "rollout.api_backoff_s",
+    "rollout.api_timeout_s", "rollout.push_timeout_s", "rollout.api_poll_s", "rollout.api_retries",
+    "rollout.api_backoff_s",
     "rewards.workers", "rewards.max_failure_fraction",  # parallelism; when to stop on failing rewards
 })
 UNREPORTED = frozenset({"train.resume", "train.resume_accept", "train.output_dir"})  # differ by design

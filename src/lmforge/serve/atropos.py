@@ -45,27 +45,34 @@ _API_DOWN = "is the Atropos API server (`run-api`) running there? The run can be
 
 
 def _request(method: str, url: str, retries: int, backoff_s: float, timeout: float = 30.0, *,
-             action: str = "", remedy: str = _API_DOWN, **kwargs) -> Any:
-    """One JSON call with ``retries`` retries on connection errors and 5xx, waiting backoff_s * 2^k; a
-    4xx is an error at once (the same call would be refused again). ``action`` names the call in the
-    errors (default ``METHOD URL``), ``remedy`` is what the final error tells the user to do."""
+             action: str = "", remedy: str = _API_DOWN, deadline: float | None = None, **kwargs) -> Any:
+    """One JSON call with ``retries`` retries on connection errors, timeouts and 5xx, waiting backoff_s *
+    2^k; a 4xx is an error at once (the same call would be refused again). ``timeout`` bounds each
+    attempt (connecting, each read and write), ``deadline`` (``time.monotonic()``) all of them: no
+    retry starts after it, none outlives it by more than half a second. ``action`` names the call in the errors (default ``METHOD URL``), ``remedy`` is
+    what the final error tells the user to do."""
     import httpx
 
     action = action or f"{method} {url}"
-    last = ""
+    last, made = "", 0
     for attempt in range(retries + 1):
-        try:
-            response = httpx.request(method, url, timeout=timeout, **kwargs)
+        left = timeout if deadline is None else deadline - time.monotonic()
+        if left <= 0 and attempt:
+            break
+        made += 1
+        try:  # the first attempt always runs (with at least half a second)
+            response = httpx.request(method, url, timeout=max(0.5, min(timeout, left)), **kwargs)
             if response.status_code < 500:
                 if response.status_code >= 400:
                     raise AtroposError(f"{action} was refused ({response.status_code}): {response.text[:500]}")
                 return response.json()
             last = f"status {response.status_code}: {response.text[:200]}"
-        except httpx.TransportError as exc:
-            last = f"{type(exc).__name__}: {exc}"
+        except httpx.TransportError as exc:  # refused, reset, dropped, timed out
+            last = f"{type(exc).__name__}: {str(exc) or 'no detail'}"
         if attempt < retries:
-            time.sleep(backoff_s * 2 ** attempt)
-    raise AtroposError(f"{action} failed after {retries + 1} attempts (last: {last}); {remedy}")
+            time.sleep(backoff_s * 2 ** attempt if deadline is None else
+                       max(0.0, min(backoff_s * 2 ** attempt, deadline - time.monotonic())))
+    raise AtroposError(f"{action} failed after {made} attempt{'s' * (made != 1)} (last: {last}); {remedy}")
 
 
 def register(api_url: str, *, batch_size: int, max_token_len: int, num_steps: int, starting_step: int = 0,
@@ -176,7 +183,7 @@ def _fetch_groups(api_url: str, trainer_step: int, max_staleness: int | None, po
     start = time.monotonic()
     dropped = 0
     while True:
-        reply = _request("GET", f"{api_url.rstrip('/')}/batch", retries, backoff_s)
+        reply = _request("GET", f"{api_url.rstrip('/')}/batch", retries, backoff_s, deadline=start + timeout_s)
         if reply.get("status") == "error":
             raise AtroposError(f"GET {api_url}/batch: {reply.get('message', reply)} (call register() first)")
         groups = reply.get("batch")

@@ -81,9 +81,11 @@ class AtroposSource:
 
     # ------------------------------------------------------------------ rank 0 talks to the services
 
-    def _rank0(self, fn, *args) -> Any:
-        """``fn(*args)`` on rank 0; its result on every rank; its error raised on every rank."""
+    def _rank0(self, what: str, fn, *args) -> Any:
+        """``fn(*args)`` on rank 0; its result on every rank; its error raised on every rank. ``what`` is
+        the phase the other ranks wait in (named if rank 0 stalls past parallel.timeout_s)."""
         ctx = self.ctx
+        ctx.mark(what)
         result, error = None, None
         if ctx.is_main:
             try:
@@ -103,8 +105,11 @@ class AtroposSource:
         other call here, and a refusal (4xx: wrong names or shapes, a version that does not increase)
         is an error at once."""
         url, request = weights_request(self.cfg.server_url, model, version=version)
-        reply = _request("POST", url, self.cfg.api_retries, self.cfg.api_backoff_s, timeout=600.0, **request,
-                         action=f"pushing weights version {version} to rollout.server_url={self.cfg.server_url}",
+        limit = self.cfg.push_timeout_s
+        reply = _request("POST", url, self.cfg.api_retries, self.cfg.api_backoff_s, timeout=limit, **request,
+                         deadline=time.monotonic() + limit,
+                         action=f"pushing weights version {version} to rollout.server_url={self.cfg.server_url} "
+                                f"(rollout.push_timeout_s={limit:g})",
                          remedy="the last checkpoint is intact: resume the run once the inference server is back")
         return int(reply["weight_version"])
 
@@ -118,7 +123,7 @@ class AtroposSource:
                 return self._server_version()
             return None
 
-        server_version = self._rank0(start)
+        server_version = self._rank0(f"rank 0's registration with {self.cfg.api_url}", start)
         if self.cfg.server_url and trained_steps > 0:  # resumed: the environments must sample our weights
             if server_version >= trained_steps:
                 raise AtroposError(
@@ -126,7 +131,7 @@ class AtroposSource:
                     f"resumed at step {trained_steps} (versions must increase); restart lmforge serve on the "
                     f"resumed checkpoint ({self.setup.run_dir}/step-{trained_steps}) and resume again")
             model = policy()  # every rank (FSDP2 gathers)
-            self._rank0(self._push, model, trained_steps)
+            self._rank0(f"rank 0's weight push to {self.cfg.server_url}", self._push, model, trained_steps)
             self.setup.print(f"[atropos] pushed the resumed weights to {self.cfg.server_url} as version {trained_steps}")
         self.started = True
 
@@ -149,8 +154,13 @@ class AtroposSource:
                 raise AtroposError(f"no batch from {cfg.api_url}/batch within rollout.api_timeout_s="
                                    f"{cfg.api_timeout_s:.0f} s ({dropped} stale groups dropped); are the environments "
                                    "running and pointed at the inference server?")
-            groups, info = _fetch_groups(cfg.api_url, trained_steps, max_staleness, cfg.api_poll_s, remaining,
-                                         cfg.api_retries, cfg.api_backoff_s)
+            try:
+                groups, info = _fetch_groups(cfg.api_url, trained_steps, max_staleness, cfg.api_poll_s, remaining,
+                                             cfg.api_retries, cfg.api_backoff_s)
+            except AtroposError as exc:  # the API stopped answering: say which bound ended the wait
+                if time.monotonic() - start < cfg.api_timeout_s:
+                    raise
+                raise AtroposError(f"{exc} (no batch within rollout.api_timeout_s={cfg.api_timeout_s:g} s)") from None
             check_groups(groups, cfg.group_size, cfg.max_new_tokens)
             dropped += int(info["atropos_dropped_stale_groups"])
             self.pending.extend(groups)
@@ -175,12 +185,13 @@ class AtroposSource:
         if not self.cfg.server_url or version % self.cfg.push_every:
             return
         model = policy()  # every rank (FSDP2 gathers)
-        self._rank0(self._push, model, version)
+        self._rank0(f"rank 0's weight push to {self.cfg.server_url} after step {version}", self._push, model, version)
 
     def next_batch(self, step: int) -> ScoredRollout:
         """This rank's share of the next ``num_prompts`` groups."""
         trained_steps = step - 1  # the optimizer steps behind the weights this step starts from
-        groups, info = self._rank0(self._next_groups, trained_steps)
+        groups, info = self._rank0(f"rank 0's pull from {self.cfg.api_url}/batch for step {step}",
+                                   self._next_groups, trained_steps)
         scores = torch.tensor([float(s) for g in groups for s in g["scores"]])
         rows = rank_prompts(list(range(len(groups))), self.setup.num_mini_batches, self.ctx)
         batch, rewards = batch_to_rollout([groups[i] for i in rows], self.setup.tokenizer.pad_token_id)
