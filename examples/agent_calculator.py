@@ -17,6 +17,9 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"expression": {"type": "string",
                                                                    "description": "the expression, e.g. 123*456"}},
                    "required": ["expression"]}}}]
+# One HTTP client for all episodes: building one (its TLS context) took ~0.15 s of CPU on the shared 2-core
+# test machine, paid per episode otherwise (docs/benchmarks.md, "Agent path vs the built-in environment").
+HTTP = openai.DefaultHttpxClient()
 
 
 def calculator(expression: str) -> str:
@@ -37,7 +40,7 @@ def calculator(expression: str) -> str:
 def run(base_url: str, problem: dict, max_turns: int = 3) -> str:
     """Answer ``problem["prompt"]`` with the calculator's help; the final answer's text (scored by the run's
     rewards.functions, here the task's exact-answer check)."""
-    client = openai.OpenAI(base_url=base_url, api_key="unused")
+    client = openai.OpenAI(base_url=base_url, api_key="unused", http_client=HTTP)
     messages = [{"role": "user", "content": problem["prompt"]}]
     for _ in range(max_turns):
         reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS).choices[0].message
