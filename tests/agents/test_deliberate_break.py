@@ -69,3 +69,12 @@ def test_a_dropped_separator_after_an_assistant_turn_fails_the_check(recording_g
     message = str(failed.value)
     assert "call 1: the prompt differs from the conversation with its replies' sampled ids" in message
     assert "samples, not 1" not in message  # the merge alone would not have seen it
+
+
+def test_a_trainer_scoring_another_distribution_fails_the_check(recording_gateway, example_agent, monkeypatch):
+    """The logprob half of the check is not vacuous: the same episodes scored by a trainer at temperature
+    1.05 instead of the run's 1.0 (a mismatch of the kind a sampler's unscored logit change makes)."""
+    episodes = _episodes(recording_gateway, example_agent)
+    monkeypatch.setattr(recording_gateway, "TEMPERATURE", 1.05)
+    with pytest.raises(AssertionError, match=r"trainer logprobs differ from the recorded ones by up to"):
+        check_exact(recording_gateway, episodes)
