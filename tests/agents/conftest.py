@@ -4,11 +4,13 @@ logs every HTTP request made under ``/sessions/<id>/`` (route, status, body) bes
 
 The model is a 2-layer tiny Llama (hidden 32) on the ASCII character tokenizer. It is trained on
 three-turn calculator conversations built as the gateway builds prompts (``agent_exactness.
-reference_prompt``: each earlier reply's ids, then the template's text), the loss on the replies only,
-on 128-token windows (RoPE is relative: a window teaches the same next-token rule as the whole
-conversation, at a fraction of the cost). The expressions in its calls are random, so the digits it
-samples carry real uncertainty (logprobs around -2) while the call's frame is near certain. Its final
-norm is then scaled by 2 (its logits doubled): at temperature 1 its calls parse practically always.
+reference_prompt``: each earlier reply's ids, then the template's text), the loss on the replies only:
+first on 128-token windows (the call's format, at a fraction of the cost: RoPE is relative), then on
+whole conversations (~340 tokens; trained on windows alone, it wrote noise from the second turn on).
+About 9 s of CPU time on one thread. The expressions in its calls are random, so the digits it samples
+carry real uncertainty (logprobs down to about -3) while the call's frame is near certain. Its final norm
+is then scaled by 2 (its logits doubled): at temperature 1, 45 of 46 replies of 16 example-agent episodes
+parsed as calls here, at every turn (unscaled, only 4 of 16 episodes reached their third call).
 """
 from __future__ import annotations
 
