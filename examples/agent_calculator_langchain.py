@@ -12,8 +12,8 @@ import sys
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_openai import ChatOpenAI
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from agent_calculator import HTTP, TOOLS, calculator  # noqa: E402 - the plain agent's tool and HTTP client
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the plain agent's tool and HTTP client:
+from agent_calculator import HTTP, TOOLS, calculator
 
 
 def run(base_url: str, problem: dict, max_turns: int = 3) -> str:
