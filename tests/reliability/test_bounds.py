@@ -111,3 +111,35 @@ def test_push_timeout_s_must_be_positive():
 
     with pytest.raises(ConfigError, match="push_timeout_s > 0"):
         RolloutConfig(backend="atropos", api_url="http://x", push_timeout_s=0).validate()
+
+
+def test_verifiers_episodes_that_hang_end_the_step_at_verifiers_timeout_s():
+    import asyncio
+    import contextlib
+
+    from lmforge.errors import TrainingError
+    from lmforge.rl.config import RolloutConfig
+    from lmforge.rl.sources.verifiers import VerifiersSource
+
+    class Env:  # verifiers' surface the source uses: serving(), slots(), run_slot()
+        @contextlib.asynccontextmanager
+        async def serving(self):
+            yield
+
+        def slots(self, task, n):
+            return [(task, i) for i in range(n)]
+
+        async def run_slot(self, slot, ctx):
+            if slot == ("hangs", 1):
+                await asyncio.sleep(3600)
+            return slot
+
+    source = VerifiersSource.__new__(VerifiersSource)  # only the step's wait: no server, no environment
+    source.env, source.ctx = Env(), None
+    source.cfg = RolloutConfig(backend="verifiers", verifiers_env="x", group_size=2, verifiers_timeout_s=0.5)
+    assert asyncio.run(source._run(["fine"], 1)) == [("fine", 0), ("fine", 1)]
+    start = time.monotonic()
+    with pytest.raises(TrainingError, match=r"1 of the 4 episodes of step 3 did not finish within "
+                                            r"rollout.verifiers_timeout_s=0.5 s .*resume"):
+        asyncio.run(source._run(["fine", "hangs"], 3))
+    assert time.monotonic() - start < 2.0

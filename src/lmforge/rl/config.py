@@ -62,6 +62,8 @@ class RolloutConfig:
     verifiers_args: dict[str, Any] = opt({}, "verifiers backend: the taskset's config fields, e.g. {num_tasks: 500}")
     verifiers_harness: str = opt("null", "verifiers backend: the harness that plays each episode (null: verifiers' "
                                  "chat loop with the taskset's tools)")
+    verifiers_timeout_s: float = opt(3600.0, "verifiers backend: longest wait for one step's episodes, then an "
+                                     "error (the last checkpoint resumes)")
     verifiers_renderer: dict[str, Any] = opt({}, "verifiers backend: the renderers config verifiers tokenizes with "
                                              "({} = lmforge's own rendering and tool-call parsing, as lmforge serve "
                                              "does: rl/sources/vf_renderer.py; e.g. {name: qwen3} for a model "
@@ -100,6 +102,8 @@ class RolloutConfig:
         if self.backend == "verifiers" and not self.verifiers_env:
             raise ConfigError("rollout.backend=verifiers needs rollout.verifiers_env (a verifiers taskset id, e.g. "
                               "vf-calculate with examples/ on PYTHONPATH)")
+        if self.backend == "verifiers" and not self.verifiers_timeout_s > 0:
+            raise ConfigError(f"rollout.verifiers_timeout_s must be > 0, got {self.verifiers_timeout_s}")
         for name in ("num_prompts", "group_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")

@@ -40,7 +40,7 @@ FREE = frozenset({
     # they are polled (what they return is governed by the compared keys push_every, max_staleness)
     "rollout.vllm_gpu_memory_utilization", "rollout.async_threads", "rollout.api_url", "rollout.server_url",
     "rollout.api_timeout_s", "rollout.push_timeout_s", "rollout.api_poll_s", "rollout.api_retries",
-    "rollout.api_backoff_s",
+    "rollout.api_backoff_s", "rollout.verifiers_timeout_s",
     "rewards.workers", "rewards.max_failure_fraction",  # parallelism; when to stop on failing rewards
 })
 UNREPORTED = frozenset({"train.resume", "train.resume_accept", "train.output_dir"})  # differ by design

@@ -177,10 +177,23 @@ class VerifiersSource:
         start = (step - 1) * self.cfg.num_prompts
         return [self.tasks[self.order[(start + i) % len(self.order)]] for i in range(self.cfg.num_prompts)]
 
-    async def _run(self, tasks: list) -> list:
+    async def _run(self, tasks: list, step: int = 0) -> list:
+        """The step's episodes, or a TrainingError when they have not all finished within
+        ``rollout.verifiers_timeout_s`` (a harness, tool server or environment that hangs)."""
         async with self.env.serving():
             slots = [slot for task in tasks for slot in self.env.slots(task, self.cfg.group_size)]
-            return await asyncio.gather(*(self.env.run_slot(slot, self.ctx) for slot in slots))
+            running = [asyncio.ensure_future(self.env.run_slot(slot, self.ctx)) for slot in slots]
+            limit = self.cfg.verifiers_timeout_s
+            _, pending = await asyncio.wait(running, timeout=limit)
+            if pending:
+                for task in pending:
+                    task.cancel()
+                await asyncio.wait(pending, timeout=10.0)  # cancelled; one that ignores it is left behind
+                raise TrainingError(f"rollout.backend=verifiers: {len(pending)} of the {len(running)} episodes of "
+                                    f"step {step} did not finish within rollout.verifiers_timeout_s={limit:g} s (the "
+                                    "environment, its harness or its tool server hangs; see their messages above); "
+                                    "the last checkpoint is intact: resume with train.resume=auto")
+            return [task.result() for task in running]
 
     def rows(self, episodes: list) -> tuple[list[dict], dict]:
         """The step's rows, grouped by task, and the render check's counts (module doc, 4-5)."""
@@ -212,7 +225,7 @@ class VerifiersSource:
 
     def next_batch(self, step: int) -> ScoredRollout:
         start = time.monotonic()
-        episodes = asyncio.run(self._run(self.step_tasks(step)))
+        episodes = asyncio.run(self._run(self.step_tasks(step), step))
         generation = time.monotonic() - start
         groups, counts = self.rows(episodes)
         batch, rewards = batch_to_rollout(groups, self.setup.tokenizer.pad_token_id)
