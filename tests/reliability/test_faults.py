@@ -84,7 +84,8 @@ FAULTS = [
     # each call has its own rewards.timeout_s: 8 calls on 2 reward threads hang 4 x 2 s
     Fault("a reward function that never returns", "reward_hang", 3,
           GRPO + REWARD + ["rewards.timeout_s=2", "rewards.max_failure_fraction=0", "rewards.workers=2"], 2,
-          r"reward 'fault_plugins:score' failed on 8/8 samples .*timed out", timeout_s=8, recipe="grpo"),
+          r"reward 'fault_plugins:score' failed on 8/8 samples .*timed out after 2 s \(rewards\.timeout_s",
+          timeout_s=8, recipe="grpo"),
     Fault("a reward worker process killed", "reward_worker_dies", 3,
           GRPO + ["rewards.functions=[{name: 'fault_plugins:score', executor: process}]", "rewards.timeout_s=5",
                   "rewards.max_failure_fraction=0"], 2, r"failed on 8/8 samples .*reward worker died", timeout_s=5,

@@ -68,7 +68,7 @@ def invoke(fn: Callable[..., Any], completion: str, problem: Any, kwargs: dict, 
         # a batched function (RewardSet's whole-batch call): one float per completion
         return ("ok", [float(v) for v in value] if getattr(fn, "batched", False) else float(value))
     except RewardTimeout:
-        return ("timeout", f"timed out after {alarm_s:g} s (stopped in the worker)")
+        return ("timeout", f"timed out after {alarm_s:g} s (rewards.timeout_s; stopped in the worker)")
     except Exception as exc:  # noqa: BLE001 - a reward may raise anything; the caller counts and logs it
         return ("error", f"{type(exc).__name__}: {exc}")
     finally:

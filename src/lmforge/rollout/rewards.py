@@ -477,8 +477,8 @@ class RewardSet:
                 kind = self.executors[futures[future][1]]
                 if future in started and now - started[future] > limits[kind]:
                     pending.discard(future)
-                    results[futures[future]] = ("timeout", f"timed out after {self.timeout_s:g} s "
-                                                f"({'worker killed' if kind == 'process' else 'call abandoned'})")
+                    results[futures[future]] = ("timeout", f"timed out after {self.timeout_s:g} s (rewards.timeout_s; "
+                                                f"{'worker killed' if kind == 'process' else 'call abandoned'})")
                     overdue_kinds.add(kind)
             for kind in overdue_kinds:  # move the other unfinished calls of that pool to a fresh one
                 moved = [f for f in pending if self.executors[futures[f][1]] == kind
