@@ -12,7 +12,8 @@ stopped after it; the block waits until the 1-minute load average has risen to t
 Each (recipe, load, setting) is a fresh ``lmforge <recipe> ... train.max_steps=N`` process: the OpenMP
 wait policy is read once, when torch loads its OpenMP runtime. Its median step time (steps after the first
 ``--warmup``) comes from the run's metrics.jsonl. Settings:
-  t<N>          train.threads=N, OpenMP's default wait policy (spin a while, then sleep)
+  t<N>          train.threads=N, OpenMP's default wait policy (spin a while, then sleep; written out as
+                GOMP_SPINCOUNT=300000, else lmforge would set PASSIVE itself on a busy machine)
   t<N>-passive  train.threads=N, OMP_WAIT_POLICY=PASSIVE (a waiting thread sleeps at once)
   auto          neither set: what lmforge chooses itself (lmforge.hardware.choose_threads)
 with N = 1, 2 and the core count. ``--rounds`` > 1 repeats every setting, in reverse order every other
@@ -45,6 +46,9 @@ RECIPES = {
 }
 HOG = "while True:\n    pass\n"
 WAIT_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+# OpenMP's default wait policy, written out: libgomp's own spin count when OMP_WAIT_POLICY is unset (its
+# manual, GOMP_SPINCOUNT). Set, it keeps lmforge from choosing PASSIVE by itself on a busy machine.
+DEFAULT_WAIT = {"GOMP_SPINCOUNT": "300000"}
 
 
 def loadavg() -> str:
@@ -64,15 +68,15 @@ def setting(name: str) -> tuple[int, dict[str, str]]:
     threads, _, wait = name[1:].partition("-")
     if not name.startswith("t") or not threads.isdigit() or not (wait in ("", "passive") or wait.startswith("spin")):
         raise SystemExit(f"--settings: {name!r} is not auto, t<N>, t<N>-passive or t<N>-spin<K>")
-    env = {"OMP_WAIT_POLICY": "PASSIVE"} if wait == "passive" else {"GOMP_SPINCOUNT": wait[4:]} if wait else {}
+    env = {"OMP_WAIT_POLICY": "PASSIVE"} if wait == "passive" else {"GOMP_SPINCOUNT": wait[4:]} if wait else DEFAULT_WAIT
     return int(threads), env
 
 
 def run_recipe(recipe: str, steps: int, warmup: int, threads: int, env_extra: dict[str, str],
                budget: float) -> dict:
     """One fresh lmforge process; its median step time after the warm-up and its wall time. A run still
-    going after ``budget`` seconds is stopped with SIGINT (its metrics so far are kept): under load the
-    worst settings take many seconds per step."""
+    going ``budget`` seconds after its first step is stopped with SIGINT (its metrics so far are kept):
+    under load the worst settings take many seconds per step (and the start, imports, a minute)."""
     with tempfile.TemporaryDirectory(prefix="bench_busy_") as tmp:
         argv = [sys.executable, "-m", "lmforge.cli", *RECIPES[recipe], f"train.max_steps={steps}",
                 f"train.output_dir={tmp}/run", "logging.progress=false"]
@@ -80,15 +84,20 @@ def run_recipe(recipe: str, steps: int, warmup: int, threads: int, env_extra: di
             argv.append(f"train.threads={threads}")
         env = {k: v for k, v in os.environ.items() if k not in WAIT_KEYS}
         env.update(env_extra, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
-        start = time.perf_counter()
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            out, err = proc.communicate(timeout=budget)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGINT)
-            out, err = proc.communicate(timeout=300)
-        wall = time.perf_counter() - start
         metrics = Path(tmp, "run", "metrics.jsonl")
+        start = time.perf_counter()
+        with open(Path(tmp, "out"), "w+") as out_file, open(Path(tmp, "err"), "w+") as err_file:
+            proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out_file, stderr=err_file, text=True)
+            first_step = None
+            while proc.poll() is None:
+                time.sleep(1)
+                if first_step is None and metrics.is_file() and metrics.stat().st_size:
+                    first_step = time.perf_counter()
+                if first_step is not None and time.perf_counter() - first_step > budget:
+                    proc.send_signal(signal.SIGINT)
+                    proc.wait()
+            wall = time.perf_counter() - start
+            out, err = Path(tmp, "out").read_text(), Path(tmp, "err").read_text()
         if proc.returncode not in (0, 130) or not metrics.is_file():
             raise RuntimeError(f"{' '.join(argv[3:])} failed ({proc.returncode}):\n{err[-2000:]}")
         records = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -177,8 +186,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--hogs-per-core", type=int, default=2)
     parser.add_argument("--settle", type=float, default=60.0, help="longest wait for the load average (s)")
-    parser.add_argument("--budget", type=float, default=120.0, help="a run still going after this many seconds "
-                        "is stopped (SIGINT) and its steps so far are used")
+    parser.add_argument("--budget", type=float, default=90.0, help="a run still going this many seconds after its "
+                        "first step is stopped (SIGINT) and its steps so far are used")
     parser.add_argument("--json", default="", help="also write every step time here")
     args = parser.parse_args()
     args.recipes = args.recipes.split(",")
