@@ -3,6 +3,7 @@ torch-thread / OpenMP wait-policy setting, printed with their ratios from one ru
 
     python benchmarks/bench_busy.py                          # sft and grpo, quiet and busy, every setting
     python benchmarks/bench_busy.py --recipes sft --rounds 2 --hogs-per-core 1
+    python benchmarks/bench_busy.py --quickstart "sft_steps=150 grpo_steps=30 num_eval=50"
 
 The background load ("busy"): ``--hogs-per-core`` x cores processes that each spin in pure Python (a
 CPU-bound job each, as a build or another training run would be), started before the busy block and
@@ -110,6 +111,26 @@ def run_recipe(recipe: str, steps: int, warmup: int, threads: int, env_extra: di
             "stopped": proc.returncode == 130}
 
 
+def run_quickstart(args) -> dict:
+    """``lmforge quickstart`` (small) with lmforge's own choice: wall time and each stage's median step."""
+    with tempfile.TemporaryDirectory(prefix="bench_busy_") as tmp:
+        argv = [sys.executable, "-m", "lmforge.cli", "quickstart", f"output_dir={tmp}/qs", "progress=false",
+                *args.quickstart.split()]
+        env = {k: v for k, v in os.environ.items() if k not in WAIT_KEYS}
+        start = time.perf_counter()
+        proc = subprocess.run(argv, cwd=ROOT, env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        if proc.returncode != 0:
+            raise RuntimeError(f"quickstart failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+        stages = {}
+        for stage in ("sft", "grpo"):
+            lines = Path(tmp, "qs", stage, "metrics.jsonl").read_text().splitlines()
+            times = [r["step_time"] for r in map(json.loads, lines) if r.get("kind") == "train" and "step_time" in r]
+            stages[stage] = statistics.median(times[args.warmup:])
+    chosen = next((line for line in proc.stdout.splitlines() if line.startswith("[hardware] threads")), "")
+    return {"wall": wall, "stages": stages, "chosen": chosen, "loadavg": loadavg()}
+
+
 class Hogs:
     """``count`` spinning Python processes, stopped on exit (also when the benchmark fails)."""
 
@@ -189,6 +210,8 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=90.0, help="a run still going this many seconds after its "
                         "first step is stopped (SIGINT) and its steps so far are used")
     parser.add_argument("--json", default="", help="also write every step time here")
+    parser.add_argument("--quickstart", default="", help="instead: time `lmforge quickstart` with these key=value "
+                        "settings (e.g. 'sft_steps=150 grpo_steps=30 num_eval=50'), lmforge's own choice, per load")
     args = parser.parse_args()
     args.recipes = args.recipes.split(",")
     args.steps = {"sft": args.sft_steps, "grpo": args.grpo_steps}
@@ -196,6 +219,18 @@ def main() -> None:
     table = {name: setting(name) for name in (args.settings.split(",") if args.settings else default_settings(cores))}
     print(f"bench_busy: {cores} cores, load average {loadavg()} at start; busy = {args.hogs_per_core * cores} "
           f"spinning processes; settings {', '.join(table)}", flush=True)
+    if args.quickstart:
+        walls = {}
+        for load in args.loads.split(","):
+            with Hogs(args.hogs_per_core * cores if load == "busy" else 0) as hogs:
+                hogs.settle(args.settle)
+                result = walls[load] = run_quickstart(args)
+            print(f"  {load:<5} quickstart {args.quickstart}: {result['wall']:.0f} s (median step: sft "
+                  f"{result['stages']['sft']:.3f} s, grpo {result['stages']['grpo']:.3f} s; load {result['loadavg']})  "
+                  f"{result['chosen']}", flush=True)
+        if len(walls) == 2:
+            print(f"quickstart busy / quiet: {walls['busy']['wall'] / walls['quiet']['wall']:.2f}x (target <= 3x)")
+        return
     found = {}
     for load in args.loads.split(","):
         if load == "busy":
