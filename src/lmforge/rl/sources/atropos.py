@@ -123,7 +123,7 @@ class AtroposSource:
                 return self._server_version()
             return None
 
-        server_version = self._rank0(f"rank 0's registration with {self.cfg.api_url}", start)
+        server_version = self._rank0(f"the end of rank 0's registration with {self.cfg.api_url}", start)
         if self.cfg.server_url and trained_steps > 0:  # resumed: the environments must sample our weights
             if server_version >= trained_steps:
                 raise AtroposError(
@@ -131,7 +131,7 @@ class AtroposSource:
                     f"resumed at step {trained_steps} (versions must increase); restart lmforge serve on the "
                     f"resumed checkpoint ({self.setup.run_dir}/step-{trained_steps}) and resume again")
             model = policy()  # every rank (FSDP2 gathers)
-            self._rank0(f"rank 0's weight push to {self.cfg.server_url}", self._push, model, trained_steps)
+            self._rank0(f"the end of rank 0's weight push to {self.cfg.server_url}", self._push, model, trained_steps)
             self.setup.print(f"[atropos] pushed the resumed weights to {self.cfg.server_url} as version {trained_steps}")
         self.started = True
 
@@ -185,12 +185,13 @@ class AtroposSource:
         if not self.cfg.server_url or version % self.cfg.push_every:
             return
         model = policy()  # every rank (FSDP2 gathers)
-        self._rank0(f"rank 0's weight push to {self.cfg.server_url} after step {version}", self._push, model, version)
+        self._rank0(f"the end of rank 0's weight push to {self.cfg.server_url} after step {version}", self._push,
+                    model, version)
 
     def next_batch(self, step: int) -> ScoredRollout:
         """This rank's share of the next ``num_prompts`` groups."""
         trained_steps = step - 1  # the optimizer steps behind the weights this step starts from
-        groups, info = self._rank0(f"rank 0's pull from {self.cfg.api_url}/batch for step {step}",
+        groups, info = self._rank0(f"the end of rank 0's pull from {self.cfg.api_url}/batch for step {step}",
                                    self._next_groups, trained_steps)
         scores = torch.tensor([float(s) for g in groups for s in g["scores"]])
         rows = rank_prompts(list(range(len(groups))), self.setup.num_mini_batches, self.ctx)
