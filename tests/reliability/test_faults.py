@@ -95,7 +95,8 @@ FAULTS = [
           r"no episode of this batch is usable: .*\(they ended as: timeout\).*env\.tool_timeout_s", timeout_s=8,
           recipe="grpo"),
     Fault("an agent that hangs", "agent_hang", 3, AGENT, 2,
-          r"no agent episode of this step is usable .*\{'timeout': 4\}", timeout_s=3, recipe="grpo"),
+          r"no agent episode of this step is usable .*\{'timeout': 4\}\); the first error: no result within "
+          r"rollout\.agent_timeout_s=3 s", timeout_s=3, recipe="grpo"),
     Fault("Atropos API drops the connection", "api_reset", 3, ATROPOS, 2,
           r"GET http://\S+/batch failed after 3 attempts \(last: \w+", recipe="grpo", service="api_reset"),
     Fault("Atropos API stops answering", "api_hang", 3, ATROPOS + ["rollout.api_timeout_s=5"], 2,

@@ -146,6 +146,7 @@ class AgentRunner:
             for episode, thread in running:
                 if thread.is_alive() and time.monotonic() - episode.started > self.timeout_s:
                     episode.end = "timeout"  # the thread is left to finish; its session refuses it from now
+                    episode.error = f"no result within rollout.agent_timeout_s={self.timeout_s:g} s"
                 elif thread.is_alive():
                     still.append((episode, thread))
                     continue
