@@ -58,9 +58,16 @@ def test_metrics_count_requests_tokens_and_steps(server):
     assert metric(samples, "lmforge_batch_rows_max") == 32 and metric(samples, "lmforge_batch_occupancy") == 0
 
 
-def test_metrics_show_the_queue_and_the_batch(server):
+def test_metrics_show_the_queue_and_the_batch(server, monkeypatch):
     """With room for one row, a second request waits while the first decodes."""
-    server.served.scheduler.max_batch_rows = 1
+    scheduler = server.served.scheduler
+    scheduler.max_batch_rows = 1
+    step = scheduler._step
+
+    def slow_step():  # 20 ms a decode step: the window to poll in lasts ~0.8 s, not 40 ms, on a fast machine too
+        time.sleep(0.02)
+        step()
+    monkeypatch.setattr(scheduler, "_step", slow_step)
     body = {"prompt": "1+2=", "max_tokens": 40, "ignore_eos": True}
     threads = [threading.Thread(target=httpx.post, args=(server.url + "/v1/completions",),
                                 kwargs={"json": body, "timeout": 120}) for _ in range(2)]

@@ -98,9 +98,11 @@ def test_conversion_one_request_per_prompt_gives_the_same_batch():
                                PROMPTS, 2, [EOS], PAD)
     per_prompt = to_rollout_batch([RequestOutput(PROMPTS[0], rows[:2]), RequestOutput(PROMPTS[1], rows[2:])],
                                   PROMPTS, 2, [EOS], PAD)
-    assert per_row.trained_mask is None and per_prompt.trained_mask is None  # single-turn: every completion token
+    # single-turn: every completion token trained, one sample per episode (no episode index)
+    for name in ("trained_mask", "episode_index"):
+        assert getattr(per_row, name) is None and getattr(per_prompt, name) is None, name
     for f in dataclasses.fields(per_row):
-        if f.name != "trained_mask":
+        if f.name not in ("trained_mask", "episode_index"):
             assert torch.equal(getattr(per_row, f.name), getattr(per_prompt, f.name)), f.name
 
 
