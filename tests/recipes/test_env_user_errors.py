@@ -70,3 +70,13 @@ def test_an_episode_budget_past_a_tiny_context_names_both_keys(tmp_path, capsys)
     assert "env.max_episode_tokens=32 leaves no room for a prompt in the model's context of 32 tokens " \
            "(model.max_position_embeddings); lower env.max_episode_tokens or raise model.max_position_embeddings" \
            in err, err
+
+
+def test_a_first_prompt_that_fills_the_context_is_a_config_error_naming_the_lengths_and_the_fixes(tmp_path, capsys):
+    """The calculator's tools block spelled out by the 'char' tokenizer (623 tokens) in the default 512-token
+    tiny context: every episode ended before its first turn, and the run said only 'no episode is usable'."""
+    code = main(["grpo", *SMALL, *RUN, "env.name=calculator", f"train.output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "the environment's first prompt is 62" in err and "the model's context is 512" in err, err
+    assert "model.max_position_embeddings" in err and "model.tokenizer=char:ascii" in err, err

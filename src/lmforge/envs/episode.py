@@ -103,6 +103,7 @@ class Episode:
     num_empty: int = 0  # replies with no text
     num_cut_results: int = 0  # tool results cut to max_tool_result_tokens
     final_text: str = ""  # the last reply without special tokens (what the reward functions score)
+    overlong_prompt: int = 0  # the first prompt's length when it alone filled the model's context (0: it fit)
     turn_rewards: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (index in ids of a turn's
     # last sampled token, the sum of the reward parts of the step that answered it)
 
@@ -230,7 +231,7 @@ class EpisodeRunner:
             budget = min(budget, self.context - len(episode.prompt_ids))
         episode.budget = budget
         if budget < 1 and not episode.end:  # the first prompt alone fills the model's context
-            episode.end = "episode_tokens"
+            episode.end, episode.overlong_prompt = "episode_tokens", len(episode.prompt_ids)
             episode.prompt_ids = [self.tokenizer.eos_token_id]  # a row with nothing to train, that fits
 
     def _add_turn(self, episode: Episode, sampled: list[int], logprobs: list[float], stop_ids: set[int]) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from ...envs.episode import Episode, EpisodeRunner, combine_rewards, episode_metrics, episode_rollout
 from ...envs.registry import make_environment
-from ...errors import TrainingError
+from ...errors import ConfigError, TrainingError
 from ...models import context_length
 from ...rollout import RewardOutput, RewardSet, RolloutBatch, SamplingParams, generate
 from ...rollout.continuous import ContinuousDecoder, NgramDrafter, has_full_attention_caches
@@ -99,6 +99,19 @@ def run_episodes(runner: EpisodeRunner, continuous: bool, model: torch.nn.Module
         model.train(was_training)
 
 
+def overlong_prompt_error(episodes: list[Episode], context: int | None) -> str:
+    """The error of a batch whose every first prompt (the environment's reset, rendered) alone filled the
+    model's context: no episode could sample a token."""
+    lengths = sorted(e.overlong_prompt for e in episodes)
+    span = f"{lengths[0]}" if lengths[0] == lengths[-1] else f"{lengths[0]}-{lengths[-1]}"
+    return (f"the environment's first prompt is {span} tokens with this tokenizer, and the model's context is "
+            f"{context}: no episode has room for a reply (each ended before its first turn). Use a model with a "
+            "longer context (model.max_position_embeddings for a tiny: model), a tokenizer whose chat template "
+            "writes tools briefly (model.tokenizer=char:ascii lists each tool as 'name(params)'; other "
+            "tokenizers without a tool format get lmforge's JSON tools block of some 600 characters), or a "
+            "shorter system prompt / tool list in the environment")
+
+
 def episode_sampler(runner: EpisodeRunner, continuous: bool, draft_tokens: int = 0) -> Callable:
     """``SampledSource``'s ``sample``: run and score episodes of this rank's problems ``rows``; with
     ``draft_tokens``, one n-gram drafter learns from every step's episodes (``env.draft_tokens``)."""
@@ -114,6 +127,8 @@ def episode_sampler(runner: EpisodeRunner, continuous: bool, draft_tokens: int =
         episodes, times = run_episodes(runner, continuous, engine.model, sample_turns, problems, cfg.group_size,
                                        params, tokenizer.pad_token_id, drafter)
         if not any(e.num_trained and e.end not in BROKEN for e in episodes):
+            if all(e.overlong_prompt for e in episodes):
+                raise ConfigError(overlong_prompt_error(episodes, context_length(engine.model)))
             ends = sorted({e.end for e in episodes})
             raise TrainingError(f"no episode of this batch is usable: each has no policy token to train on or its "
                                 f"environment failed (they ended as: {', '.join(ends)}); the environment fails on "

@@ -58,6 +58,7 @@ from pathlib import Path
 
 import torch
 
+from ...envs.safe_encode import encode_rendered, render_marked
 from ...envs.toolcalls import render_messages
 from ...errors import ConfigError, TrainingError
 from ...rollout import RewardOutput
@@ -126,9 +127,9 @@ def render_check(tokenizer, branch, row: dict) -> tuple[int | None, int | None]:
         pos = next((i for i, (a, b) in enumerate(zip(ids, reference)) if a != b), None)
         return pos if pos is not None or len(ids) == len(reference) else min(len(ids), len(reference))
 
-    def encode(msgs, gen):
-        return tokenizer.encode(render_messages(tokenizer, msgs, tools, add_generation_prompt=gen),
-                                add_special_tokens=False)
+    def encode(msgs, gen):  # as LmforgeRenderer encodes: the messages' text as text
+        return encode_rendered(tokenizer, render_marked(
+            tokenizer, lambda m, t: render_messages(tokenizer, m, t, add_generation_prompt=gen), msgs, tools))
 
     # the whole conversation up to the last turn's prompt: the last reply, often cut at max_tokens,
     # renders closed by the template where the sampled tokens stop

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from functools import cache
 
+from ...envs.safe_encode import encode_rendered, render_marked
 from ...envs.toolcalls import parse_tool_calls, render_messages
 
 IMPORT_PATH = "lmforge.rl.sources.vf_renderer.LmforgeRenderer"
@@ -40,9 +41,13 @@ def _classes() -> dict[str, type]:
             return True
 
         def _apply(self, messages, *, tools=None, add_generation_prompt=False) -> list[int]:
-            text = render_messages(self._tokenizer, list(messages), tools or None,
-                                   add_generation_prompt=add_generation_prompt, **dict(self.config.model_extra or {}))
-            return list(self._tokenizer.encode(text, add_special_tokens=False))
+            # the messages' text is encoded as text: only the template's own special tokens are control
+            # tokens (a tool result printing "<|im_end|>" cannot close its turn; envs.safe_encode)
+            extra = dict(self.config.model_extra or {})
+            rendered = render_marked(self._tokenizer, lambda msgs, tls: render_messages(
+                self._tokenizer, msgs, tls, add_generation_prompt=add_generation_prompt, **extra),
+                list(messages), tools or None)
+            return encode_rendered(self._tokenizer, rendered)
 
         def parse_response(self, token_ids: list[int], *, tools=None, prompt_ids=None) -> ParsedResponse:
             stops = set(self.get_stop_token_ids())
