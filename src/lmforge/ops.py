@@ -41,3 +41,13 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) over the last dim. (..., V) -> (...)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+def adopt_thread_count() -> None:
+    """Give the calling thread the intra-op thread count that ``torch.set_num_threads`` set. OpenMP keeps
+    that count per thread: a thread that Python starts afterwards gets OpenMP's default (``OMP_NUM_THREADS``,
+    else one per core) while ``torch.get_num_threads()`` still reports the set value. Measured on the
+    2-core machine after ``set_num_threads(1)``: a loop of (64, 128) @ (128, 512) matmuls ran 1.4-8x
+    slower in such a thread than in the main thread, and as fast once the thread called this. Call it
+    first in every thread that runs torch ops (serve's scheduler, reward workers, overlapped rollouts)."""
+    torch.set_num_threads(torch.get_num_threads())

@@ -78,6 +78,32 @@ def test_seeded_request_is_reproducible_inside_any_batch(make_tiny):
     assert alone.samples[0].token_ids != alone.samples[1].token_ids  # the n samples are distinct draws
 
 
+def test_requests_with_one_prompt_are_prefilled_once_and_each_samples_as_alone(make_tiny):
+    """An agent run's group of episodes opens with one question: requests admitted together with equal prompt
+    ids are prefilled as one row, and rows of equal settings with seeds of their own share one sampling call
+    while each draws from its own generator: every request samples what it samples alone."""
+    model, tokenizer = make_tiny()
+    params = [SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=8, seed=s) for s in (1, 2, 3, 4)]
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[0]]
+    prefills = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: prefills.append(tuple(kwargs["input_ids"].shape))
+        if kwargs["input_ids"].shape[1] > 1 else None, with_kwargs=True)
+    scheduler = _scheduler(model, tokenizer, gather_s=0.5)
+    try:
+        together = [scheduler.submit(GenerationRequest(p, q)) for p, q in zip(prompts, params)]
+        together = [f.result(60).samples[0] for f in together]
+        assert prefills == [(2, len(PROMPTS[0]))]  # one prefill, two distinct prompts
+        alone = [scheduler.submit(GenerationRequest(p, q)).result(60).samples[0] for p, q in zip(prompts, params)]
+    finally:
+        hook.remove()
+        scheduler.shutdown()
+    for a, t in zip(alone, together):
+        assert a.token_ids == t.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(t.logprobs), rtol=0, atol=2e-5)
+    assert len({tuple(t.token_ids) for t, p in zip(together, prompts) if p == PROMPTS[0]}) == 3  # own seeds
+
+
 def test_stored_logprobs_are_of_the_tempered_distribution(make_tiny):
     """Each stored logprob equals log_softmax(logits / T) of a plain forward pass over prompt + completion."""
     model, tokenizer = make_tiny()

@@ -93,6 +93,8 @@ class DaemonThreadPool:
             thread.start()
 
     def _work(self) -> None:
+        from ..ops import adopt_thread_count
+        adopt_thread_count()  # a reward model's forward may run here: its OpenMP team as set (ops.py)
         while True:
             item = self._queue.get()
             if item is None:

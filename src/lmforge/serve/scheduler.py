@@ -2,7 +2,9 @@
 in shared decode steps.
 
 Between two decode steps the scheduler admits the requests that arrived meanwhile: it prefills their
-prompts (each prompt once; its KV cache rows are repeated for its ``n`` samples) and merges them into
+prompts (each distinct prompt once: its KV cache rows are repeated for its ``n`` samples and for the other
+requests of the same admission with the same prompt ids, e.g. an agent run's group of episodes opening
+with one question) and merges them into
 the running batch by left-padding the shorter KV cache, exactly as the rollout engine left-pads
 prompts (attention mask 0 on padding, position ids counting real tokens). Finished rows leave the
 batch at once, and columns that are padding in every remaining row are cut from the cache. So a
@@ -46,6 +48,7 @@ from typing import Callable, Protocol
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from ..ops import adopt_thread_count
 from ..rollout.continuous import RunningBatch
 from .extras import Penalties
 from ..rollout.engine import SamplingParams, left_pad, prefill, process_logits, sample_token
@@ -231,6 +234,7 @@ class BatchScheduler:
     # ------------------------------------------------------------------ scheduler thread
 
     def _run(self) -> None:
+        adopt_thread_count()  # this thread's OpenMP team as torch.set_num_threads set it (ops.py)
         try:
             while not self._stopping.is_set():
                 self._collect(block=not self._rows and not self._waiting and not self._updates and not self._jobs)
@@ -318,13 +322,15 @@ class BatchScheduler:
             return
         self._admitting = batch
         self.num_prompt_tokens += sum(len(r.prompt_ids) for r in batch)
-        ids, mask = left_pad([r.prompt_ids for r in batch], self.pad_token_id)  # (N, P)
+        prompts: dict[tuple[int, ...], int] = {}  # each distinct prompt -> its row in the prefill
+        which = [prompts.setdefault(tuple(r.prompt_ids), len(prompts)) for r in batch]
+        ids, mask = left_pad([list(p) for p in prompts], self.pad_token_id)  # (N distinct, P)
         cache = DynamicCache(config=self.model.config)
         logits, cache = prefill(self.model, ids.to(self.device), mask.to(self.device), cache)  # (N, V)
         if any(type(layer) is not DynamicLayer for layer in cache.layers):
             raise ServeError("lmforge serve batches requests by merging full-attention KV caches; this model "
                              "has sliding-window or other special cache layers, which are not supported")
-        repeat = torch.arange(len(batch), device=self.device).repeat_interleave(
+        repeat = torch.tensor(which, device=self.device).repeat_interleave(
             torch.tensor([r.n for r in batch], device=self.device))  # (rows,)
         cache.batch_select_indices(repeat)
         mask, logits = mask.to(self.device)[repeat], logits[repeat]
@@ -365,15 +371,15 @@ class BatchScheduler:
         groups: dict[tuple, list[int]] = {}
         for b, row in enumerate(self._rows):
             p = row.request.params
-            key = (p.temperature, p.top_k, p.top_p, id(row.generator) if row.generator else None)
-            groups.setdefault(key, []).append(b)
-        for rows in groups.values():
+            groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(b)
+        for rows in groups.values():  # rows of equal settings share one sample_token call, whatever their seeds
             first = self._rows[rows[0]]
             index = torch.tensor(rows, device=self.device)
             logits = self._batch.logits[index]  # (R, V), a copy
             if any(self._rows[b].request.adjusts_logits for b in rows):
                 logits = self._adjusted(logits.float(), rows)
-            picked, logprobs = sample_token(logits, first.request.params, first.generator)
+            uniforms = self._uniforms(rows) if first.request.params.temperature > 0 else None
+            picked, logprobs = sample_token(logits, first.request.params, uniforms=uniforms)
             tokens[index] = picked
             wanted = max(self._rows[b].request.top_logprobs for b in rows)
             top = None
@@ -388,6 +394,19 @@ class BatchScheduler:
                     row.top_logprobs.append(top[i][:row.request.top_logprobs])
         self.num_generated_tokens += len(self._rows)
         return tokens
+
+    def _uniforms(self, rows: list[int]) -> torch.Tensor:
+        """(R, 1) the draws of ``rows``: each generator's rows (a request's samples; the global generator's
+        for unseeded ones) draw together in row order, as a ``sample_token`` call of those rows alone would."""
+        by_generator: dict[int, list[int]] = {}
+        for i, b in enumerate(rows):
+            by_generator.setdefault(id(self._rows[b].generator), []).append(i)
+        uniforms = torch.empty((len(rows), 1), device=self.device)
+        for positions in by_generator.values():
+            generator = self._rows[rows[positions[0]]].generator
+            uniforms[torch.tensor(positions, device=self.device)] = torch.rand(
+                (len(positions), 1), generator=generator, device=self.device)
+        return uniforms
 
     def _finish_reason(self, row: _Row) -> str | None:
         params, least = row.request.params, row.request.min_tokens

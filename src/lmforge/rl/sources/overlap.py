@@ -47,6 +47,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ...errors import ConfigError
+from ...ops import adopt_thread_count
 from ...rollout import CastEngine
 from ..batch import ScoredRollout
 from .base import Policy, RolloutSource, SourceSetup
@@ -89,7 +90,8 @@ class Overlapped:
             torch.set_num_threads(shared)
             note = f"; {shared} intra-op thread(s) each for sampling and training (the run has {self.threads})"
         setup.print(f"[rollout] async: sampling {self.ahead} step(s) ahead in a background thread{note}")
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="lmforge-rollout")
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="lmforge-rollout",
+                                           initializer=adopt_thread_count)  # its OpenMP team as set (ops.py)
         self.pending: dict[int, tuple[Future, int]] = {}  # step -> (batch future, sampler weights version)
         self.policy: Policy | None = None
         self.version = 0  # of the weights last synced
