@@ -104,6 +104,32 @@ def test_requests_with_one_prompt_are_prefilled_once_and_each_samples_as_alone(m
     assert len({tuple(t.token_ids) for t, p in zip(together, prompts) if p == PROMPTS[0]}) == 3  # own seeds
 
 
+def test_a_call_that_continues_the_last_one_under_its_key_prefills_only_what_it_adds(make_tiny):
+    """An agent session's next call (``cache_key``): its prompt is the last call's prompt + sampled ids + the
+    tool result, so only the tool result is prefilled, after the kept KV entries -- and it decodes what it
+    decodes prefilled whole. A prompt that does not continue them, or a weight update, prefills whole."""
+    model, tokenizer = make_tiny()
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)  # no stop token: 6 tokens each
+    scheduler = _scheduler(model, tokenizer, gather_s=0.0)
+    try:
+        first = scheduler.submit(GenerationRequest(PROMPTS[0], params, cache_key="s")).result(60).samples[0]
+        following = PROMPTS[0] + first.token_ids + [20, 21, 22]
+        kept = scheduler.submit(GenerationRequest(following, params, cache_key="s")).result(60).samples[0]
+        assert scheduler.num_cached_tokens == len(PROMPTS[0]) + len(first.token_ids) - 1  # the last never fed
+        whole = scheduler.submit(GenerationRequest(following, params)).result(60).samples[0]
+        assert scheduler.submit(GenerationRequest([1, 2, 3] + following, params, cache_key="s")).result(60)
+        assert scheduler.num_cached_tokens == len(PROMPTS[0]) + len(first.token_ids) - 1  # not a continuation
+        after = following + kept.token_ids + [19]
+        scheduler.submit(GenerationRequest(following, params, cache_key="t")).result(60)
+        scheduler.update_weights(lambda m: None).result(60)
+        scheduler.submit(GenerationRequest(after, params, cache_key="t")).result(60)
+        assert scheduler.num_cached_tokens == len(PROMPTS[0]) + len(first.token_ids) - 1  # entries of old weights
+    finally:
+        scheduler.shutdown()
+    assert kept.token_ids == whole.token_ids
+    torch.testing.assert_close(torch.tensor(kept.logprobs), torch.tensor(whole.logprobs), rtol=0, atol=2e-5)
+
+
 def test_stored_logprobs_are_of_the_tempered_distribution(make_tiny):
     """Each stored logprob equals log_softmax(logits / T) of a plain forward pass over prompt + completion."""
     model, tokenizer = make_tiny()

@@ -84,6 +84,65 @@ def check_full_attention(cache: DynamicCache, who: str) -> None:
                          "other special cache layers, which are not supported")
 
 
+Kept = tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]  # (ids fed, per layer (1, H, len, D) keys, values)
+
+
+def kept_entries(batch: "RunningBatch", b: int, fed: list[int]) -> Kept:
+    """Row ``b``'s KV entries of its real positions, which must be the ``fed`` ids (a finished row's
+    prompt and its sampled tokens but the last, which was never fed to the model)."""
+    real = batch.mask[b].bool()
+    assert int(real.sum()) == len(fed), "the row's cached positions do not match its tokens"
+    return fed, [(layer.keys[b:b + 1, :, real], layer.values[b:b + 1, :, real]) for layer in batch.cache.layers]
+
+
+def reusable(kept: Kept | None, ids: list[int]) -> int:
+    """How many leading ``ids`` have ``kept`` entries: all of the kept ones when ``ids`` continue them,
+    else 0 (prefill them whole)."""
+    if kept is None or len(kept[0]) >= len(ids) or ids[:len(kept[0])] != kept[0]:
+        return 0
+    return len(kept[0])
+
+
+def prefill_after_kept(model: torch.nn.Module, pad_token_id: int, rows: list[list[int]], kept: list[Kept | None],
+                       num_cached: list[int]) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, int]:
+    """One prefill of ``rows`` (ids), each after its first ``num_cached`` ids' ``kept`` entries (0: none):
+    the kept entries right-aligned before the new ids (left-padded), the padding between masked.
+    Returns (last logits (N, V), the cache, its mask (N, width + P), the number of ids prefilled)."""
+    device = next(model.parameters()).device
+    ids, new_mask = left_pad([row[c:] for row, c in zip(rows, num_cached)], pad_token_id)  # (N, P)
+    width = max(num_cached)
+    cache = DynamicCache(config=model.config)
+    check_full_attention(cache, "continuous batching")
+    past_mask = torch.zeros((len(rows), width), dtype=torch.long)  # (N, width): the kept entries, right-aligned
+    for n, c in enumerate(num_cached):
+        if c:
+            past_mask[n, width - c:] = 1
+    if width:
+        layers = _right_aligned(kept, num_cached, width)
+        assert len(layers) == len(cache.layers), "the kept caches do not have the model's layers"
+        for layer, (keys, values) in zip(cache.layers, layers):
+            layer.update(keys, values)
+    mask = torch.cat([past_mask, new_mask], 1).to(device)  # (N, width + P)
+    logits, cache = prefill(model, ids.to(device), mask, cache)  # (N, V)
+    return logits, cache, mask, int(new_mask.sum())
+
+
+def _right_aligned(kept: list[Kept | None], num_cached: list[int], width: int
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, (N, H, width, D) keys and values: each row's kept entries right-aligned, zeros before."""
+    example = next(k[1] for k, c in zip(kept, num_cached) if c)
+    out = []
+    for i, (keys, values) in enumerate(example):
+        all_keys = keys.new_zeros((len(kept), keys.shape[1], width, keys.shape[-1]))
+        all_values = values.new_zeros((len(kept), values.shape[1], width, values.shape[-1]))
+        for n, (entry, c) in enumerate(zip(kept, num_cached)):
+            if c:
+                all_keys[n, :, width - c:] = entry[1][i][0][0]
+                all_values[n, :, width - c:] = entry[1][i][1][0]
+        out.append((all_keys, all_values))
+    return out
+
+
 class RunningBatch:
     """The state of the rows decoding together: their KV cache, attention mask (B, L) long (1 on
     real cached positions), next-token logits (B, V) float32 and next positions (B,) long. Rows are
@@ -275,7 +334,7 @@ class ContinuousDecoder:
         self.num_draft_tokens = self.num_accepted_tokens = 0
         self._queue: list[_Row] = []
         self._rows: list[_Row] = []
-        self._kept: dict[Hashable, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self._kept: dict[Hashable, Kept] = {}
         self._batch = RunningBatch()
 
     @property
@@ -452,19 +511,14 @@ class ContinuousDecoder:
     def _keep(self, b: int, row: _Row, fed_all: bool = False) -> None:
         """Keep row ``b``'s KV entries of its real positions: its ids and its sampled tokens, all of them
         (``fed_all``) or all but the last (which was never fed to the model)."""
-        real = self._batch.mask[b].bool()
-        fed = row.ids + (row.tokens if fed_all else row.tokens[:-1])
-        assert int(real.sum()) == len(fed), "the row's cached positions do not match its tokens"
-        self._kept[row.key] = (fed, [(layer.keys[b:b + 1, :, real], layer.values[b:b + 1, :, real])
-                                     for layer in self._batch.cache.layers])
+        self._kept[row.key] = kept_entries(self._batch, b, row.ids + (row.tokens if fed_all else row.tokens[:-1]))
 
     def _reusable(self, row: _Row) -> int:
         """How many leading ids of ``row`` have kept KV entries (0: prefill it whole)."""
-        kept = self._kept.get(row.key)
-        if kept is None or len(kept[0]) >= len(row.ids) or row.ids[:len(kept[0])] != kept[0]:
+        cached = reusable(self._kept.get(row.key), row.ids)
+        if not cached:
             self._kept.pop(row.key, None)
-            return 0
-        return len(kept[0])
+        return cached
 
     def _admit(self) -> None:
         """Prefill the queued rows (after their kept entries) in one model call and merge them in. Rows
@@ -483,23 +537,11 @@ class ContinuousDecoder:
         if self.drafter is not None:
             for row, c in zip(rows, num_cached):
                 self.drafter.observe(row.ids[max(0, c - self.drafter.n):])
-        ids, new_mask = left_pad([row.ids[c:] for row, c in zip(rows, num_cached)], self.pad_token_id)  # (N, P)
-        width = max(num_cached)
-        cache = DynamicCache(config=self.model.config)
-        check_full_attention(cache, "continuous batching")
-        past_mask = torch.zeros((len(rows), width), dtype=torch.long)  # (N, width): the kept entries, right-aligned
-        for n, c in enumerate(num_cached):
-            if c:
-                past_mask[n, width - c:] = 1
-        if width:
-            kept = self._kept_layers(rows, num_cached)
-            assert len(kept) == len(cache.layers), "the kept caches do not have the model's layers"
-            for layer, (keys, values) in zip(cache.layers, kept):
-                layer.update(keys, values)
-        mask = torch.cat([past_mask, new_mask], 1).to(self.device)  # (N, width + P)
-        logits, cache = prefill(self.model, ids.to(self.device), mask, cache)  # (N, V)
+        logits, cache, mask, prefilled = prefill_after_kept(
+            self.model, self.pad_token_id, [row.ids for row in rows], [self._kept.get(row.key) for row in rows],
+            num_cached)
         self.num_model_calls += 1
-        self.num_prefilled_tokens += int(new_mask.sum())
+        self.num_prefilled_tokens += prefilled
         if len(rows) < len(batch):
             index = torch.tensor(source, dtype=torch.long, device=self.device)
             cache.batch_select_indices(index)
@@ -508,22 +550,6 @@ class ContinuousDecoder:
             self._kept.pop(row.key, None)
         self._batch.add(cache, mask, logits)
         self._rows += batch
-
-    def _kept_layers(self, batch: list[_Row], num_cached: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, (N, H, width, D) keys and values: each row's kept entries right-aligned, zeros before."""
-        width = max(num_cached)
-        example = next(self._kept[row.key][1] for row, c in zip(batch, num_cached) if c)
-        out = []
-        for i, (keys, values) in enumerate(example):
-            all_keys = keys.new_zeros((len(batch), keys.shape[1], width, keys.shape[-1]))
-            all_values = values.new_zeros((len(batch), values.shape[1], width, values.shape[-1]))
-            for n, (row, c) in enumerate(zip(batch, num_cached)):
-                if c:
-                    kept_keys, kept_values = self._kept[row.key][1][i]
-                    all_keys[n, :, width - c:] = kept_keys[0]
-                    all_values[n, :, width - c:] = kept_values[0]
-            out.append((all_keys, all_values))
-        return out
 
     def _sample(self) -> torch.Tensor:
         """One token per running row from its own settings and generator (one uniform per row, drawn as

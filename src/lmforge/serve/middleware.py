@@ -141,6 +141,8 @@ def exposition(counts: RequestCounts, scheduler) -> str:
     metrics = [
         ("prompt_tokens_total", "counter", "Prompt tokens prefilled (once per request, whatever its n).",
          scheduler.num_prompt_tokens),
+        ("cached_prompt_tokens_total", "counter", "Prompt tokens whose KV entries an agent session's previous "
+         "call left (not prefilled again).", scheduler.num_cached_tokens),
         ("generation_tokens_total", "counter", "Tokens sampled, over all rows.", scheduler.num_generated_tokens),
         ("decode_steps_total", "counter", "Decode steps run (one model call for all running rows).",
          scheduler.num_steps),

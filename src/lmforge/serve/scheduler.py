@@ -27,6 +27,13 @@ thread after every token of every sample (``finish_reason`` is None until its la
 client left is ``cancel()``-ed: a waiting one is never admitted, running rows leave the batch at the
 next step, so its slots go to other requests.
 
+Kept entries (``GenerationRequest.cache_key``: an agent session's calls, ``sessions.py``): when such a
+request finishes, its KV entries (its prompt and its sampled tokens but the last, which was never fed) are
+kept under its key, the oldest key dropped past ``max_batch_rows`` keys. A later request with that key
+whose prompt ids start with exactly those ids (the session's next call: the last call's prompt, its
+sampled ids, the tool result) prefills only the ids after them (``rollout.continuous.prefill_after_kept``,
+the episode decoder's kept caches). A weight update drops every kept entry.
+
 Weight updates are never mixed into a sequence: an update waits until the running rows have finished
 (no new request is admitted meanwhile), is applied between steps, and raises the version. Every
 result carries the version of the weights that produced all of its tokens.
@@ -38,20 +45,21 @@ Shapes: B = running rows, L = cached positions (left-padded), V = vocabulary siz
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import queue
 import threading
 import time
-from typing import Callable, Protocol
+from typing import Callable, Hashable, Protocol
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from ..ops import adopt_thread_count
-from ..rollout.continuous import RunningBatch
+from ..rollout.continuous import Kept, RunningBatch, kept_entries, prefill_after_kept, reusable
 from .extras import Penalties
-from ..rollout.engine import SamplingParams, left_pad, prefill, process_logits, sample_token
+from ..rollout.engine import SamplingParams, process_logits, sample_token
 
 
 class ServeError(RuntimeError):
@@ -92,6 +100,7 @@ class GenerationRequest:
     processors: list[Callable[[], RowProcessor]] = dataclasses.field(default_factory=list)  # one of each per sample
     min_tokens: int = 0  # vLLM's: no stop token or stop string ends a sample before it has this many tokens
     session_id: str | None = None  # the client's X-Session-ID (generate.py): recorded for a gateway, not used here
+    cache_key: Hashable | None = None  # keep this call's KV entries under this key for the next one (module doc)
     on_token: TokenCallback | None = None
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -170,6 +179,8 @@ class BatchScheduler:
         self.weight_version = weight_version
         self.num_steps = 0  # decode steps run (shared by all rows of a step)
         self.num_prompt_tokens = 0  # prompt tokens prefilled (once per request, whatever its n)
+        self.num_cached_tokens = 0  # prompt tokens whose kept KV entries spared their prefill (cache_key)
+        self._kept: collections.OrderedDict[Hashable, Kept] = collections.OrderedDict()  # cache_key -> entries
         self.num_generated_tokens = 0  # tokens sampled, every row's
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: list[GenerationRequest] = []
@@ -303,6 +314,7 @@ class BatchScheduler:
                 raise ValueError(f"weight version must increase: the server is at {self.weight_version}, "
                                  f"the update asks for {update.version}")
             update.load(self.model)
+            self._kept.clear()  # entries of the old weights
             self.weight_version = self.weight_version + 1 if update.version is None else update.version
             update.future.set_result(self.weight_version)
         except Exception as exc:  # a bad checkpoint leaves the old weights serving; the caller sees why
@@ -322,18 +334,25 @@ class BatchScheduler:
             return
         self._admitting = batch
         self.num_prompt_tokens += sum(len(r.prompt_ids) for r in batch)
-        prompts: dict[tuple[int, ...], int] = {}  # each distinct prompt -> its row in the prefill
-        which = [prompts.setdefault(tuple(r.prompt_ids), len(prompts)) for r in batch]
-        ids, mask = left_pad([list(p) for p in prompts], self.pad_token_id)  # (N distinct, P)
-        cache = DynamicCache(config=self.model.config)
-        logits, cache = prefill(self.model, ids.to(self.device), mask.to(self.device), cache)  # (N, V)
-        if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=self.model.config).layers):
             raise ServeError("lmforge serve batches requests by merging full-attention KV caches; this model "
                              "has sliding-window or other special cache layers, which are not supported")
+        cached = [self._reusable(r) for r in batch]
+        self.num_cached_tokens += sum(cached)
+        rows: dict[tuple, int] = {}  # each distinct prompt without kept entries, each request with -> prefill row
+        which = [rows.setdefault(("request", n) if c else ("ids", tuple(r.prompt_ids)), len(rows))
+                 for n, (r, c) in enumerate(zip(batch, cached))]
+        firsts = [n for n, w in enumerate(which) if which.index(w) == n]  # the request each prefill row is of
+        logits, cache, mask, _ = prefill_after_kept(
+            self.model, self.pad_token_id, [batch[n].prompt_ids for n in firsts],
+            [self._kept.get(batch[n].cache_key) if cached[n] else None for n in firsts], [cached[n] for n in firsts])
+        for request in batch:
+            if request.cache_key is not None:
+                self._kept.pop(request.cache_key, None)  # used, or stale: this call's own replaces it
         repeat = torch.tensor(which, device=self.device).repeat_interleave(
             torch.tensor([r.n for r in batch], device=self.device))  # (rows,)
         cache.batch_select_indices(repeat)
-        mask, logits = mask.to(self.device)[repeat], logits[repeat]
+        mask, logits = mask[repeat], logits[repeat]
         new_rows = []
         for request in batch:
             generator = None
@@ -439,6 +458,9 @@ class BatchScheduler:
             if row.finish_reason is None:
                 keep.append(b)
         if len(keep) < len(self._rows):
+            for b, row in enumerate(self._rows):
+                if row.finish_reason is not None:
+                    self._keep(b, row)
             self._retire([row for row in self._rows if row.finish_reason is not None])
             self._rows = [self._rows[b] for b in keep]
             self._batch.keep(keep)
@@ -447,6 +469,23 @@ class BatchScheduler:
             tokens = tokens[torch.tensor(keep, dtype=torch.long, device=self.device)]
         self._batch.decode(self.model, tokens)
         self.num_steps += 1
+
+    def _reusable(self, request: GenerationRequest) -> int:
+        """How many leading prompt ids of ``request`` have kept KV entries under its ``cache_key``."""
+        if request.cache_key is None or request.n != 1:
+            return 0
+        return reusable(self._kept.get(request.cache_key), request.prompt_ids)
+
+    def _keep(self, b: int, row: _Row) -> None:
+        """Keep finished row ``b``'s KV entries under its request's ``cache_key`` (the oldest key goes past
+        ``max_batch_rows`` keys): its prompt and its sampled tokens but the last, never fed to the model."""
+        request = row.request
+        if request.cache_key is None or request.n != 1 or row.finish_reason == "cancelled":
+            return
+        self._kept[request.cache_key] = kept_entries(self._batch, b, list(request.prompt_ids) + row.tokens[:-1])
+        self._kept.move_to_end(request.cache_key)
+        while len(self._kept) > self.max_batch_rows:
+            self._kept.popitem(last=False)
 
     def _retire(self, finished: list[_Row]) -> None:
         """Resolve the requests whose every sample has now finished."""

@@ -196,6 +196,7 @@ class Session:
             index, self._started = self._started, self._started + 1
             self._pending[id(request)] = request
         request.session_id = self.id
+        request.cache_key = ("session", self.id)  # the scheduler keeps its KV entries for the session's next call
         request.future.add_done_callback(lambda future: self._finished(request, future, index, meta))
 
     def _finished(self, request, future, index: int, meta: dict) -> None:
