@@ -11,8 +11,8 @@ or ``--model tiny``, bench_rollout.py's random 2-layer Llama), as lmforge runs t
     backward   ``loss.backward()``
     optimizer  ``torch.optim.AdamW(fused=True).step()`` and ``zero_grad`` (lmforge's optimizer on CPU)
 
-Floors, from two numbers measured at the start (and printed): the memory bandwidth (the best of 5 copies
-of a 256 MB tensor, bytes read + written over the time) and the matmul peak (the best of
+Floors, from two numbers measured at the start (and printed): the memory bandwidth (the best of three
+streams over 1 GB tensors: a sum, a copy, ``c = a + s * b``; bytes moved over the time) and the matmul peak (the best of
 ``hardware.matmul_peak_gflops`` at 512, 1024 and 2048). For each phase, the time the hardware needs at the
 least: max(FLOPs / peak, bytes / bandwidth). FLOPs: 2 per weight of every ``nn.Linear`` per token (the
 LM head on the last position only in prefill), attention's 4 x context x (heads x head dim) per layer per
@@ -48,7 +48,7 @@ from lmforge.ops import selective_log_softmax  # noqa: E402
 from lmforge.rollout import SamplingParams, generate  # noqa: E402
 
 
-def bandwidth_gbs(megabytes: int = 256, reps: int = 5) -> dict[str, float]:
+def bandwidth_gbs(megabytes: int = 1024, reps: int = 5) -> dict[str, float]:
     """Memory bandwidth (GB/s, the best of ``reps``) of three streams over ``megabytes`` tensors: a sum
     (read), a copy (read + write) and ``c = a + s * b`` (two reads, a write)."""
     a = torch.randn(megabytes * 2**20 // 4)
@@ -61,6 +61,18 @@ def bandwidth_gbs(megabytes: int = 256, reps: int = 5) -> dict[str, float]:
         fn()
         out[name] = arrays * nbytes / min(_timed(fn) for _ in range(reps)) / 1e9
     return out
+
+
+def last_level_cache() -> str:
+    """The CPU's largest cache as Linux reports it (e.g. '480M'), or '?'."""
+    sizes = []
+    for index in range(8):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size") as f:
+                sizes.append(f.read().strip())
+        except OSError:
+            break
+    return sizes[-1] if sizes else "?"
 
 
 def peak_gflops(dtype) -> float:
@@ -191,7 +203,8 @@ def main() -> None:
     load_avg = os.getloadavg()[0]
     print(f"[machine] {torch.get_num_threads()} torch thread(s), load average {load_avg:.1f}; memory bandwidth "
           f"{bw:.1f} GB/s (the best of: {', '.join(f'{k} {v:.1f}' for k, v in streams.items())}); matmul peak "
-          f"fp32 {peak:.1f} GFLOP/s")
+          f"fp32 {peak:.1f} GFLOP/s; last-level cache {last_level_cache()} (weights that fit in it are read faster "
+          "than the bandwidth above: their floor is then too low)")
     rows = len(prompts) * args.samples
     print(f"[work] {args.model}: {shape.params / 1e6:.1f}M parameters ({shape.linear / 1e6:.1f}M in Linear layers); "
           f"{len(prompts)} prompts ({', '.join(str(len(p)) for p in prompts)} tokens) x {args.samples} samples, "
