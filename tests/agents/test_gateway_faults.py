@@ -531,3 +531,74 @@ def test_load_agent_errors_name_the_key_and_what_is_wrong(tmp_path):
         with pytest.raises(ConfigError, match="rollout.agent_entry") as raised:
             load_agent(entry)
         assert message in str(raised.value), (entry, str(raised.value))
+
+
+def test_a_missing_dependency_of_an_agent_file_is_named_as_one(tmp_path):
+    """The file was found: the module it imports is missing, not the file's directory from PYTHONPATH."""
+    (tmp_path / "needs.py").write_text("import lmforge_no_such_dependency_xyz\n\ndef run(base_url, problem):\n"
+                                       "    return 1.0\n")
+    with pytest.raises(ConfigError) as raised:
+        load_agent(f"{tmp_path / 'needs.py'}:run")
+    text = str(raised.value)
+    assert "No module named 'lmforge_no_such_dependency_xyz'" in text and "a module the agent imports" in text
+    assert "PYTHONPATH" not in text
+
+
+def test_a_signature_that_does_not_take_base_url_problem_and_args_is_refused_when_loaded(tmp_path):
+    (tmp_path / "sig.py").write_text("def one(problem):\n    return 1.0\n\n"
+                                     "def two(base_url, problem, *, turns=3):\n    return 1.0\n")
+    with pytest.raises(ConfigError, match=r"one\(problem\) \(.*sig.py:1\) cannot be called as function\(base_url, "
+                                          r"problem, \*\*rollout.agent_args\)"):
+        load_agent(f"{tmp_path / 'sig.py'}:one")
+    assert load_agent(f"{tmp_path / 'sig.py'}:two", {"turns": 2})("u", {}, turns=2) == 1.0
+    with pytest.raises(ConfigError, match="unexpected keyword argument 'extra'"):
+        load_agent(f"{tmp_path / 'sig.py'}:two", {"extra": 5})
+    with pytest.raises(ConfigError, match="rollout.agent_args sets episode, which lmforge passes"):
+        load_agent(f"{tmp_path / 'sig.py'}:two", {"episode": 3})
+
+
+def test_agent_keys_without_the_agent_backend_are_refused():
+    with pytest.raises(ConfigError, match="apply to rollout.backend=agent; this run's backend is inprocess"):
+        RolloutConfig(agent_entry="my_agent.py:run").validate()
+
+
+def test_a_step_with_no_usable_episode_says_why_when_nothing_raised(gateway, recorder):
+    """Every episode returned a number without calling the model (it kept a client of another URL): the error
+    says so, instead of 'the first error: none'."""
+    runner = AgentRunner(lambda base_url, problem: 1.0, {}, gateway.url, recorder, 0, 30.0)
+    engine = SimpleNamespace(runner=runner, recorder=recorder,
+                             ctx=SimpleNamespace(distributed=False, sum_counts=lambda *v: list(v)))
+    prompts = SimpleNamespace(problems=[{"prompt": "1+1="}], task=None)
+    cfg = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, group_size=2)
+    with pytest.raises(TrainingError, match=r"2 episode\(s\) returned without a call recorded in their session "
+                                            r"\(does the agent build its client from the base_url"):
+        agent_sampler(engine)(None, gateway.tokenizer, prompts, [0], cfg, None, 1)
+
+
+def test_a_reward_part_named_like_a_metric_lmforge_logs_is_refused(gateway, recorder):
+    def agent(base_url, problem):
+        reply = httpx.post(f"{base_url}/completions", json={"prompt": "1+1=", "max_tokens": 2}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return {"std": 1.0, "format": 0.5}
+
+    runner = AgentRunner(agent, {}, gateway.url, recorder, 0, 30.0)
+    engine = SimpleNamespace(runner=runner, recorder=recorder,
+                             ctx=SimpleNamespace(distributed=False, sum_counts=lambda *v: list(v)))
+    prompts = SimpleNamespace(problems=[{"prompt": "1+1="}], task=None)
+    cfg = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, group_size=2)
+    with pytest.raises(ConfigError, match="reward parts std would be logged as reward_std, a metric lmforge logs"):
+        agent_sampler(engine)(None, gateway.tokenizer, prompts, [0], cfg, None, 1)
+
+
+def test_an_agent_run_may_leave_rewards_functions_empty():
+    """The agent's returned numbers are the reward: rewards.functions=[] is refused only for other runs."""
+    from lmforge.config import load_config
+    from lmforge.recipes.grpo import GRPOConfig
+    from lmforge.rl.config import check_rl_config
+
+    args = ["data.task=addition", "rewards.functions=[]"]
+    cfg = load_config(GRPOConfig, None, args + ["rollout.backend=agent", "rollout.agent_entry=my_agent.py:run"])
+    check_rl_config(cfg, cfg.algo.resolved())
+    cfg = load_config(GRPOConfig, None, args)
+    with pytest.raises(ConfigError, match="rewards.functions is empty"):
+        check_rl_config(cfg, cfg.algo.resolved())

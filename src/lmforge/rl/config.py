@@ -77,7 +77,7 @@ class RolloutConfig:
     agent_concurrency: int = opt(0, "agent backend: episodes run at once (0 = all of a step's: their calls share "
                                  "the server's continuous batch)")
     agent_timeout_s: float = opt(300.0, "agent backend: wall clock per episode; then its session ends and it "
-                                 "counts in agent_timeouts with reward 0")
+                                 "counts in num_agent_timeouts with reward 0")
 
     def validate(self) -> None:
         if self.backend == "agent":
@@ -88,6 +88,9 @@ class RolloutConfig:
             if self.agent_concurrency < 0 or not self.agent_timeout_s > 0:
                 raise ConfigError(f"rollout: need agent_concurrency >= 0 and agent_timeout_s > 0, got "
                                   f"{self.agent_concurrency}, {self.agent_timeout_s}")
+        elif self.agent_entry or self.agent_args:
+            raise ConfigError(f"rollout.agent_entry / rollout.agent_args apply to rollout.backend=agent; this run's "
+                              f"backend is {self.backend} (set rollout.backend=agent, or drop them)")
         if self.backend == "atropos":
             if not self.api_url:
                 raise ConfigError("rollout.backend=atropos needs rollout.api_url (the Atropos API server, e.g. "
@@ -150,7 +153,8 @@ class RewardsConfig:
         may have none: ``allow_empty``, its episodes are scored by the environment alone)."""
         if not self.functions and not allow_empty:
             raise ConfigError("rewards.functions is empty; name at least one reward, e.g. [exact] (an env run "
-                              "may set [] to use the environment's reward alone)")
+                              "may set [] to use the environment's reward alone, an agent run to use the numbers "
+                              "its agent returns)")
         specs = []
         for i, item in enumerate(self.functions):
             if isinstance(item, str):
@@ -367,7 +371,7 @@ def check_rl_config(cfg, algo) -> None:
     env = getattr(cfg, "env", None)
     for section_cfg in (cfg.data, cfg.rollout, cfg.optim, cfg.train, *([env] if env else [])):
         section_cfg.validate()
-    cfg.rewards.validate(allow_empty=bool(env and env.name))
+    cfg.rewards.validate(allow_empty=bool(env and env.name) or cfg.rollout.backend == "agent")
     for name, *_ in cfg.rewards.specs(allow_empty=True):
         if name.startswith("rm:") and name[3:]:  # a reward model: its directory, before the run directory is taken
             from ..reward_model import check_reward_model_dir

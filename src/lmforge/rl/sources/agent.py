@@ -54,8 +54,9 @@ INSTALL_HINT = "rollout.backend=agent serves the policy over HTTP: pip install '
 OPTIONAL = ("model", "api_key", "episode")  # arguments passed to an agent function that declares them
 
 
-def load_agent(entry: str) -> Callable:
-    """The function ``entry`` names: ``package.module:function`` or ``path/to/file.py:function``."""
+def load_agent(entry: str, args: dict | None = None) -> Callable:
+    """The function ``entry`` names: ``package.module:function`` or ``path/to/file.py:function``, checked to
+    take ``(base_url, problem, **args)``."""
     target, _, name = entry.rpartition(":")
     try:
         if target.endswith(".py"):
@@ -69,8 +70,13 @@ def load_agent(entry: str) -> Callable:
         else:
             module = importlib.import_module(target)
     except ImportError as exc:
-        raise ConfigError(f"rollout.agent_entry={entry!r}: cannot import {target} ({exc}); put its directory on "
-                          "PYTHONPATH, or give the file's path: path/to/file.py:function") from exc
+        missing = getattr(exc, "name", None) or ""
+        if not target.endswith(".py") and (not missing or target == missing or target.startswith(missing + ".")):
+            raise ConfigError(f"rollout.agent_entry={entry!r}: cannot import {target} ({exc}); put its directory on "
+                              "PYTHONPATH, or give the file's path: path/to/file.py:function") from exc
+        raise ConfigError(f"rollout.agent_entry={entry!r}: importing {target} failed: {failure_text(exc)} -- a "
+                          "module the agent imports is missing from this environment (install it here, where "
+                          "lmforge runs the agent)") from exc
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - the agent's module failed in its own code while being imported
@@ -78,7 +84,34 @@ def load_agent(entry: str) -> Callable:
     function = getattr(module, name, None)
     if not callable(function):
         raise ConfigError(f"rollout.agent_entry={entry!r}: {target} has no function {name!r}")
+    check_call(function, entry, args or {})
     return function
+
+
+def check_call(function: Callable, entry: str, args: dict) -> None:
+    """That ``function(base_url, problem, **args)`` binds (with the optional arguments it declares):
+    a signature that does not fit is the user's error, said once at the start."""
+    taken = sorted(set(args) & {"base_url", "problem", *OPTIONAL})
+    if taken:
+        raise ConfigError(f"rollout.agent_args sets {', '.join(taken)}, which lmforge passes to the agent itself "
+                          "(the episode's base URL, its problem, and model / api_key / episode where the function "
+                          "declares them); use other names")
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+        return
+    where = ""
+    code = getattr(function, "__code__", None)
+    if code is not None:
+        where = f" ({code.co_filename}:{code.co_firstlineno})"
+    try:
+        signature.bind("http://127.0.0.1:1/sessions/x/v1", {}, **args,
+                       **{k: None for k in OPTIONAL if k in signature.parameters})
+    except TypeError as exc:
+        raise ConfigError(f"rollout.agent_entry={entry!r}: {getattr(function, '__name__', entry)}{signature}"
+                          f"{where} cannot be called as function(base_url, problem, **rollout.agent_args) with "
+                          f"agent_args={args!r}: {exc}. The agent takes the episode's base URL and its problem "
+                          "(a dict) first; docs/agents.md") from None
 
 
 def problem_dict(problem: Any) -> dict:
@@ -198,11 +231,12 @@ class AgentEngine:
         except ImportError as exc:
             raise ConfigError(INSTALL_HINT) from exc
         cfg = setup.rollout
+        function = load_agent(cfg.agent_entry, cfg.agent_args)  # before the server: a bad entry starts nothing
         self.recorder = SessionRecorder()
         self.server = PolicyServer(served_copy(setup.policy), setup.tokenizer, cfg.num_prompts * cfg.group_size,
                                    "agent", sessions=self.recorder)
-        self.runner = AgentRunner(load_agent(cfg.agent_entry), cfg.agent_args, self.server.url, self.recorder,
-                                  cfg.agent_concurrency, cfg.agent_timeout_s)
+        self.runner = AgentRunner(function, cfg.agent_args, self.server.url, self.recorder, cfg.agent_concurrency,
+                                  cfg.agent_timeout_s)
         self.version = 0
         self.ctx = setup.ctx
         self.samples: list[list] = []  # the last step's samples (AgentSource pads them under torchrun)
@@ -257,26 +291,44 @@ def agent_sampler(engine: AgentEngine) -> Callable:
             part_means = {name: part_means.get(name, 0.0) for name in names}
         samples = [merge_calls(e.calls) for e in episodes]
         counts = report(episodes, samples, engine.recorder.drain())
+        own = reward_metrics(RewardOutput(total=rewards, per_function=rewards[:, None], names=["agent"],
+                                          num_failed=torch.zeros(1, dtype=torch.long)))
+        clash = sorted(set(part_means) & {*own, *counts})
+        if clash:
+            raise ConfigError(f"the agent's reward parts {', '.join(k[len('reward_'):] for k in clash)} would be "
+                              f"logged as {', '.join(clash)}, a metric lmforge logs itself; rename them in the "
+                              "dict the agent returns")
         usable = sum(bool(s) and e.end == "ok" for e, s in zip(episodes, samples))
         if not engine.ctx.sum_counts(usable)[0]:  # under torchrun: the step's usable episodes, all ranks'
-            first = next((e for e in episodes if e.error), None)
-            raise TrainingError(f"no agent episode of this step is usable (each failed, or never called the model: "
-                                f"{dict(Counter(e.end for e in episodes))}); the first error: "
-                                f"{first.error if first else 'none'}")
+            raise TrainingError(unusable_text(episodes, counts))
         engine.samples = samples
         rollout = agent_rollout(samples, tokenizer.pad_token_id, tokenizer.eos_token_id)
         row_rewards = rewards[rollout.episode_index]
         output = RewardOutput(total=row_rewards, per_function=row_rewards[:, None], names=["agent"],
                               num_failed=torch.zeros(1, dtype=torch.long))
         trained = rollout.trained.sum(1).float()
-        metrics = {**reward_metrics(RewardOutput(total=rewards, per_function=rewards[:, None], names=["agent"],
-                                                 num_failed=torch.zeros(1, dtype=torch.long))),
-                   **part_means, **counts, "completion_len_mean": trained.mean(), "completion_len_max": trained.max(),
+        metrics = {**own, **part_means, **counts, "completion_len_mean": trained.mean(), "completion_len_max": trained.max(),
                    "truncated_frac": rollout.truncated.float().mean(),
                    "time_generation": generated - start, "time_scoring": time.perf_counter() - generated}
         return rollout, output, metrics
 
     return sample
+
+
+def unusable_text(episodes: list[AgentEpisode], counts: dict) -> str:
+    """Why no episode of a step can train: the first error, the episodes that never called the model, the
+    calls the server refused."""
+    first = next((e for e in episodes if e.error), None)
+    causes = [f"the first error: {first.error}"] if first else []
+    no_calls = sum(not e.calls and e.end == "ok" for e in episodes)
+    if no_calls:
+        causes.append(f"{no_calls} episode(s) returned without a call recorded in their session (does the agent "
+                      "build its client from the base_url it is given, for every episode?)")
+    if counts.get("num_refused_calls"):
+        causes.append(f"{counts['num_refused_calls']} call(s) were refused with a 400 (see the warnings above: "
+                      "malformed, n > 1, or past the context)")
+    return (f"no agent episode of this step is usable (each failed, or never called the model: "
+            f"{dict(Counter(e.end for e in episodes))}); " + ("; ".join(causes) or "no error was raised"))
 
 
 def report(episodes: list[AgentEpisode], samples: list[list], late: Counter) -> dict:
@@ -339,7 +391,7 @@ def agent_evaluator(rollout, tokenizer, problems: list, task, reward_set, max_ne
     A success is an episode whose reward reaches 1: ``accuracy`` is the success rate; also
     ``eval_reward`` (mean), ``eval_calls`` (model calls per episode) and ``eval_agent_failures``
     (episodes that raised, timed out or returned no usable reward). The function has a ``close()``."""
-    function = load_agent(rollout.agent_entry)
+    function = load_agent(rollout.agent_entry, rollout.agent_args)
     held: dict = {}
 
     def evaluate(model: torch.nn.Module) -> tuple[dict, list[AgentEpisode], list[float]]:
@@ -356,6 +408,10 @@ def agent_evaluator(rollout, tokenizer, problems: list, task, reward_set, max_ne
         held["recorder"].drain()
         totals, _ = score(episodes, reward_set, task, max_new_tokens)
         failures = sum(e.end != "ok" for e in episodes)
+        failed = next((e for e in episodes if e.end != "ok"), None)
+        if failed is not None:
+            log.warning("evaluation: %d of %d agent episodes failed; the first (episode %d) ended as %s: %s",
+                        failures, len(episodes), failed.number, failed.end, failed.error or "no error text")
         return ({"accuracy": (totals >= 1.0).float().mean().item(), "eval_reward": totals.mean().item(),
                  "eval_calls": sum(len(e.calls) for e in episodes) / len(episodes),
                  "eval_agent_failures": failures}, episodes, totals.tolist())
