@@ -103,6 +103,21 @@ def reusable(kept: Kept | None, ids: list[int]) -> int:
     return len(kept[0])
 
 
+def distinct_rows(ids: list[list[int]], num_cached: list[int]) -> tuple[list[int], list[int]]:
+    """The rows one prefill needs for rows ``ids``: (the index of each row prefilled, for each row the prefilled
+    row it copies). Rows without kept entries whose ids are equal are prefilled once; a row after kept entries
+    always by itself."""
+    first: dict[tuple, int] = {}
+    unique, source = [], []
+    for n, (row, c) in enumerate(zip(ids, num_cached)):
+        key = ("row", n) if c else ("ids", tuple(row))
+        if key not in first:
+            first[key] = len(unique)
+            unique.append(n)
+        source.append(first[key])
+    return unique, source
+
+
 def prefill_after_kept(model: torch.nn.Module, pad_token_id: int, rows: list[list[int]], kept: list[Kept | None],
                        num_cached: list[int]) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, int]:
     """One prefill of ``rows`` (ids), each after its first ``num_cached`` ids' ``kept`` entries (0: none):
@@ -525,14 +540,7 @@ class ContinuousDecoder:
         without kept entries whose ids are equal (a group's first turn) are prefilled once and copied."""
         batch, self._queue = self._queue, []
         cached = [self._reusable(row) for row in batch]
-        first: dict[tuple, int] = {}
-        unique, source = [], []  # the rows prefilled; for each row of the batch, the prefilled row it copies
-        for n, (row, c) in enumerate(zip(batch, cached)):
-            key = ("row", n) if c else ("ids", tuple(row.ids))
-            if key not in first:
-                first[key] = len(unique)
-                unique.append(n)
-            source.append(first[key])
+        unique, source = distinct_rows([row.ids for row in batch], cached)
         rows, num_cached = [batch[n] for n in unique], [cached[n] for n in unique]
         if self.drafter is not None:
             for row, c in zip(rows, num_cached):

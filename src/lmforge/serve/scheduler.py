@@ -54,10 +54,10 @@ import time
 from typing import Callable, Hashable, Protocol
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from ..ops import adopt_thread_count
-from ..rollout.continuous import Kept, RunningBatch, kept_entries, prefill_after_kept, reusable
+from ..rollout.continuous import (Kept, RunningBatch, distinct_rows, has_full_attention_caches, kept_entries,
+                                  prefill_after_kept, reusable)
 from .extras import Penalties
 from ..rollout.engine import SamplingParams, process_logits, sample_token
 
@@ -174,6 +174,7 @@ class BatchScheduler:
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
         self.model = model.eval().requires_grad_(False)
         self.device = next(model.parameters()).device
+        self._full_attention = has_full_attention_caches(model)  # else every admission is refused (_admit)
         self.pad_token_id, self.decode_fn = pad_token_id, decode_fn
         self.max_batch_rows, self.gather_s = max_batch_rows, gather_s
         self.weight_version = weight_version
@@ -334,15 +335,12 @@ class BatchScheduler:
             return
         self._admitting = batch
         self.num_prompt_tokens += sum(len(r.prompt_ids) for r in batch)
-        if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=self.model.config).layers):
+        if not self._full_attention:
             raise ServeError("lmforge serve batches requests by merging full-attention KV caches; this model "
                              "has sliding-window or other special cache layers, which are not supported")
         cached = [self._reusable(r) for r in batch]
         self.num_cached_tokens += sum(cached)
-        rows: dict[tuple, int] = {}  # each distinct prompt without kept entries, each request with -> prefill row
-        which = [rows.setdefault(("request", n) if c else ("ids", tuple(r.prompt_ids)), len(rows))
-                 for n, (r, c) in enumerate(zip(batch, cached))]
-        firsts = [n for n, w in enumerate(which) if which.index(w) == n]  # the request each prefill row is of
+        firsts, which = distinct_rows([r.prompt_ids for r in batch], cached)  # prefilled requests; each one's row
         logits, cache, mask, _ = prefill_after_kept(
             self.model, self.pad_token_id, [batch[n].prompt_ids for n in firsts],
             [self._kept.get(batch[n].cache_key) if cached[n] else None for n in firsts], [cached[n] for n in firsts])

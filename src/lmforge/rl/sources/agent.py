@@ -307,7 +307,8 @@ def agent_sampler(engine: AgentEngine) -> Callable:
         output = RewardOutput(total=row_rewards, per_function=row_rewards[:, None], names=["agent"],
                               num_failed=torch.zeros(1, dtype=torch.long))
         trained = rollout.trained.sum(1).float()
-        metrics = {**own, **part_means, **counts, "completion_len_mean": trained.mean(), "completion_len_max": trained.max(),
+        metrics = {**own, **part_means, **counts, "completion_len_mean": trained.mean(),
+                   "completion_len_max": trained.max(),
                    "truncated_frac": rollout.truncated.float().mean(),
                    "time_generation": generated - start, "time_scoring": time.perf_counter() - generated}
         return rollout, output, metrics
