@@ -105,12 +105,12 @@ def same_episodes(states: dict, tok, problems: list) -> str:
     from lmforge.rl.sources.agent_samples import merge_calls
     from lmforge.rl.sources.episodes import episode_evaluator
 
-    env_cfg, agent_cfg = states["env"].run.cfg, states["agent"].run.cfg
+    env_cfg, agent_cfg = states["env"], states["agent"]  # their resolved sections (rl.RLState)
     by_env = episode_evaluator(env_cfg.env, tok, problems, states["env"].prompts.task, [],
                                env_cfg.rollout.max_new_tokens, states["env"].model.config.max_position_embeddings,
                                10.0, 1)
     by_agent = agent_evaluator(agent_cfg.rollout, tok, problems, states["agent"].prompts.task,
-                               states["agent"].reward_set, agent_cfg.train.max_new_tokens)
+                               states["agent"].reward_set, agent_cfg.run.train.max_new_tokens)
     try:
         env_episodes, agent_episodes = by_env(states["env"].model)[1], by_agent(states["agent"].model)[1]
     finally:

@@ -377,7 +377,7 @@ def resume_training(resume: str, run_dir: Path, state, printer) -> dict:
     if len(rngs) == ctx.world_size:
         set_rng_state(rngs[ctx.rank])
     else:
-        reseed = state.run.cfg.train.seed + 1_000_003 * ctx.rank + 7919 * saved["step"]
+        reseed = state.run.train.seed + 1_000_003 * ctx.rank + 7919 * saved["step"]
         random.seed(reseed)
         torch.manual_seed(reseed)
         printer(f"[resume] the checkpoint was written by {len(rngs)} ranks, this run has {ctx.world_size}: "

@@ -30,10 +30,15 @@ from .errors import ConfigError
 from .fileio import read_text
 
 
-def opt(default: Any, help: str, keys: tuple[str, ...] = ()) -> Any:  # noqa: A002 - "help" reads best at call sites
+def opt(default: Any, help: str, keys: tuple[str, ...] = (),  # noqa: A002 - "help" reads best at call sites
+        free_on_resume: bool | str = False) -> Any:
     """A config field with a default and a one-line help text. ``keys``: for a mapping field, the only
-    keys it may hold (e.g. the names ``data.columns`` can map); any other is an unknown-key error."""
-    metadata = {"help": help, **({"keys": tuple(keys)} if keys else {})}
+    keys it may hold (e.g. the names ``data.columns`` can map); any other is an unknown-key error.
+    ``free_on_resume``: the key only decides what is logged, evaluated or saved, when, or how fast the
+    same computation runs, so a resumed run may change it (lmforge.runtime.resume_check); ``"unless_path"``:
+    free unless its section reads a file (``path`` set), whose held-out rows it then sizes."""
+    metadata = {"help": help, **({"keys": tuple(keys)} if keys else {}),
+                **({"free_on_resume": free_on_resume} if free_on_resume else {})}
     if isinstance(default, (list, dict)):
         value = default
         return dataclasses.field(default_factory=lambda: type(value)(value), metadata=metadata)
@@ -384,6 +389,20 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
     return rows
 
 
+def resume_free_keys(cfg: Any) -> set[str]:
+    """The dotted keys of ``cfg`` (a config instance) that a resumed run may change (``opt(free_on_resume=...)``)."""
+    free = set()
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            free |= {f"{f.name}.{key}" for key in resume_free_keys(value)}
+        elif f.metadata.get("free_on_resume") is True or (
+                f.metadata.get("free_on_resume") == "unless_path" and not getattr(cfg, "path", "")):
+            free.add(f.name)
+    return free
+
+
 # ----------------------------------------------------------------------------- shared sections
 
 @dataclasses.dataclass
@@ -395,7 +414,7 @@ class LoraConfig:
     dropout: float = opt(0.0, "dropout on the adapters' input (training only)")
     target_modules: list[str] = opt(["all-linear"], "module names to adapt (e.g. q_proj,v_proj); all-linear = "
                                     "every linear layer but the LM head")
-    save_merged: bool = opt(False, "also write the merged model (W + BA scale) as a plain HF directory: final/merged")
+    save_merged: bool = opt(False, "also write the merged model (W + BA scale) as a plain HF directory: final/merged", free_on_resume=True)
 
     def validate(self) -> None:
         if self.r < 0:
@@ -449,37 +468,37 @@ class OptimConfig:
 
 @dataclasses.dataclass
 class TrainConfig:
-    output_dir: str = opt("runs/run", "run directory (config, metrics, checkpoints)")
-    max_steps: int = opt(200, "optimizer steps")
+    output_dir: str = opt("runs/run", "run directory (config, metrics, checkpoints)", free_on_resume=True)
+    max_steps: int = opt(200, "optimizer steps", free_on_resume=True)
     batch_size: int = opt(0, "rows per optimizer step over all ranks (SFT / pretrain; 0 = 32; dpo / rm: "
                           "pairs); RL: rollout.num_prompts x rollout.group_size, set by the recipe")
     micro_batch_size: int = opt(0, "rows (dpo / rm: pairs) per forward pass on one rank (0 = chosen by hardware "
-                                "tier); only splits the batch: accumulation = batch_size / (micro_batch_size x ranks)")
+                                "tier); only splits the batch: accumulation = batch_size / (micro_batch_size x ranks)", free_on_resume=True)
     seed: int = opt(0, "seed for data order, sampling and dropout")
-    device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps")
+    device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps", free_on_resume=True)
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = opt("auto", "compute dtype (auto: fp32 on CPU, bf16 on recent GPUs)")
     threads: int = opt(0, "CPU threads for torch (0 = the cores the load average leaves; lmforge hardware shows "
-                       "the choice)")
-    gradient_checkpointing: Literal["auto", "on", "off"] = opt("auto", "recompute activations in backward to save memory")
-    eval_every: int = opt(50, "evaluate (val loss, samples, accuracy) every N steps (0 = only at the end)")
-    save_every: int = opt(100, "checkpoint every N steps (0 = only best and final)")
-    keep_last: int = opt(2, "periodic checkpoints kept on disk")
-    resume: str = opt("", "'' = fresh run, 'auto' = latest checkpoint in output_dir, or a checkpoint path")
+                       "the choice)", free_on_resume=True)
+    gradient_checkpointing: Literal["auto", "on", "off"] = opt("auto", "recompute activations in backward to save memory", free_on_resume=True)
+    eval_every: int = opt(50, "evaluate (val loss, samples, accuracy) every N steps (0 = only at the end)", free_on_resume=True)
+    save_every: int = opt(100, "checkpoint every N steps (0 = only best and final)", free_on_resume=True)
+    keep_last: int = opt(2, "periodic checkpoints kept on disk", free_on_resume=True)
+    resume: str = opt("", "'' = fresh run, 'auto' = latest checkpoint in output_dir, or a checkpoint path", free_on_resume=True)
     resume_accept: list[str] = opt([], "on resume: settings (keys or whole sections, e.g. [optim.lr] or [optim]) "
                                     "allowed to differ from the run's saved config.yaml; any other difference that "
-                                    "changes the computation is an error (docs/training.md)")
-    log_every: int = opt(10, "print a metrics line every N steps")
+                                    "changes the computation is an error (docs/training.md)", free_on_resume=True)
+    log_every: int = opt(10, "print a metrics line every N steps", free_on_resume=True)
     on_nonfinite: Literal["stop", "skip"] = opt("stop", "a nan / inf loss or gradient norm: stop before the update, "
-                                                "or skip that update (counted as skipped_updates)")
-    max_nonfinite_skips: int = opt(3, "on_nonfinite=skip: stop after this many skipped updates in a row")
-    num_samples: int = opt(3, "generations printed and saved at each evaluation")
-    max_new_tokens: int = opt(32, "tokens generated per sample at evaluation")
+                                                "or skip that update (counted as skipped_updates)", free_on_resume=True)
+    max_nonfinite_skips: int = opt(3, "on_nonfinite=skip: stop after this many skipped updates in a row", free_on_resume=True)
+    num_samples: int = opt(3, "generations printed and saved at each evaluation", free_on_resume=True)
+    max_new_tokens: int = opt(32, "tokens generated per sample at evaluation", free_on_resume=True)
     qat: Literal["none", "ternary", "int4"] = opt("none", "quantization-aware training: the decoder's linear layers "
                                                   "compute with fake-quantized weights (ternary = BitNet b1.58 "
                                                   "absmean, int4 = absmax per group of 32), straight-through "
                                                   "gradients, full-precision master weights (docs/quantization.md)")
     save_quantized: list[str] = opt([], "formats of quantized copies written into best/ and final/ as "
-                                    "quantized-<format>/ (e.g. [int8, gguf-q4_0]; lmforge quantize --help lists them)")
+                                    "quantized-<format>/ (e.g. [int8, gguf-q4_0]; lmforge quantize --help lists them)", free_on_resume=True)
 
     def validate(self) -> None:
         if self.max_steps < 1:
@@ -494,15 +513,15 @@ class TrainConfig:
 @dataclasses.dataclass
 class ParallelConfig:
     strategy: Literal["ddp", "fsdp2"] = opt("ddp", "data parallelism under torchrun: ddp (replicated model) or "
-                                            "fsdp2 (sharded parameters, gradients and optimizer state)")
+                                            "fsdp2 (sharded parameters, gradients and optimizer state)", free_on_resume=True)
     grad_sync: Literal["native", "ring"] = opt("native", "DDP gradient sum: native all-reduce, or lmforge's ring "
-                                               "all-reduce (point-to-point, docs/algorithms/all-reduce.md)")
-    timeout_s: float = opt(600.0, "a collective that waits longer than this fails (a dead rank never hangs the rest)")
+                                               "all-reduce (point-to-point, docs/algorithms/all-reduce.md)", free_on_resume=True)
+    timeout_s: float = opt(600.0, "a collective that waits longer than this fails (a dead rank never hangs the rest)", free_on_resume=True)
 
 
 @dataclasses.dataclass
 class LoggingConfig:
-    progress: bool = opt(True, "show a progress bar")
-    tensorboard: bool = opt(False, "write TensorBoard events to output_dir/tb (needs tensorboard)")
-    wandb: bool = opt(False, "log to Weights & Biases (needs wandb)")
-    wandb_project: str = opt("lmforge", "wandb project name")
+    progress: bool = opt(True, "show a progress bar", free_on_resume=True)
+    tensorboard: bool = opt(False, "write TensorBoard events to output_dir/tb (needs tensorboard)", free_on_resume=True)
+    wandb: bool = opt(False, "log to Weights & Biases (needs wandb)", free_on_resume=True)
+    wandb_project: str = opt("lmforge", "wandb project name", free_on_resume=True)

@@ -45,7 +45,7 @@ class RunLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.console = console or make_console()
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
-        self.cfg = cfg
+        self.logging = cfg
         self.total_steps = total_steps
         self.tb = self._tensorboard() if cfg.tensorboard else None
         self.wandb = self._wandb() if cfg.wandb else None
@@ -64,10 +64,10 @@ class RunLogger:
             import wandb
         except ImportError as exc:
             raise ImportError("logging.wandb=true needs wandb: pip install wandb") from exc
-        return wandb.init(project=self.cfg.wandb_project, dir=str(self.run_dir))
+        return wandb.init(project=self.logging.wandb_project, dir=str(self.run_dir))
 
     def start_progress(self, description: str, completed: int = 0) -> None:
-        if not self.cfg.progress:
+        if not self.logging.progress:
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 

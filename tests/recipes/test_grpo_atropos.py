@@ -406,7 +406,7 @@ def test_a_refused_weight_push_is_not_retried(monkeypatch):
 
     monkeypatch.setattr(httpx, "request", answering)
     source = object.__new__(atropos_source.AtroposSource)
-    source.cfg = SimpleNamespace(server_url="http://127.0.0.1:9", api_retries=3, api_backoff_s=0.0,
+    source.rollout = SimpleNamespace(server_url="http://127.0.0.1:9", api_retries=3, api_backoff_s=0.0,
                                  push_timeout_s=600.0)
     model = torch.nn.Linear(2, 2)
     status = 400

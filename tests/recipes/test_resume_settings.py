@@ -8,7 +8,8 @@ import shutil
 import pytest
 
 from lmforge.cli import EXIT_USER_ERROR, main
-from lmforge.runtime.resume_check import FREE, flat_settings
+from lmforge.config import resume_free_keys
+from lmforge.runtime.resume_check import flat_settings
 from lmforge.config import load_config
 from lmforge.recipes.grpo import GRPOConfig
 from lmforge.recipes.sft import SFTConfig
@@ -89,18 +90,26 @@ def test_resume_from_a_checkpoint_path_compares_with_that_run(runs, tmp_path, ca
     assert main(args) == 0
 
 
-def test_every_free_key_exists_and_a_fresh_config_equals_its_saved_copy(tmp_path):
-    """The free list names real keys (a renamed key would silently become compared), and a config
+def test_free_keys_are_marked_on_their_fields_and_a_fresh_config_equals_its_saved_copy(tmp_path):
+    """Which keys a resumed run may change is read from the fields (``opt(free_on_resume=...)``): the
+    runtime's sinks and schedules are free, the math is compared, and data.num_eval is free in an RL run
+    only while its prompts come from a task (a prompts file holds out num_eval of its rows). A config
     read back from the YAML it was saved as compares equal (no false change)."""
     from lmforge.config import save_config
 
-    keys = set()
     for cls, args in ((SFTConfig, ["data.task=addition"]), (GRPOConfig, ["data.task=addition"])):
         cfg = load_config(cls, None, args + ["optim.lr=3e-4", "optim.no_decay=[bias]"])
-        keys |= set(flat_settings(cfg))
+        free = resume_free_keys(cfg)
+        assert free <= set(flat_settings(cfg))
+        assert {"train.output_dir", "train.threads", "logging.wandb", "parallel.strategy", "data.num_eval"} <= free
+        assert not {"optim.lr", "train.seed", "train.batch_size", "model.name", "data.task"} & free
         save_config(cfg, tmp_path / "c.yaml")
         assert flat_settings(load_config(cls, tmp_path / "c.yaml")) == flat_settings(cfg)
+    grpo = load_config(GRPOConfig, None, ["data.path=prompts.jsonl"])
+    assert {"rollout.api_url", "rewards.workers", "data.pass_k"} <= resume_free_keys(grpo)
+    assert "data.num_eval" not in resume_free_keys(grpo) and "algo.kl_coef" not in resume_free_keys(grpo)
+    sft = load_config(SFTConfig, None, ["data.path=rows.jsonl"])
+    assert "data.num_eval" in resume_free_keys(sft)  # SFT's num_eval only sizes an evaluation
     from lmforge.recipes.pretrain import PretrainConfig
 
-    keys |= set(flat_settings(load_config(PretrainConfig, None, [])))
-    assert FREE <= keys, sorted(FREE - keys)
+    assert {"data.cache", "data.val_blocks"} <= resume_free_keys(load_config(PretrainConfig, None, []))

@@ -95,7 +95,7 @@ def test_a_stalled_weight_push_ends_at_push_timeout_s_naming_the_server(silent_s
     from lmforge.rl.sources.atropos import AtroposSource
 
     source = AtroposSource.__new__(AtroposSource)  # only the push: no run around it
-    source.cfg = RolloutConfig(backend="atropos", api_url=silent_server, server_url=silent_server, api_retries=3,
+    source.rollout = RolloutConfig(backend="atropos", api_url=silent_server, server_url=silent_server, api_retries=3,
                                api_backoff_s=0.1, push_timeout_s=1.5)
     start = time.monotonic()
     with pytest.raises(AtroposError, match=r"pushing weights version 3 to rollout.server_url=\S+ "
@@ -136,7 +136,7 @@ def test_verifiers_episodes_that_hang_end_the_step_at_verifiers_timeout_s():
 
     source = VerifiersSource.__new__(VerifiersSource)  # only the step's wait: no server, no environment
     source.env, source.ctx = Env(), None
-    source.cfg = RolloutConfig(backend="verifiers", verifiers_env="x", group_size=2, verifiers_timeout_s=0.5)
+    source.rollout = RolloutConfig(backend="verifiers", verifiers_env="x", group_size=2, verifiers_timeout_s=0.5)
     assert asyncio.run(source._run(["fine"], 1)) == [("fine", 0), ("fine", 1)]
     start = time.monotonic()
     with pytest.raises(TrainingError, match=r"1 of the 4 episodes of step 3 did not finish within "

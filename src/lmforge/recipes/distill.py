@@ -233,7 +233,7 @@ def teacher_logprobs(teacher, batch: rl.TrainBatch, state: rl.RLState, temperatu
 
 def on_policy_step(state: rl.RLState, algo: DistillAlgoConfig, teacher, step: int) -> dict:
     """Sample, score with the task rewards, score every sampled token with the teacher, update."""
-    cfg = state.run.cfg
+    cfg = state  # the resolved sections (rl.RLState)
     scored = state.source.next_batch(step)  # this rank's rows, scored (lmforge.rl.sources)
     start = time.perf_counter()
     batch = rl.pack_rollout(scored.rollout, state.tokenizer.pad_token_id, need_rollout_logprobs=algo.is_level != "none")
@@ -322,8 +322,8 @@ def sft_view(cfg: DistillConfig) -> SFTConfig:
 
 def run_logit(cfg: DistillConfig, algo: DistillAlgoConfig, model, tokenizer, teacher, note: str, console,
               name: str) -> dict:
-    tcfg = cfg.train
     run = start_run(cfg, name, model, seq_len=cfg.fixed_data.max_len, console=console)
+    tcfg = run.train  # resolved: the batch size chosen when unset
     view = sft_view(cfg)
     data, val_rows = build_data(view, tokenizer, run.print)
     check_fits_context(model, data)

@@ -60,8 +60,8 @@ class PreferenceDataConfig:
                                               "carries or one digit off by one; policy = the starting model's own "
                                               "wrong greedy answer (a rule-made one where it is right)")
     num_train: int = opt(4000, "task: training pairs")
-    num_val: int = opt(200, "task: held-out pairs (preference loss and accuracy)")
-    num_eval: int = opt(200, "task: held-out problems for exact-match accuracy (greedy)")
+    num_val: int = opt(200, "task: held-out pairs (preference loss and accuracy)", free_on_resume=True)
+    num_eval: int = opt(200, "task: held-out problems for exact-match accuracy (greedy)", free_on_resume=True)
     val_fraction: float = opt(0.05, "path: fraction of pairs held out (seeded by train.seed)")
     max_len: int = opt(256, "longest tokenized side of a pair (prompt + completion)")
     use_chat_template: Literal["auto", "on", "off"] = opt("auto", "text pairs through the chat template")
@@ -380,15 +380,15 @@ def run_dpo(cfg: DPOConfig, model=None, tokenizer=None, console=None) -> dict:
         train_data, val_data = build_pairs(cfg, tokenizer, run.print, model.to(run.device))
     check_fits_context(model, train_data, val_data)
     run.print(f"[data] {len(train_data)} training pairs, {len(val_data)} held-out pairs")
-    if len(train_data) < cfg.train.batch_size:
+    if len(train_data) < run.train.batch_size:
         raise DataError(f"{len(train_data)} training pairs are fewer than one batch (train.batch_size="
-                        f"{cfg.train.batch_size}); lower train.batch_size or add data")
-    model = lora.apply_for_run(model, cfg.model.lora, cfg.train, run.ctx).to(run.device)
+                        f"{run.train.batch_size}); lower train.batch_size or add data")
+    model = lora.apply_for_run(model, cfg.model.lora, run.train, run.ctx).to(run.device)
     if cfg.algo.disable_dropout and (num_disabled := disable_dropout(model)):
         run.print(f"[algo] dropout off in the policy ({num_disabled} rate(s) set to 0; algo.disable_dropout)")
     reference = make_reference(model, cfg.algo.loss)  # before resuming: the reference is the starting model
-    order = BatchOrder(len(train_data), cfg.train.batch_size, cfg.train.seed)
-    state = build_state(run, model, tokenizer, order, cfg.train.max_steps)
+    order = BatchOrder(len(train_data), run.train.batch_size, run.train.seed)
+    state = build_state(run, model, tokenizer, order, run.train.max_steps)
     task_eval = make_task_eval(cfg, tokenizer, run)
 
     def evaluate(step: int) -> dict:

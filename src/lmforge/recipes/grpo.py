@@ -112,7 +112,7 @@ def micro_loss(model, batch: rl.TrainBatch, algo: GRPOAlgoConfig, temperature: f
 
 def grpo_step(state: rl.RLState, algo: GRPOAlgoConfig, step: int) -> dict:
     """Sample, score, compute advantages, update. Returns the step's metrics."""
-    cfg = state.run.cfg
+    cfg = state  # the resolved sections (rl.RLState)
     scored = state.source.next_batch(step)  # this rank's rows, scored (lmforge.rl.sources)
     start = time.perf_counter()
     advantages, adv_metrics = advantages_of(scored.rewards.total, algo, cfg.rollout.group_size,
@@ -161,7 +161,7 @@ def old_logprobs(state: rl.RLState, algo: GRPOAlgoConfig, batch: rl.TrainBatch, 
     if not need.any():
         return out, 0.0
     part = batch.select(need.nonzero()[:, 0].to(batch.input_ids.device))
-    out[need.to(out.device)] = rl.batch_logprobs(state.model, part, state.micro_batch_size, state.run.cfg.rollout.temperature,
+    out[need.to(out.device)] = rl.batch_logprobs(state.model, part, state.micro_batch_size, state.rollout.temperature,
                                                  state.updater.precision, wrapped=state.train.wrapped).float()
     return out, rl.batch_forward_flops(state.model, part, state.micro_batch_size)
 

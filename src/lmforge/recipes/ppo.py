@@ -199,7 +199,7 @@ def micro_loss(model, value_head: ValueHead, batch: rl.TrainBatch, algo: PPOAlgo
 
 def ppo_step(state: rl.RLState, value_head: ValueHead, algo: PPOAlgoConfig, step: int) -> dict:
     """Sample, score, GAE targets, update. Returns the step's metrics."""
-    cfg = state.run.cfg
+    cfg = state  # the resolved sections (rl.RLState)
     scored = state.source.next_batch(step)  # this rank's rows, scored (lmforge.rl.sources)
     metrics = dict(scored.metrics)
     start = time.perf_counter()

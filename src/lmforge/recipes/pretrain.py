@@ -40,10 +40,10 @@ class TextDataConfig:
                                   keys=TEXT_COLUMN_NAMES)
     streaming: bool = opt(False, "path: read and pack the text as training consumes it (corpora larger than "
                           "memory; no shuffle, no disk cache; docs/data.md)")
-    val_blocks: int = opt(64, "streaming: validation blocks, packed from the first held-out documents")
+    val_blocks: int = opt(64, "streaming: validation blocks, packed from the first held-out documents", free_on_resume=True)
     seq_len: int = opt(128, "tokens per packed training block")
     val_fraction: float = opt(0.05, "fraction of documents held out for validation")
-    cache: bool = opt(True, "cache tokenized blocks on disk ($LMFORGE_CACHE/text)")
+    cache: bool = opt(True, "cache tokenized blocks on disk ($LMFORGE_CACHE/text)", free_on_resume=True)
 
     def validate(self) -> None:
         if not 0 <= self.val_fraction < 1:
@@ -118,7 +118,7 @@ def streaming_data(cfg: PretrainConfig, tokenizer, run) -> SupervisedData:
     val_rows = []
     if d.eval_split or fraction > 0:
         val_rows = list(first_blocks(val_docs, tokenizer, d.seq_len, d.val_blocks))
-    blocks = StreamingBlocks(train_docs, tokenizer, d.seq_len, cfg.train.batch_size)
+    blocks = StreamingBlocks(train_docs, tokenizer, d.seq_len, run.train.batch_size)
     run.print(f"[data] streaming {d.path} (split {d.split!r}) in blocks of {d.seq_len} tokens; "
               f"{len(val_rows)} validation blocks")
     return SupervisedData(blocks, val_rows, collate_blocks, order=blocks)  # indexed by the indices it hands out

@@ -102,12 +102,12 @@ def run_rm(cfg: RMConfig, model=None, tokenizer=None, console=None) -> dict:
     train_data, val_data = build_pairs(cfg, tokenizer, run.print, model.to(run.device))
     check_fits_context(model, train_data, val_data)
     run.print(f"[data] {len(train_data)} training pairs, {len(val_data)} held-out pairs")
-    if len(train_data) < cfg.train.batch_size:
+    if len(train_data) < run.train.batch_size:
         raise DataError(f"{len(train_data)} training pairs are fewer than one batch (train.batch_size="
-                        f"{cfg.train.batch_size}); lower train.batch_size or add data")
+                        f"{run.train.batch_size}); lower train.batch_size or add data")
     reward_model = from_causal_lm(model, tokenizer).to(run.device)
-    state = build_state(run, reward_model, tokenizer, BatchOrder(len(train_data), cfg.train.batch_size, cfg.train.seed),
-                        cfg.train.max_steps)
+    state = build_state(run, reward_model, tokenizer, BatchOrder(len(train_data), run.train.batch_size, run.train.seed),
+                        run.train.max_steps)
     trainer = Trainer(step=lambda step: rm_step(state, train_data, cfg.algo, step),
                       evaluate=lambda step: held_out(state, val_data, cfg.algo), evaluate_at_start=bool(len(val_data)),
                       best_metric="val_loss" if len(val_data) else None)

@@ -37,8 +37,8 @@ class SFTDataConfig:
                                   keys=SFT_COLUMNS)
     task: str = opt("", "built-in synthetic task instead of a file, e.g. addition or addition:digits=3")
     num_train: int = opt(8000, "task: training problems")
-    num_val: int = opt(200, "task: validation problems (loss)")
-    num_eval: int = opt(200, "task: held-out problems for exact-match accuracy")
+    num_val: int = opt(200, "task: validation problems (loss)", free_on_resume=True)
+    num_eval: int = opt(200, "task: held-out problems for exact-match accuracy", free_on_resume=True)
     env: str = opt("", "task: train on this environment's scripted demonstrations of the task's problems instead "
                    "(whole episodes; built-ins with an expert: calculator, guess_number; docs/environments.md)")
     env_args: dict[str, Any] = opt({}, "env: the environment's arguments, e.g. {max_guesses: 8}")

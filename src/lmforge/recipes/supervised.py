@@ -126,7 +126,7 @@ def validation_loss(state: TrainState, data: SupervisedData, max_rows: int = 512
 def train_supervised(run: Run, model, tokenizer, data: SupervisedData,
                      evaluate: Callable[[object, int], dict] | None = None) -> dict:
     """Train ``model`` on ``data`` as configured by ``run``; returns the final evaluation metrics."""
-    tcfg = run.cfg.train
+    tcfg = run.train
     if data.order is None and len(data.train_rows) < tcfg.batch_size:
         from ..errors import DataError
 

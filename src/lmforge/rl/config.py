@@ -32,7 +32,7 @@ class RolloutConfig:
         "docs/atropos.md), verifiers (episodes of a verifiers environment; docs/verifiers.md) or agent (an "
         "unmodified agent program against the served policy; docs/agents.md)")
     vllm_gpu_memory_utilization: float = opt(0.3, "vllm backend: fraction of GPU memory vLLM reserves "
-                                             "(its weights + KV cache)")
+                                             "(its weights + KV cache)", free_on_resume=True)
     dtype: Literal["same", "bf16", "fp16"] = opt(
         "same", "inprocess backend: weights the sampler decodes with: same (the policy itself) or a bf16 / fp16 "
         "copy synced before each rollout (faster decoding where that dtype is fast; see docs/rl-recipes.md)")
@@ -40,21 +40,21 @@ class RolloutConfig:
                            "trains (0 = off; any backend, one process; needs algo.is_level; docs/rl-recipes.md, "
                            "overlapped rollouts)")
     async_threads: int = opt(0, "async on CPU: intra-op threads (per process) while sampler and trainer run side by "
-                             "side (0 = half of train.threads)")
+                             "side (0 = half of train.threads)", free_on_resume=True)
 
     # rollout.backend=atropos (docs/atropos.md): where batches come from and where new weights go
-    api_url: str = opt("", "atropos backend: the Atropos API server (run-api), e.g. http://127.0.0.1:8000")
+    api_url: str = opt("", "atropos backend: the Atropos API server (run-api), e.g. http://127.0.0.1:8000", free_on_resume=True)
     server_url: str = opt("", "atropos backend: the lmforge serve the environments sample from; new weights are "
-                          "pushed there every push_every steps ('' = never push)")
+                          "pushed there every push_every steps ('' = never push)", free_on_resume=True)
     push_every: int = opt(1, "atropos backend: push the weights to server_url after every N-th step")
     push_timeout_s: float = opt(600.0, "atropos backend: longest a weight push may take, retries included; then "
-                                "an error naming server_url (the last checkpoint resumes)")
+                                "an error naming server_url (the last checkpoint resumes)", free_on_resume=True)
     max_staleness: int = opt(-1, "atropos backend: drop groups sampled more than this many optimizer steps ago "
                              "(counted in atropos_dropped_stale_*; -1 = keep all)")
-    api_timeout_s: float = opt(600.0, "atropos backend: longest wait for a step's groups, then an error")
-    api_poll_s: float = opt(1.0, "atropos backend: pause between GET /batch polls while no batch is ready")
-    api_retries: int = opt(5, "atropos backend: retries of a failed call (connection error, 5xx) before an error")
-    api_backoff_s: float = opt(1.0, "atropos backend: the first retry waits this long, each next one twice as long")
+    api_timeout_s: float = opt(600.0, "atropos backend: longest wait for a step's groups, then an error", free_on_resume=True)
+    api_poll_s: float = opt(1.0, "atropos backend: pause between GET /batch polls while no batch is ready", free_on_resume=True)
+    api_retries: int = opt(5, "atropos backend: retries of a failed call (connection error, 5xx) before an error", free_on_resume=True)
+    api_backoff_s: float = opt(1.0, "atropos backend: the first retry waits this long, each next one twice as long", free_on_resume=True)
 
     # rollout.backend=verifiers (docs/verifiers.md): episodes of a verifiers v1 environment on the served policy
     verifiers_env: str = opt("", "verifiers backend: the environment's taskset id (an importable module, e.g. "
@@ -63,7 +63,7 @@ class RolloutConfig:
     verifiers_harness: str = opt("null", "verifiers backend: the harness that plays each episode (null: verifiers' "
                                  "chat loop with the taskset's tools)")
     verifiers_timeout_s: float = opt(3600.0, "verifiers backend: longest wait for one step's episodes, then an "
-                                     "error (the last checkpoint resumes)")
+                                     "error (the last checkpoint resumes)", free_on_resume=True)
     verifiers_renderer: dict[str, Any] = opt({}, "verifiers backend: the renderers config verifiers tokenizes with "
                                              "({} = lmforge's own rendering and tool-call parsing, as lmforge serve "
                                              "does: rl/sources/vf_renderer.py; e.g. {name: qwen3} for a model "
@@ -143,10 +143,10 @@ class RewardsConfig:
                                "overlong, package.module:function) or {name, weight, kwargs, executor, failure_value} "
                                "(other keys go to kwargs); docs/rewards.md")
     max_failure_fraction: float = opt(0.5, "stop the run when a reward function fails on more than this "
-                                      "fraction of a batch (fewer failures score failure_value and are counted)")
+                                      "fraction of a batch (fewer failures score failure_value and are counted)", free_on_resume=True)
     timeout_s: float = opt(10.0, "longest a single reward call may run; a slower one is a counted failure "
                            "(0 = no timeout: calls run one by one in the training process)")
-    workers: int = opt(0, "reward threads, and processes for executor=process functions (0 = cores, at most 8)")
+    workers: int = opt(0, "reward threads, and processes for executor=process functions (0 = cores, at most 8)", free_on_resume=True)
 
     def specs(self, allow_empty: bool = False) -> list[tuple]:
         """``RewardSet`` specs ``(name, weight, kwargs, options)`` from ``functions`` (an environment run
@@ -200,8 +200,8 @@ class RLDataConfig:
                                   keys=PROMPT_COLUMNS)
     num_train: int = opt(4000, "task: training prompts")
     num_eval: int = opt(200, "held-out problems for greedy accuracy (task: generated; path: at most this many) "
-                         "(0 = none)")
-    pass_k: int = opt(0, "also held-out pass@k: k completions per problem at rollout.temperature (0 = off)")
+                         "(0 = none)", free_on_resume="unless_path")
+    pass_k: int = opt(0, "also held-out pass@k: k completions per problem at rollout.temperature (0 = off)", free_on_resume=True)
     use_chat_template: Literal["auto", "on", "off"] = opt("auto", "wrap prompts in the chat template (auto: "
                                                           "when the tokenizer has its own)")
     max_prompt_len: int = opt(0, "longest prompt in tokens (0 = the model's context minus rollout.max_new_tokens)")

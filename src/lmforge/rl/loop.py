@@ -29,7 +29,7 @@ from ..runtime.run import Run, start_run
 from ..tokenizer import check_unknown_tokens
 from ..train import BatchOrder
 from .batch import TrainBatch
-from .config import check_rl_config
+from .config import EnvConfig, RewardsConfig, RLDataConfig, RolloutConfig, check_rl_config
 from .forward import reference_model
 from .prompts import PromptSet, build_prompts, prompt_budget
 from .sources import RolloutSource, SourceSetup, check_source, make_source, resume_source
@@ -47,6 +47,11 @@ class RLState:
     prompts: PromptSet
     reward_set: RewardSet | None  # None: an env run scored by its environment alone
     source: RolloutSource  # where each step's rows come from (lmforge.rl.sources)
+    # the RL sections, resolved once in prepare (the runtime's own are on state.run)
+    data: RLDataConfig
+    rollout: RolloutConfig
+    rewards: RewardsConfig
+    env: EnvConfig | None  # None: a recipe without multi-turn environments (distill)
 
     @property
     def run(self) -> Run:
@@ -88,15 +93,17 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
     """Load, set up hardware, the parallel context and the run directory, build the optimizer, resume,
     build the rollout source.
 
-    ``cfg`` is the recipe's whole config: this is where its sections are resolved and handed out (the
-    source gets the rollout section, the update the algo section). ``extra_modules`` (e.g. PPO's value
+    ``cfg`` is the recipe's whole config: this is where its sections are resolved (into a copy: ``cfg`` is
+    not changed) and handed out (the source gets the rollout section, the steps the sections on the state). ``extra_modules`` (e.g. PPO's value
     head) are trained and clipped with the model; the saved trainer state of the checkpoint resumed
     from is ``state.train.saved`` ({} for a fresh run).
     """
     check_rl_config(cfg, algo)
     if model is None:
         model, tokenizer = load_model(cfg.model)
-    cfg.data.max_prompt_len = prompt_budget(cfg.data.max_prompt_len, cfg.rollout.max_new_tokens, model)  # resolved
+    data = dataclasses.replace(cfg.data, max_prompt_len=prompt_budget(cfg.data.max_prompt_len,
+                                                                      cfg.rollout.max_new_tokens, model))
+    cfg = dataclasses.replace(cfg, data=data, algo=algo)  # the saved config holds the resolved values (presets applied)
     prompts = build_prompts(cfg.data, tokenizer, cfg.train.seed, cfg.data.max_prompt_len)
     env = getattr(cfg, "env", None)  # env.name set: rows are episodes (sources/episodes.py)
     completion_len = env.max_episode_tokens if env is not None and env.name else cfg.rollout.max_new_tokens
@@ -107,20 +114,20 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
                                                                           else "") + "; lower env.max_episode_tokens"
                           + (" or raise model.max_position_embeddings" if tiny else ""))
     seq_len = max(len(p) for p in prompts.prompt_ids) + completion_len
-    cfg.algo = algo  # the saved config holds the resolved algo (presets applied)
     rows = cfg.rollout.num_prompts * cfg.rollout.group_size
     if cfg.train.batch_size not in (0, rows):
         raise ConfigError(f"train.batch_size={cfg.train.batch_size}: an RL step's batch is rollout.num_prompts x "
                           f"rollout.group_size = {rows} completions; leave train.batch_size unset (0)")
-    cfg.train.batch_size = rows
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=rows))
     world_size = torchrun_world()[1]
     update_rows = check_rl_split(cfg.rollout.num_prompts, cfg.rollout.group_size, algo.num_mini_batches, world_size)
     check_source(cfg.rollout, algo.is_level, world_size > 1)  # before start_run takes the run directory
     run = start_run(cfg, name, model, seq_len=seq_len, console=console, update_rows=update_rows,
-                    update_label="rollout rows per update (num_prompts x group_size / num_mini_batches)")
+                    update_label="rollout rows per update (num_prompts x group_size / num_mini_batches)",
+                    rollout_backend=cfg.rollout.backend)
     source_name = cfg.data.path or f"data.task={cfg.data.task}"
     check_unknown_tokens(tokenizer, prompt_texts(prompts.problems), cfg.model, source_name, run.print)
-    model = lora.apply_for_run(model, cfg.model.lora, cfg.train, run.ctx).to(run.device)  # model.lora: adapters (docs/lora.md)
+    model = lora.apply_for_run(model, cfg.model.lora, run.train, run.ctx).to(run.device)  # model.lora: adapters (docs/lora.md)
     ref_model = reference_model(model, algo.kl_coef)  # before resume: the reference is the start
     num_updates = cfg.train.max_steps * algo.num_iterations * algo.num_mini_batches
     order = BatchOrder(len(prompts.prompt_ids), cfg.rollout.num_prompts, cfg.train.seed)
@@ -142,7 +149,8 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
                  if prompts.num_dropped else "")
               + (f"; {prompts.num_truncated} left-truncated to {cfg.data.max_prompt_len} tokens"
                  if prompts.num_truncated else ""))
-    return RLState(train, ref_model, prompts, reward_set, source)
+    return RLState(train, ref_model, prompts, reward_set, source, cfg.data, cfg.rollout, cfg.rewards,
+                   env if env is not None and env.name else None)
 
 
 def make_evaluate(state: RLState) -> Callable[[int], dict] | None:
@@ -151,22 +159,22 @@ def make_evaluate(state: RLState) -> Callable[[int], dict] | None:
     prompts, run = state.prompts, state.run
     if not prompts.eval_problems:
         return None
-    cfg = run.cfg
-    if getattr(cfg, "env", None) is not None and cfg.env.name:
+    if state.env is not None:
         return make_episode_evaluate(state)
-    if cfg.rollout.backend == "agent":
+    if state.rollout.backend == "agent":
         return make_agent_evaluate(state)
-    evaluator = held_out_evaluator(state.tokenizer, prompts.eval_problems, prompts.chat, cfg.train.max_new_tokens,
-                                   task=prompts.task, reward_specs=cfg.rewards.specs(), pass_k=cfg.data.pass_k,
-                                   temperature=cfg.rollout.temperature, seed=cfg.train.seed,
-                                   max_prompt_len=cfg.data.max_prompt_len,
+    tcfg, rewards = run.train, state.rewards
+    evaluator = held_out_evaluator(state.tokenizer, prompts.eval_problems, prompts.chat, tcfg.max_new_tokens,
+                                   task=prompts.task, reward_specs=rewards.specs(), pass_k=state.data.pass_k,
+                                   temperature=state.rollout.temperature, seed=tcfg.seed,
+                                   max_prompt_len=state.data.max_prompt_len,
                                    # the length limit the evaluation generates with, for `overlong`
-                                   reward_kwargs={"max_new_tokens": cfg.train.max_new_tokens},
-                                   reward_timeout_s=cfg.rewards.timeout_s, reward_workers=cfg.rewards.workers)
+                                   reward_kwargs={"max_new_tokens": tcfg.max_new_tokens},
+                                   reward_timeout_s=rewards.timeout_s, reward_workers=rewards.workers)
 
     def evaluate(step: int) -> dict:
         metrics, prompt_texts, texts = evaluator(state.sampler_model(), step)
-        k = cfg.train.num_samples
+        k = tcfg.num_samples
         if run.ctx.is_main:
             save_samples(run.dir, step, prompt_texts[:k], texts[:k], run.print)
         return metrics
@@ -179,14 +187,14 @@ def make_evaluate(state: RLState) -> Callable[[int], dict] | None:
 def make_episode_evaluate(state: RLState) -> Callable[[int], dict]:
     """Held-out success of the policy's greedy episodes (``sources.episodes.episode_evaluator``), a few
     whole episodes written to samples.jsonl."""
-    run, cfg = state.run, state.run.cfg
-    evaluator = episode_evaluator(cfg.env, state.tokenizer, state.prompts.eval_problems, state.prompts.task,
-                                  cfg.rewards.specs(allow_empty=True), cfg.rollout.max_new_tokens,
-                                  context_length(state.model), cfg.rewards.timeout_s, cfg.rewards.workers)
+    run, rewards = state.run, state.rewards
+    evaluator = episode_evaluator(state.env, state.tokenizer, state.prompts.eval_problems, state.prompts.task,
+                                  rewards.specs(allow_empty=True), state.rollout.max_new_tokens,
+                                  context_length(state.model), rewards.timeout_s, rewards.workers)
 
     def evaluate(step: int) -> dict:
         metrics, episodes, totals = evaluator(state.sampler_model())
-        k = cfg.train.num_samples
+        k = run.train.num_samples
         if run.ctx.is_main:
             save_episodes(run.dir, step, episodes[:k], totals[:k], run.print)
         return metrics
@@ -198,13 +206,13 @@ def make_episode_evaluate(state: RLState) -> Callable[[int], dict]:
 def make_agent_evaluate(state: RLState) -> Callable[[int], dict]:
     """Held-out success of the agent's greedy episodes on the policy (``sources.agent.agent_evaluator``);
     a few episodes' calls, decoded, written to samples.jsonl."""
-    run, cfg = state.run, state.run.cfg
-    evaluator = agent_evaluator(cfg.rollout, state.tokenizer, state.prompts.eval_problems, state.prompts.task,
-                                state.reward_set, cfg.train.max_new_tokens)
+    run = state.run
+    evaluator = agent_evaluator(state.rollout, state.tokenizer, state.prompts.eval_problems, state.prompts.task,
+                                state.reward_set, run.train.max_new_tokens)
 
     def evaluate(step: int) -> dict:
         metrics, episodes, totals = evaluator(state.sampler_model())
-        k = cfg.train.num_samples
+        k = run.train.num_samples
         if run.ctx.is_main:
             replies = [" | ".join(state.tokenizer.decode(c.token_ids) for c in e.calls) for e in episodes[:k]]
             save_samples(run.dir, step, [problem_dict(e.problem).get("prompt", "") for e in episodes[:k]], replies,
@@ -221,7 +229,7 @@ TIME_KEYS = ("time_generation", "time_scoring", "time_training")
 def update_state(batch: TrainBatch, algo, state: RLState, loss_fn: LossFn, step: int, **options) -> dict:
     """:func:`update` with the run's optimizer, micro-batch size, parallel context and wrapped root
     (``options``: its keyword arguments)."""
-    return update(batch, algo, state.updater, state.micro_batch_size, state.run.cfg.rollout.max_new_tokens, loss_fn,
+    return update(batch, algo, state.updater, state.micro_batch_size, state.rollout.max_new_tokens, loss_fn,
                   step, state.run.ctx, state.train.wrapped, **options)
 
 

@@ -21,7 +21,7 @@ from ..metrics import RunLogger, StepTimer, plot_run, print_summary, summary, tr
 from ..parallel.wrap import Root, full_state_dict, is_sharded, unwrap, wrap
 from ..train import BatchOrder, Precision, Updater
 from .quant_hooks import apply_train_qat, write_quantized_copies
-from .run import Run, lora_section, release_run_lock
+from .run import Run, release_run_lock
 
 
 @dataclasses.dataclass
@@ -76,7 +76,7 @@ def build_state(run: Run, model, tokenizer, order: BatchOrder, num_updates: int,
 
     ``extra_modules`` (PPO's value head) are trained, clipped and checkpointed with the model.
     """
-    model = lora.apply_for_run(model, lora_section(run.cfg), run.cfg.train, run.ctx).to(run.device)  # LoRA: adapters only train
+    model = lora.apply_for_run(model, run.model_cfg.lora, run.train, run.ctx).to(run.device)  # LoRA: adapters only train
     apply_train_qat(run, model)  # train.qat: before the optimizer and the wrapping
     if run.choices.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -89,14 +89,13 @@ def build_state(run: Run, model, tokenizer, order: BatchOrder, num_updates: int,
         run.print(f"[lora] training {trainable:,} adapter parameters of {total:,} ({100 * trainable / total:.2f}%); "
                   "the base model is frozen")
     model.train()
-    pcfg = getattr(run.cfg, "parallel", None)
     wrapped = wrap(Root(policy=model, **(extra_modules or {})), run.ctx, run.device, run.choices.dtype,
-                   getattr(pcfg, "grad_sync", "native"))
-    tcfg = run.cfg.train
-    updater = Updater.build(wrapped, run.cfg.optim, num_updates, Precision(run.device, run.choices.dtype),
+                   run.parallel.grad_sync)
+    tcfg = run.train
+    updater = Updater.build(wrapped, run.optim, num_updates, Precision(run.device, run.choices.dtype),
                             tcfg.on_nonfinite, tcfg.max_nonfinite_skips)
     state = TrainState(run, wrapped, model, tokenizer, updater, order)
-    state.saved = ckpt.resume_training(run.cfg.train.resume, run.dir, state, run.print)
+    state.saved = ckpt.resume_training(run.train.resume, run.dir, state, run.print)
     state.step = state.saved.get("step", 0)
     return state
 
@@ -129,7 +128,7 @@ class NullLogger:
 def make_logger(run: Run):
     if not run.ctx.is_main:
         return NullLogger()
-    return RunLogger(run.dir, run.cfg.logging, run.cfg.train.max_steps, console=run.console)
+    return RunLogger(run.dir, run.logging, run.train.max_steps, console=run.console)
 
 
 def due(every: int, step: int, last: bool) -> bool:
@@ -139,7 +138,7 @@ def due(every: int, step: int, last: bool) -> bool:
 def train_loop(state: TrainState, trainer: Trainer) -> dict:
     """Steps ``state.step + 1 .. train.max_steps``; then the final model, the summary and the curves.
     Returns the last evaluation's metrics (plus ``<key>_before`` from a start evaluation) and ``run_dir``."""
-    run, tcfg = state.run, state.run.cfg.train
+    run, tcfg = state.run, state.run.train
     if run.ctx.is_main:  # each step logged once: a resumed run drops what came after its checkpoint
         truncate_metrics(run.dir / "metrics.jsonl", state.step)
     logger = make_logger(run)
@@ -184,7 +183,7 @@ def train_loop(state: TrainState, trainer: Trainer) -> dict:
                                                  "time_totals": dict(totals)}, tcfg.keep_last)
             run.ctx.mark("the save of final/")
             ckpt.save_model_dir(run.dir / "final", state, quantized_copies(state, run.dir / "final"))
-            if lora.has_adapters(state.model) and run.cfg.model.lora.save_merged:
+            if lora.has_adapters(state.model) and run.model_cfg.lora.save_merged:
                 ckpt.save_merged_dir(run.dir / "final" / "merged", state)
             if trainer.save_final_extra is not None and run.ctx.is_main:
                 trainer.save_final_extra(run.dir / "final")
@@ -201,7 +200,7 @@ def quantized_copies(state: TrainState, checkpoint_dir: Path):
     runs it (rank 0) inside the new best/ or final/ before that is renamed into place, so the
     directory appears with its copies; None when no format is asked for. Under FSDP2 every rank
     joins the gather here. A failed format is reported, never fatal."""
-    formats = getattr(state.run.cfg.train, "save_quantized", None)
+    formats = state.run.train.save_quantized
     if not formats:
         return None
     model = full_model(state)

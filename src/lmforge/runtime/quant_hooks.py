@@ -20,18 +20,18 @@ from ..errors import ConfigError
 QAT_OFF = "none"
 
 
-def check_quant_settings(cfg) -> None:
-    """Unknown ``train.save_quantized`` formats and QAT with the vLLM rollout backend are ConfigErrors."""
+def check_quant_settings(tcfg, rollout_backend: str | None = None) -> None:
+    """Unknown ``train.save_quantized`` formats and QAT with the vLLM rollout backend are ConfigErrors
+    (``tcfg``: the train section; ``rollout_backend``: an RL run's ``rollout.backend``)."""
     from ..quantize import QuantizeError, canonical_format
 
-    tcfg = cfg.train
-    for i, fmt in enumerate(getattr(tcfg, "save_quantized", []) or []):
+    for i, fmt in enumerate(tcfg.save_quantized):
         try:
             canonical_format(fmt)
         except QuantizeError as exc:
             raise ConfigError(f"config key 'train.save_quantized[{i}]': {exc}") from None
-    backend = getattr(getattr(cfg, "rollout", None), "backend", None)
-    if getattr(tcfg, "qat", QAT_OFF) != QAT_OFF and backend in ("vllm", "atropos"):
+    backend = rollout_backend
+    if tcfg.qat != QAT_OFF and backend in ("vllm", "atropos"):
         sampler = "vLLM" if backend == "vllm" else "the inference server the environments call"
         raise ConfigError(f"train.qat needs rollout.backend=inprocess: with rollout.backend={backend}, {sampler} "
                           "would sample from the full-precision master weights, not from the fake-quantized "
@@ -47,7 +47,7 @@ def apply_train_qat(run, model) -> list[str]:
     """
     from ..quantize.qat import QATLinear, apply_qat
 
-    scheme = getattr(run.cfg.train, "qat", QAT_OFF)
+    scheme = run.train.qat
     present = {m.scheme for m in model.modules() if isinstance(m, QATLinear)}
     config = getattr(model, "config", None)
     if scheme == QAT_OFF:

@@ -4,9 +4,9 @@
 A setting that changes the computation (the optimizer, schedule, algorithm, batch and group sizes,
 the model, tokenizer, data, seed, ...) and differs from the saved one is a ConfigError listing each
 key (old -> new); ``train.resume_accept`` names the keys (or whole sections) to change deliberately.
-The settings in :data:`FREE` only decide what is logged, evaluated or saved, when, and how fast the
-same computation runs; they may change freely. Every key not listed there is compared, so a key
-added later is compared until someone decides otherwise.
+The settings marked ``opt(free_on_resume=...)`` on their field only decide what is logged, evaluated or
+saved, when, and how fast the same computation runs; they may change freely. Every other key is
+compared, so a key added later is compared until someone marks it.
 """
 from __future__ import annotations
 
@@ -17,36 +17,10 @@ from typing import Any, Callable
 import yaml
 
 from ..checkpoint import STEP_DIR, list_checkpoints
-from ..config import describe, parse_yaml, read_yaml, to_dict
+from ..config import describe, parse_yaml, read_yaml, resume_free_keys, to_dict
 from ..errors import ConfigError
 
-# Settings that do not change the math of a step (each section's keys read one by one).
-FREE = frozenset({
-    # train: where and when things are written, evaluated and printed, and how the same batch is split
-    # over micro-batches, threads and the device; gradient checkpointing recomputes the same values;
-    # on_nonfinite / max_nonfinite_skips act only on a non-finite step, which they never let through.
-    "train.output_dir", "train.max_steps", "train.micro_batch_size", "train.device", "train.threads",
-    "train.gradient_checkpointing", "train.eval_every", "train.save_every", "train.keep_last", "train.resume",
-    "train.resume_accept", "train.log_every", "train.on_nonfinite", "train.max_nonfinite_skips",
-    "train.num_samples", "train.max_new_tokens", "train.save_quantized",
-    # parallel: how the same sums are spread over processes (docs/distributed.md)
-    "parallel.strategy", "parallel.grad_sync", "parallel.timeout_s",
-    # logging: sinks only
-    "logging.progress", "logging.tensorboard", "logging.wandb", "logging.wandb_project",
-    "model.lora.save_merged",  # an extra copy of the final weights
-    # data: evaluation only (SFT validation problems of a task, held-out accuracy); caches
-    "data.num_val", "data.pass_k", "data.val_blocks", "data.cache",
-    # rollout: memory of the vLLM engine, threads, and where the Atropos servers are / how patiently
-    # they are polled (what they return is governed by the compared keys push_every, max_staleness)
-    "rollout.vllm_gpu_memory_utilization", "rollout.async_threads", "rollout.api_url", "rollout.server_url",
-    "rollout.api_timeout_s", "rollout.push_timeout_s", "rollout.api_poll_s", "rollout.api_retries",
-    "rollout.api_backoff_s", "rollout.verifiers_timeout_s",
-    "rewards.workers", "rewards.max_failure_fraction",  # parallelism; when to stop on failing rewards
-})
 UNREPORTED = frozenset({"train.resume", "train.resume_accept", "train.output_dir"})  # differ by design
-# data.num_eval is free where it only sizes an evaluation (SFT, tasks); an RL prompts file holds out
-# up to num_eval rows from training, so there it changes the training prompts.
-FREE_UNLESS_RL_PATH = frozenset({"data.num_eval"})
 
 
 def flat_settings(cfg: Any) -> dict[str, Any]:
@@ -82,10 +56,6 @@ def saved_config_of(resume: str, run_dir: Path) -> Path | None:
     return checkpoint / "config.yaml"  # a checkpoint copied elsewhere: its config only if it sits beside it
 
 
-def is_free(key: str, rl_path: bool) -> bool:
-    return key in FREE or (key in FREE_UNLESS_RL_PATH and not rl_path)
-
-
 def check_resume_settings(cfg: Any, run_dir: Path, say: Callable[[str], None]) -> None:
     """Compare ``cfg`` (resolved) with the saved config of the run it resumes (module doc).
 
@@ -103,9 +73,9 @@ def check_resume_settings(cfg: Any, run_dir: Path, say: Callable[[str], None]) -
             "make sure they are the ones it ran with")
         return
     old = _flatten(read_yaml(saved_path), set(new))
-    rl_path = bool(getattr(getattr(cfg, "data", None), "path", "")) and hasattr(cfg, "rollout")
+    free = resume_free_keys(cfg)
     changed = {key: (old[key], new[key]) for key in sorted(old) if old[key] != new[key]}
-    refused = {k: v for k, v in changed.items() if not is_free(k, rl_path) and not _accepted(k, accept)}
+    refused = {k: v for k, v in changed.items() if k not in free and not _accepted(k, accept)}
     if refused:
         lines = "\n".join(f"  {key}: {_show(a)} -> {_show(b)}" for key, (a, b) in refused.items())
         raise ConfigError(
@@ -116,7 +86,7 @@ def check_resume_settings(cfg: Any, run_dir: Path, say: Callable[[str], None]) -
     for key, (a, b) in changed.items():
         if key in UNREPORTED:
             continue
-        why = "accepted by train.resume_accept" if not is_free(key, rl_path) else "does not change the computation"
+        why = "accepted by train.resume_accept" if key not in free else "does not change the computation"
         if key == "train.max_steps" and cfg.optim.schedule != "constant":
             why = f"the {cfg.optim.schedule} LR schedule follows the new length from here on"
         say(f"[resume] {key}: {_show(a)} -> {_show(b)} ({why})")

@@ -15,7 +15,7 @@ import yaml
 
 from .. import hardware, lora
 from ..checkpoint import list_checkpoints, pid_alive
-from ..config import save_config, to_dict
+from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, save_config, to_dict
 from ..errors import ConfigError
 from ..metrics import make_console
 from ..models import count_parameters
@@ -28,8 +28,17 @@ DEFAULT_BATCH_SIZE = 32
 
 @dataclasses.dataclass
 class Run:
+    """A started run: its directory, hardware choices, parallel context and the sections the runtime reads.
+
+    The runtime gets the sections every run config has, resolved (``train`` holds the chosen micro-batch
+    size, threads, dtype and checkpointing), never the recipe's whole config."""
+
     name: str
-    cfg: object
+    model_cfg: ModelConfig
+    train: TrainConfig
+    optim: OptimConfig
+    parallel: ParallelConfig
+    logging: LoggingConfig
     dir: Path
     hw: hardware.Hardware
     choices: hardware.Choices
@@ -79,11 +88,6 @@ class Run:
         return 6.0 * params
 
 
-def lora_section(cfg):
-    """The run's ``model.lora`` section, or None for a recipe whose config has none."""
-    return getattr(getattr(cfg, "model", None), "lora", None)
-
-
 def split_batch(global_rows: int, micro_batch_size: int, world_size: int, what: str) -> int:
     """Micro-batches per rank (the accumulation) for ``global_rows`` rows per update over ``world_size`` ranks.
 
@@ -106,18 +110,20 @@ def largest_divisor_at_most(n: int, cap: int) -> int:
 
 
 def start_run(cfg, name: str, model=None, seq_len: int = 256, console=None, update_rows: int | None = None,
-              update_label: str = "train.batch_size") -> Run:
+              update_label: str = "train.batch_size", rollout_backend: str | None = None) -> Run:
     """Start the parallel context, choose hardware settings (printing each with its reason), split the
     batch, prepare ``train.output_dir``, write the resolved config.
 
-    ``update_rows``: rows of one optimizer update over all ranks (RL: a mini-batch of the rollout);
-    default ``train.batch_size``. The resolved values (batch size, micro-batch size, dtype, threads,
-    checkpointing) are written back into ``cfg`` before it is saved, so the saved config reproduces
-    the run on another machine.
+    ``cfg`` is the recipe's whole config, read here only to check it against a resumed run's and to save
+    it; the run keeps its sections (:class:`Run`). ``update_rows``: rows of one optimizer update over all
+    ranks (RL: a mini-batch of the rollout); default ``train.batch_size``. ``rollout_backend``: the RL
+    run's ``rollout.backend`` (``train.qat`` needs an in-process sampler). The resolved values (batch size,
+    micro-batch size, dtype, threads, checkpointing) go into the run's copy of ``train`` and into the saved
+    config.yaml, so that it reproduces the run on another machine; ``cfg`` itself is not changed.
     """
     console = console or make_console()
     tcfg = cfg.train
-    check_quant_settings(cfg)  # train.save_quantized formats, train.qat with the rollout backend
+    check_quant_settings(tcfg, rollout_backend)  # formats; train.qat with the rollout backend
     run_dir = Path(tcfg.output_dir)
     if not tcfg.resume and list_checkpoints(run_dir):
         raise ConfigError(
@@ -125,10 +131,8 @@ def start_run(cfg, name: str, model=None, seq_len: int = 256, console=None, upda
             f"or choose another train.output_dir (nothing was overwritten)."
         )
     hw = hardware.detect(tcfg.device)
-    pcfg = getattr(cfg, "parallel", None)
-    ctx, device = init_parallel(getattr(pcfg, "strategy", "ddp"), torch.device(hw.device),
-                                getattr(pcfg, "timeout_s", 600.0))
-    lora.check_settings(lora_section(cfg), cfg.train, ctx)  # before the run directory is locked or written
+    ctx, device = init_parallel(cfg.parallel.strategy, torch.device(hw.device), cfg.parallel.timeout_s)
+    lora.check_settings(cfg.model.lora, tcfg, ctx)  # before the run directory is locked or written
     mcfg = getattr(model, "config", None)
     # Several ranks on one CPU share its cores: each gets its part unless threads are set.
     ranks = local_world_size() if hw.device == "cpu" and ctx.distributed else 1
@@ -139,24 +143,27 @@ def start_run(cfg, name: str, model=None, seq_len: int = 256, console=None, upda
         hidden=getattr(mcfg, "hidden_size", 128), layers=getattr(mcfg, "num_hidden_layers", 4),
     )
     choices.device = device
+    batch_size = tcfg.batch_size or DEFAULT_BATCH_SIZE
     if update_rows is None:
-        tcfg.batch_size = tcfg.batch_size or DEFAULT_BATCH_SIZE
-        update_rows = tcfg.batch_size
+        update_rows = batch_size
     per_rank = update_rows // ctx.world_size if update_rows % ctx.world_size == 0 else update_rows
     wanted = tcfg.micro_batch_size or largest_divisor_at_most(per_rank, choices.micro_batch_size)
     accum = split_batch(update_rows, wanted, ctx.world_size, update_label)
     micro = min(wanted, update_rows // ctx.world_size)  # a micro-batch is at most a rank's share
     choices.micro_batch_size = micro
     hardware.apply(choices)
-    tcfg.micro_batch_size, tcfg.threads = micro, choices.threads
-    tcfg.dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[choices.dtype]
-    tcfg.gradient_checkpointing = "on" if choices.gradient_checkpointing else "off"
-    run = Run(name, cfg, run_dir, hw, choices, console, ctx, micro, accum)
-    ctx.check_same_config(yaml.safe_dump({k: v for k, v in to_dict(cfg).items()}, sort_keys=True))
+    train = dataclasses.replace(
+        tcfg, batch_size=batch_size, micro_batch_size=micro, threads=choices.threads,
+        dtype={torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[choices.dtype],
+        gradient_checkpointing="on" if choices.gradient_checkpointing else "off")
+    resolved = dataclasses.replace(cfg, train=train)  # what config.yaml holds
+    run = Run(name, cfg.model, train, cfg.optim, cfg.parallel, cfg.logging, run_dir, hw, choices, console, ctx,
+              micro, accum)
+    ctx.check_same_config(yaml.safe_dump({k: v for k, v in to_dict(resolved).items()}, sort_keys=True))
     error = None
     if ctx.is_main:
         try:
-            check_resume_settings(cfg, run_dir, run.print)  # before config.yaml is overwritten below
+            check_resume_settings(resolved, run_dir, run.print)  # before config.yaml is overwritten below
             acquire_run_lock(run_dir, run.print)
         except (ConfigError, OSError) as exc:
             error = exc if isinstance(exc, ConfigError) else ConfigError(
@@ -168,7 +175,7 @@ def start_run(cfg, name: str, model=None, seq_len: int = 256, console=None, upda
         if ctx.distributed:
             console.print(f"[parallel] {ctx.world_size} ranks, {ctx.strategy}; {update_label}={update_rows} rows "
                           f"= {micro} per micro-batch x {ctx.world_size} ranks x {accum} accumulation", markup=False)
-        save_config(cfg, run_dir / "config.yaml")
+        save_config(resolved, run_dir / "config.yaml")
     ctx.barrier()
     seed_everything(tcfg.seed, ctx.rank)
     return run

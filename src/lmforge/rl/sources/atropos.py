@@ -71,7 +71,7 @@ class AtroposSource:
 
     def __init__(self, setup: SourceSetup):
         self.setup = setup
-        self.cfg = setup.rollout
+        self.rollout = setup.rollout
         self.ctx = setup.ctx
         self.max_token_len = setup.max_prompt_len + setup.rollout.max_new_tokens
         self.num_steps = setup.max_steps
@@ -96,48 +96,48 @@ class AtroposSource:
         return ctx.broadcast_object(result)
 
     def _server_version(self) -> int:
-        reply = _request("GET", f"{self.cfg.server_url.rstrip('/')}/v1/weights", self.cfg.api_retries,
-                         self.cfg.api_backoff_s)
+        reply = _request("GET", f"{self.rollout.server_url.rstrip('/')}/v1/weights", self.rollout.api_retries,
+                         self.rollout.api_backoff_s)
         return int(reply["weight_version"])
 
     def _push(self, model: torch.nn.Module, version: int) -> int:
         """POST the weights (serialised once, merged if LoRA) to ``lmforge serve``; retried like every
         other call here, and a refusal (4xx: wrong names or shapes, a version that does not increase)
         is an error at once."""
-        url, request = weights_request(self.cfg.server_url, model, version=version)
-        limit = self.cfg.push_timeout_s
-        reply = _request("POST", url, self.cfg.api_retries, self.cfg.api_backoff_s, timeout=limit, **request,
+        url, request = weights_request(self.rollout.server_url, model, version=version)
+        limit = self.rollout.push_timeout_s
+        reply = _request("POST", url, self.rollout.api_retries, self.rollout.api_backoff_s, timeout=limit, **request,
                          deadline=time.monotonic() + limit,
-                         action=f"pushing weights version {version} to rollout.server_url={self.cfg.server_url} "
+                         action=f"pushing weights version {version} to rollout.server_url={self.rollout.server_url} "
                                 f"(rollout.push_timeout_s={limit:g})",
                          remedy="the last checkpoint is intact: resume the run once the inference server is back")
         return int(reply["weight_version"])
 
     def _start(self, policy: Policy, trained_steps: int) -> None:
         def start() -> None:
-            uuid = register(self.cfg.api_url, batch_size=self.cfg.num_prompts * self.cfg.group_size,
+            uuid = register(self.rollout.api_url, batch_size=self.rollout.num_prompts * self.rollout.group_size,
                             max_token_len=self.max_token_len, num_steps=self.num_steps, starting_step=trained_steps,
-                            retries=self.cfg.api_retries, backoff_s=self.cfg.api_backoff_s)
-            self.setup.print(f"[atropos] registered with {self.cfg.api_url} (trainer uuid {uuid}) at step {trained_steps}")
-            if self.cfg.server_url:
+                            retries=self.rollout.api_retries, backoff_s=self.rollout.api_backoff_s)
+            self.setup.print(f"[atropos] registered with {self.rollout.api_url} (trainer uuid {uuid}) at step {trained_steps}")
+            if self.rollout.server_url:
                 return self._server_version()
             return None
 
-        server_version = self._rank0(f"the end of rank 0's registration with {self.cfg.api_url}", start)
-        if self.cfg.server_url and trained_steps > 0:  # resumed: the environments must sample our weights
+        server_version = self._rank0(f"the end of rank 0's registration with {self.rollout.api_url}", start)
+        if self.rollout.server_url and trained_steps > 0:  # resumed: the environments must sample our weights
             if server_version >= trained_steps:
                 raise AtroposError(
-                    f"rollout.server_url={self.cfg.server_url} serves weight version {server_version}, but the run "
+                    f"rollout.server_url={self.rollout.server_url} serves weight version {server_version}, but the run "
                     f"resumed at step {trained_steps} (versions must increase); restart lmforge serve on the "
                     f"resumed checkpoint ({self.setup.run_dir}/step-{trained_steps}) and resume again")
             model = policy()  # every rank (FSDP2 gathers)
-            self._rank0(f"the end of rank 0's weight push to {self.cfg.server_url}", self._push, model, trained_steps)
-            self.setup.print(f"[atropos] pushed the resumed weights to {self.cfg.server_url} as version {trained_steps}")
+            self._rank0(f"the end of rank 0's weight push to {self.rollout.server_url}", self._push, model, trained_steps)
+            self.setup.print(f"[atropos] pushed the resumed weights to {self.rollout.server_url} as version {trained_steps}")
         self.started = True
 
     def _next_groups(self, trained_steps: int) -> tuple[list[dict], dict]:
         """Rank 0: ``num_prompts`` fresh groups for this step, and what it took to get them."""
-        cfg, max_staleness = self.cfg, (None if self.cfg.max_staleness < 0 else self.cfg.max_staleness)
+        cfg, max_staleness = self.rollout, (None if self.rollout.max_staleness < 0 else self.rollout.max_staleness)
         start = time.monotonic()
         dropped = 0
 
@@ -182,16 +182,16 @@ class AtroposSource:
         if not self.started:
             self._start(policy, version)
             return
-        if not self.cfg.server_url or version % self.cfg.push_every:
+        if not self.rollout.server_url or version % self.rollout.push_every:
             return
         model = policy()  # every rank (FSDP2 gathers)
-        self._rank0(f"the end of rank 0's weight push to {self.cfg.server_url} after step {version}", self._push,
+        self._rank0(f"the end of rank 0's weight push to {self.rollout.server_url} after step {version}", self._push,
                     model, version)
 
     def next_batch(self, step: int) -> ScoredRollout:
         """This rank's share of the next ``num_prompts`` groups."""
         trained_steps = step - 1  # the optimizer steps behind the weights this step starts from
-        groups, info = self._rank0(f"the end of rank 0's pull from {self.cfg.api_url}/batch for step {step}",
+        groups, info = self._rank0(f"the end of rank 0's pull from {self.rollout.api_url}/batch for step {step}",
                                    self._next_groups, trained_steps)
         scores = torch.tensor([float(s) for g in groups for s in g["scores"]])
         rows = rank_prompts(list(range(len(groups))), self.setup.num_mini_batches, self.ctx)

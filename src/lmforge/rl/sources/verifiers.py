@@ -150,8 +150,8 @@ class VerifiersSource:
         if setup.ctx.distributed:
             raise ConfigError("rollout.backend=verifiers runs in one process (its server and environment "
                               "live in the training process); launch without torchrun")
-        self.setup, self.cfg = setup, setup.rollout
-        cfg = self.cfg
+        self.setup, self.rollout = setup, setup.rollout
+        cfg = self.rollout
         absolute_pythonpath()  # verifiers starts the tool servers as `python -m <module>` in their own directories
         env_cfg = resolve_env_config({"taskset": {"id": cfg.verifiers_env, **cfg.verifiers_args},
                                       "agent": {"harness": {"id": cfg.verifiers_harness},
@@ -175,16 +175,16 @@ class VerifiersSource:
                     f"policy served at {self.server.url}, renderer {renderer}")
 
     def step_tasks(self, step: int) -> list:
-        start = (step - 1) * self.cfg.num_prompts
-        return [self.tasks[self.order[(start + i) % len(self.order)]] for i in range(self.cfg.num_prompts)]
+        start = (step - 1) * self.rollout.num_prompts
+        return [self.tasks[self.order[(start + i) % len(self.order)]] for i in range(self.rollout.num_prompts)]
 
     async def _run(self, tasks: list, step: int = 0) -> list:
         """The step's episodes, or a TrainingError when they have not all finished within
         ``rollout.verifiers_timeout_s`` (a harness, tool server or environment that hangs)."""
         async with self.env.serving():
-            slots = [slot for task in tasks for slot in self.env.slots(task, self.cfg.group_size)]
+            slots = [slot for task in tasks for slot in self.env.slots(task, self.rollout.group_size)]
             running = [asyncio.ensure_future(self.env.run_slot(slot, self.ctx)) for slot in slots]
-            limit = self.cfg.verifiers_timeout_s
+            limit = self.rollout.verifiers_timeout_s
             _, pending = await asyncio.wait(running, timeout=limit)
             if pending:
                 for task in pending:
@@ -199,9 +199,9 @@ class VerifiersSource:
     def rows(self, episodes: list) -> tuple[list[dict], dict]:
         """The step's rows, grouped by task, and the render check's counts (module doc, 4-5)."""
         groups, prompt_bad, episode_bad, failed = [], 0, 0, 0
-        for g in range(self.cfg.num_prompts):
+        for g in range(self.rollout.num_prompts):
             group = {"tokens": [], "masks": [], "scores": [], "inference_logprobs": [], "turns": [], "tool_calls": []}
-            for episode in episodes[g * self.cfg.group_size:(g + 1) * self.cfg.group_size]:
+            for episode in episodes[g * self.rollout.group_size:(g + 1) * self.rollout.group_size]:
                 row, branch = branch_row(episode)
                 if row is None:
                     error = episode.last_error or next((t.last_error for t in episode.traces if t.last_error), None)
