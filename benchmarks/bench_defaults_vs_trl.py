@@ -48,7 +48,7 @@ from lmforge.models import load_model  # noqa: E402
 from lmforge.config import ModelConfig  # noqa: E402
 from lmforge.recipes.grpo import grpo_step  # noqa: E402
 from lmforge.recipes.sft import SFTConfig  # noqa: E402
-from lmforge.recipes.supervised import SupervisedData, supervised_step  # noqa: E402
+from lmforge.supervised.step import SupervisedData, supervised_step  # noqa: E402
 from lmforge.runtime.loop import build_state  # noqa: E402
 from lmforge.runtime.run import start_run  # noqa: E402
 

@@ -26,7 +26,8 @@ import bench_dpo_vs_trl as B
 from lmforge.config import ModelConfig
 from lmforge.models import load_model
 from lmforge.data.preference import tokenize_pairs
-from lmforge.recipes import dpo, pair_forward
+from lmforge.recipes import dpo
+from lmforge.supervised import pair_forward
 from lmforge.train import BatchOrder
 
 model, tok = load_model(ModelConfig(name="smollm2-135m-instruct"))

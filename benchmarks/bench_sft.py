@@ -53,7 +53,7 @@ from lmforge.config import ModelConfig, OptimConfig, TrainConfig
 from lmforge.data.sft import CHAT_SMALL, SFTExample, collate_sft, load_sft_rows, tokenize_sft
 from lmforge.models import count_parameters, load_model
 from lmforge.recipes.sft import SFTConfig
-from lmforge.recipes.supervised import SupervisedData, supervised_step
+from lmforge.supervised.step import SupervisedData, supervised_step
 from lmforge.runtime.loop import build_state
 from lmforge.runtime.run import Run, start_run
 from lmforge.train import count_loss_tokens

@@ -20,8 +20,9 @@ from lmforge.parallel.wrap import full_state_dict
 from lmforge.reward_model import from_causal_lm
 from lmforge.advantages import compute_advantages
 from lmforge.recipes import distill, dpo, grpo, ppo, rm
-from lmforge.recipes.sft import SFTConfig, SFTDataConfig, build_data
-from lmforge.recipes.supervised import supervised_step
+from lmforge.recipes.sft import SFTConfig
+from lmforge.supervised.sft_data import SFTDataConfig, build_data
+from lmforge.supervised.step import supervised_step
 from lmforge.rl.config import RLDataConfig, RolloutConfig
 from lmforge.rollout import RolloutBatch, SamplingParams, generate
 from lmforge.runtime.loop import build_state
@@ -54,7 +55,7 @@ def sft_case(out: Path, micro: int, strategy: str, grad_sync: str = "native") ->
                     logging=LoggingConfig(progress=False))
     model, tokenizer = load_model(cfg.model)
     run = start_run(cfg, "sft", model, seq_len=32, console=Quiet())
-    data, _ = build_data(cfg, tokenizer, lambda *_: None)
+    data, _ = build_data(cfg.data, cfg.train.seed, cfg.model, tokenizer, lambda *_: None)
     state = build_state(run, model, tokenizer, BatchOrder(len(data.train_rows), 8, 0), STEPS)
     losses = [float(supervised_step(state, data, step)["loss"]) for step in range(1, STEPS + 1)]
     return {"losses": losses, "weights": full_state_dict(state.wrapped)}
@@ -70,7 +71,7 @@ def dpo_case(out: Path, micro: int, strategy: str, loss: str = "sigmoid") -> dic
                         logging=LoggingConfig(progress=False))
     model, tokenizer = load_model(cfg.model)
     run = start_run(cfg, "dpo", model, seq_len=64, console=Quiet())
-    pairs, _ = dpo.build_pairs(cfg, tokenizer, lambda *_: None)
+    pairs, _ = dpo.build_pairs(cfg.data, cfg.train, cfg.model, tokenizer, lambda *_: None)
     reference = dpo.make_reference(model, loss)
     state = build_state(run, model, tokenizer, BatchOrder(len(pairs), 8, 0), STEPS)
     losses = [float(dpo.dpo_step(state, pairs, cfg.algo, reference, step)["loss"]) for step in range(1, STEPS + 1)]
@@ -85,7 +86,7 @@ def rm_case(out: Path, micro: int, strategy: str) -> dict:
                       logging=LoggingConfig(progress=False))
     model, tokenizer = load_model(cfg.model)
     run = start_run(cfg, "rm", model, seq_len=64, console=Quiet())
-    pairs, _ = rm.build_pairs(cfg, tokenizer, lambda *_: None)
+    pairs, _ = rm.build_pairs(cfg.data, cfg.train, cfg.model, tokenizer, lambda *_: None)
     state = build_state(run, from_causal_lm(model, tokenizer), tokenizer, BatchOrder(len(pairs), 8, 0), STEPS)
     losses = [float(rm.rm_step(state, pairs, cfg.algo, step)["loss"]) for step in range(1, STEPS + 1)]
     return {"losses": losses, "weights": full_state_dict(state.wrapped)}
@@ -231,7 +232,7 @@ def distill_logit_case(out: Path, micro: int, strategy: str) -> dict:
     model, tokenizer = load_model(cfg.model)
     teacher = load_model(TEACHER)[0].eval().requires_grad_(False)
     run = start_run(cfg, "distill", model, seq_len=32, console=Quiet())
-    data, _ = build_data(distill.sft_view(cfg), tokenizer, lambda *_: None)
+    data, _ = build_data(cfg.fixed_data, cfg.train.seed, cfg.model, tokenizer, lambda *_: None)
     state = build_state(run, model, tokenizer, BatchOrder(len(data.train_rows), 8, 0), STEPS)
     losses = [float(distill.logit_step(state, data, teacher, 2.0, step)["loss"]) for step in range(1, STEPS + 1)]
     return {"losses": losses, "weights": full_state_dict(state.wrapped)}

@@ -17,7 +17,8 @@ from lmforge.data.sft import collate_sft
 from lmforge.errors import ConfigError
 from lmforge.models import load_model
 from lmforge.recipes import dpo
-from lmforge.recipes.pair_forward import pack_pairs, pair_logits, segment_length, side_logps
+from lmforge.supervised.pairs import model_answers
+from lmforge.supervised.pair_forward import pack_pairs, pair_logits, segment_length, side_logps
 
 REAL_MAKE_REFERENCE = dpo.make_reference
 
@@ -66,7 +67,7 @@ def test_the_reference_is_the_starting_model_and_stays_frozen(tmp_path, monkeypa
     dpo.run_dpo(cfg, model, tokenizer)
     after = made[0].state_dict()  # the run's reference, after 4 updates of the policy
     assert all(torch.equal(after[k], v) for k, v in start.state_dict().items())
-    train_data, _ = dpo.build_pairs(cfg, tokenizer, lambda *_: None)
+    train_data, _ = dpo.build_pairs(cfg.data, cfg.train, cfg.model, tokenizer, lambda *_: None)
     pairs = train_data.pairs[:4]
     batch = pack_pairs(pairs)
     assert sum(len(ids) for ids in batch.input_ids) < batch.num_tokens  # a pair's prompt runs once for both sides
@@ -108,7 +109,7 @@ def test_the_hardware_choice_sees_the_longest_pair_as_it_runs(tmp_path, monkeypa
     monkeypatch.setattr(dpo, "start_run", lambda cfg, name, model, seq_len, console: seen.append(seq_len) or
                         real(cfg, name, model, seq_len=seq_len, console=console))
     cfg, _ = run(tmp_path / "rule", "train.max_steps=1", "data.max_len=24")
-    train_data, val_data = dpo.build_pairs(cfg, load_model(cfg.model)[1], lambda *_: None)
+    train_data, val_data = dpo.build_pairs(cfg.data, cfg.train, cfg.model, load_model(cfg.model)[1], lambda *_: None)
     longest = max(segment_length(pair) for data in (train_data, val_data) for pair in data.pairs)
     longest_side = max(len(side.input_ids) for pair in train_data.pairs for side in pair)
     assert seen == [longest] and longest_side < longest < 2 * longest_side
@@ -119,7 +120,7 @@ def test_the_hardware_choice_sees_the_longest_pair_as_it_runs(tmp_path, monkeypa
 def test_sides_longer_than_a_sliding_window_are_a_config_error(tmp_path):
     cfg = load_config(dpo.DPOConfig, None, ARGS + [f"train.output_dir={tmp_path}"])
     model, tokenizer = load_model(cfg.model)
-    train_data, _ = dpo.build_pairs(cfg, tokenizer, lambda *_: None)
+    train_data, _ = dpo.build_pairs(cfg.data, cfg.train, cfg.model, tokenizer, lambda *_: None)
     longest = max(len(side.input_ids) for pair in train_data.pairs for side in pair)
     model.config.sliding_window = longest
     dpo.check_fits_context(model, train_data)
@@ -151,8 +152,8 @@ def test_simpo_and_ipo_run(tmp_path):
 def test_policy_rejected_pairs_are_the_models_wrong_answers(tmp_path, capsys):
     cfg = load_config(dpo.DPOConfig, None, ARGS + [f"train.output_dir={tmp_path}", "data.rejected=policy"])
     model, tokenizer = load_model(cfg.model)
-    train, _ = dpo.build_pairs(cfg, tokenizer, print, model)
-    answers = dpo.model_answers(model, tokenizer, dpo.get_task("addition"), 64, 0, "train", cfg)
+    train, _ = dpo.build_pairs(cfg.data, cfg.train, cfg.model, tokenizer, print, model)
+    answers = model_answers(model, tokenizer, dpo.get_task("addition"), 64, 0, "train", cfg.data, cfg.train.max_new_tokens)
     rejected = [tokenizer.decode([i for i, m in zip(p.rejected.input_ids, p.rejected.loss_mask) if m],
                                  skip_special_tokens=True) for p in train.pairs]
     assert "the starting model answers 64 of 64 training problems wrongly (and 0 blank)" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""The packed pair forward (lmforge.recipes.pair_forward): the layout of a pair by hand, and each
+"""The packed pair forward (lmforge.supervised.pair_forward): the layout of a pair by hand, and each
 side's log-probabilities and their gradients equal to those of the side run alone through the full
 model (all positions, full LM head) in fp64, for every packing of the pairs into rows, for shared
 and unshared prompts, several trained spans, untrained trailing tokens, SDPA and eager attention.
@@ -17,8 +17,8 @@ from lmforge.config import ModelConfig
 from lmforge.data.preference import PreferencePair
 from lmforge.data.sft import SFTExample
 from lmforge.models import load_model
-from lmforge.recipes import pair_forward
-from lmforge.recipes.pair_forward import pack_pairs, pair_logits, side_logps
+from lmforge.supervised import pair_forward
+from lmforge.supervised.pair_forward import pack_pairs, pair_logits, side_logps
 
 
 def side(ids, mask):

@@ -16,7 +16,7 @@ from lmforge import checkpoint as ckpt
 from lmforge.cli import main
 from lmforge.config import load_config
 from lmforge.errors import ConfigError, TrainingError
-from lmforge.recipes import supervised
+from lmforge.supervised import step as supervised
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
 from lmforge.recipes.pretrain import PretrainConfig, run_pretrain
 from lmforge.recipes.sft import SFTConfig, run_sft

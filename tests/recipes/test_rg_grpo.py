@@ -87,7 +87,7 @@ def test_sft_on_a_reasoning_gym_task(tmp_path, monkeypatch, tok):
     the task's scorer on the saved greedy completions of the held-out problems."""
     import re
 
-    import lmforge.recipes.sft as sft_recipe
+    import lmforge.supervised.sft_data as sft_recipe
     from lmforge.data.tasks import get_task
     from lmforge.recipes.sft import SFTConfig, run_sft
 

@@ -61,7 +61,7 @@ def test_saved_directory_loads_with_transformers_and_scores_the_same(tmp_path):
     hf = AutoModelForSequenceClassification.from_pretrained(str(final)).eval()
     assert hf.num_labels == 1 and float(hf.score.weight.detach().abs().sum()) > 0  # trained, not the zero start
     ours, tokenizer = load_reward_model(final)
-    train, _ = rm.build_pairs(cfg, tokenizer, lambda *_: None)
+    train, _ = rm.build_pairs(cfg.data, cfg.train, cfg.model, tokenizer, lambda *_: None)
     pairs = train.pairs[:8]
     batch = collate_pairs(pairs, tokenizer.pad_token_id)  # (16, T) right-padded: sides of different lengths
     assert int((batch["attention_mask"] == 0).sum()) > 0

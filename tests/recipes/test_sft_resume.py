@@ -109,7 +109,7 @@ def test_fresh_run_refuses_to_overwrite_checkpoints(tmp_path, reference):
 def test_nan_loss_stops_before_the_update_and_keeps_the_checkpoints(tmp_path, reference, monkeypatch):
     # the loss of step 5's second micro-batch turns NaN: the run stops with a TrainingError naming
     # the step, before that step's optimizer update, and the step-2/4 checkpoints resume bit for bit
-    import lmforge.recipes.supervised as supervised
+    import lmforge.supervised.step as supervised
     from lmforge.errors import TrainingError
 
     real, calls = supervised.micro_loss, []

@@ -125,7 +125,7 @@ def test_bad_specs_are_clear(spec, message):
 
 def test_bad_spec_is_a_config_error_naming_data_task():
     from lmforge.errors import ConfigError
-    from lmforge.recipes.sft import SFTDataConfig
+    from lmforge.supervised.sft_data import SFTDataConfig
     from lmforge.rl.config import RLDataConfig
 
     with pytest.raises(ConfigError, match="data.task: rg: unknown reasoning-gym dataset"):

@@ -40,7 +40,8 @@ from ..models import load_model, load_tokenizer_for
 from ..parallel.context import init_parallel, torchrun_world
 from ..runtime.run import local_world_size
 from ..rollout.engine import SamplingParams, generate
-from .sft import SFTConfig, SFTDataConfig, run_sft
+from ..supervised.sft_data import SFTDataConfig
+from .sft import SFTConfig, run_sft
 
 Split = Literal["train", "val", "test"]
 

@@ -36,8 +36,8 @@ from ..runtime.loop import Trainer, build_state, full_model, train_loop
 from ..runtime.run import start_run
 from ..train import BatchOrder, logits_at, shifted_targets
 from .grpo import old_logprobs
-from .sft import SFTConfig, SFTDataConfig, build_data, check_fits_context, make_eval
-from .supervised import supervised_step, validation_loss
+from ..supervised.sft_data import SFTDataConfig, build_data, check_fits_context, make_eval
+from ..supervised.step import supervised_step, validation_loss
 
 MODES = ("on_policy", "logit")
 
@@ -314,18 +314,11 @@ def logit_step(state, data, teacher, temperature: float, step: int) -> dict:
     return {"loss": metrics.pop("loss"), "forward_kl": kl["kl_sum"] / max(kl["num_tokens"], 1), **metrics}
 
 
-def sft_view(cfg: DistillConfig) -> SFTConfig:
-    """The sections ``lmforge sft``'s data and evaluation read, with ``fixed_data`` as its data."""
-    return SFTConfig(model=cfg.model, data=cfg.fixed_data, optim=cfg.optim, train=cfg.train, parallel=cfg.parallel,
-                     logging=cfg.logging)
-
-
 def run_logit(cfg: DistillConfig, algo: DistillAlgoConfig, model, tokenizer, teacher, note: str, console,
               name: str) -> dict:
     run = start_run(cfg, name, model, seq_len=cfg.fixed_data.max_len, console=console)
     tcfg = run.train  # resolved: the batch size chosen when unset
-    view = sft_view(cfg)
-    data, val_rows = build_data(view, tokenizer, run.print)
+    data, val_rows = build_data(cfg.fixed_data, tcfg.seed, cfg.model, tokenizer, run.print)
     check_fits_context(model, data)
     if len(data.train_rows) < tcfg.batch_size:
         raise DataError(f"{len(data.train_rows)} training rows are fewer than one batch (train.batch_size="
@@ -336,7 +329,7 @@ def run_logit(cfg: DistillConfig, algo: DistillAlgoConfig, model, tokenizer, tea
     state = build_state(run, model, tokenizer, BatchOrder(len(data.train_rows), tcfg.batch_size, tcfg.seed),
                         tcfg.max_steps)
     teacher = teacher_of(teacher, state.model, run.device)
-    evaluate = make_eval(view, tokenizer, run, val_rows)
+    evaluate = make_eval(cfg.fixed_data, tcfg, tokenizer, run, val_rows)
 
     def run_eval(step: int) -> dict:
         metrics = {"val_loss": validation_loss(state, data)}  # the student's NLL of the rows' own completions

@@ -25,7 +25,7 @@ from ..models import cache_dir, context_length, load_model
 from ..rollout.engine import SamplingParams, generate
 from ..tokenizer import SAMPLE_TEXTS, check_unknown_tokens, train_bpe_tokenizer
 from ..runtime.run import start_run
-from .supervised import SupervisedData, train_supervised
+from ..supervised.step import SupervisedData, train_supervised
 
 
 @dataclasses.dataclass

@@ -19,7 +19,8 @@ from ..models import load_model
 from ..tokenizer import char_tokenizer
 from ..rl.config import RLDataConfig, RolloutConfig
 from .grpo import GRPOConfig, run_grpo
-from .sft import SFTConfig, SFTDataConfig, run_sft
+from ..supervised.sft_data import SFTDataConfig
+from .sft import SFTConfig, run_sft
 
 
 @dataclasses.dataclass

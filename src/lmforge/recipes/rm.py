@@ -29,8 +29,8 @@ from ..reward_losses import reward_loss
 from ..reward_model import from_causal_lm, sequence_rewards
 from ..runtime.loop import Trainer, TrainState, build_state, train_loop
 from ..runtime.run import start_run
+from ..supervised.pairs import PreferenceDataConfig, build_pairs, check_fits_context, held_out_pairs, pairs_step
 from ..train import BatchOrder
-from .dpo import PreferenceDataConfig, build_pairs, check_fits_context, held_out_pairs, pairs_step
 
 METRIC_KEYS = ("rewards_chosen", "rewards_rejected", "reward_margin", "accuracy")
 
@@ -72,7 +72,7 @@ def pair_rewards(state: TrainState, pairs: list[PreferencePair]) -> tuple[torch.
 
 
 def rm_step(state: TrainState, data: PreferenceData, algo: RewardAlgoConfig, step: int) -> dict:
-    """One optimizer step of the reward-model loss over the next global batch of pairs (dpo.pairs_step)."""
+    """One optimizer step of the reward-model loss over the next global batch of pairs (supervised.pairs.pairs_step)."""
     def micro_loss(pairs, _, num_pairs_global):
         return reward_loss(*pair_rewards(state, pairs), loss_type=algo.loss, margin=algo.margin,
                            num_pairs_global=num_pairs_global)
@@ -82,7 +82,7 @@ def rm_step(state: TrainState, data: PreferenceData, algo: RewardAlgoConfig, ste
 
 
 def held_out(state: TrainState, data: PreferenceData, algo: RewardAlgoConfig, max_pairs: int = 1024) -> dict:
-    """Loss, pairwise accuracy and margin over the held-out pairs (dpo.held_out_pairs)."""
+    """Loss, pairwise accuracy and margin over the held-out pairs (supervised.pairs.held_out_pairs)."""
     def pairs_loss(pairs):
         return reward_loss(*pair_rewards(state, pairs), loss_type=algo.loss, margin=algo.margin, num_pairs_global=1)
 
@@ -99,7 +99,7 @@ def run_rm(cfg: RMConfig, model=None, tokenizer=None, console=None) -> dict:
         model, tokenizer = load_model(cfg.model)
     # a step's forward holds both sides of each pair: the hardware choice sees rows twice max_len long
     run = start_run(cfg, "rm", model, seq_len=2 * cfg.data.max_len, console=console)
-    train_data, val_data = build_pairs(cfg, tokenizer, run.print, model.to(run.device))
+    train_data, val_data = build_pairs(cfg.data, run.train, cfg.model, tokenizer, run.print, model.to(run.device))
     check_fits_context(model, train_data, val_data)
     run.print(f"[data] {len(train_data)} training pairs, {len(val_data)} held-out pairs")
     if len(train_data) < run.train.batch_size:
