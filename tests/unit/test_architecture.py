@@ -80,3 +80,41 @@ def test_architecture_doc_lists_the_contract_layers():
         assert block, f"docs/architecture.md has no layer block for {container}"
         lines = [line.split("#")[0].strip() for line in block.group(1).splitlines() if line.split("#")[0].strip()]
         assert lines == layered(container)
+
+
+def _config_trace():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import config_trace
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    return config_trace
+
+
+def test_the_run_config_from_the_rl_setup_enters_at_most_ten_files():
+    """Sections, not the run: the recipe's whole config, traced from ``rl.prepare`` through every call it
+    is passed to (tools/config_trace.py), stays in a few files (the setup, the run's start, its resume
+    check and the config module that saves it)."""
+    entered = _config_trace().trace()
+    assert len(entered) <= 10, sorted(str(p) for p in entered)
+
+
+def test_the_config_trace_follows_calls_copies_and_holders(tmp_path):
+    """The tracer can fail: a config handed on through a call, a copy and an object that holds it is
+    followed into each file that receives or reads it; a section handed on is not."""
+    pkg = tmp_path / "lmforge"
+    (pkg / "rl").mkdir(parents=True)
+    (pkg / "rl" / "loop.py").write_text(
+        "import dataclasses\n"
+        "def prepare(cfg):\n"
+        "    resolved = dataclasses.replace(cfg, seed=1)\n"
+        "    check(resolved)\n"
+        "    use_section(cfg.rollout)\n"
+        "    return Run(cfg=cfg)\n")
+    (pkg / "checks.py").write_text("def check(config):\n    deeper(config)\n")
+    (pkg / "deep.py").write_text("def deeper(c):\n    return c\n")
+    (pkg / "sections.py").write_text("def use_section(rollout):\n    return rollout.temperature\n")
+    (pkg / "run.py").write_text("class Run:\n    cfg: object\n")
+    (pkg / "reader.py").write_text("def step(state):\n    return state.run.cfg.train\n")
+    entered = {p.name for p in _config_trace().trace(package=pkg)}
+    assert entered == {"loop.py", "checks.py", "deep.py", "run.py", "reader.py"}
