@@ -5,6 +5,8 @@ import logging
 import math
 import sys
 import textwrap
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,7 +60,13 @@ def test_math_reward_without_math_verify_gives_install_hint(monkeypatch):
 @pytest.fixture
 def user_module(tmp_path, monkeypatch):
     (tmp_path / "my_rewards.py").write_text(textwrap.dedent("""
+        import time
+
         def length(completion, problem, **kwargs):
+            return float(len(completion))
+
+        def slow_length(completion, problem, **kwargs):
+            time.sleep(0.01)
             return float(len(completion))
 
         def picky(completion, problem, scale=1.0):
@@ -159,3 +167,37 @@ def test_bad_specs_and_inputs():
         RewardSet([("exact", float("nan"))])
     with pytest.raises(ValueError, match="one problem per completion"):
         RewardSet([("exact", 1.0)])(["a", "b"], [{"answer": "a"}])
+
+
+def test_a_failed_calls_warning_names_the_line_of_the_users_file_that_raised(user_module, caplog):
+    with caplog.at_level(logging.WARNING, logger="lmforge.rollout.rewards"):
+        RewardSet([(f"{user_module}:sometimes_broken", 1.0)])(["boom", "ok"], [{}, {}])
+    lines = Path(sys.modules[user_module].__file__).read_text().splitlines()
+    line = 1 + next(i for i, text in enumerate(lines) if "raise ZeroDivisionError" in text)
+    message = caplog.records[0].getMessage()
+    assert f"ZeroDivisionError: division by zero in user reward (at my_rewards.py:{line})" in message
+
+
+def test_one_set_called_from_two_threads_at_once_scores_each_batch(user_module):
+    """The agent evaluation scores on the training set while rollout.async_steps' thread may score a
+    batch: the two batches share the set's pool one after the other, each with its own results."""
+    rewards = RewardSet([(f"{user_module}:slow_length", 1.0)], timeout_s=5.0, workers=2)
+    out, errors, together = {}, [], threading.Barrier(2, timeout=10.0)
+
+    def score(name: str, completions: list[str]) -> None:
+        try:
+            together.wait()
+            out[name] = rewards(completions, [{}] * len(completions)).per_function[:, 0].tolist()
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=score, args=(name, [name * n for n in range(1, 40)])) for name in "ab"]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30.0)
+    finally:
+        rewards.close()
+    assert errors == [] and not any(t.is_alive() for t in threads)
+    assert out == {"a": [float(n) for n in range(1, 40)], "b": [float(n) for n in range(1, 40)]}

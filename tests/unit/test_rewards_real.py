@@ -301,7 +301,7 @@ def test_late_start_reports_of_an_earlier_batch_are_ignored(slow_module):
     rewards = RewardSet([("slow_rewards:sleep_on_hang_pause_on_wait", 1.0, {}, {"executor": "process"})],
                         timeout_s=1.0, workers=2)
     rewards(["warm"], [{}])
-    reports = rewards._pools["process"].started
+    reports = rewards.calls._executors["process"].started
     long_ago = time.monotonic() - 100.0
     for token in (0, 10_000):  # 0: the warm call's number (before, each batch counted from 0 again)
         reports.put((token, long_ago))
@@ -318,7 +318,7 @@ def test_process_calls_deaf_to_the_alarm_get_their_pool_killed(slow_module):
     rewards = RewardSet([("slow_rewards:deaf_on_hang", 1.0, {}, {"executor": "process"})], timeout_s=1.0, workers=2,
                         max_failure_fraction=1.0)
     rewards(["warm"], [{}])
-    old_processes = list(rewards._pools["process"]._pool._processes.values())
+    old_processes = list(rewards.calls._executors["process"]._pool._processes.values())
     start = time.monotonic()
     out = rewards(["hang", "hang", "ok", "ok", "ok", "ok"], [{}] * 6)  # both workers stuck, four calls queued
     elapsed = time.monotonic() - start

@@ -14,7 +14,7 @@ import pytest
 
 from lmforge.envs import sandbox as sb
 from lmforge.envs.base import EpisodeState
-from lmforge.envs.episode import EnvCalls
+from lmforge.envs.episode import env_calls
 from lmforge.envs.tool_env import ToolEnv
 from lmforge.envs.toolcalls import CALL_CLOSE, CALL_OPEN
 from lmforge.rl.config import EnvConfig
@@ -36,18 +36,19 @@ def test_the_default_limits_end_code_inside_the_default_environment_timeout():
 
 def test_a_sleeping_tool_call_reads_the_wall_clock_message_not_an_environment_timeout():
     """The default python tool in a ToolEnv, called the way the episode runner calls an environment
-    (EnvCalls, the default env.tool_timeout_s): the step answers, and the model reads why its code stopped."""
+    (env_calls, the default env.tool_timeout_s): the step answers, and the model reads why its code stopped."""
     env = ToolEnv([sb.python])
     state = EpisodeState(problem={"prompt": "wait"})
     reply = {"role": "assistant", "content": f'{CALL_OPEN}\n{{"name": "python", "arguments": '
                                              f'{{"code": "import time\\ntime.sleep(600)"}}}}\n{CALL_CLOSE}'}
-    calls = EnvCalls(1, EnvConfig().tool_timeout_s)
+    calls = env_calls(1, EnvConfig().tool_timeout_s)
     try:
         calls.submit("step", lambda: env.step(state, reply))
         [(_, (status, value))] = calls.poll(wait=True)
     finally:
         calls.close()
-    assert status == "ok", value  # today's 10 s clock: ("timeout", "no answer after 10 s (env.tool_timeout_s)")
+    # today's 10 s clock, when it fails: ("timeout", "timed out after 10 s (env.tool_timeout_s; call abandoned)")
+    assert status == "ok", value
     [message] = value.messages
     assert message["content"] == f"[killed: wall-clock limit of {sb.SandboxLimits().wall_s:g} s]"
 

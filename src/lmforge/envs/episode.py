@@ -28,12 +28,10 @@ something malformed ends its episode, counted and logged; the others go on.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import json
 import logging
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -42,7 +40,7 @@ import torch
 from ..rollout import RewardOutput, RolloutBatch, SamplingParams
 from ..rollout.continuous import ContinuousDecoder
 from ..rollout.engine import left_pad
-from ..rollout.reward_pool import DaemonThreadPool
+from ..rollout.timed_calls import TimedCalls
 from .base import EpisodeState, MalformedReply, Message, check_messages, check_step_result
 from .safe_encode import ControlTextError, Rendered, encode_rendered, encode_text, render_marked
 from .toolcalls import render_messages
@@ -112,66 +110,11 @@ class Episode:
         return sum(self.trained)
 
 
-class EnvCalls:
-    """Environment calls on ``workers`` threads, each timed from when a worker takes it. An overdue call
-    is abandoned (its thread finishes in the background): the pool is replaced and the calls still
-    waiting move to the new one. Each call ends as ``("ok", value)``, ``("error", text)`` or
-    ``("timeout", text)``."""
-
-    def __init__(self, workers: int, timeout_s: float):
-        self.workers, self.timeout_s = workers, timeout_s
-        self.pool = DaemonThreadPool(workers, name="env")
-        self._pending: dict[Any, tuple[cf.Future, Callable[[], Any]]] = {}
-        self._started: dict[Any, float] = {}
-
-    @property
-    def num_pending(self) -> int:
-        return len(self._pending)
-
-    def submit(self, key: Any, call: Callable[[], Any]) -> None:
-        self._pending[key] = (self.pool.submit(_traced, call, self._started, key), call)
-
-    def poll(self, wait: bool) -> list[tuple[Any, tuple[str, Any]]]:
-        """The calls that ended since the last poll, in submission order; with ``wait``, blocks until
-        one has (when any is pending)."""
-        limit = self.timeout_s
-        while True:
-            futures = [future for future, _ in self._pending.values()]
-            if wait and futures:
-                cf.wait(futures, timeout=0.01 if limit else None, return_when=cf.FIRST_COMPLETED)
-            now, ended, overdue = time.monotonic(), [], False
-            for key, (future, _) in list(self._pending.items()):
-                if future.done():
-                    ended.append((key, future.result()))
-                elif limit and key in self._started and now - self._started[key] > limit:
-                    ended.append((key, ("timeout", f"no answer after {limit:g} s (env.tool_timeout_s)")))
-                    overdue = True
-                else:
-                    continue
-                del self._pending[key]
-                self._started.pop(key, None)
-            if overdue:
-                self.pool.shutdown()  # the stuck thread finishes in the background
-                self.pool = DaemonThreadPool(self.workers, name="env")
-                for key, (future, call) in self._pending.items():
-                    if future.cancel():  # not started yet: run it on the new pool
-                        self.submit(key, call)
-            if ended or not wait or not self._pending:
-                return ended
-
-    def abandon(self) -> None:
-        """Forget the calls still running (a batch that failed): their threads finish in the background
-        and their results never reach a later batch."""
-        if self._pending:
-            for future, _ in self._pending.values():
-                future.cancel()  # not started yet: never runs (nor writes its start time)
-            self.pool.shutdown()
-            self.pool = DaemonThreadPool(self.workers, name="env")
-        self._pending.clear()
-        self._started.clear()
-
-    def close(self) -> None:
-        self.pool.shutdown()
+def env_calls(workers: int, timeout_s: float) -> TimedCalls:
+    """The pool the runner calls the environment on (``rollout.timed_calls``): threads only, since an
+    environment holds its state in this process (the episodes' ``EpisodeState``, its connections),
+    each call limited to ``env.tool_timeout_s`` from when a thread takes it."""
+    return TimedCalls(workers, timeout_s, "env.tool_timeout_s", name="env")
 
 
 class EpisodeRunner:
@@ -180,7 +123,7 @@ class EpisodeRunner:
     def __init__(self, env, tokenizer, limits: EpisodeLimits, workers: int, context: int | None = None):
         self.env, self.tokenizer, self.limits, self.context = env, tokenizer, limits, context
         self.tools = list(getattr(env, "tools", None) or [])
-        self.calls = EnvCalls(workers, limits.timeout_s)
+        self.calls = env_calls(workers, limits.timeout_s)
 
     def close(self) -> None:
         self.calls.close()
@@ -188,12 +131,10 @@ class EpisodeRunner:
     # ------------------------------------------------------------------------- environment calls
 
     def _call_all(self, calls: list[Callable[[], Any]]) -> list[tuple[str, Any]]:
-        """Run ``calls`` on the pool and wait for every one (``EnvCalls``)."""
+        """Run ``calls`` on the pool and wait for every one (``TimedCalls.wait_all``)."""
         for i, call in enumerate(calls):
             self.calls.submit(i, call)
-        results = dict(self.calls.poll(wait=False))
-        while len(results) < len(calls):
-            results.update(self.calls.poll(wait=True))
+        results = self.calls.wait_all()
         return [results[i] for i in range(len(calls))]
 
     # ------------------------------------------------------------------------- the token rule
@@ -417,18 +358,6 @@ class EpisodeRunner:
 
 def _bind(fn: Callable, *args) -> Callable[[], Any]:
     return lambda: fn(*args)
-
-
-def _traced(call: Callable[[], Any], started: dict | None = None, key: Any = None) -> tuple[str, Any]:
-    """``("ok", value)``, or ``("error", text)`` with where the call raised; the start time goes to
-    ``started[key]`` (the timeout's clock)."""
-    if started is not None:
-        started[key] = time.monotonic()
-    try:
-        return "ok", call()
-    except Exception as exc:  # noqa: BLE001 -- an environment's bug ends its episode, not the run
-        frame = traceback.extract_tb(exc.__traceback__)[-1]
-        return "error", f"{type(exc).__name__}: {exc} (at {frame.filename}:{frame.lineno})"
 
 
 def _log_failure(episode: Episode, status: str, call: str, text: Any) -> None:

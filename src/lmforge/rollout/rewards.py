@@ -18,7 +18,7 @@ A function with the attribute ``batched = True`` (``rm:DIR``) is called once per
 same timeout; if that call fails or times out, every completion of the batch fails with it.
 
 Calls run in parallel (threads, or a process pool for functions marked ``executor="process"``,
-e.g. ``math``) with a per-call timeout (:mod:`lmforge.rollout.reward_pool`). A call that raises,
+e.g. ``math``) with a per-call timeout (:mod:`lmforge.rollout.timed_calls`). A call that raises,
 returns NaN/inf or times out is a *failure*: it is logged, scored ``failure_value`` (0 by default)
 and counted; one broken sample does not stop a run, but a function that fails on more than
 ``max_failure_fraction`` of a batch raises :class:`~lmforge.errors.TrainingError` naming the function
@@ -27,17 +27,14 @@ on errors).
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import functools
 import inspect
-import itertools
 import logging
 import math
 import os
 import re
-import time
-import weakref
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -46,7 +43,7 @@ import torch
 from ..config import import_object
 from ..errors import ConfigError, TrainingError
 from ..reward_model import reward_model_reward
-from .reward_pool import DaemonThreadPool, ProcessPool, invoke
+from .timed_calls import TimedCalls, call_outcome
 
 logger = logging.getLogger(__name__)
 
@@ -264,8 +261,8 @@ class RewardOutput:
 
 
 class _BatchCall:
-    """A batched reward as ``invoke`` calls it: ``fn(completions, problems, **kwargs)``, checked to give
-    one value per completion (``batched``: invoke returns the list of floats)."""
+    """A batched reward as ``_score`` calls it: ``fn(completions, problems, **kwargs)``, checked to give
+    one value per completion (``batched``: ``_score`` returns the list of floats)."""
 
     batched = True
 
@@ -292,11 +289,12 @@ def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def _close_pools(pools: dict) -> None:
-    for kind in list(pools):
-        pool = pools.pop(kind)
-        if pool is not None:
-            pool.shutdown()
+def _score(fn: RewardFn, completion: Any, problem: Any, kwargs: dict) -> float | list[float]:
+    """One reward call as a worker runs it: ``fn(completion, problem, **kwargs)`` as a float (a list of
+    floats for a function marked ``batched``, called with lists of completions and problems). A module
+    function, so that a process worker can unpickle it."""
+    value = fn(completion, problem, **kwargs)
+    return [float(v) for v in value] if getattr(fn, "batched", False) else float(value)
 
 
 class RewardSet:
@@ -366,11 +364,10 @@ class RewardSet:
         self.workers = workers or default_workers()
         self.total_failures = [0] * len(self.fns)  # over the whole run, for logging
         self.total_timeouts = [0] * len(self.fns)
-        self._pools: dict[str, Any] = {}
-        # process calls are numbered across batches: a worker's start report can arrive after its call
-        # has finished and be read during a later batch, where it must not match one of that batch's calls
-        self._call_numbers = itertools.count()
-        self._finalizer = weakref.finalize(self, _close_pools, self._pools)  # also at interpreter exit
+        self.calls = TimedCalls(self.workers, self.timeout_s, "rewards.timeout_s", name="reward")
+        # one batch on the pool at a time: a set may be called from two threads (the training set scores
+        # the agent evaluation's episodes on the main thread while rollout.async_steps' thread scores a batch)
+        self._scoring = threading.Lock()
 
     @staticmethod
     def _check_kwargs(name: str, fn: RewardFn, fn_kwargs: dict, accepts: set[str] | None) -> None:
@@ -388,22 +385,9 @@ class RewardSet:
 
     # ------------------------------------------------------------------------- workers
 
-    def _pool(self, kind: str):
-        pool = self._pools.get(kind)
-        if pool is None:
-            pool = DaemonThreadPool(self.workers) if kind == "thread" else ProcessPool(self.workers)
-            self._pools[kind] = pool
-        return pool
-
-    def _replace_pool(self, kind: str) -> None:
-        """Drop a pool with a stuck call: a process pool is killed, a thread pool left to drain."""
-        pool = self._pools.pop(kind, None)
-        if pool is not None:
-            pool.kill() if kind == "process" else pool.shutdown()
-
     def close(self) -> None:
         """Stop the worker threads and processes (idempotent; the set can be used again afterwards)."""
-        _close_pools(self._pools)
+        self.calls.close()
 
     def __enter__(self) -> "RewardSet":
         return self
@@ -431,63 +415,17 @@ class RewardSet:
         return self.fns[f], completions[i], problems[i], self._kwargs(f, shared, lengths[i])
 
     def _run_inline(self, jobs: list[tuple[int, int]], completions, problems, shared, lengths) -> dict:
-        return {job: invoke(*self._job_args(job, completions, problems, shared, lengths), 0.0) for job in jobs}
+        return {job: call_outcome(_score, self._job_args(job, completions, problems, shared, lengths))
+                for job in jobs}
 
     def _run_parallel(self, jobs: list[tuple[int, int]], completions, problems, shared, lengths) -> dict:
-        """Every job's ``(status, value_or_text)``; a job running longer than the timeout is ``timeout``."""
-        results: dict[tuple[int, int], tuple] = {}
-        futures: dict[cf.Future, tuple[int, int]] = {}
-        tokens: dict[int, cf.Future] = {}  # process calls: token -> future, for the workers' start reports
-
-        def submit(job: tuple[int, int]) -> cf.Future:
-            kind = self.executors[job[1]]
-            args = self._job_args(job, completions, problems, shared, lengths)
-            if kind == "process":
-                token = next(self._call_numbers)
-                future = self._pool(kind).submit(invoke, *args, self.timeout_s, token)
-                tokens[token] = future
-            else:
-                future = self._pool(kind).submit(invoke, *args, 0.0)
-            futures[future] = job
-            return future
-
-        pending = {submit(job) for job in jobs}
-        started: dict[cf.Future, float] = {}
-        # a process worker stops an overrunning call itself (SIGALRM); the parent waits a little longer
-        limits = {"thread": self.timeout_s, "process": self.timeout_s + max(1.0, 0.5 * self.timeout_s)}
-        while pending:
-            done, pending = cf.wait(pending, timeout=0.02, return_when=cf.ALL_COMPLETED)
-            for future in done:
-                job = futures[future]
-                try:
-                    results[job] = future.result()
-                except Exception as exc:  # noqa: BLE001 - e.g. BrokenProcessPool: a worker died
-                    results[job] = ("error", f"{type(exc).__name__}: {exc} (the reward worker died)")
-                    if self.executors[job[1]] == "process" and "process" in self._pools:
-                        self._replace_pool("process")  # broken: the next call starts a new pool
-            now = time.monotonic()
-            if "process" in self._pools:  # a process call's clock starts when its worker says so
-                for token, start in self._pools["process"].drain_started():
-                    if token in tokens:  # else a late report of an earlier batch's call
-                        started.setdefault(tokens[token], start)
-            overdue_kinds = set()
-            for future in list(pending):
-                if self.executors[futures[future][1]] == "thread" and future.running():
-                    started.setdefault(future, now)
-                kind = self.executors[futures[future][1]]
-                if future in started and now - started[future] > limits[kind]:
-                    pending.discard(future)
-                    results[futures[future]] = ("timeout", f"timed out after {self.timeout_s:g} s (rewards.timeout_s; "
-                                                f"{'worker killed' if kind == 'process' else 'call abandoned'})")
-                    overdue_kinds.add(kind)
-            for kind in overdue_kinds:  # move the other unfinished calls of that pool to a fresh one
-                moved = [f for f in pending if self.executors[futures[f][1]] == kind
-                         and (kind == "process" or f.cancel())]
-                self._replace_pool(kind)
-                for future in moved:
-                    pending.discard(future)
-                    pending.add(submit(futures.pop(future)))
-        return results
+        """Every job's ``(status, value_or_text)`` from the pool (``TimedCalls``: a job running longer
+        than the timeout is ``timeout``)."""
+        with self._scoring:  # waits at most for the other batch's calls, each bounded by the timeout
+            for job in jobs:
+                self.calls.submit(job, _score, *self._job_args(job, completions, problems, shared, lengths),
+                                  process=self.executors[job[1]] == "process")
+            return self.calls.wait_all()
 
     def __call__(self, completions: Sequence[str], problems: Sequence[Any], *,
                  completion_lens: Sequence[int] | None = None, **shared: Any) -> RewardOutput:
