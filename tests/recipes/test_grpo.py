@@ -13,7 +13,7 @@ from lmforge.errors import ConfigError, TrainingError
 from lmforge.models import load_model
 from lmforge.parallel.context import ParallelContext
 from lmforge.runtime.run import Run
-from lmforge.recipes.grpo import GRPOConfig, micro_loss, run_grpo
+from lmforge.recipes.grpo import GRPOConfig, advantages_of, micro_loss, run_grpo
 from lmforge.rollout import RewardSet, SamplingParams, generate
 from lmforge.train import Precision, Updater, logits_at
 from run_records import assert_resume_is_bit_exact, records
@@ -389,3 +389,15 @@ def test_bad_config_is_a_clear_error(override, message):
 def test_cli_reports_a_bad_preset(capsys):
     assert cli.main(["grpo", "data.task=addition", "algo.preset=nope"]) == 2
     assert "algo.preset='nope' is not known" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("advantage", ["group_norm", "group_mean"])
+def test_advantages_of_hands_std_eps_to_std_normalising_estimators_only(advantage):
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    algo = load_config(GRPOConfig, None, ["data.task=addition", f"algo.advantage={advantage}",
+                                          "algo.std_eps=1.0"]).algo.resolved()
+    got, _ = advantages_of(rewards, algo, 4)
+    grouped = rewards.view(2, 4)
+    centred = grouped - grouped.mean(1, keepdim=True)
+    want = centred / (grouped.std(1, keepdim=True) + 1.0) if advantage == "group_norm" else centred
+    torch.testing.assert_close(got, want.flatten(), rtol=0, atol=1e-7)

@@ -9,13 +9,12 @@ combinations (GRPO, Dr. GRPO, DAPO, GSPO, RLOO); docs/rl-recipes.md explains eac
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import time
 
 import torch
 
 from .. import rl
-from ..advantages import ADVANTAGES, compute_advantages
+from ..advantages import ADVANTAGES, STD_NORMALISED, compute_advantages
 from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, section
 from ..errors import ConfigError
 from ..losses import policy_loss
@@ -82,9 +81,7 @@ def advantages_of(rewards: torch.Tensor, algo: GRPOAlgoConfig, group_size: int,
     With ``episode_index`` (B,) (an agent's episodes may give several rows each: RolloutBatch), the
     groups are of episodes: each episode's reward (that of its first row) is compared with its group's,
     and its advantage shared by its rows; a row of episode -1 (padding) gets 0."""
-    options = {}
-    if "std_eps" in inspect.signature(ADVANTAGES[algo.advantage]).parameters:
-        options["std_eps"] = algo.std_eps
+    options = {"std_eps": algo.std_eps} if algo.advantage in STD_NORMALISED else {}
     if episode_index is None:
         return compute_advantages(algo.advantage, rewards, group_size, **options)
     real = episode_index >= 0
