@@ -252,7 +252,8 @@ class Update:
         """Close the update: zero gradients where none ran, sum the loss over ranks, check it, clip
         and step (``updater.step``: a non-finite norm stops, or skips this update: train.on_nonfinite)."""
         if self.stepped:
-            raise RuntimeError("update.step() was called twice for one update: once per update, after its micro-batches")
+            raise RuntimeError("update.step() was called twice for one update: call it once per update, after "
+                               "its micro-batches")
         updates = self.updates
         if not self.micro_rows:  # every advantage of this update is 0: the full computation's gradient is 0
             _zero_missing_grads(updates.updater.module)
