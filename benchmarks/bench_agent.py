@@ -200,7 +200,7 @@ def race(args) -> dict:
 
     from lmforge import rl
     from lmforge.data.tasks import get_task
-    from lmforge.recipes.grpo import grpo_step
+    from lmforge.recipes.grpo import make_step
     from lmforge.rl.sources.episodes import episode_evaluator
 
     task = get_task(args.task)
@@ -212,8 +212,8 @@ def race(args) -> dict:
     ag_state = agent_state(env_cfg, copy.deepcopy(model), tok, os.path.join(out, "agent"))
     evaluate = episode_evaluator(env_cfg.env, tok, eval_problems, task, [], args.episode_tokens,
                                  model.config.max_position_embeddings, 10.0, 1)
-    steps = {"lmforge": rl.synced_steps(env_state, lambda done: grpo_step(env_state, algo, done)),
-             "agent": rl.synced_steps(ag_state, lambda done: grpo_step(ag_state, algo, done))}
+    steps = {"lmforge": rl.synced_steps(env_state, make_step(env_state, algo)),
+             "agent": rl.synced_steps(ag_state, make_step(ag_state, algo))}
     log: dict = {"trl": [], "lmforge": [], "agent": []}  # (step, training seconds so far, accuracy)
     clock = {"trl": 0.0, "lmforge": 0.0, "agent": 0.0, "mark": 0.0, "step": 0, "different": []}
 

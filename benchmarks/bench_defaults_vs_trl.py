@@ -46,7 +46,7 @@ from lmforge.config import OptimConfig, TrainConfig  # noqa: E402
 from lmforge.data.sft import collate_sft  # noqa: E402
 from lmforge.models import load_model  # noqa: E402
 from lmforge.config import ModelConfig  # noqa: E402
-from lmforge.recipes.grpo import grpo_step  # noqa: E402
+from lmforge.recipes.grpo import make_step  # noqa: E402
 from lmforge.recipes.sft import SFTConfig  # noqa: E402
 from lmforge.supervised.step import SupervisedData, supervised_step  # noqa: E402
 from lmforge.runtime.loop import build_state  # noqa: E402
@@ -129,7 +129,7 @@ def grpo(args, out_dir: str) -> dict:
     state = rl.prepare(cfg, "bench", algo, copy.deepcopy(model), tokenizer)
     choice = f"dtype={str(state.updater.precision.dtype).replace('torch.', '')}"
     counter = {"step": 0}
-    step = rl.synced_steps(state, lambda done: grpo_step(state, algo, done))  # as rl.train_rl runs it
+    step = rl.synced_steps(state, make_step(state, algo))  # as rl.train_rl runs it
 
     def lm_step():
         counter["step"] += 1

@@ -439,7 +439,7 @@ def run(args) -> None:
 
     from lmforge import rl
     from lmforge.data.tasks import get_task
-    from lmforge.recipes.grpo import grpo_step
+    from lmforge.recipes.grpo import make_step
     from lmforge.rl.sources.episodes import episode_evaluator
 
     print(f"[bench] load average at start: {os.getloadavg()} (2 cores, shared with other jobs)", flush=True)
@@ -451,7 +451,7 @@ def run(args) -> None:
     state, algo, cfg = lmforge_state(copy.deepcopy(model), tok, args, os.path.join(out, "lmforge"))
     evaluate = episode_evaluator(cfg.env, tok, eval_problems, task, [], args.episode_tokens,
                                  model.config.max_position_embeddings, 10.0, 1)
-    lm_step = rl.synced_steps(state, lambda done: grpo_step(state, algo, done))
+    lm_step = rl.synced_steps(state, make_step(state, algo))
     log = {"trl": [], "lmforge": []}  # (step, training seconds so far, episodes so far, accuracy)
     clock = {"trl": 0.0, "lmforge": 0.0, "mark": 0.0, "step": 0, "different_problems": []}
 

@@ -22,7 +22,7 @@ suppressed for 32 steps, so its EOS mask keeps all 32); lmforge's step gets a to
 and is then an ordinary token). The script prints the completion lengths each side trained on.
 
 lmforge's step is the recipe's own: ``recipes.grpo.grpo_step`` (sample_and_score -> advantages ->
-pack_rollout -> rl.update with micro_loss), on the state ``rl.prepare`` builds from a GRPOConfig, so
+pack_rollout -> the rl.Updates loop with micro_loss), on the state ``rl.prepare`` builds from a GRPOConfig, so
 optimizer, precision, threads and the on-policy shortcut are what ``lmforge grpo`` uses. Its time
 split (generation / scoring / training) is the step's own metrics.
 
@@ -56,7 +56,7 @@ from lmforge import rl
 from lmforge.rl import config as rl_config
 from lmforge.config import ModelConfig, load_config
 from lmforge.models import count_parameters, load_model, resolve_pretrained
-from lmforge.recipes.grpo import GRPOConfig, grpo_step
+from lmforge.recipes.grpo import GRPOConfig, make_step
 
 LR, BETA2, MAX_GRAD_NORM, CLIP_EPS, TEMPERATURE = 1e-6, 0.999, 1.0, 0.2, 1.0
 
@@ -168,7 +168,7 @@ _SYNCED: dict[int, object] = {}  # id(state) -> its step function
 def run_lmforge(state, algo, step: int) -> dict:
     """One ``grpo_step`` with the rollout source's weight syncs, as ``lmforge grpo`` runs it (``rl.synced_steps``)."""
     if id(state) not in _SYNCED:
-        _SYNCED[id(state)] = rl.synced_steps(state, lambda done: grpo_step(state, algo, done))
+        _SYNCED[id(state)] = rl.synced_steps(state, make_step(state, algo))
     start = time.perf_counter()
     metrics = _SYNCED[id(state)](step)
     metrics["step_time"] = time.perf_counter() - start

@@ -57,6 +57,7 @@ from lmforge.config import load_config
 from lmforge.evaluation import task_accuracy
 from lmforge.models import load_model
 from lmforge.recipes.grpo import GRPOConfig, advantages_of, micro_loss, run_grpo
+from lmforge.rl import config as rl_config
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "grpo_smollm2.yaml"
 EVAL_TOKENS = 8
@@ -205,7 +206,8 @@ def check_update(args) -> None:
         model.zero_grad()
         precision = state.updater.precision
         counts = rl.global_counts(batch, cfg.rollout.max_new_tokens)
-        loss, _ = micro_loss(model, batch, algo, cfg.rollout.temperature, counts, precision)
+        logprobs, entropy = rl.policy_logprobs(model, batch, cfg.rollout.temperature, precision)
+        loss, _ = micro_loss(logprobs, entropy, batch, rl_config.policy_spec(algo), counts)
         loss.backward()
         lm_grad = grads().clone()
 

@@ -152,6 +152,8 @@ ADVANTAGES: dict[str, Callable[..., tuple[torch.Tensor, Metrics]]] = {
     "rloo": rloo_advantages,
     "batch_norm": batch_normalized_advantages,
 }
+# The estimators that divide by a std and so take ``std_eps``; the others take no option.
+STD_NORMALISED = frozenset({"group_norm", "batch_norm"})
 
 
 def compute_advantages(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lmforge.losses import Metrics, policy_loss
+from lmforge.losses import Counts, Metrics, PolicyLossSpec, policy_loss
 from lmforge.ops import masked_mean
 
 
@@ -69,18 +69,22 @@ def reverse_kl_loss(
     old_logprobs: torch.Tensor,
     teacher_logprobs: torch.Tensor,
     mask: torch.Tensor,
+    spec: PolicyLossSpec,
+    counts: Counts = Counts(),
     *,
     reward_advantages: torch.Tensor | None = None,
     reward_weight: float = 0.0,
-    **policy_options,
+    rollout_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """On-policy distillation: ``losses.policy_loss`` with :func:`reverse_kl_advantages`.
 
     logprobs: (B, T) the student's log-probabilities of its sampled tokens, with gradient;
     old_logprobs: (B, T) the same at sampling time (``logprobs.detach()`` on-policy);
     teacher_logprobs: (B, T) the teacher's, no gradient; mask: (B, T) the trained tokens;
-    reward_advantages: (B,) or None. ``policy_options`` are policy_loss's other keyword arguments
-    (loss_type, aggregation, clip range, importance weights, the global counts).
+    reward_advantages: (B,) or None. ``spec`` and ``counts`` (the loss type, aggregation, clip range,
+    importance weights; the update's global counts), ``rollout_logprobs`` and ``entropy`` (B, T) go to
+    ``policy_loss`` as they are.
 
     On-policy (old = logprobs.detach(), ratio 1) each token's loss is ``old - teacher``, so with a
     token-mean aggregation the loss is the sampled reverse KL per token, and its gradient is
@@ -89,7 +93,8 @@ def reverse_kl_loss(
     """
     advantages, metrics = reverse_kl_advantages(old_logprobs, teacher_logprobs, mask,
                                                 reward_advantages=reward_advantages, reward_weight=reward_weight)
-    loss, policy_metrics = policy_loss(logprobs, old_logprobs, advantages, mask, **policy_options)
+    loss, policy_metrics = policy_loss(logprobs, old_logprobs, advantages, mask, spec, counts,
+                                       rollout_logprobs=rollout_logprobs, entropy=entropy)
     return loss, {**metrics, **policy_metrics}
 
 

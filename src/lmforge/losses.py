@@ -1,11 +1,13 @@
 """Losses as pure functions: tensors in, ``(loss, metrics)`` out.
 
-Metrics are detached tensors; no ``.item()``, no collectives, no config objects in here.
+Metrics are detached tensors; no ``.item()``, no collectives, no config objects in here: the
+policy loss takes its hyperparameters as one small frozen ``PolicyLossSpec`` defined below.
 Normalisation is explicit: callers pass the number of loss tokens summed over all micro-batches
-of the optimizer step (and over ranks), so accumulation never changes the loss.
+of the optimizer step (and over ranks) (one frozen ``Counts``), so accumulation never changes the loss.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -228,63 +230,63 @@ POLICY_LOSSES = {
 # ---- aggregation: per-token (B, T) -> scalar ------------------------------------------------
 # Counts ending in _global are summed over every micro-batch of the optimizer step and over all
 # ranks, once per step, by the caller. With them, summing the per-micro-batch losses reproduces
-# the full-batch loss exactly. Each mode takes all counts and uses only the ones it needs.
+# the full-batch loss exactly. Each mode reads only the counts it needs.
 
 
-def seq_mean_token_mean(
-    token_losses, mask, *, num_seqs_global=None, num_loss_tokens_global=None,
-    max_completion_len=None, num_micro_batches_global=None,
-) -> torch.Tensor:
+@dataclasses.dataclass(frozen=True)
+class Counts:
+    """The counts that normalise an aggregated loss, one value for a whole optimizer update (built by
+    the caller once per update: ``lmforge.rl.updates.Updates``). None: not known, where a mode has a
+    default (this micro-batch's B, one micro-batch); a mode that needs a count raises without it."""
+
+    num_seqs_global: int | torch.Tensor | None = None  # rows of the update, all micro-batches and ranks
+    num_loss_tokens_global: int | torch.Tensor | None = None  # trained tokens of the update, likewise
+    max_completion_len: int | None = None  # the generation budget (max new tokens), a constant
+    num_micro_batches_global: int | None = None  # micro-batches of the update, all ranks
+
+
+def seq_mean_token_mean(token_losses, mask, counts: Counts) -> torch.Tensor:
     """GRPO paper: mean over tokens within each sequence, then sum / num_seqs_global.
 
     num_seqs_global defaults to this batch's B (rows with an empty mask count, contributing 0).
     """
     weights = mask.to(token_losses.dtype)
-    num_seqs = token_losses.shape[0] if num_seqs_global is None else num_seqs_global
+    num_seqs = token_losses.shape[0] if counts.num_seqs_global is None else counts.num_seqs_global
     return masked_mean(token_losses, weights, dim=-1).sum() / num_seqs
 
 
-def token_mean(
-    token_losses, mask, *, num_seqs_global=None, num_loss_tokens_global=None,
-    max_completion_len=None, num_micro_batches_global=None,
-) -> torch.Tensor:
+def token_mean(token_losses, mask, counts: Counts) -> torch.Tensor:
     """Local token mean (BNPO): each micro-batch's mean over its own valid tokens, averaged over the
     step's micro-batches on all ranks (num_micro_batches_global, default 1), so the step's loss does
     not grow with the number of micro-batches or ranks."""
-    num_micro = 1 if num_micro_batches_global is None else num_micro_batches_global
+    num_micro = 1 if counts.num_micro_batches_global is None else counts.num_micro_batches_global
     return masked_mean(token_losses, mask.to(token_losses.dtype)) / num_micro
 
 
-def global_token_mean(
-    token_losses, mask, *, num_seqs_global=None, num_loss_tokens_global=None,
-    max_completion_len=None, num_micro_batches_global=None,
-) -> torch.Tensor:
+def global_token_mean(token_losses, mask, counts: Counts) -> torch.Tensor:
     """DAPO: sum over valid tokens / num_loss_tokens_global (the step's tokens, all ranks)."""
-    if num_loss_tokens_global is None:
+    if counts.num_loss_tokens_global is None:
         raise ValueError(
             "aggregation 'global_token_mean' needs num_loss_tokens_global: the number of loss "
             "tokens summed over all micro-batches and ranks of the optimizer step"
         )
-    return masked_sum(token_losses, mask.to(token_losses.dtype)) / num_loss_tokens_global
+    return masked_sum(token_losses, mask.to(token_losses.dtype)) / counts.num_loss_tokens_global
 
 
-def seq_sum_max_len(
-    token_losses, mask, *, num_seqs_global=None, num_loss_tokens_global=None,
-    max_completion_len=None, num_micro_batches_global=None,
-) -> torch.Tensor:
+def seq_sum_max_len(token_losses, mask, counts: Counts) -> torch.Tensor:
     """Dr. GRPO: sum over valid tokens / (num_seqs_global * max_completion_len).
 
     max_completion_len is the generation budget (a constant), not this batch's padded length, so
     it is required; num_seqs_global defaults to this batch's B.
     """
-    if max_completion_len is None:
+    if counts.max_completion_len is None:
         raise ValueError(
             "aggregation 'seq_sum_max_len' needs max_completion_len: the generation budget "
             "(max new tokens), the same constant for every micro-batch"
         )
-    num_seqs = token_losses.shape[0] if num_seqs_global is None else num_seqs_global
+    num_seqs = token_losses.shape[0] if counts.num_seqs_global is None else counts.num_seqs_global
     total = masked_sum(token_losses, mask.to(token_losses.dtype))
-    return total / (num_seqs * max_completion_len)
+    return total / (num_seqs * counts.max_completion_len)
 
 
 AGGREGATIONS = {
@@ -299,25 +301,15 @@ def aggregate(
     token_losses: torch.Tensor,
     mask: torch.Tensor,
     mode: str,
-    *,
-    num_seqs_global: int | torch.Tensor | None = None,
-    num_loss_tokens_global: int | torch.Tensor | None = None,
-    max_completion_len: int | None = None,
-    num_micro_batches_global: int | None = None,
+    counts: Counts = Counts(),
 ) -> torch.Tensor:
-    """Reduce per-token values (B, T) with the aggregation ``mode`` (a key of ``AGGREGATIONS``)."""
+    """Reduce per-token values (B, T) with the aggregation ``mode`` (a key of ``AGGREGATIONS``),
+    normalised by the update's ``counts``."""
     if token_losses.shape != mask.shape:
         raise ValueError(
             f"token_losses {tuple(token_losses.shape)} and mask {tuple(mask.shape)} must match"
         )
-    return _lookup(AGGREGATIONS, mode, "aggregation")(
-        token_losses,
-        mask,
-        num_seqs_global=num_seqs_global,
-        num_loss_tokens_global=num_loss_tokens_global,
-        max_completion_len=max_completion_len,
-        num_micro_batches_global=num_micro_batches_global,
-    )
+    return _lookup(AGGREGATIONS, mode, "aggregation")(token_losses, mask, counts)
 
 
 # ---- KL to a reference policy -------------------------------------------------------------
@@ -371,10 +363,7 @@ def entropy_bonus(
     aggregation: str,
     logits: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
-    num_seqs_global: int | torch.Tensor | None = None,
-    num_loss_tokens_global: int | torch.Tensor | None = None,
-    max_completion_len: int | None = None,
-    num_micro_batches_global: int | None = None,
+    counts: Counts = Counts(),
 ) -> tuple[torch.Tensor, Metrics]:
     """Loss ``-aggregate(H_t)``: adding ``coef * loss`` to the objective raises the entropy.
 
@@ -385,11 +374,7 @@ def entropy_bonus(
         raise ValueError("entropy_bonus needs exactly one of logits (B, T, V) or entropy (B, T)")
     if entropy is None:
         entropy = entropy_from_logits(logits)
-    mean_entropy = aggregate(
-        entropy, mask, aggregation, num_seqs_global=num_seqs_global,
-        num_loss_tokens_global=num_loss_tokens_global, max_completion_len=max_completion_len,
-        num_micro_batches_global=num_micro_batches_global,
-    )
+    mean_entropy = aggregate(entropy, mask, aggregation, counts)
     return -mean_entropy, {"entropy": mean_entropy.detach()}
 
 
@@ -401,10 +386,7 @@ def value_loss(
     aggregation: str,
     old_values: torch.Tensor | None = None,
     clip_eps: float | None = None,
-    num_seqs_global: int | torch.Tensor | None = None,
-    num_loss_tokens_global: int | torch.Tensor | None = None,
-    max_completion_len: int | None = None,
-    num_micro_batches_global: int | None = None,
+    counts: Counts = Counts(),
 ) -> tuple[torch.Tensor, Metrics]:
     """PPO critic loss, per token ``0.5 * max((V - R)^2, (clip(V, V_old - eps, V_old + eps) - R)^2)``.
 
@@ -431,11 +413,7 @@ def value_loss(
             (clipped_squared > squared).to(values.dtype), valid.to(values.dtype)
         ).detach()
         squared = torch.maximum(squared, clipped_squared)
-    loss = aggregate(
-        0.5 * squared, mask, aggregation, num_seqs_global=num_seqs_global,
-        num_loss_tokens_global=num_loss_tokens_global, max_completion_len=max_completion_len,
-        num_micro_batches_global=num_micro_batches_global,
-    )
+    loss = aggregate(0.5 * squared, mask, aggregation, counts)
     metrics["value_loss"] = loss.detach()
     metrics["value_mean"] = masked_mean(values, valid.to(values.dtype)).detach()
     return loss, metrics
@@ -533,81 +511,86 @@ def logprob_alignment_metrics(
 # ---- the composed policy loss -------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class PolicyLossSpec:
+    """The hyperparameters of :func:`policy_loss`, fixed for a run (built once from the resolved algo
+    section: ``lmforge.rl.config.policy_spec``).
+
+    loss_type: a key of ``POLICY_LOSSES``; aggregation: a key of ``AGGREGATIONS``; eps_low / eps_high:
+    the clip range; dual_clip: None (off) or c > 1; is_level: None (off) or a key of ``IS_LEVELS``,
+    with the weight cap is_cap; kl_coef and kl_estimator (a key of ``KL_ESTIMATORS``): the KL term to
+    the reference; entropy_coef: the entropy bonus's weight.
+    """
+
+    loss_type: str
+    aggregation: str
+    eps_low: float
+    eps_high: float
+    dual_clip: float | None = None
+    is_level: str | None = None
+    is_cap: float = 2.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    spec: PolicyLossSpec,
+    counts: Counts = Counts(),
     *,
-    loss_type: str,
-    aggregation: str,
-    eps_low: float,
-    eps_high: float,
-    dual_clip: float | None = None,
     rollout_logprobs: torch.Tensor | None = None,
-    is_level: str | None = None,
-    is_cap: float = 2.0,
     ref_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
     entropy: torch.Tensor | None = None,
-    entropy_coef: float = 0.0,
-    num_seqs_global: int | torch.Tensor | None = None,
-    num_loss_tokens_global: int | torch.Tensor | None = None,
-    max_completion_len: int | None = None,
-    num_micro_batches_global: int | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """``aggregate(w * policy_term) + kl_coef * aggregate(kl) - entropy_coef * aggregate(H)``.
 
-    loss_type: a key of ``POLICY_LOSSES``; aggregation: a key of ``AGGREGATIONS``; is_level: None
-    (off) or a key of ``IS_LEVELS``, w = ``truncated_is_weights(old_logprobs, rollout_logprobs)``.
+    ``spec``: the loss's hyperparameters; ``counts``: the update's aggregation counts. With
+    ``spec.is_level`` set, w = ``truncated_is_weights(old_logprobs, rollout_logprobs)``, else 1.
     Shapes: (B, T) for every per-token tensor (``entropy`` precomputed per token), advantages (B,)
     or (B, T). KL / entropy / rollout-alignment metrics are reported whenever their inputs are given.
     """
-    counts = dict(
-        num_seqs_global=num_seqs_global,
-        num_loss_tokens_global=num_loss_tokens_global,
-        max_completion_len=max_completion_len,
-        num_micro_batches_global=num_micro_batches_global,
-    )
-    term_fn = _lookup(POLICY_LOSSES, loss_type, "policy loss")
+    term_fn = _lookup(POLICY_LOSSES, spec.loss_type, "policy loss")
     token_losses, metrics = term_fn(
         logprobs, old_logprobs, advantages, mask,
-        eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip,
+        eps_low=spec.eps_low, eps_high=spec.eps_high, dual_clip=spec.dual_clip,
     )
-    if is_level is not None:
+    if spec.is_level is not None:
         weights = truncated_is_weights(
-            old_logprobs, rollout_logprobs, mask, level=is_level, cap=is_cap
+            old_logprobs, rollout_logprobs, mask, level=spec.is_level, cap=spec.is_cap
         )
         token_losses = token_losses * weights
         metrics["is_weight_mean"] = masked_mean(weights, mask.to(weights.dtype))
         metrics["is_weight_max"] = weights.amax()  # padding holds 0
         # truncated weights sit at the cap (up to the rounding of exp(log(cap)))
-        capped = (weights >= is_cap * (1 - 1e-6)) & mask.bool()
+        capped = (weights >= spec.is_cap * (1 - 1e-6)) & mask.bool()
         metrics["is_weight_clip_frac"] = masked_mean(capped.to(weights.dtype), mask.to(weights.dtype))
     if rollout_logprobs is not None:
         metrics.update(
-            logprob_alignment_metrics(old_logprobs, rollout_logprobs, mask, ratio_high=is_cap)
+            logprob_alignment_metrics(old_logprobs, rollout_logprobs, mask, ratio_high=spec.is_cap)
         )
-    loss = aggregate(token_losses, mask, aggregation, **counts)
+    loss = aggregate(token_losses, mask, spec.aggregation, counts)
     metrics["pg_loss"] = loss.detach()
 
-    if kl_coef != 0.0 and ref_logprobs is None:
+    if spec.kl_coef != 0.0 and ref_logprobs is None:
         raise ValueError("kl_coef != 0 needs ref_logprobs (the reference model's logprobs)")
     if ref_logprobs is not None:
         kl = aggregate(
-            kl_per_token(logprobs, ref_logprobs, mask, estimator=kl_estimator),
-            mask, aggregation, **counts,
+            kl_per_token(logprobs, ref_logprobs, mask, estimator=spec.kl_estimator),
+            mask, spec.aggregation, counts,
         )
-        loss = loss + kl_coef * kl
+        loss = loss + spec.kl_coef * kl
         metrics["kl"] = kl.detach()
 
-    if entropy_coef != 0.0 and entropy is None:
+    if spec.entropy_coef != 0.0 and entropy is None:
         raise ValueError("entropy_coef != 0 needs the per-token entropy (B, T)")
     if entropy is not None:
         entropy_loss, entropy_metrics = entropy_bonus(
-            mask, aggregation=aggregation, entropy=entropy, **counts
+            mask, aggregation=spec.aggregation, entropy=entropy, counts=counts
         )
-        loss = loss + entropy_coef * entropy_loss
+        loss = loss + spec.entropy_coef * entropy_loss
         metrics.update(entropy_metrics)
     return loss, metrics

@@ -21,6 +21,7 @@ from lmforge.reward_model import from_causal_lm
 from lmforge.advantages import compute_advantages
 from lmforge.recipes import distill, dpo, grpo, ppo, rm
 from lmforge.recipes.sft import SFTConfig
+from lmforge.rl import config as rl_config
 from lmforge.supervised.sft_data import SFTDataConfig, build_data
 from lmforge.supervised.step import supervised_step
 from lmforge.rl.config import RLDataConfig, RolloutConfig
@@ -123,6 +124,18 @@ def rank_rows(num_prompts: int, group_size: int, num_mini: int, ctx) -> torch.Te
     return torch.tensor([p * group_size + g for p in prompts for g in range(group_size)])
 
 
+def run_updates(state, batch, plan, step: int, loss_of, rows_to_train=None) -> float:
+    """The recipes' update loop (``rl.Updates``) on a fixed batch, ``loss_of(micro, counts) -> (loss, metrics)``
+    being the recipe's forward and ``micro_loss``; returns the step's loss."""
+    updates = rl.Updates(batch, plan, state.updater, step, state.run.ctx, state.train.wrapped,
+                         rows_to_train=rows_to_train)
+    for update in updates:
+        for micro in update:
+            update.backward(*loss_of(micro, update.counts))
+        update.step()
+    return float(updates.metrics()["loss"])
+
+
 def rl_case(out: Path, recipe: str, aggregation: str, micro: int, strategy: str, num_mini: int = 1,
             skip: bool = False, spans: bool = False) -> dict:
     """``skip``: rewards with zero-advantage rows and whole zero-variance groups; several ranks skip
@@ -146,35 +159,37 @@ def rl_case(out: Path, recipe: str, aggregation: str, micro: int, strategy: str,
     ctx = state.run.ctx
     full = rl.pack_rollout(rollout, tokenizer.pad_token_id, need_rollout_logprobs=False)
     rewards = torch.tensor([float(i % 3 == 0) + 0.25 * (i % 2) for i in range(num_prompts * group)])
-    options = {}
     if skip:  # group 0: rows 2 and 3 at the group mean; groups 1-3 all the same (advantage 0)
         rewards = torch.tensor([1.0, 0.0, 0.5, 0.5] + [1.0] * 4 + [0.5] * 4 + [0.0] * 4)
-        if ctx.distributed:
-            options = dict(first_on_policy=True)
+    skip_rows = skip and ctx.distributed  # several ranks skip rows; one process runs the full computation
     rows = rank_rows(num_prompts, group, num_mini, ctx)
-    precision, losses = state.updater.precision, []
+    precision, wrapped, losses = state.updater.precision, state.train.wrapped, []
+    spec = rl_config.policy_spec(algo)
+    plan = rl.UpdatePlan(algo.num_iterations, num_mini, state.micro_batch_size, cfg.rollout.max_new_tokens,
+                         first_on_policy=skip_rows)
     for step in range(1, STEPS + 1):
         batch = full.select(rows)
         if recipe == "grpo":
             batch = batch.with_(advantages=grpo.advantages_of(rewards[rows], algo, group)[0])
 
-            def loss_fn(micro_batch, counts):
-                return grpo.micro_loss(state.model, micro_batch, algo, 1.0, counts, precision, state.train.wrapped)
+            def loss_of(micro, counts):
+                logprobs, entropy = rl.policy_logprobs(state.model, micro, 1.0, precision, wrapped=wrapped)
+                return grpo.micro_loss(logprobs, entropy, micro, spec, counts)
         else:
             batch, _ = ppo.add_targets(state.model, extra["value_head"], None, algo, batch, rewards[rows], 1.0,
-                                       state.micro_batch_size, precision, wrapped=state.train.wrapped, ctx=ctx)
+                                       state.micro_batch_size, precision, wrapped=wrapped, ctx=ctx)
 
-            def loss_fn(micro_batch, counts):
-                return ppo.micro_loss(state.model, extra["value_head"], micro_batch, algo, 1.0, counts, precision,
-                                      state.train.wrapped)
+            def loss_of(micro, counts):
+                logprobs, entropy, values = ppo.policy_and_values(state.model, extra["value_head"], micro, 1.0,
+                                                                  precision, wrapped=wrapped)
+                return ppo.micro_loss(logprobs, entropy, values, micro, spec, algo, counts)
         if num_mini > 1 and recipe == "grpo":  # the weights move between updates: old logprobs fixed first
             batch = batch.with_(old_logprobs=rl.batch_logprobs(state.model, batch, state.micro_batch_size, 1.0,
                                                                precision, wrapped=state.train.wrapped))
-            if options:  # the first mini-batch's rows are not read
+            if skip_rows:  # the first mini-batch's rows are not read
                 batch.old_logprobs[rl.mini_batch_rows(batch.num_rows, num_mini)[0]] = float("nan")
-        if options:
-            options["rows_to_train"] = rl.informative_rows(batch.advantages)
-        losses.append(float(rl.update_state(batch, algo, state, loss_fn, step, **options)["loss"]))
+        rows_to_train = rl.informative_rows(batch.advantages) if skip_rows else None
+        losses.append(run_updates(state, batch, plan, step, loss_of, rows_to_train))
     weights = full_state_dict(state.train.wrapped)
     if recipe == "ppo":
         weights.update({f"value_head.{k}": v for k, v in full_state_dict(state.train.wrapped, "value_head").items()})
@@ -210,17 +225,21 @@ def distill_case(out: Path, micro: int, strategy: str, signal: str) -> dict:
     advantages = compute_advantages("group_norm", rewards, group)[0]
     rows = rank_rows(num_prompts, group, 1, state.run.ctx)
     precision, wrapped, losses = state.updater.precision, state.train.wrapped, []
+    spec = rl_config.policy_spec(algo)
+    plan = rl.UpdatePlan(algo.num_iterations, algo.num_mini_batches, state.micro_batch_size, cfg.rollout.max_new_tokens)
     for step in range(1, STEPS + 1):
         batch = full.select(rows).with_(advantages=advantages[rows])
         if signal == "sampled":
             batch = batch.with_(ref_logprobs=rl.batch_logprobs(teacher, batch, state.micro_batch_size, 1.0, precision))
 
-            def loss_fn(micro_batch, counts):
-                return distill.micro_loss(state.model, micro_batch, algo, 1.0, counts, precision, wrapped)
+            def loss_of(micro, counts):
+                logprobs, entropy = rl.policy_logprobs(state.model, micro, 1.0, precision, wrapped=wrapped)
+                return distill.micro_loss(logprobs, entropy, micro, spec, algo.reward_weight, counts)
         else:
-            def loss_fn(micro_batch, counts):
-                return distill.full_micro_loss(state.model, teacher, micro_batch, algo, 1.0, counts, precision, wrapped)
-        losses.append(float(rl.update_state(batch, algo, state, loss_fn, step)["loss"]))
+            def loss_of(micro, counts):
+                return distill.full_micro_loss(state.model, teacher, micro, spec, algo.reward_weight, 1.0, counts,
+                                               precision, wrapped)
+        losses.append(run_updates(state, batch, plan, step, loss_of))
     return {"losses": losses, "weights": full_state_dict(wrapped)}
 
 

@@ -17,7 +17,7 @@ from lmforge.envs.episode import EpisodeLimits, EpisodeRunner, episode_rollout
 from lmforge.rollout.continuous import ContinuousDecoder, FinishedRow
 from lmforge.envs.tool_env import ToolEnv
 from lmforge.errors import ConfigError, TrainingError
-from lmforge.losses import policy_loss
+from lmforge.losses import PolicyLossSpec, policy_loss
 from lmforge.models import load_model
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
 from lmforge.rollout import RolloutBatch, SamplingParams, generate
@@ -265,8 +265,8 @@ def loss_grad(model, rollout, advantages, temperature, pad):
     model.zero_grad()
     batch = rl.pack_rollout(rollout, pad, need_rollout_logprobs=False).with_(advantages=advantages)
     logprobs, _ = rl.policy_logprobs(model, batch, temperature, Precision(torch.device("cpu"), torch.float32))
-    loss, _ = policy_loss(logprobs, logprobs.detach(), batch.advantages, batch.trained_mask, loss_type="token_clip",
-                          aggregation="seq_mean_token_mean", eps_low=0.2, eps_high=0.2)
+    loss, _ = policy_loss(logprobs, logprobs.detach(), batch.advantages, batch.trained_mask, PolicyLossSpec(
+        loss_type="token_clip", aggregation="seq_mean_token_mean", eps_low=0.2, eps_high=0.2))
     loss.backward()
     return [p.grad.clone() for p in model.parameters()]
 

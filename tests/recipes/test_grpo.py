@@ -13,7 +13,7 @@ from lmforge.errors import ConfigError, TrainingError
 from lmforge.models import load_model
 from lmforge.parallel.context import ParallelContext
 from lmforge.runtime.run import Run
-from lmforge.recipes.grpo import GRPOConfig, micro_loss, run_grpo
+from lmforge.recipes.grpo import GRPOConfig, advantages_of, micro_loss, run_grpo
 from lmforge.rollout import RewardSet, SamplingParams, generate
 from lmforge.train import Precision, Updater, logits_at
 from run_records import assert_resume_is_bit_exact, records
@@ -89,7 +89,9 @@ def test_on_policy_shortcut_equals_recomputed_old_logprobs():
 
     def loss_and_grads(old_logprobs):
         model.zero_grad()
-        loss, _ = micro_loss(model, dataclasses.replace(batch, old_logprobs=old_logprobs), algo, 1.0, counts, precision)
+        logprobs, entropy = rl.policy_logprobs(model, batch, 1.0, precision, entropy_grad=True)
+        loss, _ = micro_loss(logprobs, entropy, dataclasses.replace(batch, old_logprobs=old_logprobs),
+                             rl_config.policy_spec(algo), counts)
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
@@ -102,14 +104,28 @@ def test_on_policy_shortcut_equals_recomputed_old_logprobs():
         torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
 
 
+def grpo_updates(model, batch, algo, updater, micro_batch_size, rows_to_train=None, flops_of=None, **plan) -> dict:
+    """The update loop of ``grpo_step`` on a fixed batch: ``rl.Updates`` with the recipe's ``micro_loss``
+    (``plan``: ``rl.UpdatePlan``'s options) -> the update metrics."""
+    precision, spec = updater.precision, rl_config.policy_spec(algo)
+    updates = rl.Updates(batch, rl.UpdatePlan(algo.num_iterations, algo.num_mini_batches, micro_batch_size, 4, **plan),
+                         updater, 1, rows_to_train=rows_to_train, flops_of=flops_of)
+    for update in updates:
+        for micro in update:
+            logprobs, entropy = rl.policy_logprobs(model, micro, 1.0, precision, entropy_grad=spec.entropy_coef != 0)
+            loss, metrics = micro_loss(logprobs, entropy, micro, spec, update.counts)
+            update.backward(loss, metrics)
+        update.step()
+    return updates.metrics()
+
+
 def run_update(model, batch, algo, **options):
     """Two passes of ``algo``'s mini-batches on a copy of ``model`` (AdamW, lr 1e-2, constant)
     -> (the copy's weights, update metrics)."""
     model = copy.deepcopy(model)
     precision = Precision(torch.device("cpu"), torch.float32)
     updater = Updater.build(model, OptimConfig(lr=1e-2, schedule="constant", weight_decay=0.0), 8, precision)
-    metrics = rl.update(batch, algo, updater, 4, 4,
-                        lambda micro, counts: micro_loss(model, micro, algo, 1.0, counts, precision), 1, **options)
+    metrics = grpo_updates(model, batch, algo, updater, 4, **options)
     return [p.detach().clone() for p in model.parameters()], metrics
 
 
@@ -138,7 +154,7 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(monkeypatch):
 
 
 def test_micro_batches_cut_from_length_sorted_rows_give_the_same_update(monkeypatch):
-    """``rl.update(length_order=True)`` may cut micro-batches from rows sorted informative-first,
+    """``rl.UpdatePlan(length_order=True)`` may cut micro-batches from rows sorted informative-first,
     longest first, where their forwards cost fewer FLOPs: the weights after two passes equal those of
     one micro-batch per mini-batch, for an aggregation normalised by global counts."""
     model, batch = tiny_batch()
@@ -170,9 +186,8 @@ def test_micro_batches_cut_from_length_sorted_rows_give_the_same_update(monkeypa
     for micro_batch_size, rows, length_order in ((8, None, False), (2, informative, True), (3, None, True)):
         trained = copy.deepcopy(model)
         updater = Updater.build(trained, OptimConfig(lr=1e-2, schedule="constant", weight_decay=0.0), 8, precision)
-        rl.update(batch, algo, updater, micro_batch_size, 4,
-                  lambda micro, counts: micro_loss(trained, micro, algo, 1.0, counts, precision), 1,
-                  rows_to_train=rows, length_order=length_order, flops_of=cost)
+        grpo_updates(trained, batch, algo, updater, micro_batch_size, rows_to_train=rows, flops_of=cost,
+                     length_order=length_order)
         results.append([p.detach() for p in trained.parameters()])
     assert max(float((w - p.detach()).abs().max()) for w, p in zip(results[0], model.parameters())) > 1e-2
     for cut in results[1:]:  # AdamW turns float rounding of near-zero gradients into up to ~3e-5 here
@@ -233,7 +248,7 @@ def test_step_flops_equal_the_matmul_flops_torch_runs(micro_batch_size):
     assert len(set(batch.trained_mask.sum(1).tolist())) > 1  # completions of different lengths
     precision = Precision(torch.device("cpu"), torch.float32)
 
-    def train_pass(batch):  # forward + backward of every micro-batch, as rl.update runs them
+    def train_pass(batch):  # forward + backward of every micro-batch, as the rl.Updates loop runs them
         for rows in torch.arange(batch.num_rows).split(micro_batch_size):
             logprobs, _ = rl.policy_logprobs(model, batch.select(rows), 1.0, precision)
             logprobs.sum().backward()
@@ -330,8 +345,8 @@ def test_nan_loss_stops_the_run_before_the_update(tmp_path, monkeypatch):
 
     real = grpo.micro_loss
 
-    def poisoned(model, micro, algo, *args, **kwargs):
-        loss, metrics = real(model, micro, algo, *args, **kwargs)
+    def poisoned(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
         return loss * float("nan"), metrics
 
     monkeypatch.setattr(grpo, "micro_loss", poisoned)
@@ -389,3 +404,15 @@ def test_bad_config_is_a_clear_error(override, message):
 def test_cli_reports_a_bad_preset(capsys):
     assert cli.main(["grpo", "data.task=addition", "algo.preset=nope"]) == 2
     assert "algo.preset='nope' is not known" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("advantage", ["group_norm", "group_mean"])
+def test_advantages_of_hands_std_eps_to_std_normalising_estimators_only(advantage):
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    algo = load_config(GRPOConfig, None, ["data.task=addition", f"algo.advantage={advantage}",
+                                          "algo.std_eps=1.0"]).algo.resolved()
+    got, _ = advantages_of(rewards, algo, 4)
+    grouped = rewards.view(2, 4)
+    centred = grouped - grouped.mean(1, keepdim=True)
+    want = centred / (grouped.std(1, keepdim=True) + 1.0) if advantage == "group_norm" else centred
+    torch.testing.assert_close(got, want.flatten(), rtol=0, atol=1e-7)

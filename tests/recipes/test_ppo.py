@@ -8,7 +8,9 @@ from lmforge import rl
 from lmforge.config import ModelConfig, OptimConfig, load_config
 from lmforge.errors import ConfigError
 from lmforge.models import load_model
-from lmforge.recipes.ppo import PPOConfig, ValueHead, add_targets, micro_loss, run_ppo, terminal_rewards
+from lmforge.recipes.ppo import (PPOConfig, ValueHead, add_targets, micro_loss, policy_and_values, run_ppo,
+                                terminal_rewards)
+from lmforge.rl import config as rl_config
 from lmforge.rollout import RewardSet
 from lmforge.train import Precision, Updater
 from run_records import records
@@ -74,10 +76,18 @@ def test_value_loss_decreases_on_a_fixed_batch():
     batch, _ = add_targets(model, value_head, None, algo, batch, torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]),
                            1.0, 8, precision)
 
-    def loss_fn(micro, counts):
-        return micro_loss(model, value_head, micro, algo, 1.0, counts, precision)
+    spec, plan = rl_config.policy_spec(algo), rl.UpdatePlan(algo.num_iterations, algo.num_mini_batches, 8, 4)
 
-    value_losses = [rl.update(batch, algo, updater, 8, 4, loss_fn, step)["value_loss"] for step in range(15)]
+    def update_phase(step):  # ppo_step's update loop on the fixed batch
+        updates = rl.Updates(batch, plan, updater, step)
+        for update in updates:
+            for micro in update:
+                logprobs, entropy, values = policy_and_values(model, value_head, micro, 1.0, precision)
+                update.backward(*micro_loss(logprobs, entropy, values, micro, spec, algo, update.counts))
+            update.step()
+        return updates.metrics()
+
+    value_losses = [update_phase(step)["value_loss"] for step in range(15)]
     assert value_losses[0] > 0.05
     assert max(value_losses[-3:]) < 0.5 * value_losses[0], value_losses
 

@@ -22,7 +22,7 @@ RUN = TINY + ["data.task=addition", "data.num_train=16", "data.num_eval=0", "rol
               "rollout.group_size=4", "rollout.max_new_tokens=4", "rewards.functions=[parity]",
               "train.max_steps=1", "train.micro_batch_size=4", "train.save_every=0", "train.threads=1",
               "optim.lr=1e-2", "logging.progress=false"]
-# every key of rl_config.policy_kwargs away from its default, so a key that is dropped shows
+# every key of rl_config.policy_spec away from its default, so a key that is dropped shows
 POLICY_KEYS = {"aggregation": "global_token_mean", "eps_low": 0.1, "eps_high": 0.3, "dual_clip": 3.0,
                "is_level": "token", "is_cap": 1.5, "kl_coef": 0.1, "kl_estimator": "k2", "entropy_coef": 0.01}
 
@@ -39,13 +39,13 @@ def test_grpo_config_reaches_the_policy_loss(tmp_path, spy):
                                                               f"train.output_dir={tmp_path}"]))
     assert len(calls) == 2  # 8 rows in micro-batches of 4, one update
     for call in calls:
-        assert {key: call[key] for key in POLICY_KEYS} == POLICY_KEYS
-        assert call["loss_type"] == "token_clip"
+        assert {key: getattr(call["spec"], key) for key in POLICY_KEYS} == POLICY_KEYS
+        assert call["spec"].loss_type == "token_clip"
         # the tensors the keys act on are there: sampler logprobs (IS), reference (KL), entropy
         for name in ("rollout_logprobs", "ref_logprobs", "entropy"):
             assert call[name] is not None and call[name].shape == call["mask"].shape, name
         assert call["entropy"].requires_grad  # entropy_coef != 0: the bonus has a gradient
-        assert call["num_loss_tokens_global"] == int(sum(c["mask"].sum() for c in calls))
+        assert call["counts"].num_loss_tokens_global == int(sum(c["mask"].sum() for c in calls))
 
 
 def test_ppo_config_reaches_the_policy_and_value_losses(tmp_path, spy):
@@ -56,8 +56,8 @@ def test_ppo_config_reaches_the_policy_and_value_losses(tmp_path, spy):
                                                             f"train.output_dir={tmp_path}"]))
     assert len(policy_calls) == len(value_calls) == 2
     for call in policy_calls:
-        assert {key: call[key] for key in keys} == keys
-        assert call["kl_coef"] == 0.0  # PPO's KL is in the reward (algo.kl_coef), never also in the loss
+        assert {key: getattr(call["spec"], key) for key in keys} == keys
+        assert call["spec"].kl_coef == 0.0  # PPO's KL is in the reward (algo.kl_coef), never also in the loss
         assert call["rollout_logprobs"] is not None and call["entropy"] is not None
     for call in value_calls:
         assert call["clip_eps"] == 0.3 and call["aggregation"] == "global_token_mean"

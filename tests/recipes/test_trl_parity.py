@@ -15,6 +15,7 @@ from lmforge import rl
 from lmforge.config import ModelConfig, load_config
 from lmforge.models import load_model
 from lmforge.recipes.grpo import GRPOConfig, advantages_of, micro_loss
+from lmforge.rl import config as rl_config
 
 trl = pytest.importorskip("trl")
 
@@ -64,7 +65,8 @@ def test_dapo_gradient_equals_trl_on_the_same_batch(tmp_path):
 
     model.train()
     counts = rl.global_counts(batch, cfg.rollout.max_new_tokens)
-    lm_loss, _ = micro_loss(model, batch, algo, 1.0, counts, state.updater.precision)
+    logprobs, entropy = rl.policy_logprobs(model, batch, 1.0, state.updater.precision)
+    lm_loss, _ = micro_loss(logprobs, entropy, batch, rl_config.policy_spec(algo), counts)
     lm_grad = gradient(lm_loss)
 
     args = TRLConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, gradient_checkpointing=False,

@@ -1,6 +1,7 @@
 """Advantage estimators: hand-derived values, plain-loop references, zero-variance groups, GAE."""
 from __future__ import annotations
 
+import inspect
 import math
 import statistics
 
@@ -9,6 +10,7 @@ import torch
 
 from lmforge.advantages import (
     ADVANTAGES,
+    STD_NORMALISED,
     batch_normalized_advantages,
     compute_advantages,
     gae,
@@ -298,3 +300,10 @@ def test_whiten_hand_values_and_padding():
     close(out, [[-1, 0, 0], [1, 0, 0]])
     single = whiten_advantages(t([[4.0, 7.0]]), t([[1, 0]]))
     close(single, [[0.0, 0.0]])  # one valid token: centred to 0, no NaN
+
+
+def test_std_eps_goes_to_exactly_the_estimators_that_take_it():
+    """``STD_NORMALISED`` (which estimators ``grpo.advantages_of`` hands ``algo.std_eps``) names the
+    estimators whose signature has ``std_eps``: a new std-normalising estimator must be listed."""
+    for name, estimator in ADVANTAGES.items():
+        assert ("std_eps" in inspect.signature(estimator).parameters) == (name in STD_NORMALISED), name

@@ -61,12 +61,13 @@ def test_an_upward_import_breaks_the_layers(importer, imported):
 
 
 def test_a_cycle_inside_the_rl_package_is_caught():
-    """The circle of the old rl.py / rl_update.py / rl_async.py (updates -> loop) cannot come back."""
+    """The circle of the old rl.py / rl_update.py / rl_async.py cannot come back: an upward import
+    (batch -> updates, whose Updates reads batches) is illegal and closes a cycle."""
     graph = grimp.build_graph("lmforge")
     layers = grimp_layers(layered("lmforge.rl"))
     assert not graph.find_illegal_dependencies_for_layers(layers, containers={"lmforge.rl"})
     assert not graph.nominate_cycle_breakers("lmforge.rl")
-    graph.add_import(importer="lmforge.rl.updates", imported="lmforge.rl.loop")
+    graph.add_import(importer="lmforge.rl.batch", imported="lmforge.rl.updates")
     assert graph.find_illegal_dependencies_for_layers(layers, containers={"lmforge.rl"})
     assert graph.nominate_cycle_breakers("lmforge.rl")
 

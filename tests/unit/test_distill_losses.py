@@ -9,10 +9,11 @@ import torch
 
 from lmforge.distill_losses import (DISTILL_LOSSES, forward_kl_loss, full_reverse_kl_loss, reverse_kl_advantages,
                                     reverse_kl_loss)
+from lmforge.losses import Counts, PolicyLossSpec
 
 F64 = torch.float64
 LN2, LN3 = math.log(2.0), math.log(3.0)
-ON_POLICY = dict(loss_type="token_clip", aggregation="global_token_mean", eps_low=0.2, eps_high=0.2)
+ON_POLICY = PolicyLossSpec(loss_type="token_clip", aggregation="global_token_mean", eps_low=0.2, eps_high=0.2)
 
 
 def t(values):
@@ -115,7 +116,8 @@ def test_reverse_kl_hand_values_and_gradient():
     advantages, metrics = reverse_kl_advantages(old, teacher, mask)
     close(advantages, [[-LN2, 0.0]])
     close(metrics["reverse_kl"], LN2 / 2)
-    loss, metrics = reverse_kl_loss(logprobs, logprobs.detach(), teacher, mask, num_loss_tokens_global=2, **ON_POLICY)
+    loss, metrics = reverse_kl_loss(logprobs, logprobs.detach(), teacher, mask, ON_POLICY,
+                                    Counts(num_loss_tokens_global=2))
     close(loss, LN2 / 2)
     loss.backward()
     close(logprobs.grad, [[LN2 / 2, 0.0]])
@@ -127,7 +129,7 @@ def test_reverse_kl_with_task_reward():
     teacher = t([[math.log(0.25), math.log(0.25)]])
     logprobs = old.clone().requires_grad_()
     loss, _ = reverse_kl_loss(logprobs, old, teacher, torch.ones(1, 2), reward_advantages=t([1.0]),
-                              reward_weight=0.5, num_loss_tokens_global=2, **ON_POLICY)
+                              reward_weight=0.5, spec=ON_POLICY, counts=Counts(num_loss_tokens_global=2))
     close(loss, (LN2 - 1.0) / 2)
     loss.backward()
     close(logprobs.grad, [[(LN2 - 0.5) / 2, -0.25]])
@@ -139,7 +141,7 @@ def test_reverse_kl_padding_never_reaches_the_loss():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     teacher = t([[-0.7, -0.2, -math.inf], [-1.0, math.nan, -math.inf]])
     logprobs = old.clone().requires_grad_()
-    loss, metrics = reverse_kl_loss(logprobs, old, teacher, mask, num_loss_tokens_global=3, **ON_POLICY)
+    loss, metrics = reverse_kl_loss(logprobs, old, teacher, mask, ON_POLICY, Counts(num_loss_tokens_global=3))
     loss.backward()
     close(loss, ((-0.5 + 0.7) + (-1.0 + 0.2) + (-2.0 + 1.0)) / 3)
     close(metrics["reverse_kl"], ((-0.5 + 0.7) + (-1.0 + 0.2) + (-2.0 + 1.0)) / 3)
@@ -160,7 +162,7 @@ def test_expected_gradient_is_the_exact_reverse_kl_gradient():
     for y in range(V):
         logprobs = torch.log_softmax(logits, -1)[y].reshape(1, 1)
         loss, _ = reverse_kl_loss(logprobs, logprobs.detach(), teacher_logprobs[y].reshape(1, 1), torch.ones(1, 1),
-                                  num_loss_tokens_global=1, **ON_POLICY)
+                                  ON_POLICY, Counts(num_loss_tokens_global=1))
         (grad,) = torch.autograd.grad(loss, logits)
         expected_grad += q[y] * grad
     exact = logits.detach().clone().requires_grad_()
@@ -177,7 +179,8 @@ def test_reverse_kl_off_policy_ratio_is_clipped():
     old = t([[-1.0, -1.0]])
     teacher = t([[-2.0, 0.0]])  # advantages (-1, +1)
     logprobs = t([[-1.0 - 0.5, -1.0 + 0.5]]).requires_grad_()  # ratios e^-0.5 (A < 0), e^0.5 (A > 0): both clipped
-    loss, metrics = reverse_kl_loss(logprobs, old, teacher, torch.ones(1, 2), num_loss_tokens_global=2, **ON_POLICY)
+    loss, metrics = reverse_kl_loss(logprobs, old, teacher, torch.ones(1, 2), ON_POLICY,
+                                    Counts(num_loss_tokens_global=2))
     loss.backward()
     close(logprobs.grad, [[0.0, 0.0]])
     close(metrics["clip_frac_low"], 0.5)
@@ -228,7 +231,7 @@ def test_full_reverse_kl_matches_independent_fp64_and_the_sampled_expectation(te
     for y in range(7):
         logprobs = torch.log_softmax(logits / temperature, -1)[y].reshape(1, 1)
         sampled, _ = reverse_kl_loss(logprobs, logprobs.detach(), teacher_logprobs[y].reshape(1, 1),
-                                     torch.ones(1, 1), num_loss_tokens_global=1, **ON_POLICY)
+                                     torch.ones(1, 1), ON_POLICY, Counts(num_loss_tokens_global=1))
         sampled_grad += q[y] * torch.autograd.grad(sampled, logits)[0]
     close(sampled_grad, full_grad)
     assert full_grad.abs().max() > 1e-2

@@ -8,11 +8,13 @@ import torch
 
 from lmforge.losses import (
     AGGREGATIONS,
+    Counts,
     GSPO_EPS_HIGH,
     GSPO_EPS_LOW,
     IS_LEVELS,
     KL_ESTIMATORS,
     POLICY_LOSSES,
+    PolicyLossSpec,
     aggregate,
     entropy_bonus,
     gspo_loss,
@@ -277,7 +279,7 @@ MASK = torch.tensor([[1, 1, 1], [1, 0, 0]])
     ],
 )
 def test_aggregation_hand_values(mode, counts, expected):
-    close(aggregate(TOKEN_LOSSES, MASK, mode, **counts), expected)
+    close(aggregate(TOKEN_LOSSES, MASK, mode, Counts(**counts)), expected)
 
 
 def test_aggregations_needing_counts_raise_without_them():
@@ -309,9 +311,10 @@ def run_step(inputs, rows, aggregation, counts, loss_type="token_clip"):
     num_positions = int(inputs["mask"][rows].sum(-1).max())
     part = {k: v[rows] if v.dim() == 1 else v[rows, :num_positions] for k, v in inputs.items()}
     logprobs = part.pop("logprobs").clone().requires_grad_()
+    spec = PolicyLossSpec(loss_type=loss_type, aggregation=aggregation, eps_low=0.2, eps_high=0.28,
+                          is_level="token", kl_coef=0.1, entropy_coef=0.01)
     loss, _ = policy_loss(
-        logprobs, loss_type=loss_type, aggregation=aggregation, eps_low=0.2, eps_high=0.28,
-        is_level="token", kl_coef=0.1, entropy_coef=0.01, **part, **counts,
+        logprobs, part.pop("old_logprobs"), part.pop("advantages"), part.pop("mask"), spec, Counts(**counts), **part,
     )
     loss.backward()
     grad = torch.zeros_like(inputs["logprobs"])
@@ -408,7 +411,7 @@ def test_value_loss_clipping_hand_values():
     mask = torch.tensor([[1, 1, 0]])
     loss, metrics = value_loss(values, returns, mask, aggregation="global_token_mean",
                                old_values=t([[1.0, 1.0, 0.0]]), clip_eps=0.2,
-                               num_loss_tokens_global=2)
+                               counts=Counts(num_loss_tokens_global=2))
     close(loss, (0.32 + 0.125) / 2)
     loss.backward()
     close(values.grad, [[0.0, 0.25, 0.0]])
@@ -441,23 +444,23 @@ def test_missing_rollout_logprobs_is_a_clear_error():
     with pytest.raises(ValueError, match="rollout_logprobs"):
         truncated_is_weights(old_logprobs, None, mask)
     with pytest.raises(ValueError, match="rollout_logprobs"):
-        policy_loss(logprobs, old_logprobs, t([1.0] * 4), mask, loss_type="token_clip",
-                    aggregation="token_mean", eps_low=0.2, eps_high=0.2, is_level="token")
+        policy_loss(logprobs, old_logprobs, t([1.0] * 4), mask, PolicyLossSpec(
+            loss_type="token_clip", aggregation="token_mean", eps_low=0.2, eps_high=0.2, is_level="token"))
 
 
 def test_is_weights_multiply_the_policy_term():
     inputs = step_inputs(16)
     common = dict(loss_type="token_clip", aggregation="token_mean", eps_low=0.2, eps_high=0.2)
     args = (inputs["logprobs"], inputs["old_logprobs"], inputs["advantages"], inputs["mask"])
-    loss, metrics = policy_loss(*args, rollout_logprobs=inputs["rollout_logprobs"],
-                                is_level="token", is_cap=1.2, **common)
+    loss, metrics = policy_loss(*args, PolicyLossSpec(**common, is_level="token", is_cap=1.2),
+                                rollout_logprobs=inputs["rollout_logprobs"])
     weights = truncated_is_weights(inputs["old_logprobs"], inputs["rollout_logprobs"], inputs["mask"],
                                    cap=1.2)
     token_losses, _ = token_clip_loss(*args)
     close(loss, aggregate(token_losses * weights, inputs["mask"], "token_mean"))
     valid_weights = weights[inputs["mask"]]
     assert (valid_weights < 1.1).any() and ((valid_weights - 1.2).abs() < 1e-12).any()
-    plain, _ = policy_loss(*args, **common)
+    plain, _ = policy_loss(*args, PolicyLossSpec(**common))
     assert abs((plain - loss).item()) > 1e-4
 
 
@@ -500,11 +503,9 @@ def test_policy_loss_is_the_sum_of_its_parts():
     inputs = step_inputs(17)
     mask = inputs["mask"]
     args = (inputs["logprobs"], inputs["old_logprobs"], inputs["advantages"], mask)
-    loss, metrics = policy_loss(
-        *args, loss_type="gspo_token", aggregation="seq_mean_token_mean", eps_low=0.1, eps_high=0.2,
-        ref_logprobs=inputs["ref_logprobs"], kl_coef=0.05, kl_estimator="k2",
-        entropy=inputs["entropy"], entropy_coef=0.01,
-    )
+    spec = PolicyLossSpec(loss_type="gspo_token", aggregation="seq_mean_token_mean", eps_low=0.1, eps_high=0.2,
+                          kl_coef=0.05, kl_estimator="k2", entropy_coef=0.01)
+    loss, metrics = policy_loss(*args, spec, ref_logprobs=inputs["ref_logprobs"], entropy=inputs["entropy"])
     pg = aggregate(gspo_token_loss(*args, eps_low=0.1, eps_high=0.2)[0], mask, "seq_mean_token_mean")
     kl = aggregate(kl_per_token(inputs["logprobs"], inputs["ref_logprobs"], mask, estimator="k2"),
                    mask, "seq_mean_token_mean")
@@ -524,11 +525,9 @@ def test_policy_loss_gradcheck_all_terms():
     old_logprobs, advantages, mask = inputs.pop("old_logprobs"), inputs.pop("advantages"), inputs.pop("mask")
 
     def objective(lp):
-        return policy_loss(
-            lp, old_logprobs, advantages, mask, loss_type="token_clip", aggregation="global_token_mean",
-            eps_low=0.2, eps_high=0.28, dual_clip=3.0, is_level="sequence", kl_coef=0.3,
-            num_loss_tokens_global=40, **inputs,
-        )[0]
+        spec = PolicyLossSpec(loss_type="token_clip", aggregation="global_token_mean", eps_low=0.2, eps_high=0.28,
+                              dual_clip=3.0, is_level="sequence", kl_coef=0.3)
+        return policy_loss(lp, old_logprobs, advantages, mask, spec, Counts(num_loss_tokens_global=40), **inputs)[0]
 
     assert torch.autograd.gradcheck(objective, (logprobs,), atol=1e-8)
 
@@ -537,9 +536,9 @@ def test_policy_loss_requires_inputs_for_nonzero_coefficients():
     logprobs, old_logprobs, mask = random_batch(18)
     common = dict(loss_type="token_clip", aggregation="token_mean", eps_low=0.2, eps_high=0.2)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        policy_loss(logprobs, old_logprobs, t([1.0] * 4), mask, kl_coef=0.1, **common)
+        policy_loss(logprobs, old_logprobs, t([1.0] * 4), mask, PolicyLossSpec(**common, kl_coef=0.1))
     with pytest.raises(ValueError, match="entropy"):
-        policy_loss(logprobs, old_logprobs, t([1.0] * 4), mask, entropy_coef=0.1, **common)
+        policy_loss(logprobs, old_logprobs, t([1.0] * 4), mask, PolicyLossSpec(**common, entropy_coef=0.1))
 
 
 def test_shape_and_range_errors():
@@ -558,8 +557,8 @@ def test_shape_and_range_errors():
 @pytest.mark.parametrize(
     "call, registry",
     [
-        (lambda lp, m: policy_loss(lp, lp, t([1.0] * 4), m, loss_type="ppo_max", aggregation="token_mean",
-                                   eps_low=0.2, eps_high=0.2), POLICY_LOSSES),
+        (lambda lp, m: policy_loss(lp, lp, t([1.0] * 4), m, PolicyLossSpec(
+            loss_type="ppo_max", aggregation="token_mean", eps_low=0.2, eps_high=0.2)), POLICY_LOSSES),
         (lambda lp, m: aggregate(lp, m, "sum"), AGGREGATIONS),
         (lambda lp, m: kl_per_token(lp, lp, m, estimator="k4"), KL_ESTIMATORS),
         (lambda lp, m: truncated_is_weights(lp, lp, m, level="seq"), IS_LEVELS),

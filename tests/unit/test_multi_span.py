@@ -17,7 +17,7 @@ import torch
 from lmforge import rl
 from lmforge.advantages import gae, whiten_advantages
 from lmforge.config import ModelConfig
-from lmforge.losses import aggregate, kl_per_token, policy_loss, truncated_is_weights
+from lmforge.losses import Counts, PolicyLossSpec, aggregate, kl_per_token, policy_loss, truncated_is_weights
 from lmforge.models import load_model
 from lmforge.recipes.ppo import terminal_rewards
 from lmforge.rollout import RolloutBatch
@@ -52,7 +52,7 @@ def test_spans_are_numbered_per_row():
 ])
 def test_aggregations_count_trained_tokens_only(mode, counts, expected):
     losses = spread([1, 2, 3], [4, 5, 6, 7])
-    close(aggregate(losses, MASK, mode, **counts), expected)
+    close(aggregate(losses, MASK, mode, Counts(**counts)), expected)
 
 
 def test_token_clip_with_sequence_advantages_broadcast_over_every_span():
@@ -62,8 +62,8 @@ def test_token_clip_with_sequence_advantages_broadcast_over_every_span():
                         [math.log(0.5), 0.0, math.log(1.3), math.log(0.9)], junk=5.0)
     old = torch.zeros(MASK.shape, dtype=F64)
     logprobs = log_ratios.clone().requires_grad_()
-    loss, metrics = policy_loss(logprobs, old, torch.tensor([1.0, -2.0], dtype=F64), MASK, loss_type="token_clip",
-                                aggregation="seq_mean_token_mean", eps_low=0.2, eps_high=0.2)
+    loss, metrics = policy_loss(logprobs, old, torch.tensor([1.0, -2.0], dtype=F64), MASK, PolicyLossSpec(
+        loss_type="token_clip", aggregation="seq_mean_token_mean", eps_low=0.2, eps_high=0.2))
     # row 0, A = 1: -min(rA, clip(r) A) = -1.1, -0.7, -1.2; row 1, A = -2: max(2r, 2 clip(r)) = 1.6, 2.0, 2.6, 1.8
     close(loss, ((-1.1 - 0.7 - 1.2) / 3 + (1.6 + 2.0 + 2.6 + 1.8) / 4) / 2)
     close(metrics["ratio_mean"], (1.1 + 0.7 + 1.5 + 0.5 + 1.0 + 1.3 + 0.9) / 7)
@@ -84,8 +84,8 @@ def test_gspo_sequence_ratio_is_the_mean_over_all_spans():
                         [math.log(0.5), 0.0, math.log(1.3), math.log(0.9)], junk=5.0)
     old = torch.zeros(MASK.shape, dtype=F64)
     eps_low, eps_high = 3e-4, 4e-4
-    loss, _ = policy_loss(log_ratios, old, torch.tensor([1.0, -2.0], dtype=F64), MASK, loss_type="gspo",
-                          aggregation="seq_mean_token_mean", eps_low=eps_low, eps_high=eps_high)
+    loss, _ = policy_loss(log_ratios, old, torch.tensor([1.0, -2.0], dtype=F64), MASK, PolicyLossSpec(
+        loss_type="gspo", aggregation="seq_mean_token_mean", eps_low=eps_low, eps_high=eps_high))
     s0 = (1.1 * 0.7 * 1.5) ** (1 / 3)  # 1.049: clipped to 1 + eps_high with A > 0
     s1 = (0.5 * 1.0 * 1.3 * 0.9) ** (1 / 4)  # 0.875: A < 0, the clipped 1 - eps_low gives the larger loss
     assert s0 > 1 + eps_high and s1 < 1 - eps_low
@@ -178,7 +178,7 @@ def test_packed_logprobs_are_those_of_a_full_forward_at_the_trained_tokens():
         packed = logits_at(model, batch.input_ids, batch.attention_mask, batch.positions)
     torch.testing.assert_close(rl.completion_logprobs(packed, batch, 1.0)[0], expected, rtol=0, atol=1e-5)
     assert int(batch.positions.sum()) == int(rollout.trained_mask.sum()) == 10
-    assert rl.global_counts(batch, 8)["num_loss_tokens_global"] == 10  # trained tokens, not the 17 real ones
+    assert rl.global_counts(batch, 8).num_loss_tokens_global == 10  # trained tokens, not the 17 real ones
 
 
 def test_a_trained_mask_outside_the_completion_is_refused():

@@ -17,8 +17,9 @@ adapters off. docs/distillation.md has the math and when to use which.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -27,7 +28,7 @@ from ..advantages import compute_advantages
 from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, refuse_ignored, section
 from ..distill_losses import DISTILL_LOSSES
 from ..errors import ConfigError, DataError
-from ..losses import policy_loss
+from ..losses import Counts, PolicyLossSpec, policy_loss
 from ..models import load_model
 from ..parallel.wrap import run_forward
 from ..rl import config as rl_config
@@ -35,7 +36,6 @@ from ..rl.forward import completion_logits
 from ..runtime.loop import Trainer, build_state, full_model, train_loop
 from ..runtime.run import start_run
 from ..train import BatchOrder, logits_at, shifted_targets
-from .grpo import old_logprobs
 from ..supervised.sft_data import SFTDataConfig, build_data, check_fits_context, make_eval
 from ..supervised.step import supervised_step, validation_loss
 
@@ -181,17 +181,14 @@ def teacher_of(teacher: torch.nn.Module | None, student: torch.nn.Module, device
 # ---- on_policy: the RL runtime ------------------------------------------------------------
 
 
-def micro_loss(model, batch: rl.TrainBatch, algo: DistillAlgoConfig, temperature: float, counts: dict, precision,
-               wrapped=None) -> tuple[torch.Tensor, dict]:
-    """Reverse-KL policy-gradient loss of one micro-batch (the teacher's logprobs in ``batch.ref_logprobs``),
-    normalised by its update's global ``counts``."""
-    logprobs, entropy = rl.policy_logprobs(model, batch, temperature, precision,
-                                           entropy_grad=algo.entropy_coef != 0, wrapped=wrapped)
+def micro_loss(logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: rl.TrainBatch, spec: PolicyLossSpec,
+               reward_weight: float, counts: Counts) -> tuple[torch.Tensor, dict]:
+    """Reverse-KL policy-gradient loss of one micro-batch from its (B, C) ``logprobs`` (with gradient) and
+    ``entropy`` (the teacher's logprobs in ``batch.ref_logprobs``), normalised by its update's ``counts``."""
     old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs  # on-policy: ratio 1
-    return DISTILL_LOSSES["on_policy"](logprobs, old, batch.ref_logprobs, batch.trained_mask,
-                                       reward_advantages=batch.advantages, reward_weight=algo.reward_weight,
-                                       rollout_logprobs=batch.rollout_logprobs, entropy=entropy,
-                                       **rl_config.policy_kwargs(algo), **counts)
+    return DISTILL_LOSSES["on_policy"](logprobs, old, batch.ref_logprobs, batch.trained_mask, spec, counts,
+                                       reward_advantages=batch.advantages, reward_weight=reward_weight,
+                                       rollout_logprobs=batch.rollout_logprobs, entropy=entropy)
 
 
 @torch.no_grad()
@@ -204,20 +201,20 @@ def teacher_completion_logits(teacher, model, batch: rl.TrainBatch, precision, w
         return completion_logits(teacher, batch)
 
 
-def full_micro_loss(model, teacher, batch: rl.TrainBatch, algo: DistillAlgoConfig, temperature: float, counts: dict,
-                    precision, wrapped=None) -> tuple[torch.Tensor, dict]:
+def full_micro_loss(model, teacher, batch: rl.TrainBatch, spec: PolicyLossSpec, reward_weight: float,
+                    temperature: float, counts: Counts, precision, wrapped=None) -> tuple[torch.Tensor, dict]:
     """algo.signal=full: the exact reverse KL at each sampled prefix (one teacher forward here, then the
-    student's), plus the task reward's policy-gradient term when algo.reward_weight is set."""
+    student's), plus the task reward's policy-gradient term when ``reward_weight`` is set."""
     teacher_logits = teacher_completion_logits(teacher, model, batch, precision, wrapped)
     with precision.autocast():
         logits = run_forward(wrapped, completion_logits, model, batch)  # (N, V)
-    loss, kl = DISTILL_LOSSES["on_policy_full"](logits, teacher_logits, counts["num_loss_tokens_global"],
+    loss, kl = DISTILL_LOSSES["on_policy_full"](logits, teacher_logits, counts.num_loss_tokens_global,
                                                 temperature=temperature)
     metrics = {"reverse_kl": kl["kl_sum"] / max(int(kl["num_tokens"]), 1)}
-    if algo.reward_weight:
+    if reward_weight:
         logprobs, _ = rl.completion_logprobs(logits, batch, temperature)
-        reward_loss, reward_metrics = policy_loss(logprobs, logprobs.detach(), algo.reward_weight * batch.advantages,
-                                                  batch.trained_mask, **rl_config.policy_kwargs(algo), **counts)
+        reward_loss, reward_metrics = policy_loss(logprobs, logprobs.detach(), reward_weight * batch.advantages,
+                                                  batch.trained_mask, spec, counts)
         loss = loss + reward_loss
         metrics["reward_pg_loss"] = reward_metrics["pg_loss"]
     return loss, metrics
@@ -231,39 +228,54 @@ def teacher_logprobs(teacher, batch: rl.TrainBatch, state: rl.RLState, temperatu
                              wrapped=wrapped).float()
 
 
-def on_policy_step(state: rl.RLState, algo: DistillAlgoConfig, teacher, step: int) -> dict:
-    """Sample, score with the task rewards, score every sampled token with the teacher, update."""
-    cfg = state  # the resolved sections (rl.RLState)
+def on_policy_step(state: rl.RLState, algo: DistillAlgoConfig, teacher, spec: PolicyLossSpec, plan: rl.UpdatePlan,
+                   step: int) -> dict:
+    """Sample, score with the task rewards, pack, score every sampled token with the teacher, pi_old, then
+    the updates: for each update, for each micro-batch, forward, loss and backward; then the optimizer step."""
+    model, wrapped, precision = state.model, state.train.wrapped, state.updater.precision
+    temperature = state.rollout.temperature
     scored = state.source.next_batch(step)  # this rank's rows, scored (lmforge.rl.sources)
     start = time.perf_counter()
     batch = rl.pack_rollout(scored.rollout, state.tokenizer.pad_token_id, need_rollout_logprobs=algo.is_level != "none")
     batch = batch.to(state.run.device)
-    temperature, precision, wrapped = cfg.rollout.temperature, state.updater.precision, state.train.wrapped
-    if algo.signal == "sampled":
+    if algo.signal == "sampled":  # signal=full: the teacher runs inside each micro-batch's loss instead
         batch = batch.with_(ref_logprobs=teacher_logprobs(teacher, batch, state, temperature))
-        loss_fn = lambda micro, counts: micro_loss(state.model, micro, algo, temperature, counts,  # noqa: E731
-                                                   precision, wrapped)
-    else:  # the teacher runs inside each micro-batch's loss
-        loss_fn = lambda micro, counts: full_micro_loss(state.model, teacher, micro, algo,  # noqa: E731
-                                                        temperature, counts, precision, wrapped)
     time_teacher = time.perf_counter() - start
     if algo.reward_weight:
-        advantages, _ = compute_advantages("group_norm", scored.rewards.total, cfg.rollout.group_size)
+        advantages, _ = compute_advantages("group_norm", scored.rewards.total, state.rollout.group_size)
         batch = batch.with_(advantages=advantages.to(state.run.device))
     teacher_module = teacher.model if isinstance(teacher, lora.DisabledAdapters) else teacher
-    flops = rl.sampling_flops(state.model, batch) + rl.batch_forward_flops(teacher_module, batch,
-                                                                           state.micro_batch_size)
-    multi_update = algo.num_iterations > 1 or algo.num_mini_batches > 1  # the weights move before the last update
-    if multi_update:
-        pi_old, old_flops = old_logprobs(state, algo, batch, torch.ones(batch.num_rows, dtype=torch.bool))
+    flops = rl.sampling_flops(model, batch) + rl.batch_forward_flops(teacher_module, batch, state.micro_batch_size)
+    if plan.first_on_policy:  # several updates: the weights move before the last one
+        need = plan.pi_old_rows(torch.ones(batch.num_rows, dtype=torch.bool), state.run.ctx.distributed)
+        pi_old, old_flops = rl.old_logprobs(model, batch, need, state.micro_batch_size, temperature, precision, wrapped)
         batch = batch.with_(old_logprobs=pi_old)
         flops += old_flops
-    train_metrics = rl.update_state(batch, algo, state, loss_fn, step, first_on_policy=multi_update,
-                                    flops_of=lambda part: rl.forward_flops(state.model, part))
-    flops += 3 * train_metrics.pop("_forward_flops")
-    return {**scored.metrics, **train_metrics, "time_teacher": time_teacher,
+    updates = rl.Updates(batch, plan, state.updater, step, state.run.ctx, wrapped,
+                         flops_of=functools.partial(rl.forward_flops, model))
+    for update in updates:
+        for micro in update:
+            if algo.signal == "sampled":
+                logprobs, entropy = rl.policy_logprobs(model, micro, temperature, precision,
+                                                       entropy_grad=spec.entropy_coef != 0, wrapped=wrapped)
+                loss, metrics = micro_loss(logprobs, entropy, micro, spec, algo.reward_weight, update.counts)
+            else:
+                loss, metrics = full_micro_loss(model, teacher, micro, spec, algo.reward_weight, temperature,
+                                                update.counts, precision, wrapped)
+            update.backward(loss, metrics)
+        update.step()
+    return {**scored.metrics, **updates.metrics(), "time_teacher": time_teacher,
             "time_training": time.perf_counter() - start,
-            "num_tokens": int(batch.attention_mask.sum()) * algo.num_iterations, "num_flops": flops}
+            "num_tokens": int(batch.attention_mask.sum()) * algo.num_iterations, "num_flops": flops + updates.flops}
+
+
+def make_on_policy_step(state: rl.RLState, algo: DistillAlgoConfig, teacher) -> Callable[[int], dict]:
+    """The run's ``step -> metrics``: :func:`on_policy_step` with the loss spec and update plan built once
+    (micro-batches in row order: ``length_order`` off, as before)."""
+    spec = rl_config.policy_spec(algo)
+    plan = dataclasses.replace(rl.UpdatePlan.from_algo(algo, state.micro_batch_size, state.rollout.max_new_tokens),
+                               length_order=False)
+    return lambda step: on_policy_step(state, algo, teacher, spec, plan, step)
 
 
 def run_on_policy(cfg: DistillConfig, algo: DistillAlgoConfig, model, tokenizer, teacher, note: str, console,
@@ -275,7 +287,7 @@ def run_on_policy(cfg: DistillConfig, algo: DistillAlgoConfig, model, tokenizer,
     teacher = teacher_of(teacher, state.model, state.run.device)
     state.run.print(note)
     state.run.print(f"[algo] mode=on_policy {rl_config.describe_algo(algo)}")
-    return rl.train_rl(state, lambda step: on_policy_step(state, algo, teacher, step))
+    return rl.train_rl(state, make_on_policy_step(state, algo, teacher))
 
 
 # ---- logit: fixed data --------------------------------------------------------------------

@@ -9,16 +9,17 @@ combinations (GRPO, Dr. GRPO, DAPO, GSPO, RLOO); docs/rl-recipes.md explains eac
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import functools
 import time
+from typing import Callable
 
 import torch
 
 from .. import rl
-from ..advantages import ADVANTAGES, compute_advantages
+from ..advantages import ADVANTAGES, STD_NORMALISED, compute_advantages
 from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, section
 from ..errors import ConfigError
-from ..losses import policy_loss
+from ..losses import Counts, PolicyLossSpec, policy_loss
 from ..rl import config as rl_config
 
 # Named combinations of algo keys; an explicitly set key always wins over its preset value.
@@ -82,9 +83,7 @@ def advantages_of(rewards: torch.Tensor, algo: GRPOAlgoConfig, group_size: int,
     With ``episode_index`` (B,) (an agent's episodes may give several rows each: RolloutBatch), the
     groups are of episodes: each episode's reward (that of its first row) is compared with its group's,
     and its advantage shared by its rows; a row of episode -1 (padding) gets 0."""
-    options = {}
-    if "std_eps" in inspect.signature(ADVANTAGES[algo.advantage]).parameters:
-        options["std_eps"] = algo.std_eps
+    options = {"std_eps": algo.std_eps} if algo.advantage in STD_NORMALISED else {}
     if episode_index is None:
         return compute_advantages(algo.advantage, rewards, group_size, **options)
     real = episode_index >= 0
@@ -95,75 +94,63 @@ def advantages_of(rewards: torch.Tensor, algo: GRPOAlgoConfig, group_size: int,
     return torch.where(real, per_episode[episode_index.clamp(min=0)], 0.0), metrics
 
 
-def micro_loss(model, batch: rl.TrainBatch, algo: GRPOAlgoConfig, temperature: float, counts: dict,
-               precision, wrapped=None) -> tuple[torch.Tensor, dict]:
-    """Policy loss of one micro-batch, normalised by its update's global ``counts`` (forward through
-    ``wrapped``, the parallel root, when given)."""
-    logprobs, entropy = rl.policy_logprobs(model, batch, temperature, precision,
-                                           entropy_grad=algo.entropy_coef != 0, wrapped=wrapped)
+def micro_loss(logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: rl.TrainBatch, spec: PolicyLossSpec,
+               counts: Counts) -> tuple[torch.Tensor, dict]:
+    """Policy loss of one micro-batch from its (B, C) ``logprobs`` (with gradient) and ``entropy``,
+    normalised by its update's global ``counts``."""
     # On-policy (one pass, one update, batch.old_logprobs None): the weights have not moved since
     # sampling, so pi_old is this forward pass itself. Detached, it gives ratio 1 and the plain
     # policy gradient, and saves a second forward over the batch.
     old_logprobs = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs
-    return policy_loss(logprobs, old_logprobs, batch.advantages, batch.trained_mask,
-                       rollout_logprobs=batch.rollout_logprobs, ref_logprobs=batch.ref_logprobs,
-                       entropy=entropy, **rl_config.policy_kwargs(algo), **counts)
+    return policy_loss(logprobs, old_logprobs, batch.advantages, batch.trained_mask, spec, counts,
+                       rollout_logprobs=batch.rollout_logprobs, ref_logprobs=batch.ref_logprobs, entropy=entropy)
 
 
-def grpo_step(state: rl.RLState, algo: GRPOAlgoConfig, step: int) -> dict:
-    """Sample, score, compute advantages, update. Returns the step's metrics."""
-    cfg = state  # the resolved sections (rl.RLState)
+def grpo_step(state: rl.RLState, algo: GRPOAlgoConfig, spec: PolicyLossSpec, plan: rl.UpdatePlan, step: int) -> dict:
+    """Sample, score, compute advantages, pack, reference and pi_old logprobs, then the updates: for each
+    update, for each micro-batch, forward, loss and backward; then the optimizer step. Returns the step's
+    metrics."""
+    model, wrapped, precision = state.model, state.train.wrapped, state.updater.precision
+    temperature = state.rollout.temperature
     scored = state.source.next_batch(step)  # this rank's rows, scored (lmforge.rl.sources)
     start = time.perf_counter()
-    advantages, adv_metrics = advantages_of(scored.rewards.total, algo, cfg.rollout.group_size,
+    advantages, adv_metrics = advantages_of(scored.rewards.total, algo, state.rollout.group_size,
                                             scored.rollout.episode_index)
     adv_metrics = rl.reduce_rollout_metrics(adv_metrics, state.run.ctx)
     batch = rl.pack_rollout(scored.rollout, state.tokenizer.pad_token_id, need_rollout_logprobs=algo.is_level != "none")
     batch = batch.with_(advantages=advantages).to(state.run.device)
-    precision, temperature = state.updater.precision, cfg.rollout.temperature
+    flops = rl.sampling_flops(model, batch)
     if state.ref_model is not None:
         batch = batch.with_(ref_logprobs=rl.batch_logprobs(state.ref_model, batch, state.micro_batch_size,
                                                            temperature, precision))
+        flops += rl.batch_forward_flops(model, batch, state.micro_batch_size)
     # Zero-advantage rows add nothing to a loss without KL or entropy terms: they are not run.
     skip = algo.skip_zero_advantage and state.ref_model is None and algo.entropy_coef == 0
     informative = rl.informative_rows(advantages) if skip else torch.ones(batch.num_rows, dtype=torch.bool)
-    forward_flops = lambda part: rl.forward_flops(state.model, part)  # noqa: E731
-    flops = rl.sampling_flops(state.model, batch)
-    if state.ref_model is not None:
-        flops += rl.batch_forward_flops(state.model, batch, state.micro_batch_size)
-    multi_update = algo.num_iterations > 1 or algo.num_mini_batches > 1  # the weights move before the last update
-    if multi_update:
-        pi_old, old_flops = old_logprobs(state, algo, batch, informative)
+    if plan.first_on_policy:  # several updates: the weights move before the last one
+        need = plan.pi_old_rows(informative, state.run.ctx.distributed)
+        pi_old, old_flops = rl.old_logprobs(model, batch, need, state.micro_batch_size, temperature, precision, wrapped)
         batch = batch.with_(old_logprobs=pi_old)
         flops += old_flops
-    train_metrics = rl.update_state(
-        batch, algo, state,
-        lambda micro, counts: micro_loss(state.model, micro, algo, temperature, counts, precision, state.train.wrapped),
-        step, rows_to_train=informative if skip else None, first_on_policy=multi_update, flops_of=forward_flops,
-        length_order=algo.aggregation != "token_mean")  # token_mean is a mean per micro-batch
-    flops += 3 * train_metrics.pop("_forward_flops")
-    return {**scored.metrics, **adv_metrics, **train_metrics, "time_training": time.perf_counter() - start,
-            "num_tokens": int(batch.attention_mask.sum()) * algo.num_iterations, "num_flops": flops}
+    updates = rl.Updates(batch, plan, state.updater, step, state.run.ctx, wrapped,
+                         rows_to_train=informative if skip else None,
+                         flops_of=functools.partial(rl.forward_flops, model))
+    for update in updates:
+        for micro in update:
+            logprobs, entropy = rl.policy_logprobs(model, micro, temperature, precision,
+                                                   entropy_grad=spec.entropy_coef != 0, wrapped=wrapped)
+            loss, metrics = micro_loss(logprobs, entropy, micro, spec, update.counts)
+            update.backward(loss, metrics)
+        update.step()
+    return {**scored.metrics, **adv_metrics, **updates.metrics(), "time_training": time.perf_counter() - start,
+            "num_tokens": int(batch.attention_mask.sum()) * algo.num_iterations, "num_flops": flops + updates.flops}
 
 
-def old_logprobs(state: rl.RLState, algo: GRPOAlgoConfig, batch: rl.TrainBatch, rows: torch.Tensor):
-    """pi_old for an update phase of several updates -> ((B, C) logprobs, forward FLOPs).
-
-    Computed only where it is read: ``rows`` (B,) bool, the rows that are trained, less the first
-    mini-batch of the first pass, which takes pi_old from its own forward (the weights have not moved
-    yet; ``rl.update(first_on_policy=True)``). Other entries are 0 and never read.
-    """
-    # Under several ranks every rank computes all its rows (FSDP2 gathers weights inside each forward).
-    need = torch.ones_like(rows) if state.run.ctx.distributed else rows.clone()
-    if algo.num_iterations == 1:
-        need[rl.mini_batch_rows(batch.num_rows, algo.num_mini_batches)[0]] = False
-    out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=batch.completion_ids.device)
-    if not need.any():
-        return out, 0.0
-    part = batch.select(need.nonzero()[:, 0].to(batch.input_ids.device))
-    out[need.to(out.device)] = rl.batch_logprobs(state.model, part, state.micro_batch_size, state.rollout.temperature,
-                                                 state.updater.precision, wrapped=state.train.wrapped).float()
-    return out, rl.batch_forward_flops(state.model, part, state.micro_batch_size)
+def make_step(state: rl.RLState, algo: GRPOAlgoConfig) -> Callable[[int], dict]:
+    """The run's ``step -> metrics``: :func:`grpo_step` with the loss spec and update plan built once."""
+    spec = rl_config.policy_spec(algo)
+    plan = rl.UpdatePlan.from_algo(algo, state.micro_batch_size, state.rollout.max_new_tokens)
+    return lambda step: grpo_step(state, algo, spec, plan, step)
 
 
 def run_grpo(cfg: GRPOConfig, model=None, tokenizer=None, console=None, name: str = "grpo") -> dict:
@@ -173,5 +160,5 @@ def run_grpo(cfg: GRPOConfig, model=None, tokenizer=None, console=None, name: st
         raise ConfigError(f"rollout.group_size must be >= 2 for group-relative advantages, got {cfg.rollout.group_size}")
     state = rl.prepare(cfg, name, algo, model, tokenizer, console)
     state.run.print(f"[algo] {rl_config.describe_algo(algo)}")
-    return rl.train_rl(state, lambda step: grpo_step(state, algo, step))
+    return rl.train_rl(state, make_step(state, algo))
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -23,7 +24,7 @@ from .. import rl
 from ..advantages import gae, whiten_advantages
 from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, section
 from ..errors import ConfigError
-from ..losses import kl_per_token, policy_loss, value_loss
+from ..losses import Counts, PolicyLossSpec, kl_per_token, policy_loss, value_loss
 from ..ops import masked_mean, masked_sum
 from ..parallel.context import ParallelContext
 from ..parallel.wrap import full_state_dict, is_sharded, run_forward
@@ -183,42 +184,56 @@ def whiten_over_ranks(advantages: torch.Tensor, mask: torch.Tensor, ctx: Paralle
     return torch.where(valid, centred / (std + std_eps), 0.0)
 
 
-def micro_loss(model, value_head: ValueHead, batch: rl.TrainBatch, algo: PPOAlgoConfig, temperature: float,
-               counts: dict, precision, wrapped=None) -> tuple[torch.Tensor, dict]:
-    """Clipped policy loss + value_coef x clipped value loss of one micro-batch (global counts)."""
-    logprobs, entropy, values = policy_and_values(model, value_head, batch, temperature, precision,
-                                                  entropy_grad=algo.entropy_coef != 0, wrapped=wrapped)
-    # The KL to the reference is already in the reward; it is not also a loss term here.
-    kwargs = {**rl_config.policy_kwargs(algo), "kl_coef": 0.0}
-    pg_loss, metrics = policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.trained_mask,
-                                   rollout_logprobs=batch.rollout_logprobs, entropy=entropy, **kwargs, **counts)
-    v_loss, v_metrics = value_loss(values, batch.returns, batch.trained_mask, aggregation=algo.aggregation,
-                                   old_values=batch.old_values, clip_eps=algo.value_clip, **counts)
+def micro_loss(logprobs: torch.Tensor, entropy: torch.Tensor | None, values: torch.Tensor, batch: rl.TrainBatch,
+               spec: PolicyLossSpec, algo: PPOAlgoConfig, counts: Counts) -> tuple[torch.Tensor, dict]:
+    """Clipped policy loss + value_coef x clipped value loss of one micro-batch from its forward's (B, C)
+    ``logprobs``, ``entropy`` and ``values`` (global ``counts``; ``spec`` without a KL term: PPO's KL to
+    the reference is in the reward)."""
+    pg_loss, metrics = policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.trained_mask, spec, counts,
+                                   rollout_logprobs=batch.rollout_logprobs, entropy=entropy)
+    v_loss, v_metrics = value_loss(values, batch.returns, batch.trained_mask, aggregation=spec.aggregation,
+                                   old_values=batch.old_values, clip_eps=algo.value_clip, counts=counts)
     return pg_loss + algo.value_coef * v_loss, {**metrics, **v_metrics}
 
 
-def ppo_step(state: rl.RLState, value_head: ValueHead, algo: PPOAlgoConfig, step: int) -> dict:
-    """Sample, score, GAE targets, update. Returns the step's metrics."""
-    cfg = state  # the resolved sections (rl.RLState)
+def ppo_step(state: rl.RLState, value_head: ValueHead, algo: PPOAlgoConfig, spec: PolicyLossSpec,
+             plan: rl.UpdatePlan, step: int) -> dict:
+    """Sample, score, pack, GAE targets (pi_old and values from one no-grad pass), then the updates: for
+    each update, for each micro-batch, forward, loss and backward; then the optimizer step. Returns the
+    step's metrics."""
+    model, wrapped, precision = state.model, state.train.wrapped, state.updater.precision
+    temperature = state.rollout.temperature
     scored = state.source.next_batch(step)  # this rank's rows, scored (lmforge.rl.sources)
     metrics = dict(scored.metrics)
     start = time.perf_counter()
     batch = rl.pack_rollout(scored.rollout, state.tokenizer.pad_token_id, need_rollout_logprobs=algo.is_level != "none")
     batch = batch.to(state.run.device)
-    precision, temperature = state.updater.precision, cfg.rollout.temperature
-    batch, target_metrics = add_targets(state.model, value_head, state.ref_model, algo, batch, scored.rewards.total,
-                                        temperature, state.micro_batch_size, precision, wrapped=state.train.wrapped,
+    batch, target_metrics = add_targets(model, value_head, state.ref_model, algo, batch, scored.rewards.total,
+                                        temperature, state.micro_batch_size, precision, wrapped=wrapped,
                                         ctx=state.run.ctx, turn_rewards=scored.rewards.turn_rewards)
     metrics.update(rl.reduce_rollout_metrics(target_metrics, state.run.ctx))
-    train_metrics = rl.update_state(
-        batch, algo, state,
-        lambda micro, counts: micro_loss(state.model, value_head, micro, algo, temperature, counts, precision,
-                                         state.train.wrapped),
-        step)
-    return {**metrics, **train_metrics, "time_training": time.perf_counter() - start,
+    updates = rl.Updates(batch, plan, state.updater, step, state.run.ctx, wrapped)
+    for update in updates:
+        for micro in update:
+            logprobs, entropy, values = policy_and_values(model, value_head, micro, temperature, precision,
+                                                          entropy_grad=spec.entropy_coef != 0, wrapped=wrapped)
+            loss, micro_metrics = micro_loss(logprobs, entropy, values, micro, spec, algo, update.counts)
+            update.backward(loss, micro_metrics)
+        update.step()
+    return {**metrics, **updates.metrics(), "time_training": time.perf_counter() - start,
             "num_tokens": int(batch.attention_mask.sum()) * algo.num_iterations,
-            "num_flops": rl.step_flops(state.model, batch, state.micro_batch_size, algo.num_iterations,
+            "num_flops": rl.step_flops(model, batch, state.micro_batch_size, algo.num_iterations,
                                        1 + int(state.ref_model is not None), share_prompts=False)}
+
+
+def make_step(state: rl.RLState, value_head: ValueHead, algo: PPOAlgoConfig) -> Callable[[int], dict]:
+    """The run's ``step -> metrics``: :func:`ppo_step` with the loss spec and update plan built once. The
+    spec has no KL term: the KL to the reference is in the reward (``add_targets``), never also in the loss.
+    pi_old comes from ``add_targets``'s pass for every update."""
+    spec = dataclasses.replace(rl_config.policy_spec(algo), kl_coef=0.0)
+    plan = rl.UpdatePlan(algo.num_iterations, algo.num_mini_batches, state.micro_batch_size,
+                         state.rollout.max_new_tokens)
+    return lambda step: ppo_step(state, value_head, algo, spec, plan, step)
 
 
 def run_ppo(cfg: PPOConfig, model=None, tokenizer=None, console=None, name: str = "ppo") -> dict:
@@ -249,5 +264,5 @@ def run_ppo(cfg: PPOConfig, model=None, tokenizer=None, console=None, name: str 
         final_value_head = value_head_state()
         return {} if sharded else {"value_head": final_value_head}
 
-    return rl.train_rl(state, lambda step: ppo_step(state, value_head, algo, step),
+    return rl.train_rl(state, make_step(state, value_head, algo),
                        extra_state=extra_state, save_extra=save_value_head)

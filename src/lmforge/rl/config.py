@@ -14,7 +14,7 @@ from ..data.tasks import get_task
 from ..envs.episode import EpisodeLimits
 from ..envs.registry import check_environment
 from ..errors import ConfigError
-from ..losses import AGGREGATIONS, GSPO_EPS_HIGH, GSPO_EPS_LOW, IS_LEVELS, KL_ESTIMATORS, POLICY_LOSSES
+from ..losses import AGGREGATIONS, GSPO_EPS_HIGH, GSPO_EPS_LOW, IS_LEVELS, KL_ESTIMATORS, POLICY_LOSSES, PolicyLossSpec
 from ..rollout import SamplingParams
 
 
@@ -395,9 +395,10 @@ def describe_algo(algo) -> str:
     return " ".join(f"{f.name}={getattr(algo, f.name)}" for f in dataclasses.fields(algo))
 
 
-def policy_kwargs(algo) -> dict:
-    """The ``losses.policy_loss`` keyword arguments that come from a resolved ``algo``."""
-    return dict(loss_type=algo.loss_type, aggregation=algo.aggregation, eps_low=algo.eps_low,
-                eps_high=algo.eps_high, dual_clip=algo.dual_clip, is_cap=algo.is_cap,
-                is_level=None if algo.is_level == "none" else algo.is_level,
-                kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator, entropy_coef=algo.entropy_coef)
+def policy_spec(algo) -> PolicyLossSpec:
+    """The ``losses.policy_loss`` hyperparameters of a resolved ``algo``: built once per run, so every
+    micro-batch's loss reads the same frozen values (``is_level`` "none" is the loss's None: off)."""
+    return PolicyLossSpec(loss_type=algo.loss_type, aggregation=algo.aggregation, eps_low=algo.eps_low,
+                          eps_high=algo.eps_high, dual_clip=algo.dual_clip,
+                          is_level=None if algo.is_level == "none" else algo.is_level, is_cap=algo.is_cap,
+                          kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator, entropy_coef=algo.entropy_coef)

@@ -209,3 +209,16 @@ def reference_model(model, kl_coef: float):
     ref = copy.deepcopy(model).eval()
     ref.requires_grad_(False)
     return ref
+
+
+def old_logprobs(model, batch: TrainBatch, need: torch.Tensor, micro_batch_size: int, temperature: float, precision,
+                 wrapped=None) -> tuple[torch.Tensor, float]:
+    """pi_old of the rows ``need`` ((B,) bool, :meth:`lmforge.rl.updates.UpdatePlan.pi_old_rows`) for an update
+    phase of several updates -> ((B, C) fp32 logprobs, their forward FLOPs). Other rows hold 0, never read."""
+    out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=batch.completion_ids.device)
+    if not need.any():
+        return out, 0.0
+    part = batch.select(need.nonzero()[:, 0].to(batch.input_ids.device))
+    out[need.to(out.device)] = batch_logprobs(model, part, micro_batch_size, temperature, precision,
+                                              wrapped=wrapped).float()
+    return out, batch_forward_flops(model, part, micro_batch_size)

@@ -4,7 +4,8 @@ on the runtime loop (:func:`train_rl`), with the rollout source synced after eve
 A step (the recipe's: ``recipes/grpo.py:grpo_step``, ``recipes/ppo.py:ppo_step``) reads top to bottom
 through this package: ``state.source.next_batch(step)`` (``sources/``: this rank's rows, scored) ->
 advantages (``lmforge.advantages``) -> ``batch.pack_rollout`` (the trainer's layout, trained mask)
--> ``forward`` (logprobs of the trained tokens) -> ``updates.update`` (passes, mini- and
+-> ``forward`` (logprobs of the trained tokens) -> ``for update in updates.Updates(...)``: ``for micro in
+update``: the recipe's forward, loss and ``update.backward``; ``update.step()`` (passes, mini- and
 micro-batches, global counts) -> ``source.sync_weights``. This file knows no source by name: they
 are built by ``sources.make_source`` from the rollout section.
 """
@@ -28,14 +29,12 @@ from ..runtime.loop import Trainer, TrainState, build_state, full_model, train_l
 from ..runtime.run import Run, start_run
 from ..tokenizer import check_unknown_tokens
 from ..train import BatchOrder
-from .batch import TrainBatch
 from .config import EnvConfig, RewardsConfig, RLDataConfig, RolloutConfig, check_rl_config
 from .forward import reference_model
 from .prompts import PromptSet, build_prompts, prompt_budget
 from .sources import RolloutSource, SourceSetup, check_source, make_source, resume_source
 from .sources.agent import agent_evaluator, problem_dict
 from .sources.episodes import episode_evaluator
-from .updates import LossFn, update
 
 
 @dataclasses.dataclass
@@ -224,13 +223,6 @@ def make_agent_evaluate(state: RLState) -> Callable[[int], dict]:
 
 
 TIME_KEYS = ("time_generation", "time_scoring", "time_training")
-
-
-def update_state(batch: TrainBatch, algo, state: RLState, loss_fn: LossFn, step: int, **options) -> dict:
-    """:func:`update` with the run's optimizer, micro-batch size, parallel context and wrapped root
-    (``options``: its keyword arguments)."""
-    return update(batch, algo, state.updater, state.micro_batch_size, state.rollout.max_new_tokens, loss_fn,
-                  step, state.run.ctx, state.train.wrapped, **options)
 
 
 def synced_steps(state: RLState, step_fn: Callable[[int], dict]) -> Callable[[int], dict]:
