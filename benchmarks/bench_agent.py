@@ -87,7 +87,7 @@ def calc_agent(base_url: str, problem: dict, max_turns: int = 3) -> str:
 def example_state(example: str, model, tok, args, out_dir: str, extra: list[str]):
     """``rl.prepare`` of an example config with this bench's model, batch and thread settings."""
     from lmforge import rl
-    from lmforge.config import load_config
+    from lmforge.core.config import load_config
     from lmforge.recipes.grpo import GRPOConfig
 
     cfg = load_config(GRPOConfig, os.path.join(ROOT, "examples", example), [
@@ -130,8 +130,8 @@ def same_episodes(states: dict, tok, problems: list) -> str:
 
 def episode_rates(args) -> dict:
     """Part (a): rollouts of the agent path and the environment path, alternating (module doc)."""
-    from lmforge.config import ModelConfig
-    from lmforge.models import load_model
+    from lmforge.core.config import ModelConfig
+    from lmforge.model.load import load_model
 
     model, tok = load_model(ModelConfig(name=args.start, tokenizer=""))
     out = tempfile.mkdtemp(prefix="bench_agent_")
@@ -179,7 +179,7 @@ def agent_state(env_cfg, model, tok, out_dir: str):
     import yaml
 
     from lmforge import rl
-    from lmforge.config import load_config, to_dict
+    from lmforge.core.config import load_config, to_dict
     from lmforge.recipes.grpo import GRPOConfig
 
     values = to_dict(env_cfg)

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from lmforge.antidistill import ads_generate, perturbed_copies
+from lmforge.antidistill.ads import ads_generate, perturbed_copies
 from lmforge.rollout import SamplingParams, generate
 
 
@@ -49,7 +49,7 @@ def load_teacher(args):
         return random_llama(args.vocab, args.teacher_hidden, args.teacher_layers, seed=0)
     spec = args.teacher
     if spec == "smollm2":
-        from lmforge.models import resolve_pretrained
+        from lmforge.model.load import resolve_pretrained
 
         spec = resolve_pretrained("smollm2-135m-instruct")  # cached safetensors copy after the first run
     return AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()

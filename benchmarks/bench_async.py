@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from lmforge.config import load_config
+from lmforge.core.config import load_config
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,10 +155,10 @@ def matmul_work(stop) -> None:
 def contention(args) -> None:
     from lmforge import rl
     from lmforge.rl import config as rl_config
-    from lmforge.config import ModelConfig
-    from lmforge.models import load_model
+    from lmforge.core.config import ModelConfig
+    from lmforge.model.load import load_model
     from lmforge.rollout import RewardSet
-    from lmforge.train import Precision
+    from lmforge.runtime.optim import Precision
 
     torch.set_num_threads(1)
     spec = (ModelConfig(name=args.quickstart_model) if args.quickstart_model else

@@ -16,7 +16,7 @@ wait policy is read once, when torch loads its OpenMP runtime. Its median step t
   t<N>          train.threads=N, OpenMP's default wait policy (spin a while, then sleep; written out as
                 GOMP_SPINCOUNT=300000, else lmforge would set PASSIVE itself on a busy machine)
   t<N>-passive  train.threads=N, OMP_WAIT_POLICY=PASSIVE (a waiting thread sleeps at once)
-  auto          neither set: what lmforge chooses itself (lmforge.hardware.choose_threads)
+  auto          neither set: what lmforge chooses itself (lmforge.runtime.hardware.choose_threads)
 with N = 1, 2 and the core count. ``--rounds`` > 1 repeats every setting, in reverse order every other
 round, and takes the median: the machine's own load drifts while the benchmark runs.
 

@@ -19,10 +19,10 @@ import time
 def one_setting(args) -> dict:
     import torch
 
-    from lmforge.config import ModelConfig, OptimConfig
-    from lmforge.models import build_tiny
-    from lmforge.tokenizer import char_tokenizer
-    from lmforge.train import Precision, build_optimizer, build_scheduler, optimizer_step
+    from lmforge.core.config import ModelConfig, OptimConfig
+    from lmforge.model.load import build_tiny
+    from lmforge.model.tokenizer import char_tokenizer
+    from lmforge.runtime.optim import Precision, build_optimizer, build_scheduler, optimizer_step
 
     torch.set_num_threads(args.threads)
     cfg = ModelConfig(hidden_size=args.hidden, num_layers=args.layers, num_heads=max(args.hidden // 64, 1),

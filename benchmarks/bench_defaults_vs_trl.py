@@ -2,7 +2,7 @@
 
 The comparison a user makes: both tools as shipped, on the same machine and the same work, with
 only the workload set. What each side chooses by itself is printed (dtype, activation
-checkpointing, threads): lmforge through ``lmforge.hardware.choose`` (``train.dtype=auto``,
+checkpointing, threads): lmforge through ``lmforge.runtime.hardware.choose`` (``train.dtype=auto``,
 ``train.gradient_checkpointing=auto``), TRL through its config defaults (``bf16=None`` -> bf16
 autocast where the device allows it, ``gradient_checkpointing=True``).
 
@@ -41,11 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_sft  # noqa: E402  (the SFT data and TRL SFT trainer)
 import bench_vs_trl  # noqa: E402  (the GRPO workload and TRL GRPO trainer)
 
-from lmforge import hardware, rl  # noqa: E402
-from lmforge.config import OptimConfig, TrainConfig  # noqa: E402
+from lmforge import rl
+from lmforge.runtime import hardware  # noqa: E402
+from lmforge.core.config import OptimConfig, TrainConfig  # noqa: E402
 from lmforge.data.sft import collate_sft  # noqa: E402
-from lmforge.models import load_model  # noqa: E402
-from lmforge.config import ModelConfig  # noqa: E402
+from lmforge.model.load import load_model  # noqa: E402
+from lmforge.core.config import ModelConfig  # noqa: E402
 from lmforge.recipes.grpo import make_step  # noqa: E402
 from lmforge.recipes.sft import SFTConfig  # noqa: E402
 from lmforge.supervised.step import SupervisedData, supervised_step  # noqa: E402

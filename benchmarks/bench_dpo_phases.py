@@ -23,12 +23,12 @@ import torch
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_dpo_vs_trl as B
-from lmforge.config import ModelConfig
-from lmforge.models import load_model
+from lmforge.core.config import ModelConfig
+from lmforge.model.load import load_model
 from lmforge.data.preference import tokenize_pairs
 from lmforge.recipes import dpo
 from lmforge.supervised import pair_forward
-from lmforge.train import BatchOrder
+from lmforge.runtime.optim import BatchOrder
 
 model, tok = load_model(ModelConfig(name="smollm2-135m-instruct"))
 rows = B.pair_rows()
@@ -66,7 +66,7 @@ del trainer
 # --- lmforge
 from lmforge.runtime.run import start_run
 from lmforge.runtime.loop import build_state
-from lmforge.config import OptimConfig, TrainConfig
+from lmforge.core.config import OptimConfig, TrainConfig
 lcfg = dpo.DPOConfig(model=ModelConfig(name="smollm2-135m-instruct"), data=dpo.PreferenceDataConfig(path="unused", max_len=B.MAX_LEN),
                      algo=dpo.PreferenceAlgoConfig(beta=B.BETA), optim=OptimConfig(lr=B.LR, weight_decay=0.0, warmup_steps=0, schedule="linear", max_grad_norm=1.0),
                      train=TrainConfig(output_dir=out + "/lm", max_steps=100, batch_size=8, micro_batch_size=8, threads=1, device="cpu", dtype="fp32", gradient_checkpointing="off"))

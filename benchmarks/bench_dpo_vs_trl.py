@@ -38,15 +38,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_defaults_vs_trl import make_callback  # noqa: E402  (alternate TRL and lmforge steps)
 
-from lmforge import hardware  # noqa: E402
-from lmforge.config import ModelConfig, OptimConfig, TrainConfig  # noqa: E402
+from lmforge.runtime import hardware  # noqa: E402
+from lmforge.core.config import ModelConfig, OptimConfig, TrainConfig  # noqa: E402
 from lmforge.data.preference import tokenize_pairs  # noqa: E402
 from lmforge.data.sft import CHAT_SMALL  # noqa: E402
-from lmforge.models import load_model  # noqa: E402
+from lmforge.model.load import load_model  # noqa: E402
 from lmforge.recipes import dpo  # noqa: E402
 from lmforge.runtime.loop import build_state  # noqa: E402
 from lmforge.runtime.run import start_run  # noqa: E402
-from lmforge.train import BatchOrder  # noqa: E402
+from lmforge.runtime.optim import BatchOrder  # noqa: E402
 
 BETA, LR, MAX_LEN = 0.1, 5e-7, 512
 

@@ -242,8 +242,8 @@ class CalcGame(ToolLoop):
 # ----------------------------------------------------------------------------- the warm start
 
 def bench_model(seed: int = 0):
-    from lmforge.config import ModelConfig
-    from lmforge.models import load_model
+    from lmforge.core.config import ModelConfig
+    from lmforge.model.load import load_model
 
     torch.manual_seed(seed)
     model, tok = load_model(ModelConfig(name="tiny:llama", tokenizer="char:ascii", hidden_size=64, num_layers=2,
@@ -323,7 +323,7 @@ SETTINGS = {
 def lmforge_state(model, tok, args, out_dir: str):
     """The state ``run_grpo`` builds (``rl.prepare``) with the environment and the settings of the module doc."""
     from lmforge import rl
-    from lmforge.config import load_config
+    from lmforge.core.config import load_config
     from lmforge.recipes.grpo import GRPOConfig
 
     cfg = load_config(GRPOConfig, None, [
@@ -376,7 +376,7 @@ def trl_trainer(model, tok, args, out_dir: str, callback, train_problems: list):
 def lmforge_problems(state, steps: int) -> list:
     """The problems lmforge's source plays at steps 1..``steps``, in order: a copy of its prompt order
     (``BatchOrder``, the run's own) drawn ahead, so that the run itself draws the same ones."""
-    from lmforge.train import BatchOrder
+    from lmforge.runtime.optim import BatchOrder
 
     setup = state.source.setup
     order = BatchOrder(setup.order.num_rows, setup.order.batch_rows, setup.order.seed)
@@ -408,9 +408,9 @@ def start_model(args):
         model, tok = bench_model()
         warm_up(model, tok, [int(p.answer) for p in args.train_problems[:256]], args.sft_steps)
         return model, tok
-    from lmforge.config import ModelConfig
+    from lmforge.core.config import ModelConfig
     from lmforge.envs.toolcalls import ToolCall, format_tool_calls, render_messages
-    from lmforge.models import load_model
+    from lmforge.model.load import load_model
 
     if not os.path.isdir(args.start):
         sys.exit(f"--start {args.start}: no such checkpoint directory; make it with the three commands in "

@@ -40,8 +40,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from lmforge.config import ModelConfig
-    from lmforge.models import load_model
+    from lmforge.core.config import ModelConfig
+    from lmforge.model.load import load_model
     from lmforge.rollout.engine import SamplingParams
     from lmforge.serve.app import ServedModel
     from lmforge.serve.grammar import Constraint, GrammarProcessor

@@ -54,8 +54,8 @@ import torch
 
 from lmforge import rl
 from lmforge.rl import config as rl_config
-from lmforge.config import ModelConfig, load_config
-from lmforge.models import count_parameters, load_model, resolve_pretrained
+from lmforge.core.config import ModelConfig, load_config
+from lmforge.model.load import count_parameters, load_model, resolve_pretrained
 from lmforge.recipes.grpo import GRPOConfig, make_step
 
 LR, BETA2, MAX_GRAD_NORM, CLIP_EPS, TEMPERATURE = 1e-6, 0.999, 1.0, 0.2, 1.0

@@ -46,7 +46,7 @@ CONFIGS = {
 
 def child(name: str, steps: int, threads: int, num_prompts: int, out: str) -> None:
     """One GRPO run in this process; prints a JSON line with its step times and peak RSS."""
-    from lmforge.config import load_config
+    from lmforge.core.config import load_config
     from lmforge.recipes.grpo import GRPOConfig, run_grpo
 
     args = GRPO + CONFIGS[name] + [f"train.max_steps={steps}", f"train.threads={threads}", f"train.output_dir={out}",
@@ -62,9 +62,9 @@ def sync_cost(repeats: int, threads: int) -> dict:
     """Median seconds of one bf16 sampler-copy sync: plain model vs LoRA model (merged weights)."""
     import torch
 
-    from lmforge import lora
-    from lmforge.config import LoraConfig, ModelConfig
-    from lmforge.models import load_model
+    from lmforge.model import lora
+    from lmforge.core.config import LoraConfig, ModelConfig
+    from lmforge.model.load import load_model
     from lmforge.rollout import CastEngine
 
     torch.set_num_threads(threads)

@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 
 from lmforge.data.tasks import get_task
-from lmforge.evaluation import task_accuracy
-from lmforge.models import load_model
+from lmforge.rollout.evaluation import task_accuracy
+from lmforge.model.load import load_model
 from lmforge.quantize import dequantize, quantize_model
 from lmforge.quantize.common import load_source
 from lmforge.recipes.quickstart import QuickstartConfig, sft_config
 from lmforge.recipes.sft import run_sft
-from lmforge.tokenizer import char_tokenizer
+from lmforge.model.tokenizer import char_tokenizer
 
 
 def accuracy(model, tokenizer, problems, task) -> float:

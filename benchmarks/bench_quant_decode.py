@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from lmforge.config import ModelConfig
-from lmforge.models import load_model
+from lmforge.core.config import ModelConfig
+from lmforge.model.load import load_model
 
 
 def tokens_per_s(model, ids, new_tokens: int) -> float:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from lmforge.data.tasks import get_task
-from lmforge.evaluation import task_accuracy
+from lmforge.rollout.evaluation import task_accuracy
 from lmforge.quantize import FORMATS, QuantizeError, dequantize, quantize_model
 from lmforge.quantize.common import load_source
 

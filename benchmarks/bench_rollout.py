@@ -52,7 +52,7 @@ def load(spec: str):
         prompts = [torch.randint(3, 512, (n,)).tolist() for n in (60, 45)]
         return LlamaForCausalLM(cfg).eval(), prompts, 0
     if spec == "smollm2":
-        from lmforge.models import resolve_pretrained
+        from lmforge.model.load import resolve_pretrained
 
         spec = resolve_pretrained("smollm2-135m-instruct")  # cached safetensors copy after the first run
     tokenizer = AutoTokenizer.from_pretrained(spec)

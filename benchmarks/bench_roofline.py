@@ -43,8 +43,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_rollout import linear_pass_seconds, load  # noqa: E402  (the benchmarks share these)
 
-from lmforge.hardware import matmul_peak_gflops  # noqa: E402
-from lmforge.ops import selective_log_softmax  # noqa: E402
+from lmforge.runtime.hardware import matmul_peak_gflops  # noqa: E402
+from lmforge.core.ops import selective_log_softmax  # noqa: E402
 from lmforge.rollout import SamplingParams, generate  # noqa: E402
 
 

@@ -19,7 +19,7 @@ everything TRL does per step (data loading, forward/backward, optimizer, logging
 at the median, the speed ratio vs TRL from the medians, from the best steps, paired (median over
 steps of TRL's step / the contestant's step right after it: the most load-robust figure) and from
 process CPU time. MFU = (6 x matmul params x tokens/s, ``Run.flops_per_token``) / fp32 matmul
-peak, the peak measured (``lmforge.hardware.matmul_peak_gflops``) right before each timed lmforge
+peak, the peak measured (``lmforge.runtime.hardware.matmul_peak_gflops``) right before each timed lmforge
 step; also the FLOPs lmforge actually executes (LM head on the loss positions only) / peak.
 
     python benchmarks/bench_sft.py                 # SmolLM2-135M-Instruct, 1 warm-up + 3 timed steps
@@ -48,15 +48,15 @@ import warnings
 
 import torch
 
-from lmforge import hardware
-from lmforge.config import ModelConfig, OptimConfig, TrainConfig
+from lmforge.runtime import hardware
+from lmforge.core.config import ModelConfig, OptimConfig, TrainConfig
 from lmforge.data.sft import CHAT_SMALL, SFTExample, collate_sft, load_sft_rows, tokenize_sft
-from lmforge.models import count_parameters, load_model
+from lmforge.model.load import count_parameters, load_model
 from lmforge.recipes.sft import SFTConfig
 from lmforge.supervised.step import SupervisedData, supervised_step
 from lmforge.runtime.loop import build_state
 from lmforge.runtime.run import Run, start_run
-from lmforge.train import count_loss_tokens
+from lmforge.runtime.optim import count_loss_tokens
 
 LR, MAX_GRAD_NORM = 2e-5, 1.0
 

@@ -53,9 +53,9 @@ from pathlib import Path
 import torch
 
 from lmforge import rl
-from lmforge.config import load_config
-from lmforge.evaluation import task_accuracy
-from lmforge.models import load_model
+from lmforge.core.config import load_config
+from lmforge.rollout.evaluation import task_accuracy
+from lmforge.model.load import load_model
 from lmforge.recipes.grpo import GRPOConfig, advantages_of, micro_loss, run_grpo
 from lmforge.rl import config as rl_config
 

@@ -22,11 +22,11 @@ import time
 import torch
 import yaml
 
-from lmforge.config import ModelConfig
+from lmforge.core.config import ModelConfig
 from lmforge.data.tasks import get_task
 from lmforge.envs.episode import EpisodeLimits, EpisodeRunner
 from lmforge.envs.registry import make_environment
-from lmforge.models import context_length, load_model
+from lmforge.model.load import context_length, load_model
 from lmforge.rollout import SamplingParams, generate
 
 

@@ -25,11 +25,11 @@ import shutil
 import statistics
 from pathlib import Path
 
-from lmforge import antidistill_pipeline as pipe
-from lmforge.config import load_config
+from lmforge.antidistill import pipeline as pipe
+from lmforge.core.config import load_config
 from lmforge.data.tasks import get_task
-from lmforge.evaluation import task_accuracy
-from lmforge.models import load_model
+from lmforge.rollout.evaluation import task_accuracy
+from lmforge.model.load import load_model
 from lmforge.recipes.antidistill import AntidistillConfig, run_distill, run_eval, run_grad, run_sample, run_traces
 from lmforge.recipes.sft import SFTConfig, run_sft
 

@@ -15,10 +15,10 @@ from collections import defaultdict
 
 import torch
 
-from lmforge.config import ModelConfig
+from lmforge.core.config import ModelConfig
 from lmforge.data.preference import wrong_completion
 from lmforge.data.tasks import get_task
-from lmforge.models import load_model
+from lmforge.model.load import load_model
 
 
 def main() -> None:

@@ -15,11 +15,11 @@ import json
 
 import torch
 
-from lmforge.config import ModelConfig
+from lmforge.core.config import ModelConfig
 from lmforge.data.sft import encode_prompt, uses_chat_format
 from lmforge.data.tasks import get_task
-from lmforge.evaluation import completion_texts
-from lmforge.models import load_model
+from lmforge.rollout.evaluation import completion_texts
+from lmforge.model.load import load_model
 from lmforge.rollout import SamplingParams, generate
 
 

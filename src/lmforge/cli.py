@@ -30,9 +30,9 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from . import confighelp
-from .config import describe, load_config
-from .errors import Interrupted, LmforgeError, describe_errno, environment_errno
+from .core import confighelp
+from .core.config import describe, load_config
+from .core.errors import Interrupted, LmforgeError, describe_errno, environment_errno
 
 # The exit codes (docs/reliability.md): one mapping for every command, in one process and under torchrun.
 EXIT_USER_ERROR = 2  # config, data, model, paths, a missing extra, the machine (disk full, permissions): LmforgeError
@@ -71,7 +71,7 @@ class Parser(argparse.ArgumentParser):
 
 def _option_rows(module: str, config: str) -> list[tuple[str, str, str]]:
     """``describe`` of the config class ``config`` of ``lmforge.recipes.<module>``, read from the source
-    (no torch import: lmforge.confighelp); imported and described where the reader cannot follow it."""
+    (no torch import: lmforge.core.confighelp); imported and described where the reader cannot follow it."""
     try:
         return confighelp.option_rows(f"recipes.{module}", config)
     except (confighelp.Unreadable, OSError, SyntaxError):
@@ -135,7 +135,7 @@ QUANTIZE_HELP = "write a quantized checkpoint (compressed-tensors, GGUF, ternary
 
 class Commands(argparse._SubParsersAction):
     """Subcommands whose parsers are built when one is chosen: building one reads sources (a config's options,
-    a table of formats: lmforge.confighelp), which ``lmforge --help`` and ``--version`` need not wait for."""
+    a table of formats: lmforge.core.confighelp), which ``lmforge --help`` and ``--version`` need not wait for."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -185,7 +185,7 @@ def _antidistill(sub) -> None:
 
 
 def _hardware(args) -> None:
-    from . import hardware
+    from .runtime import hardware
 
     hw = hardware.detect(args.device)
     print(hardware.describe(hw))
@@ -200,7 +200,7 @@ def _hardware(args) -> None:
 
 
 def _export(args) -> None:
-    from .checkpoint import export_checkpoint, latest_or_given
+    from .runtime.checkpoint import export_checkpoint, latest_or_given
 
     source = latest_or_given(Path(args.run_dir))  # the run's newest checkpoint, or the one named
     out = export_checkpoint(source, args.out)
@@ -208,7 +208,7 @@ def _export(args) -> None:
 
 
 def _plot(args) -> None:
-    from .metrics import plot_run
+    from .runtime.metrics import plot_run
 
     print(plot_run(args.run_dir, args.out))
 
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    from . import hardware
+    from .runtime import hardware
 
     hardware.prepare_process()  # the load at start, and the OpenMP wait policy before torch loads OpenMP
     from .parallel.context import (disarm_signals, end_process_group, ignore_signals, install_signal_handlers,

@@ -120,7 +120,7 @@ def trainer_gap(model, samples_of_episodes: list[list], tokenizer, temperature: 
     from lmforge.rl.batch import pack_rollout
     from lmforge.rl.forward import batch_logprobs
     from lmforge.rl.sources.agent_samples import agent_rollout
-    from lmforge.train import Precision
+    from lmforge.runtime.optim import Precision
 
     rollout = agent_rollout(samples_of_episodes, tokenizer.pad_token_id, tokenizer.eos_token_id)
     batch = pack_rollout(rollout, tokenizer.pad_token_id, need_rollout_logprobs=True)

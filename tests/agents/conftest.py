@@ -25,8 +25,8 @@ import pytest
 import torch
 from agent_exactness import TOOLS, calculator, reference_prompt
 
-from lmforge.config import ModelConfig
-from lmforge.models import load_model
+from lmforge.core.config import ModelConfig
+from lmforge.model.load import load_model
 
 TURNS = 3  # replies per training conversation (the example agent's max_turns)
 WINDOW, BATCH, LONG_BATCH, SHORT_STEPS, STEPS, LR = 128, 16, 8, 200, 260, 1e-2

@@ -25,7 +25,7 @@ COMMON = ["data.task=multiplication:digits=2", "data.num_train=16", "data.num_ev
 def _batch(model, tokenizer, overrides: list[str], out_dir) -> tuple[list[tuple], list[float]]:
     """One step's batch: per row (prompt ids, completion ids, trained mask, logprobs), and the rewards."""
     from lmforge import rl
-    from lmforge.config import load_config
+    from lmforge.core.config import load_config
     from lmforge.recipes.grpo import GRPOConfig
 
     cfg = load_config(GRPOConfig, None, [*COMMON, f"train.output_dir={out_dir}", *overrides])

@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lmforge.config import ModelConfig
-from lmforge.errors import ConfigError, TrainingError
-from lmforge.models import load_model
+from lmforge.core.config import ModelConfig
+from lmforge.core.errors import ConfigError, TrainingError
+from lmforge.model.load import load_model
 from lmforge.rl.config import RolloutConfig
 from lmforge.rl.sources.agent import AgentRunner, agent_sampler, episode_reward, load_agent, report, score
 from lmforge.rl.sources.agent_samples import merge_calls
@@ -592,7 +592,7 @@ def test_a_reward_part_named_like_a_metric_lmforge_logs_is_refused(gateway, reco
 
 def test_an_agent_run_may_leave_rewards_functions_empty():
     """The agent's returned numbers are the reward: rewards.functions=[] is refused only for other runs."""
-    from lmforge.config import load_config
+    from lmforge.core.config import load_config
     from lmforge.recipes.grpo import GRPOConfig
     from lmforge.rl.config import check_rl_config
 

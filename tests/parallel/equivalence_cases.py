@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 
 from lmforge import rl
-from lmforge.config import (LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig)
-from lmforge.models import load_model
+from lmforge.core.config import (LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig)
+from lmforge.model.load import load_model
 from lmforge.parallel.wrap import full_state_dict
-from lmforge.reward_model import from_causal_lm
-from lmforge.advantages import compute_advantages
+from lmforge.rollout.reward_model import from_causal_lm
+from lmforge.losses.advantages import compute_advantages
 from lmforge.recipes import distill, dpo, grpo, ppo, rm
 from lmforge.recipes.sft import SFTConfig
 from lmforge.rl import config as rl_config
@@ -28,7 +28,7 @@ from lmforge.rl.config import RLDataConfig, RolloutConfig
 from lmforge.rollout import RolloutBatch, SamplingParams, generate
 from lmforge.runtime.loop import build_state
 from lmforge.runtime.run import start_run
-from lmforge.train import BatchOrder
+from lmforge.runtime.optim import BatchOrder
 
 STEPS = 3
 MODEL = ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2, num_heads=2,

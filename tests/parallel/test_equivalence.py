@@ -79,7 +79,7 @@ def test_two_ranks_match_one_process(results, name, strategy):
 def test_the_steps_moved_the_weights(results):
     """The comparison above means something only if training changed the weights far beyond the bound."""
     single, _ = results
-    from lmforge.models import load_model
+    from lmforge.model.load import load_model
 
     start = load_model(cases.MODEL)[0].state_dict()
     for key, result in single.items():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.checkpoint import checkpoint_problem, list_checkpoints
+from lmforge.runtime.checkpoint import checkpoint_problem, list_checkpoints
 from lmforge.parallel.context import free_port
 
 SFT = ["model.name=tiny:llama", "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.checkpoint import list_checkpoints
+from lmforge.runtime.checkpoint import list_checkpoints
 from lmforge.parallel.context import free_port
 
 TINY = ["model.name=tiny:llama", "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2",

@@ -6,7 +6,7 @@ from quant_helpers import TEXT, make_model_dir
 
 @pytest.fixture(scope="session")
 def bpe_tokenizer(tmp_path_factory):
-    from lmforge.tokenizer import train_bpe_tokenizer
+    from lmforge.model.tokenizer import train_bpe_tokenizer
 
     path = tmp_path_factory.mktemp("bpe") / "text.txt"
     path.write_text(TEXT)

@@ -107,8 +107,8 @@ def test_dequantize_of_a_plain_model_is_an_error(tiny_dir, tmp_path):
 
 @needs_gguf
 def test_char_tokenizer_cannot_go_to_gguf(tmp_path):
-    from lmforge.config import ModelConfig
-    from lmforge.models import load_model, save_model
+    from lmforge.core.config import ModelConfig
+    from lmforge.model.load import load_model, save_model
 
     model, tok = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=1,
                                         num_heads=4))

@@ -14,8 +14,8 @@ def test_lmforge_gguf_quantizes_again_and_loads_with_its_own_vocabulary(bpe_toke
     read back by transformers gained an ``<|endoftext|>`` at id 300 (GPT-2's default unknown token),
     so quantizing it to GGUF again failed on '301 tokens, the model embeds 300' and loading it for
     training on '301 > 300'."""
-    from lmforge.config import ModelConfig
-    from lmforge.models import load_model
+    from lmforge.core.config import ModelConfig
+    from lmforge.model.load import load_model
 
     monkeypatch.setenv("LMFORGE_CACHE", str(tmp_path / "cache"))
     source = make_model_dir(tmp_path / "m", bpe_tokenizer, 64, 128, layers=1)

@@ -42,7 +42,8 @@ def test_tier_report_rows_and_math_for_16_gib():
 def test_lmforge_hardware_prints_the_tiers_for_the_detected_memory(monkeypatch, capsys):
     import torch
 
-    from lmforge import cli, hardware
+    from lmforge import cli
+    from lmforge.runtime import hardware
 
     fake = hardware.Hardware("cuda:0", "Test GPU", 8, 64.0, 16.0, True)
     monkeypatch.setattr(hardware, "detect", lambda device="auto": fake)

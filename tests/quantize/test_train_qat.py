@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from lmforge.config import load_config
+from lmforge.core.config import load_config
 from lmforge.data.tasks import get_task
-from lmforge.errors import ConfigError
-from lmforge.evaluation import task_accuracy
-from lmforge.models import load_model
+from lmforge.core.errors import ConfigError
+from lmforge.rollout.evaluation import task_accuracy
+from lmforge.model.load import load_model
 from lmforge.quantize import bake_qat, dequantize, quantize
 from lmforge.quantize.qat import QATLinear
 from lmforge.recipes.sft import SFTConfig, run_sft

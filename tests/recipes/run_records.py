@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lmforge.config import load_config
-from lmforge.metrics import read_metrics
+from lmforge.core.config import load_config
+from lmforge.runtime.metrics import read_metrics
 from lmforge.recipes.sft import SFTConfig, run_sft
 
 

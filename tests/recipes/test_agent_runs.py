@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.config import load_config
+from lmforge.core.config import load_config
 from lmforge.parallel.context import free_port
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
 from run_records import assert_resume_is_bit_exact, records

@@ -12,16 +12,16 @@ import sys
 import pytest
 import torch
 
-from lmforge.antidistill import load_gradient
-from lmforge.antidistill_pipeline import StageInputMissing, interpolate, read_jsonl
+from lmforge.antidistill.ads import load_gradient
+from lmforge.antidistill.pipeline import StageInputMissing, interpolate, read_jsonl
 from lmforge.cli import main
-from lmforge.config import load_config
+from lmforge.core.config import load_config
 from lmforge.data.tasks import get_task
-from lmforge.errors import ConfigError
-from lmforge.models import load_model
+from lmforge.core.errors import ConfigError
+from lmforge.model.load import load_model
 from lmforge.parallel.context import free_port as _free_port
 from lmforge.recipes.antidistill import AntidistillConfig, run_grad, run_traces
-from lmforge.tokenizer import char_tokenizer
+from lmforge.model.tokenizer import char_tokenizer
 
 TINY = ["name=tiny:llama", "tokenizer=char", "hidden_size=32", "num_layers=2", "num_heads=2",
         "max_position_embeddings=32"]
@@ -264,7 +264,7 @@ def test_a_data_file_of_prompts_and_answers_is_a_prompt_source(tmp_path):
 
 def test_rows_task_errors_name_the_file_and_row(tmp_path):
     from lmforge.data.rows_task import RowsTask
-    from lmforge.errors import DataError
+    from lmforge.core.errors import DataError
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
@@ -285,7 +285,7 @@ def test_a_rows_reward_that_raises_or_hangs_is_an_error_naming_it(tmp_path, monk
     timeout both stop the stage with an error naming the reward and the prompt, never a silent 0."""
     import time as clock
 
-    from lmforge.errors import DataError
+    from lmforge.core.errors import DataError
     from lmforge.recipes import antidistill
     from lmforge.rollout import BUILTIN_REWARDS
 

@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 
-from lmforge.config import load_config
+from lmforge.core.config import load_config
 from lmforge.data.tasks import get_task
 from lmforge.envs.episode import EpisodeLimits, EpisodeRunner, episode_rollout
 from lmforge.envs.registry import make_environment
-from lmforge.errors import ConfigError
-from lmforge.models import load_model
-from lmforge.config import ModelConfig
+from lmforge.core.errors import ConfigError
+from lmforge.model.load import load_model
+from lmforge.core.config import ModelConfig
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
 from lmforge.recipes.sft import SFTConfig, run_sft
 from lmforge.rollout import SamplingParams, generate

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from lmforge import confighelp
+from lmforge.core import confighelp
 from lmforge.cli import RECIPES, build_parser, main
 
 
@@ -64,7 +64,7 @@ print(json.dumps({"heavy": sorted(m for m in ("torch", "transformers") if m in s
 def test_version_and_every_help_import_no_torch():
     # `lmforge --version` and every `lmforge ... --help` in one fresh process: importing torch and transformers
     # takes seconds (6-7 s on a busy laptop) that help must not wait for (issue 38). The recipes' options are
-    # read from their source (lmforge.confighelp); one that the reader cannot follow falls back to importing
+    # read from their source (lmforge.core.confighelp); one that the reader cannot follow falls back to importing
     # the recipe, and torch shows up here. CPU time, not wall time: other processes do not inflate it.
     argvs = every_help_argv()
     assert ["antidistill", "sample", "--help"] in argvs and ["quantize", "--help"] in argvs and len(argvs) > 20

@@ -13,7 +13,7 @@ import pytest
 
 import lmforge
 from lmforge.cli import build_parser, main
-from lmforge.config import describe, load_config
+from lmforge.core.config import describe, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]

@@ -8,9 +8,9 @@ import pytest
 
 datasets = pytest.importorskip("datasets")
 
-from lmforge.config import load_config  # noqa: E402
+from lmforge.core.config import load_config  # noqa: E402
 from lmforge.data.prompts import load_prompt_rows  # noqa: E402
-from lmforge.metrics import read_metrics  # noqa: E402
+from lmforge.runtime.metrics import read_metrics  # noqa: E402
 from lmforge.recipes.grpo import GRPOConfig, run_grpo  # noqa: E402
 from lmforge.recipes.pretrain import PretrainConfig, run_pretrain  # noqa: E402
 from lmforge.recipes.sft import SFTConfig, run_sft  # noqa: E402

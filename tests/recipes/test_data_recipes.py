@@ -7,8 +7,8 @@ import pytest
 
 datasets = pytest.importorskip("datasets")
 
-from lmforge.config import load_config  # noqa: E402
-from lmforge.metrics import read_metrics  # noqa: E402
+from lmforge.core.config import load_config  # noqa: E402
+from lmforge.runtime.metrics import read_metrics  # noqa: E402
 from lmforge.recipes.grpo import GRPOConfig, run_grpo  # noqa: E402
 from lmforge.recipes.pretrain import PretrainConfig, run_pretrain  # noqa: E402
 from lmforge.recipes.sft import SFTConfig, run_sft  # noqa: E402
@@ -62,8 +62,8 @@ def test_grpo_from_a_parquet_prompt_file_logs_held_out_accuracy_with_the_configu
     assert len(held) == 2 and all(p in answers for p in held)
     # pass@2 of the final evaluation (step 2), recomputed on the saved final model: 2 completions per
     # held-out prompt sampled at rollout.temperature with seed train.seed + step, as the run drew them
-    from lmforge.evaluation import complete_ids
-    from lmforge.models import load_model
+    from lmforge.rollout.evaluation import complete_ids
+    from lmforge.model.load import load_model
 
     cfg = load_config(GRPOConfig, None, args + [f"model.name={out / 'final'}", "model.tokenizer="])
     model, tok = load_model(cfg.model)

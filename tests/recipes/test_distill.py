@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from lmforge import cli
-from lmforge.config import load_config
-from lmforge.errors import ConfigError
+from lmforge.core.config import load_config
+from lmforge.core.errors import ConfigError
 from lmforge.recipes import distill
 from lmforge.recipes.distill import DistillConfig, run_distill
 from run_records import assert_resume_is_bit_exact, records

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from lmforge import rl
-from lmforge.config import ModelConfig, load_config
-from lmforge.models import load_model
+from lmforge.core.config import ModelConfig, load_config
+from lmforge.model.load import load_model
 from lmforge.recipes.distill import DistillConfig, run_distill
 from run_records import records
 

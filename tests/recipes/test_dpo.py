@@ -10,12 +10,12 @@ import shutil
 import pytest
 import torch
 
-from lmforge.checkpoint import list_checkpoints
+from lmforge.runtime.checkpoint import list_checkpoints
 from lmforge.cli import main
-from lmforge.config import load_config
+from lmforge.core.config import load_config
 from lmforge.data.sft import collate_sft
-from lmforge.errors import ConfigError
-from lmforge.models import load_model
+from lmforge.core.errors import ConfigError
+from lmforge.model.load import load_model
 from lmforge.recipes import dpo
 from lmforge.supervised.pairs import model_answers
 from lmforge.supervised.pair_forward import pack_pairs, pair_logits, segment_length, side_logps

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from lmforge.config import load_config
-from lmforge.models import load_model
+from lmforge.core.config import load_config
+from lmforge.model.load import load_model
 from lmforge.recipes import dpo
 
 ARGS = ["data.task=addition", "data.num_train=16", "data.num_val=8", "data.num_eval=0", "data.max_len=16",

@@ -5,7 +5,7 @@ import socket
 import textwrap
 
 from lmforge.cli import main
-from lmforge.config import load_config
+from lmforge.core.config import load_config
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
 from lmforge.rl.config import EnvConfig
 from run_records import TINY, records

@@ -10,7 +10,7 @@ import pytest
 
 from lmforge.envs.episode import EpisodeLimits, EpisodeRunner, episode_metrics, episode_rollout
 from lmforge.rollout import SamplingParams
-from lmforge.tokenizer import load_tokenizer
+from lmforge.model.tokenizer import load_tokenizer
 from episode_envs import Again
 from test_episodes import MODES, run_scripted
 

@@ -11,18 +11,18 @@ import pytest
 import torch
 
 from lmforge import rl
-from lmforge.config import ModelConfig, load_config
+from lmforge.core.config import ModelConfig, load_config
 from lmforge.envs.base import StepResult
 from lmforge.envs.episode import EpisodeLimits, EpisodeRunner, episode_rollout
 from lmforge.rollout.continuous import ContinuousDecoder, FinishedRow
 from lmforge.envs.tool_env import ToolEnv
-from lmforge.errors import ConfigError, TrainingError
-from lmforge.losses import PolicyLossSpec, policy_loss
-from lmforge.models import load_model
+from lmforge.core.errors import ConfigError, TrainingError
+from lmforge.losses.policy import PolicyLossSpec, policy_loss
+from lmforge.model.load import load_model
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
 from lmforge.rollout import RolloutBatch, SamplingParams, generate
-from lmforge.tokenizer import ASCII_ALPHABET, DEFAULT_CHAT_TEMPLATE, char_tokenizer
-from lmforge.train import Precision
+from lmforge.model.tokenizer import ASCII_ALPHABET, DEFAULT_CHAT_TEMPLATE, char_tokenizer
+from lmforge.runtime.optim import Precision
 from episode_envs import Again, Hangs, Malformed, Raises
 from run_records import records
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from safetensors import SafetensorError
 
-from lmforge import checkpoint as ckpt
-from lmforge import errors
+from lmforge.runtime import checkpoint as ckpt
+from lmforge.core import errors
 from lmforge.cli import main
-from lmforge.errors import Interrupted
+from lmforge.core.errors import Interrupted
 from lmforge.parallel.context import install_signal_handlers, restore_signal_handlers
 from lmforge.runtime.run import LOCK_NAME
 from run_records import SFT, TINY, sft, train_records

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from lmforge.config import load_config
+from lmforge.core.config import load_config
 from lmforge.recipes.sft import SFTConfig, run_sft
 
 ARGS = ["data.task=addition", "data.num_train=64", "data.num_val=16", "data.num_eval=0", "data.max_len=16",

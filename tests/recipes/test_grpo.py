@@ -8,14 +8,14 @@ import torch
 
 from lmforge import cli, rl
 from lmforge.rl import config as rl_config, updates as rl_update
-from lmforge.config import ModelConfig, OptimConfig, load_config
-from lmforge.errors import ConfigError, TrainingError
-from lmforge.models import load_model
+from lmforge.core.config import ModelConfig, OptimConfig, load_config
+from lmforge.core.errors import ConfigError, TrainingError
+from lmforge.model.load import load_model
 from lmforge.parallel.context import ParallelContext
 from lmforge.runtime.run import Run
 from lmforge.recipes.grpo import GRPOConfig, advantages_of, micro_loss, run_grpo
 from lmforge.rollout import RewardSet, SamplingParams, generate
-from lmforge.train import Precision, Updater, logits_at
+from lmforge.runtime.optim import Precision, Updater, logits_at
 from run_records import assert_resume_is_bit_exact, records
 
 TINY = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",

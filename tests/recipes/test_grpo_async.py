@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from lmforge import rl
-from lmforge.config import ModelConfig, load_config
-from lmforge.errors import ConfigError
-from lmforge.models import load_model
+from lmforge.core.config import ModelConfig, load_config
+from lmforge.core.errors import ConfigError
+from lmforge.model.load import load_model
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
 from lmforge.rl.sources.overlap import async_threads
-from lmforge.train import Precision
+from lmforge.runtime.optim import Precision
 from run_records import assert_resume_is_bit_exact, records
 
 ARGS = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
@@ -116,8 +116,8 @@ def test_a_failed_batch_in_flight_does_not_cost_the_checkpoint_of_the_step_that_
     """The reward fails on every row of the third batch, which is sampled in the background while step 2
     trains. Step 2's checkpoint is still written (without that batch), then the run stops with the
     reward's error at step 3, and it resumes from step 2."""
-    from lmforge.checkpoint import list_checkpoints
-    from lmforge.errors import TrainingError
+    from lmforge.runtime.checkpoint import list_checkpoints
+    from lmforge.core.errors import TrainingError
     from lmforge.rollout import BUILTIN_REWARDS
 
     calls = [0]

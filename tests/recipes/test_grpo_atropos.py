@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from lmforge.rl.sources import atropos as atropos_source, sampled as sampled_source
-from lmforge.config import ModelConfig, load_config
-from lmforge.errors import ConfigError
-from lmforge.models import load_model
+from lmforge.core.config import ModelConfig, load_config
+from lmforge.core.errors import ConfigError
+from lmforge.model.load import load_model
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
-from lmforge.serve.atropos import AtroposError
+from lmforge.rl.sources.atropos_client import AtroposError
 
 TINY = dict(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2, num_heads=2,
             max_position_embeddings=32)

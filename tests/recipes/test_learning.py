@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from lmforge.config import load_config
+from lmforge.core.config import load_config
 from lmforge.data.tasks import get_task
-from lmforge.models import load_model
+from lmforge.model.load import load_model
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
 from lmforge.recipes.quickstart import QuickstartConfig, grpo_config, sft_config
 from lmforge.recipes.sft import run_sft
 from lmforge.rollout import BUILTIN_REWARDS
-from lmforge.tokenizer import char_tokenizer
+from lmforge.model.tokenizer import char_tokenizer
 
 
 def sevens(completion: str, problem) -> float:

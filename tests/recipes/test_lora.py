@@ -9,11 +9,12 @@ import json
 import pytest
 import torch
 
-from lmforge import lora, rl
+from lmforge import rl
+from lmforge.model import lora
 from lmforge.rl import loop as rl_loop
-from lmforge.config import LoraConfig, ModelConfig, load_config
-from lmforge.errors import ConfigError
-from lmforge.models import load_model
+from lmforge.core.config import LoraConfig, ModelConfig, load_config
+from lmforge.core.errors import ConfigError
+from lmforge.model.load import load_model
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
 from lmforge.recipes.ppo import PPOConfig, run_ppo
 from lmforge.recipes.sft import SFTConfig, run_sft
@@ -99,7 +100,7 @@ def test_reference_with_adapters_off_equals_the_base_model_and_copies_nothing():
 
 def test_reference_logprobs_are_the_base_models(tmp_path):
     """rl.batch_logprobs on the reference of a LoRA policy = on a separate copy of the base model."""
-    from lmforge.train import Precision
+    from lmforge.runtime.optim import Precision
 
     model, tokenizer = tiny()
     base = copy.deepcopy(model)
@@ -313,7 +314,7 @@ def test_grpo_with_a_bf16_sampler_copy_samples_the_merged_policy(tmp_path, monke
 
 
 def test_ppo_trains_adapters_and_the_value_head(tmp_path, monkeypatch):
-    from lmforge.train import Updater
+    from lmforge.runtime.optim import Updater
 
     modules, build = [], Updater.build.__func__
     monkeypatch.setattr(Updater, "build", classmethod(lambda cls, module, *a, **k: (modules.append(module),
@@ -371,7 +372,7 @@ def test_lora_with_gradient_checkpointing_trains(tmp_path):
 
 
 def test_loading_an_adapter_directory_as_a_model_says_what_to_load_instead(sft_run):
-    from lmforge.errors import ModelLoadError
+    from lmforge.core.errors import ModelLoadError
 
     out, _, _ = sft_run
     with pytest.raises(ModelLoadError, match="LoRA adapter directory.*merged"):

@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmforge.config import ModelConfig
+from lmforge.core.config import ModelConfig
 from lmforge.data.preference import PreferencePair
 from lmforge.data.sft import SFTExample
-from lmforge.models import load_model
+from lmforge.model.load import load_model
 from lmforge.supervised import pair_forward
 from lmforge.supervised.pair_forward import pack_pairs, pair_logits, side_logps
 

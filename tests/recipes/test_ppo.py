@@ -5,14 +5,14 @@ import pytest
 import torch
 
 from lmforge import rl
-from lmforge.config import ModelConfig, OptimConfig, load_config
-from lmforge.errors import ConfigError
-from lmforge.models import load_model
+from lmforge.core.config import ModelConfig, OptimConfig, load_config
+from lmforge.core.errors import ConfigError
+from lmforge.model.load import load_model
 from lmforge.recipes.ppo import (PPOConfig, ValueHead, add_targets, micro_loss, policy_and_values, run_ppo,
                                 terminal_rewards)
 from lmforge.rl import config as rl_config
 from lmforge.rollout import RewardSet
-from lmforge.train import Precision, Updater
+from lmforge.runtime.optim import Precision, Updater
 from run_records import records
 
 ARGS = [

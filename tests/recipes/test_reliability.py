@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lmforge import checkpoint as ckpt
+from lmforge.runtime import checkpoint as ckpt
 from lmforge.cli import main
-from lmforge.config import load_config
-from lmforge.errors import ConfigError, TrainingError
+from lmforge.core.config import load_config
+from lmforge.core.errors import ConfigError, TrainingError
 from lmforge.supervised import step as supervised
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
 from lmforge.recipes.pretrain import PretrainConfig, run_pretrain
@@ -234,8 +234,8 @@ def test_disk_full_during_a_save_says_so_and_leaves_no_temporary_directory(tmp_p
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002"]
 
 
-FAULT_POINTS = ("lmforge.train:optimizer_step", "lmforge.checkpoint:save_model", "lmforge.checkpoint:_commit",
-                "lmforge.checkpoint:remove_checkpoint", "torch:save", "shutil:rmtree")
+FAULT_POINTS = ("lmforge.runtime.optim:optimizer_step", "lmforge.runtime.checkpoint:save_model", "lmforge.runtime.checkpoint:_commit",
+                "lmforge.runtime.checkpoint:remove_checkpoint", "torch:save", "shutil:rmtree")
 
 
 def _killed_then_resumed(out, args, point: str, nth: int) -> tuple[bool, dict]:

@@ -8,9 +8,9 @@ import shutil
 import pytest
 
 from lmforge.cli import EXIT_USER_ERROR, main
-from lmforge.config import resume_free_keys
+from lmforge.core.config import resume_free_keys
 from lmforge.runtime.resume_check import flat_settings
-from lmforge.config import load_config
+from lmforge.core.config import load_config
 from lmforge.recipes.grpo import GRPOConfig
 from lmforge.recipes.sft import SFTConfig
 
@@ -95,7 +95,7 @@ def test_free_keys_are_marked_on_their_fields_and_a_fresh_config_equals_its_save
     runtime's sinks and schedules are free, the math is compared, and data.num_eval is free in an RL run
     only while its prompts come from a task (a prompts file holds out num_eval of its rows). A config
     read back from the YAML it was saved as compares equal (no false change)."""
-    from lmforge.config import save_config
+    from lmforge.core.config import save_config
 
     for cls, args in ((SFTConfig, ["data.task=addition"]), (GRPOConfig, ["data.task=addition"])):
         cfg = load_config(cls, None, args + ["optim.lr=3e-4", "optim.no_decay=[bias]"])

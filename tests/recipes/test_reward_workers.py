@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from lmforge.config import load_config
+from lmforge.core.config import load_config
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
 from lmforge.rollout import rewards as rewards_module
 

@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("reasoning_gym")
 
-from lmforge.config import load_config  # noqa: E402
-from lmforge.errors import TrainingError  # noqa: E402
+from lmforge.core.config import load_config  # noqa: E402
+from lmforge.core.errors import TrainingError  # noqa: E402
 from lmforge.recipes.grpo import GRPOConfig, run_grpo  # noqa: E402
 from lmforge.rollout import RewardSet  # noqa: E402
 from run_records import records  # noqa: E402
@@ -31,7 +31,7 @@ def tok(tmp_path_factory):
     """A byte-level BPE for the task's English prompts (the char tokenizer knows only digits and
     +-*=, so it would turn most of them into <unk>: a start-up error)."""
     from lmforge.data.tasks import get_task
-    from lmforge.tokenizer import train_bpe_tokenizer
+    from lmforge.model.tokenizer import train_bpe_tokenizer
 
     root = tmp_path_factory.mktemp("bpe")
     text = root / "prompts.txt"

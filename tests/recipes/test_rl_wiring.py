@@ -6,15 +6,16 @@ import dataclasses
 import pytest
 import torch
 
-from lmforge import losses, rl
+from lmforge import rl
+from lmforge.losses import policy as losses
 from lmforge.rl import config as rl_config
-from lmforge.config import ModelConfig, load_config
+from lmforge.core.config import ModelConfig, load_config
 from lmforge.data.tasks import get_task
-from lmforge.models import load_model
+from lmforge.model.load import load_model
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
 from lmforge.recipes.ppo import PPOAlgoConfig, PPOConfig, ValueHead, add_targets, run_ppo
 from lmforge.rollout import BUILTIN_REWARDS, RewardSet
-from lmforge.train import Precision
+from lmforge.runtime.optim import Precision
 
 TINY = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
         "model.max_position_embeddings=32"]

@@ -11,13 +11,13 @@ import shutil
 import pytest
 import torch
 
-from lmforge.checkpoint import list_checkpoints
+from lmforge.runtime.checkpoint import list_checkpoints
 from lmforge.cli import main
-from lmforge.config import load_config
+from lmforge.core.config import load_config
 from lmforge.data.preference import collate_pairs, tokenize_pairs
-from lmforge.models import load_model
+from lmforge.model.load import load_model
 from lmforge.recipes import rm
-from lmforge.reward_model import from_causal_lm, load_reward_model, sequence_rewards
+from lmforge.rollout.reward_model import from_causal_lm, load_reward_model, sequence_rewards
 
 ARGS = ["data.task=addition", "data.num_train=64", "data.num_val=16", "data.max_len=16",
         "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",

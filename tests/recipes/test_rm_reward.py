@@ -9,13 +9,13 @@ import time
 import pytest
 import torch
 
-from lmforge.config import ModelConfig, load_config
+from lmforge.core.config import ModelConfig, load_config
 from lmforge.data.sft import raw_example
 from lmforge.data.tasks import get_task
-from lmforge.errors import ConfigError
-from lmforge.models import load_model, save_model
+from lmforge.core.errors import ConfigError
+from lmforge.model.load import load_model, save_model
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
-from lmforge.reward_model import from_causal_lm
+from lmforge.rollout.reward_model import from_causal_lm
 from lmforge.rollout import RewardSet
 from lmforge.rollout import rewards as rewards_module
 

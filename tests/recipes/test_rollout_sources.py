@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from lmforge.config import load_config
-from lmforge.models import load_model
+from lmforge.core.config import load_config
+from lmforge.model.load import load_model
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
 from lmforge.rl import sources
 from lmforge.rl.batch import ScoredRollout

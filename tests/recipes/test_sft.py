@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lmforge.config import load_config
+from lmforge.core.config import load_config
 from lmforge.data.sft import CHAT_SMALL
 from lmforge.data.tasks import get_task
 from lmforge.recipes.sft import SFTConfig, run_sft
-from lmforge.tokenizer import train_bpe_tokenizer
+from lmforge.model.tokenizer import train_bpe_tokenizer
 
 
 def test_sft_on_shipped_chat_rows_with_trained_bpe(tmp_path, capsys):

@@ -8,9 +8,9 @@ import textwrap
 import pytest
 import torch
 
-from lmforge.checkpoint import list_checkpoints
-from lmforge.config import load_config
-from lmforge.errors import ConfigError
+from lmforge.runtime.checkpoint import list_checkpoints
+from lmforge.core.config import load_config
+from lmforge.core.errors import ConfigError
 from lmforge.recipes.sft import SFTConfig, run_sft
 
 ARGS = ["data.task=addition", "data.num_train=64", "data.num_val=16", "data.num_eval=8", "data.max_len=16",
@@ -34,8 +34,8 @@ def crash_run(out_dir, patch: str):
     """Run the SFT recipe in a subprocess that dies (os._exit) where ``patch`` says."""
     script = textwrap.dedent(f"""
         import os, sys
-        import lmforge.train as tr, lmforge.checkpoint as ck
-        from lmforge.config import load_config
+        import lmforge.runtime.optim as tr, lmforge.runtime.checkpoint as ck
+        from lmforge.core.config import load_config
         from lmforge.recipes.sft import SFTConfig, run_sft
         {patch}
         run_sft(load_config(SFTConfig, None, {ARGS!r} + ["train.output_dir={out_dir}"]))
@@ -68,7 +68,7 @@ def test_kill_between_steps_then_resume_is_bit_exact(tmp_path, reference):
             if len(calls) == 5:
                 os._exit(17)
             return result
-        tr.optimizer_step = dying_step  # Updater.step looks it up in lmforge.train
+        tr.optimizer_step = dying_step  # Updater.step looks it up in lmforge.runtime.optim
     """).replace("\n", "\n        "))
     assert [p.name for p in list_checkpoints(out)] == ["step-000002", "step-000004"]
     resume(out)
@@ -110,7 +110,7 @@ def test_nan_loss_stops_before_the_update_and_keeps_the_checkpoints(tmp_path, re
     # the loss of step 5's second micro-batch turns NaN: the run stops with a TrainingError naming
     # the step, before that step's optimizer update, and the step-2/4 checkpoints resume bit for bit
     import lmforge.supervised.step as supervised
-    from lmforge.errors import TrainingError
+    from lmforge.core.errors import TrainingError
 
     real, calls = supervised.micro_loss, []
 

@@ -10,13 +10,13 @@ import torch
 
 ta = pytest.importorskip("textarena")
 
-from lmforge.config import load_config  # noqa: E402 (after the skip)
+from lmforge.core.config import load_config  # noqa: E402 (after the skip)
 from lmforge.envs.episode import EpisodeLimits, EpisodeRunner  # noqa: E402
 from lmforge.envs.registry import make_environment  # noqa: E402
-from lmforge.errors import ConfigError  # noqa: E402
+from lmforge.core.errors import ConfigError  # noqa: E402
 from lmforge.recipes.grpo import GRPOConfig, run_grpo  # noqa: E402
 from lmforge.rollout import RolloutBatch, SamplingParams  # noqa: E402
-from lmforge.tokenizer import load_tokenizer  # noqa: E402
+from lmforge.model.tokenizer import load_tokenizer  # noqa: E402
 from run_records import records  # noqa: E402
 
 FEEDBACK = re.compile(r"<\|assistant\|>\n\[(\d+)\]<eos>\n<\|user\|>\nThe target number is (higher|lower)\.")

@@ -8,10 +8,10 @@ import re
 import pytest
 
 from lmforge.cli import EXIT_USER_ERROR, main
-from lmforge.config import ModelConfig
+from lmforge.core.config import ModelConfig
 from lmforge.data.sft import CHAT_SMALL
-from lmforge.errors import ConfigError
-from lmforge.tokenizer import char_tokenizer, check_unknown_tokens, count_unknown, train_bpe_tokenizer
+from lmforge.core.errors import ConfigError
+from lmforge.model.tokenizer import char_tokenizer, check_unknown_tokens, count_unknown, train_bpe_tokenizer
 
 TINY = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.max_position_embeddings=128",
         "train.max_steps=1", "train.threads=1", "train.eval_every=0", "train.save_every=0", "train.num_samples=0",

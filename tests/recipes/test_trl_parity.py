@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lmforge import rl
-from lmforge.config import ModelConfig, load_config
-from lmforge.models import load_model
+from lmforge.core.config import ModelConfig, load_config
+from lmforge.model.load import load_model
 from lmforge.recipes.grpo import GRPOConfig, advantages_of, micro_loss
 from lmforge.rl import config as rl_config
 
@@ -21,7 +21,7 @@ trl = pytest.importorskip("trl")
 
 
 def tiny_smollm2():
-    from lmforge.models import resolve_pretrained
+    from lmforge.model.load import resolve_pretrained
 
     try:
         tokenizer_dir = resolve_pretrained("smollm2-135m-instruct")

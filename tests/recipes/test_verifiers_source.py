@@ -15,7 +15,7 @@ pytest.importorskip("uvicorn")
 if shutil.which("uv") is None:
     pytest.skip("verifiers' chat harness needs uv on PATH", allow_module_level=True)
 
-from lmforge.config import load_config  # noqa: E402
+from lmforge.core.config import load_config  # noqa: E402
 from lmforge.recipes.grpo import GRPOConfig, run_grpo  # noqa: E402
 from lmforge.rl.sources import verifiers as vf_source  # noqa: E402
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from lmforge.parallel import context
 from lmforge.parallel.context import ParallelContext, stall_note
-from lmforge.serve.atropos import AtroposError, _request
+from lmforge.rl.sources.atropos_client import AtroposError, _request
 
 GLOO_TIMEOUT = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 8000ms for recv operation "
                             "to complete")
@@ -106,7 +106,7 @@ def test_a_stalled_weight_push_ends_at_push_timeout_s_naming_the_server(silent_s
 
 
 def test_push_timeout_s_must_be_positive():
-    from lmforge.errors import ConfigError
+    from lmforge.core.errors import ConfigError
     from lmforge.rl.config import RolloutConfig
 
     with pytest.raises(ConfigError, match="push_timeout_s > 0"):
@@ -117,7 +117,7 @@ def test_verifiers_episodes_that_hang_end_the_step_at_verifiers_timeout_s():
     import asyncio
     import contextlib
 
-    from lmforge.errors import TrainingError
+    from lmforge.core.errors import TrainingError
     from lmforge.rl.config import RolloutConfig
     from lmforge.rl.sources.verifiers import VerifiersSource
 

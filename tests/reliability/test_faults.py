@@ -270,8 +270,8 @@ class FakeAtropos:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from lmforge.config import ModelConfig
-    from lmforge.models import load_model
+    from lmforge.core.config import ModelConfig
+    from lmforge.model.load import load_model
 
     return load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2, num_heads=2,
                                   max_position_embeddings=64))[1]

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from lmforge import rl
-from lmforge.config import ModelConfig, OptimConfig
-from lmforge.losses import Counts, PolicyLossSpec, policy_loss
-from lmforge.models import load_model
+from lmforge.core.config import ModelConfig, OptimConfig
+from lmforge.losses.policy import Counts, PolicyLossSpec, policy_loss
+from lmforge.model.load import load_model
 from lmforge.parallel.context import ParallelContext
 from lmforge.rl import config as rl_config
 from lmforge.rollout import RewardSet
-from lmforge.train import Precision, Updater
+from lmforge.runtime.optim import Precision, Updater
 
 PRECISION = Precision(torch.device("cpu"), torch.float32)
 DAPO = PolicyLossSpec(loss_type="token_clip", aggregation="global_token_mean", eps_low=0.2, eps_high=0.28)

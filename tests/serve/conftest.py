@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmforge.config import ModelConfig
-from lmforge.models import load_model
+from lmforge.core.config import ModelConfig
+from lmforge.model.load import load_model
 
 CONTEXT = 64  # max_position_embeddings of the test model: small, so the context-limit error is cheap to hit
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lmforge.rl import pack_rollout
-from lmforge.serve.atropos import AtroposError, pull_batch, register
+from lmforge.rl.sources.atropos_client import AtroposError, pull_batch, register
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("atroposlib")

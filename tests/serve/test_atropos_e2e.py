@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.config import ModelConfig
-from lmforge.models import load_model, save_model
+from lmforge.core.config import ModelConfig
+from lmforge.model.load import load_model, save_model
 from lmforge.parallel.context import free_port
 
 
@@ -109,7 +109,7 @@ def sft_start_with_room(root: Path) -> Path:
     from lmforge.data.tasks import get_task
     from lmforge.recipes.quickstart import QuickstartConfig, sft_config
     from lmforge.recipes.sft import run_sft
-    from lmforge.tokenizer import char_tokenizer
+    from lmforge.model.tokenizer import char_tokenizer
 
     cfg = QuickstartConfig(output_dir=str(root), grpo_steps=0, progress=False)
     sft = sft_config(cfg, root)

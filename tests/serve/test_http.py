@@ -96,7 +96,7 @@ def test_malformed_json_and_unknown_path(server):
 
 
 def test_weight_updates_by_tensors_and_by_checkpoint_dir(server, make_tiny, tmp_path):
-    from lmforge.models import save_model
+    from lmforge.model.load import save_model
 
     greedy = dict(prompt=PROMPT, max_tokens=8, temperature=0, logprobs=1)
     before = _post(server, "/v1/completions", **greedy).json()

@@ -15,8 +15,8 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "argumen
 @pytest.fixture
 def roomy(serve_model):
     """A server on a tiny model with room for a rendered tool call (the default test model has 64 positions)."""
-    from lmforge.config import ModelConfig
-    from lmforge.models import load_model
+    from lmforge.core.config import ModelConfig
+    from lmforge.model.load import load_model
 
     model, tokenizer = load_model(ModelConfig(name="tiny:llama", hidden_size=32, num_layers=2, num_heads=2,
                                               max_position_embeddings=512))

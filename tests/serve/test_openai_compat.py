@@ -1,6 +1,6 @@
 """``lmforge serve`` as an OpenAI drop-in, driven by the ``openai`` client: streaming (completions and
 chat, usage, cancellation), the sampling parameters (penalties, logit bias, top logprobs, echo),
-``models.retrieve``, strict types and errors that name the parameter."""
+``model.load.retrieve``, strict types and errors that name the parameter."""
 from __future__ import annotations
 
 import json
@@ -201,8 +201,8 @@ def test_langchain_clients_complete_and_stream(server):
 def test_a_non_streamed_request_whose_client_left_is_cancelled(serve_model, path, body):
     """A client that times out and hangs up frees its rows; before, they decoded on to max_tokens for nobody
     (on /inference/v1/generate's default, the rest of the context)."""
-    from lmforge.config import ModelConfig
-    from lmforge.models import load_model
+    from lmforge.core.config import ModelConfig
+    from lmforge.model.load import load_model
 
     model, tokenizer = load_model(ModelConfig(name="tiny:llama", hidden_size=32, num_layers=2, num_heads=2,
                                               max_position_embeddings=4096))

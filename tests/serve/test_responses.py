@@ -69,10 +69,10 @@ class Forced:
 def server(serve_model, monkeypatch):
     """A server whose every sample is forced to ``script``'s reply (module doc)."""
     pytest.importorskip("fastapi")
-    from lmforge.config import ModelConfig
-    from lmforge.models import build_tiny
+    from lmforge.core.config import ModelConfig
+    from lmforge.model.load import build_tiny
     from lmforge.serve.app import ServedModel
-    from lmforge.tokenizer import char_tokenizer
+    from lmforge.model.tokenizer import char_tokenizer
 
     tokenizer = char_tokenizer("".join(chr(c) for c in range(32, 127)))
     model = build_tiny("llama", ModelConfig(name="tiny:llama", hidden_size=32, num_layers=1, num_heads=2,

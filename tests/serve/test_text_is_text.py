@@ -71,7 +71,7 @@ def test_the_token_in_path_encodes_new_messages_as_text(served):
 
 def test_a_template_that_rewrites_a_control_string_makes_the_request_a_400_naming_the_message():
     from lmforge.serve.tools import ToolRequestError, encode_chat
-    from lmforge.tokenizer import load_tokenizer
+    from lmforge.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer("char:ascii")
     rewrite = "message['content'] | replace('<eos>', '<eos>!<eos>')"  # writes the string twice

@@ -1,4 +1,4 @@
-"""``ops.adopt_thread_count``: OpenMP keeps its thread count per thread, so a thread Python starts after
+"""``core.ops.adopt_thread_count``: OpenMP keeps its thread count per thread, so a thread Python starts after
 ``torch.set_num_threads(1)`` ran its ops on OpenMP's default team (one thread per core) -- serve's scheduler,
 the reward workers and the overlapped rollout thread did, 1.4-8x slower on the busy 2-core machine. Read
 with libgomp's own ``omp_get_max_threads`` in each thread (``torch.get_num_threads`` reports the set value
@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from lmforge.ops import adopt_thread_count
+from lmforge.core.ops import adopt_thread_count
 
 
 @pytest.fixture

@@ -122,8 +122,8 @@ def test_tokenize_detokenize_round_trip(server, make_tiny, text):
 
 @pytest.mark.parametrize("tools", [None, TOOLS])
 def test_tokenize_messages_equals_the_chat_routes_prompt(serve_model, tools):
-    from lmforge.config import ModelConfig
-    from lmforge.models import load_model
+    from lmforge.core.config import ModelConfig
+    from lmforge.model.load import load_model
 
     # a longer context than the test model's 64: the tools' system block alone is ~480 characters
     server = serve_model(*load_model(ModelConfig(name="tiny:llama", hidden_size=32, num_layers=2, num_heads=2,

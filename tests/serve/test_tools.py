@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lmforge.envs.toolcalls import function_schema, render_messages
-from lmforge.tokenizer import char_tokenizer
+from lmforge.model.tokenizer import char_tokenizer
 
 openai = pytest.importorskip("openai")
 

@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from lmforge.advantages import (
+from lmforge.losses.advantages import (
     ADVANTAGES,
     STD_NORMALISED,
     batch_normalized_advantages,

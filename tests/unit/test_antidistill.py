@@ -1,4 +1,4 @@
-"""Tests for lmforge.antidistill: proxy gradient, cross-rank reduction, ADS logits, lockstep sampler.
+"""Tests for lmforge.antidistill.ads: proxy gradient, cross-rank reduction, ADS logits, lockstep sampler.
 
 Two kinds of tiny model: ``TinyLM`` (pure torch, exact in fp64; also used by the spawned gloo ranks,
 which therefore never import transformers) and a 2-layer ``LlamaForCausalLM`` built in-process.
@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from lmforge.antidistill import (
+from lmforge.antidistill.ads import (
     OBJECTIVE,
     ads_generate,
     ads_logits,
@@ -473,7 +473,7 @@ def _reference_ddp_worker(rank: int, world_size: int, port: int, out_dir: str) -
     by the global number of sequences, and save rank 0's tensors (the cross-rank sum was discarded)."""
     import torch.distributed as dist
 
-    from lmforge.antidistill import sequence_mean_nll
+    from lmforge.antidistill.ads import sequence_mean_nll
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from lmforge import cli
-from lmforge.checkpoint import load_model_weights, load_trainer_state
-from lmforge.config import ModelConfig, load_config, read_yaml
+from lmforge.runtime.checkpoint import load_model_weights, load_trainer_state
+from lmforge.core.config import ModelConfig, load_config, read_yaml
 from lmforge.data.sft import load_sft_rows
 from lmforge.data.text import load_text_files, pack_documents
-from lmforge.errors import ConfigError, LmforgeError
-from lmforge.models import build_tiny, load_model, save_model
+from lmforge.core.errors import ConfigError, LmforgeError
+from lmforge.model.load import build_tiny, load_model, save_model
 from lmforge.data.prompts import load_prompt_rows
 from lmforge.rollout.rewards import resolve_reward
-from lmforge.tokenizer import char_tokenizer, load_tokenizer, train_bpe_tokenizer
+from lmforge.model.tokenizer import char_tokenizer, load_tokenizer, train_bpe_tokenizer
 
 BINARY = bytes(range(256)) * 4  # NUL bytes and invalid UTF-8
 LATIN1 = "caf\u00e9 au lait\n".encode("latin-1")  # 0xe9 alone is not UTF-8
@@ -145,7 +145,7 @@ def _checkpoint_weights(tmp_path, content, model_dir):
 
 
 def _stage_jsonl(tmp_path, content):
-    from lmforge.antidistill_pipeline import read_jsonl
+    from lmforge.antidistill.pipeline import read_jsonl
 
     path = tmp_path / "heldout.jsonl"
     path.write_bytes(content)
@@ -153,7 +153,7 @@ def _stage_jsonl(tmp_path, content):
 
 
 def _stage_json(tmp_path, content):
-    from lmforge.antidistill_pipeline import read_json
+    from lmforge.antidistill.pipeline import read_json
 
     path = tmp_path / "results.json"
     path.write_bytes(content)
@@ -161,7 +161,7 @@ def _stage_json(tmp_path, content):
 
 
 def _gradient(tmp_path, content):
-    from lmforge.antidistill import load_gradient, save_gradient
+    from lmforge.antidistill.ads import load_gradient, save_gradient
 
     path = tmp_path / "grad.safetensors"
     if callable(content):
@@ -173,7 +173,7 @@ def _gradient(tmp_path, content):
 
 
 def _metrics(tmp_path, content):
-    from lmforge.metrics import read_metrics
+    from lmforge.runtime.metrics import read_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(content)
@@ -295,7 +295,7 @@ def test_good_files_still_read(tmp_path, model_dir):
 
 
 def test_metrics_log_cut_short_by_a_kill_is_read_without_its_last_line(tmp_path, capsys):
-    from lmforge.metrics import read_metrics
+    from lmforge.runtime.metrics import read_metrics
 
     (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.25}\n{"step": 3, "lo')
     assert read_metrics(tmp_path) == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.25}]
@@ -385,7 +385,7 @@ def test_non_finite_float_in_yaml_names_the_key(tmp_path):
 def test_optional_float_rejects_non_finite_but_accepts_null():
     import dataclasses
 
-    from lmforge.config import _build, opt
+    from lmforge.core.config import _build, opt
 
     @dataclasses.dataclass
     class Section:

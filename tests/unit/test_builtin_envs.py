@@ -14,8 +14,8 @@ from lmforge.envs.demos import demonstration_rows, play
 from lmforge.envs.guess_number import GuessNumber
 from lmforge.envs.registry import make_environment
 from lmforge.envs.toolcalls import render_messages
-from lmforge.errors import ConfigError
-from lmforge.tokenizer import ASCII_ALPHABET, char_tokenizer, load_tokenizer
+from lmforge.core.errors import ConfigError
+from lmforge.model.tokenizer import ASCII_ALPHABET, char_tokenizer, load_tokenizer
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123*456"}}\n</tool_call>'
 

@@ -3,10 +3,10 @@ errors a user can act on (no checkpoint at the path, a checkpoint of another mod
 import pytest
 import torch
 
-from lmforge.checkpoint import list_checkpoints, load_model_weights, resolve_resume
-from lmforge.config import ModelConfig, load_config
-from lmforge.errors import ConfigError
-from lmforge.models import load_model
+from lmforge.runtime.checkpoint import list_checkpoints, load_model_weights, resolve_resume
+from lmforge.core.config import ModelConfig, load_config
+from lmforge.core.errors import ConfigError
+from lmforge.model.load import load_model
 from lmforge.recipes.sft import SFTConfig, run_sft
 
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.config import describe, load_config, parse_override
-from lmforge.errors import ConfigError
+from lmforge.core.config import describe, load_config, parse_override
+from lmforge.core.errors import ConfigError
 from lmforge.recipes.sft import SFTConfig
 
 

@@ -5,8 +5,8 @@ import re
 import pytest
 
 from lmforge.cli import EXIT_USER_ERROR, main
-from lmforge.config import load_config
-from lmforge.errors import ConfigError
+from lmforge.core.config import load_config
+from lmforge.core.errors import ConfigError
 from lmforge.recipes.antidistill import AntidistillConfig
 from lmforge.recipes.grpo import GRPOConfig
 from lmforge.recipes.pretrain import PretrainConfig
@@ -144,7 +144,7 @@ def test_careless_data_settings_are_exit_2_with_the_fix(case, tmp_path, capsys, 
 def test_a_key_given_twice_in_a_jsonl_row_names_the_line(line, key, tmp_path):
     """The data-file side of the duplicate-key class: json kept the last value silently."""
     from lmforge.data.sft import load_sft_rows
-    from lmforge.errors import DataError
+    from lmforge.core.errors import DataError
 
     path = tmp_path / "rows.jsonl"
     path.write_text('{"prompt": "1+1=", "completion": "2"}\n' + line + "\n")

@@ -1,4 +1,4 @@
-"""lmforge.confighelp reads a config's options from source as describe() gives them from the class, and
+"""lmforge.core.confighelp reads a config's options from source as describe() gives them from the class, and
 refuses (Unreadable) what it does not evaluate rather than guessing."""
 import dataclasses
 import importlib.util
@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from lmforge import confighelp
-from lmforge.config import describe
+from lmforge.core import confighelp
+from lmforge.core.config import describe
 
 CONFIG = '''
 import dataclasses
@@ -41,7 +41,7 @@ CONSTS = 'NAMES = {"x": len, "y": abs}\nWIDTH = 3\n'
 OPT = """import dataclasses
 
 
-def opt(default, help, keys=()):  # as lmforge.config's
+def opt(default, help, keys=()):  # as lmforge.core.config's
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"help": help})
     return dataclasses.field(default=default, metadata={"help": help})

@@ -4,8 +4,8 @@ not depend on its batch mates."""
 import pytest
 import torch
 
-from lmforge.config import ModelConfig
-from lmforge.models import load_model
+from lmforge.core.config import ModelConfig
+from lmforge.model.load import load_model
 from lmforge.rollout import SamplingParams, generate
 from lmforge.rollout.continuous import ContinuousDecoder
 

@@ -19,8 +19,8 @@ from lmforge.data.sft import (
 )
 from lmforge.data.tasks import get_task
 from lmforge.data.text import load_text_files, pack_documents
-from lmforge.errors import DataError
-from lmforge.tokenizer import char_tokenizer, train_bpe_tokenizer
+from lmforge.core.errors import DataError
+from lmforge.model.tokenizer import char_tokenizer, train_bpe_tokenizer
 
 
 @pytest.fixture(scope="module")

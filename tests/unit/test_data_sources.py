@@ -13,9 +13,9 @@ from lmforge.data.sft import load_sft_rows  # noqa: E402
 from lmforge.data.source import read_rows, read_text_column, source_kind, split_by_fraction  # noqa: E402
 from lmforge.data.stream import StreamingBlocks, held_out, pack_stream  # noqa: E402
 from lmforge.data.text import pack_documents  # noqa: E402
-from lmforge.errors import DataError  # noqa: E402
+from lmforge.core.errors import DataError  # noqa: E402
 from lmforge.rl.config import RLDataConfig  # noqa: E402
-from lmforge.tokenizer import char_tokenizer  # noqa: E402
+from lmforge.model.tokenizer import char_tokenizer  # noqa: E402
 
 QUESTIONS = {"question": ["1+1=", "2+2=", "3+4="], "answer": ["2", "4", "7"]}
 EXPECTED = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}, {"prompt": "3+4=", "answer": "7"}]
@@ -274,7 +274,7 @@ def test_datasets_missing_gives_the_install_hint(tmp_path, monkeypatch):
 
 @pytest.mark.real_plots
 def test_held_out_eval_metrics_of_a_prompts_file_are_plotted(tmp_path):
-    from lmforge.metrics import plot_run
+    from lmforge.runtime.metrics import plot_run
 
     records = [{"kind": "eval", "step": s, "eval_reward": 0.1 * s, "pass_at_k": 0.2 * s} for s in range(3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -282,8 +282,8 @@ def test_held_out_eval_metrics_of_a_prompts_file_are_plotted(tmp_path):
 
 
 def test_the_columns_setting_takes_a_mapping_and_rejects_anything_else():
-    from lmforge.config import load_config
-    from lmforge.errors import ConfigError
+    from lmforge.core.config import load_config
+    from lmforge.core.errors import ConfigError
     from lmforge.recipes.grpo import GRPOConfig
 
     cfg = load_config(GRPOConfig, None, ["data.path=q.csv", "data.columns={prompt: question}", "data.columns.answer=sol"])
@@ -297,7 +297,7 @@ def test_the_columns_setting_takes_a_mapping_and_rejects_anything_else():
 def test_held_out_evaluator_scores_rows_with_the_first_reward_and_pass_at_k(monkeypatch):
     """accuracy = first reward at full marks on the greedy texts; eval_reward = weighted sum;
     pass_at_k = any of the k sampled texts at full marks (scripted completions, no model)."""
-    from lmforge import evaluation
+    from lmforge.rollout import evaluation
     from lmforge.rollout import BUILTIN_REWARDS
 
     rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}, {"prompt": "3+3=", "answer": "6"}]
@@ -327,7 +327,7 @@ def test_held_out_evaluator_scores_rows_with_the_first_reward_and_pass_at_k(monk
 def test_held_out_evaluator_gives_the_rewards_the_completion_lengths(monkeypatch):
     """The overlong penalty needs each completion's length and rollout.max_new_tokens, in evaluation
     as in training: lengths 2 and 5 of max 5 with a cache of 2 score 0 and -1."""
-    from lmforge import evaluation
+    from lmforge.rollout import evaluation
 
     rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from lmforge.distill_losses import (DISTILL_LOSSES, forward_kl_loss, full_reverse_kl_loss, reverse_kl_advantages,
+from lmforge.losses.distill import (DISTILL_LOSSES, forward_kl_loss, full_reverse_kl_loss, reverse_kl_advantages,
                                     reverse_kl_loss)
-from lmforge.losses import Counts, PolicyLossSpec
+from lmforge.losses.policy import Counts, PolicyLossSpec
 
 F64 = torch.float64
 LN2, LN3 = math.log(2.0), math.log(3.0)

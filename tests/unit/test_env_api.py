@@ -7,7 +7,7 @@ import pytest
 
 from lmforge.envs.base import EpisodeState, MalformedReply, StepResult, check_messages, check_step_result
 from lmforge.envs.registry import make_environment, resolve_environment
-from lmforge.errors import ConfigError
+from lmforge.core.errors import ConfigError
 
 
 class Echo:

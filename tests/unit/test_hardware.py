@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from lmforge.hardware import Hardware, choose
+from lmforge.runtime.hardware import Hardware, choose
 
 
 def cpu(bf16: bool, cores: int = 2, ram_gb: float = 24.0) -> Hardware:
@@ -64,7 +64,7 @@ def test_gpu_tiers_and_batch_from_accelerator_memory():
 
 
 def test_threads_follow_the_cores_the_load_leaves_and_busy_is_passive():
-    from lmforge.hardware import choose_threads
+    from lmforge.runtime.hardware import choose_threads
 
     quiet, busy, crowded = choose_threads(2, 0.7), choose_threads(2, 1.0), choose_threads(2, 6.0)
     assert (quiet.threads, quiet.passive) == (2, False) and "load average 0.7 on 2 cores: quiet" in quiet.reason
@@ -90,7 +90,7 @@ def test_choose_takes_the_load_from_the_hardware():
 
 
 def test_prepare_process_sets_passive_only_when_busy_and_unset(monkeypatch):
-    from lmforge import hardware
+    from lmforge.runtime import hardware
 
     monkeypatch.setattr(hardware, "_num_cores", lambda: 2)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from lmforge.losses import (
+from lmforge.losses.policy import (
     AGGREGATIONS,
     Counts,
     GSPO_EPS_HIGH,
@@ -26,7 +26,7 @@ from lmforge.losses import (
     truncated_is_weights,
     value_loss,
 )
-from lmforge.ops import selective_log_softmax
+from lmforge.core.ops import selective_log_softmax
 
 F64 = torch.float64
 

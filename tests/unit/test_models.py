@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lmforge.config import ModelConfig
-from lmforge.errors import ModelLoadError
-from lmforge.models import load_model, resolve_alias, save_model
+from lmforge.core.config import ModelConfig
+from lmforge.core.errors import ModelLoadError
+from lmforge.model.load import load_model, resolve_alias, save_model
 
 
 def greedy(model, ids, n=12):
@@ -95,7 +95,7 @@ def test_smollm2_gguf_save_reload_same_greedy_tokens(smollm2, tmp_path):
 def test_smollm2_second_resolve_reads_the_cache_without_converting(smollm2, model_cache, monkeypatch):
     # after the fixture's load, resolving the alias again returns the cached directory and never
     # reaches the (20 s) conversion
-    from lmforge import models
+    from lmforge.model import load as models
 
     monkeypatch.setenv("LMFORGE_CACHE", str(model_cache))
     monkeypatch.setattr(models, "_convert_gguf", lambda *a: pytest.fail("the cached copy was not reused"))
@@ -109,7 +109,7 @@ def test_saved_weights_have_their_neighbours_mode_and_a_loaded_model_names_its_s
     (peft reads model.name_or_path), and an alias names its hub id, not this machine's cache."""
     import stat
 
-    from lmforge.models import ALIAS_HUB_IDS, save_model
+    from lmforge.model.load import ALIAS_HUB_IDS, save_model
 
     model, tokenizer = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=1,
                                               num_heads=2))

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from lmforge import rl
-from lmforge.advantages import gae, whiten_advantages
-from lmforge.config import ModelConfig
-from lmforge.losses import Counts, PolicyLossSpec, aggregate, kl_per_token, policy_loss, truncated_is_weights
-from lmforge.models import load_model
+from lmforge.losses.advantages import gae, whiten_advantages
+from lmforge.core.config import ModelConfig
+from lmforge.losses.policy import Counts, PolicyLossSpec, aggregate, kl_per_token, policy_loss, truncated_is_weights
+from lmforge.model.load import load_model
 from lmforge.recipes.ppo import terminal_rewards
 from lmforge.rollout import RolloutBatch
-from lmforge.train import Precision, logits_at
+from lmforge.runtime.optim import Precision, logits_at
 
 F64 = torch.float64
 MASK = torch.tensor([[1, 1, 0, 0, 1, 0, 0], [1, 0, 1, 0, 1, 1, 0]])
@@ -185,7 +185,7 @@ def test_a_trained_mask_outside_the_completion_is_refused():
     rollout = multi_span_rollout(0)
     bad = rollout.trained_mask.clone()
     bad[3, 4] = 1  # row 3 has 2 tokens: position 4 is padding
-    from lmforge.errors import TrainingError
+    from lmforge.core.errors import TrainingError
 
     with pytest.raises(TrainingError, match="outside completion_mask"):
         rl.pack_rollout(RolloutBatch(**{**rollout.__dict__, "trained_mask": bad}), 0, need_rollout_logprobs=False)

@@ -10,8 +10,8 @@ import pytest
 from lmforge.data.preference import (check_pair_row, collate_pairs, load_preference_rows, no_carry_completion,
                                      off_by_one_completions, pairs_from_task, tokenize_pairs)
 from lmforge.data.tasks import get_task
-from lmforge.errors import DataError
-from lmforge.tokenizer import char_tokenizer
+from lmforge.core.errors import DataError
+from lmforge.model.tokenizer import char_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from lmforge.preference_losses import PREFERENCE_LOSSES, preference_loss, sequence_logps
+from lmforge.losses.preference import PREFERENCE_LOSSES, preference_loss, sequence_logps
 
 F64 = torch.float64
 LOG1P_EXP_NEG1 = math.log1p(math.exp(-1.0))  # -log sigmoid(1) = 0.31326168751822286

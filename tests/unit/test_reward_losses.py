@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lmforge.reward_losses import REWARD_LOSSES, reward_loss
+from lmforge.losses.reward import REWARD_LOSSES, reward_loss
 
 F64 = torch.float64
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lmforge.data.tasks import Problem, get_task
-from lmforge.errors import ConfigError, TrainingError
+from lmforge.core.errors import ConfigError, TrainingError
 from lmforge.rollout.rewards import RewardSet, exact_reward, format_reward, math_reward, resolve_reward
 
 

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from lmforge.config import load_config
-from lmforge.errors import ConfigError, TrainingError
+from lmforge.core.config import load_config
+from lmforge.core.errors import ConfigError, TrainingError
 from lmforge.rollout.rewards import RewardSet, final_answer, format_reward, last_boxed, math_reward, overlong_reward
 
 

@@ -124,7 +124,7 @@ def test_bad_specs_are_clear(spec, message):
 
 
 def test_bad_spec_is_a_config_error_naming_data_task():
-    from lmforge.errors import ConfigError
+    from lmforge.core.errors import ConfigError
     from lmforge.supervised.sft_data import SFTDataConfig
     from lmforge.rl.config import RLDataConfig
 
@@ -150,7 +150,7 @@ def test_listing():
 def test_prompts_go_through_the_chat_template_and_sft_rows():
     from lmforge.rl import build_prompts
     from lmforge.rl.config import RLDataConfig
-    from lmforge.tokenizer import char_tokenizer
+    from lmforge.model.tokenizer import char_tokenizer
 
     tokenizer = char_tokenizer(get_task("rg:leg_counting").alphabet)
     data = RLDataConfig(task="rg:leg_counting", num_train=5, num_eval=3, use_chat_template="on")

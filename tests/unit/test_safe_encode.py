@@ -16,7 +16,7 @@ from lmforge.envs.safe_encode import (ControlTextError, Rendered, encode_plain, 
 from lmforge.envs.tool_env import ToolEnv
 from lmforge.envs.toolcalls import render_messages
 from lmforge.rollout import RolloutBatch, SamplingParams
-from lmforge.tokenizer import load_tokenizer
+from lmforge.model.tokenizer import load_tokenizer
 
 CALL = '<tool_call>\n{"name": "run", "arguments": {"code": "print(4)"}}\n</tool_call>'
 # What a tool's output may hold: SmolLM2's turn markers and end of text, the char tokenizer's eos and roles

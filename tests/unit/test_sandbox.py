@@ -11,7 +11,7 @@ import pytest
 
 from lmforge.envs.sandbox import SandboxLimits, SandboxResult, describe, python, python_tool, run_python
 from lmforge.envs.toolcalls import function_schema
-from lmforge.errors import ConfigError
+from lmforge.core.errors import ConfigError
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the sandbox needs fork (Linux, macOS)")
 

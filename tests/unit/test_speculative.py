@@ -6,8 +6,8 @@ kept caches. Also the n-gram drafter's rules and the config checks."""
 import pytest
 import torch
 
-from lmforge.config import ModelConfig
-from lmforge.models import load_model
+from lmforge.core.config import ModelConfig
+from lmforge.model.load import load_model
 from lmforge.rollout import SamplingParams
 from lmforge.rollout import continuous
 from lmforge.rollout.continuous import ContinuousDecoder, NgramDrafter, RunningBatch
@@ -255,8 +255,8 @@ def test_without_a_confident_continuation_the_drafter_copies_from_the_rows_own_i
     (["env.draft_tokens=4", "env.continuous=false"], "env.continuous=false nothing would use it"),
 ])
 def test_draft_tokens_config_errors(override, match):
-    from lmforge.config import load_config
-    from lmforge.errors import ConfigError
+    from lmforge.core.config import load_config
+    from lmforge.core.errors import ConfigError
     from lmforge.recipes.grpo import GRPOConfig
 
     with pytest.raises(ConfigError, match=match):

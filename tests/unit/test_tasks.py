@@ -2,7 +2,7 @@
 import pytest
 
 from lmforge.data.tasks import Addition, ArithChat, Problem, get_task, split_of
-from lmforge.tokenizer import DEFAULT_ALPHABET
+from lmforge.model.tokenizer import DEFAULT_ALPHABET
 
 
 # ----------------------------------------------------------------------------- addition

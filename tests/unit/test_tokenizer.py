@@ -2,8 +2,8 @@
 import pytest
 from transformers import AutoTokenizer
 
-from lmforge.errors import ConfigError, DataError
-from lmforge.tokenizer import (
+from lmforge.core.errors import ConfigError, DataError
+from lmforge.model.tokenizer import (
     DEFAULT_CHAT_TEMPLATE,
     char_tokenizer,
     ensure_chat_template,

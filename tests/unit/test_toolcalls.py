@@ -18,8 +18,8 @@ from lmforge.envs.toolcalls import (
     supports_tools,
     tools_system_block,
 )
-from lmforge.errors import ConfigError
-from lmforge.tokenizer import char_tokenizer
+from lmforge.core.errors import ConfigError
+from lmforge.model.tokenizer import char_tokenizer
 
 
 # ----------------------------------------------------------------------------- function_schema

@@ -4,10 +4,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lmforge.config import OptimConfig
-from lmforge.errors import TrainingError
-from lmforge.losses import sft_loss
-from lmforge.train import (BatchOrder, Precision, build_optimizer, check_finite, count_loss_tokens, logits_at,
+from lmforge.core.config import OptimConfig
+from lmforge.core.errors import TrainingError
+from lmforge.losses.policy import sft_loss
+from lmforge.runtime.optim import (BatchOrder, Precision, build_optimizer, check_finite, count_loss_tokens, logits_at,
                            lr_factor, optimizer_step, param_groups, shifted_targets)
 
 

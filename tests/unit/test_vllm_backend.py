@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from lmforge.errors import ConfigError
+from lmforge.core.errors import ConfigError
 from lmforge.rollout.engine import SamplingParams
 from lmforge.rollout.vllm_backend import (
     VLLMEngine,
@@ -26,7 +26,7 @@ from lmforge.rollout.vllm_backend import (
     vllm_named_weights,
     vllm_sampling_params,
 )
-from lmforge.tokenizer import char_tokenizer
+from lmforge.model.tokenizer import char_tokenizer
 
 PAD, EOS = 0, 2
 PROMPTS = [[1, 5, 6], [1, 7]]
@@ -441,7 +441,7 @@ def test_vllm_without_logprobs_mode_is_refused(monkeypatch):
 def test_grpo_with_rollout_backend_vllm_samples_through_the_engine(fake_vllm, tmp_path, monkeypatch):
     # rollout.backend=vllm: the run builds a VLLMEngine (fake LLM), syncs the policy into it before
     # each rollout, and trains on what it returned (its logprobs, -0.5 / -0.25, are the rollout's)
-    from lmforge.config import load_config
+    from lmforge.core.config import load_config
     from lmforge.recipes.grpo import GRPOConfig, run_grpo
 
     built = []

@@ -9,6 +9,6 @@
 - ``lmforge.data.prompts``: RL prompt rows and their held-out split.
 - ``lmforge.data.stream``: streaming pretraining text, packed as training consumes it.
 
-Import from the submodules; this package imports nothing so that ``lmforge.tokenizer`` can use
+Import from the submodules; this package imports nothing so that ``lmforge.model.tokenizer`` can use
 ``lmforge.data.tasks`` without an import cycle.
 """

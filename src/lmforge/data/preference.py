@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..errors import DataError
+from ..core.errors import DataError
 from .sft import SFTExample, chat_example, collate_sft, raw_example, uses_chat_format
 from .source import read_rows
 
@@ -114,7 +114,7 @@ def load_preference_rows(path: str, split: str = "train", subset: str = "",
 
 
 def row_texts(rows: list[dict]) -> list[str]:
-    """Every text of checked rows (for lmforge.tokenizer.check_unknown_tokens)."""
+    """Every text of checked rows (for lmforge.model.tokenizer.check_unknown_tokens)."""
     texts = []
     for row in rows:
         for key in COLUMN_NAMES:
@@ -221,7 +221,7 @@ def _is_empty(completion: str | list[dict]) -> bool:
 
 def encode_side(tokenizer, prompt, completion, chat: bool) -> SFTExample:
     """One side of a pair tokenized as training sees it (loss on the completion only); the reward model
-    (lmforge.reward_model) scores a completion through it too, so both read the same tokens."""
+    (lmforge.rollout.reward_model) scores a completion through it too, so both read the same tokens."""
     if isinstance(prompt, list):  # conversational: the completion's assistant turns are trained
         return chat_example(tokenizer, prompt + completion, True, trained_from=len(prompt))
     if chat:

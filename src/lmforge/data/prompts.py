@@ -3,7 +3,7 @@
 A row is a dict with a ``prompt`` string; every other column (``answer`` above all) goes to the
 reward functions as it is. ``data.columns`` renames the data's columns to these names first.
 
-Held-out rows (for greedy accuracy, :func:`lmforge.evaluation.held_out_evaluator`):
+Held-out rows (for greedy accuracy, :func:`lmforge.rollout.evaluation.held_out_evaluator`):
 
 - ``data.eval_split`` names a split of the source (e.g. ``test``): its first ``data.num_eval`` rows;
 - else, when the rows have an ``answer`` column, ``data.eval_fraction`` of them, chosen with
@@ -13,7 +13,7 @@ Held-out rows (for greedy accuracy, :func:`lmforge.evaluation.held_out_evaluator
 """
 from __future__ import annotations
 
-from ..errors import DataError
+from ..core.errors import DataError
 from .source import read_rows, split_by_fraction, string_column
 
 # The names lmforge itself reads from an RL row (the prompt; the built-in rewards' answer and task):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from ..errors import DataError
+from ..core.errors import DataError
 from .source import read_rows, string_column
 from .problem import SPLITS, Problem, split_of
 

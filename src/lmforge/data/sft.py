@@ -32,15 +32,15 @@ from typing import NamedTuple
 
 import torch
 
-from ..errors import DataError
+from ..core.errors import DataError
 from .source import read_rows
-from ..tokenizer import DEFAULT_CHAT_TEMPLATE
+from ..model.tokenizer import DEFAULT_CHAT_TEMPLATE
 
 _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 # A small chat dataset (320 rows of short arithmetic, unit, capital and spelling Q&A) shipped with
 # lmforge for the SFT examples: load_sft_rows(CHAT_SMALL).
 CHAT_SMALL = Path(__file__).resolve().parent.parent / "assets" / "chat_small.jsonl"
-# The names SFT reads from a row: what data.columns may map (lmforge.config.opt's keys).
+# The names SFT reads from a row: what data.columns may map (lmforge.core.config.opt's keys).
 COLUMN_NAMES = ("messages", "prompt", "completion")
 _ROW_FORMATS = (
     "each row needs either 'messages' (a list of {role, content}) or 'prompt' and 'completion' (strings)"
@@ -104,7 +104,7 @@ def load_sft_rows(path: str | Path, split: str = "train", subset: str = "",
 
 def row_texts(rows: list[dict]) -> list[str]:
     """The text of validated SFT rows as the data gives it: every message's content, or the prompt
-    and completion (for the tokenizer check, :func:`lmforge.tokenizer.check_unknown_tokens`)."""
+    and completion (for the tokenizer check, :func:`lmforge.model.tokenizer.check_unknown_tokens`)."""
     return [text for row in rows for text in
             ([m["content"] for m in row["messages"]] if "messages" in row else [row["prompt"], row["completion"]])]
 

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import DataError
-from ..fileio import read_text, text_lines
+from ..core.errors import DataError
+from ..core.fileio import read_text, text_lines
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 DATASETS_BUILDERS = {".csv": "csv", ".tsv": "csv", ".arrow": "arrow", ".json": "json", ".txt": "text"}
@@ -136,7 +136,7 @@ def open_dataset(path: str, split: str = "train", subset: str = "", streaming: b
     kind = source_kind(path)
     datasets = require_datasets(path)
     local = str(Path(path).expanduser())
-    from ..models import cache_dir  # same layer; the arrow caches of local files live under lmforge's cache
+    from ..model.load import cache_dir  # same layer; the arrow caches of local files live under lmforge's cache
 
     cache = str(cache_dir() / "datasets")
     try:

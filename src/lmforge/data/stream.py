@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from ..errors import DataError
+from ..core.errors import DataError
 
 
 def pack_stream(docs: Iterable[str], tokenizer, seq_len: int, docs_per_call: int = 64) -> Iterator[torch.Tensor]:
@@ -76,7 +76,7 @@ def first_blocks(docs: Iterable[str], tokenizer, seq_len: int, max_blocks: int) 
 
 class StreamingBlocks:
     """The training blocks of a document stream, and their resumable order (``next`` /
-    ``state_dict`` / ``load_state_dict``, as :class:`lmforge.train.BatchOrder`).
+    ``state_dict`` / ``load_state_dict``, as :class:`lmforge.runtime.optim.BatchOrder`).
 
     ``open_docs()`` returns a fresh iterator over the training documents (called once per pass).
     Block indices count up over the whole run; only the current batch's blocks are kept.

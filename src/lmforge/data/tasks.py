@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Protocol
 
-from ..tokenizer import ASCII_ALPHABET
+from ..model.tokenizer import ASCII_ALPHABET
 from .problem import SPLITS, Problem, split_of  # noqa: F401 (split_of: re-exported)
 from .rg import rg_task
 
@@ -293,7 +293,7 @@ class Multiplication:
     Score: 1.0 if the completion with surrounding whitespace stripped equals the answer exactly, else
     0.0 (``"56088."`` or ``"56088 "`` followed by more text score 0.0).
 
-    Alphabet: printable ASCII and the newline (:data:`lmforge.tokenizer.ASCII_ALPHABET`), since in the
+    Alphabet: printable ASCII and the newline (:data:`lmforge.model.tokenizer.ASCII_ALPHABET`), since in the
     environment a char-level model reads and writes tool calls (JSON) and messages, not only digits.
     """
 

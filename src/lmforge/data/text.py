@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import DataError
-from ..fileio import read_text
-from ..tokenizer import tokenizer_fingerprint
+from ..core.errors import DataError
+from ..core.fileio import read_text
+from ..model.tokenizer import tokenizer_fingerprint
 
 logger = logging.getLogger(__name__)
 DATASET_SUFFIXES = (".jsonl", ".json", ".ndjson", ".parquet", ".csv", ".tsv", ".arrow")  # data.path's, not text
@@ -159,7 +159,7 @@ def pack_documents(
     """Tokenize and pack ``docs`` into train/val blocks of ``seq_len + 1`` tokens (see module doc).
 
     With ``cache_dir``, the result is stored in ``cache_dir/packed-<key>.pt``, the key hashing the
-    documents' text, the tokenizer (:func:`lmforge.tokenizer.tokenizer_fingerprint`), ``seq_len``,
+    documents' text, the tokenizer (:func:`lmforge.model.tokenizer.tokenizer_fingerprint`), ``seq_len``,
     ``val_fraction`` and ``seed``; a later call with the same inputs loads it without tokenizing.
     """
     if seq_len < 1:

@@ -32,7 +32,7 @@ import ast
 import operator
 import random
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .base import EpisodeState, Message, StepResult
 from .tool_env import ToolEnv, problem_prompt
 from .toolcalls import ToolCall, format_tool_calls

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .base import EpisodeState, Message, check_messages, check_step_result
 from .toolcalls import supports_tools, tools_system_block
 

@@ -48,7 +48,7 @@ import math
 import random
 import re
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .base import EpisodeState, Message, StepResult
 
 _OPENING = re.compile(r"guess (\d+)-(\d+)")

@@ -6,8 +6,8 @@ import inspect
 import traceback
 from typing import Any
 
-from ..config import import_object
-from ..errors import ConfigError
+from ..core.config import import_object
+from ..core.errors import ConfigError
 from .base import Environment
 from .calculator import Calculator
 from .guess_number import GuessNumber

@@ -46,7 +46,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 
 @dataclass(frozen=True)

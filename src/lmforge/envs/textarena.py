@@ -35,7 +35,7 @@ import random
 import threading
 from typing import Any, Iterator
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .base import EpisodeState, Message, StepResult
 
 INSTALL_HINT = "pip install 'lmforge[textarena]' (textarena==0.7.4)"

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .base import EpisodeState, Message, StepResult
 from .toolcalls import function_schema, parse_tool_calls
 

@@ -29,7 +29,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Union
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
@@ -290,7 +290,7 @@ def render_messages(tokenizer, messages: list[dict], tools: list[dict] | None,
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError("render_messages: the tokenizer has no chat template; give it one "
-                          "(lmforge.tokenizer.ensure_chat_template adds the default)")
+                          "(lmforge.model.tokenizer.ensure_chat_template adds the default)")
     has_calls = any(m.get("tool_calls") for m in messages)
     native = bool(tools or has_calls) and supports_tools(tokenizer)
     msgs = [_normalize(m, calls_as_text=not native) for m in messages]

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError, Interrupted, TrainingError
+from ..core.errors import ConfigError, Interrupted, TrainingError
 
 
 @dataclasses.dataclass

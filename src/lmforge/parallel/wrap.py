@@ -2,7 +2,7 @@
 sharded with FSDP2, and the few operations that differ between them (gradient-sync switch, full
 state dict, global gradient norm).
 
-Why a root module. lmforge's forwards are functions of the model (``train.logits_at`` runs the LM
+Why a root module. lmforge's forwards are functions of the model (``runtime.optim.logits_at`` runs the LM
 head on the loss positions only; ``rl.shared_prompt_logits`` runs a shared prompt once per group;
 PPO adds a value head). Called on the bare model they would bypass the wrappers: DDP would not
 prepare its gradient reduction, and FSDP2 would not all-gather the root's parameters (the
@@ -21,7 +21,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .context import ParallelContext
 
 

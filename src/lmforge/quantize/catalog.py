@@ -1,6 +1,6 @@
 """What ``lmforge quantize --help`` says of each format: name -> one line, in the order they are listed.
 
-Literals only: the CLI reads this table from the source (lmforge.confighelp) so that help needs no torch,
+Literals only: the CLI reads this table from the source (lmforge.core.confighelp) so that help needs no torch,
 which the package's writers import. The writers (ct_formats, gguf_format, ternary_format) take their
 descriptions from here; tests/quantize/test_formats.py checks both list the same formats in this order.
 """

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import LmforgeError
+from ..core.errors import LmforgeError
 
 
 class QuantizeError(LmforgeError, ValueError):
@@ -57,7 +57,7 @@ def load_source(spec: str):
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..models import _from_hub, require_model_files, resolve_pretrained
+    from ..model.load import _from_hub, require_model_files, resolve_pretrained
 
     source = Path(resolve_pretrained(spec))
     if not source.is_dir():

@@ -212,7 +212,7 @@ def read_gguf(path: Path):
     import gguf
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..models import gguf_tokenizer
+    from ..model.load import gguf_tokenizer
 
     try:
         reader = gguf.GGUFReader(str(path))

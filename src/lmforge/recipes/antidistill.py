@@ -1,7 +1,7 @@
 """``lmforge antidistill <stage> CONFIG``: the antidistillation sampling pipeline (Savani et al. 2025).
 
 One config, one work directory (``run.workdir``); each stage reads what the previous one wrote
-(layout in lmforge/antidistill_pipeline.py):
+(layout in lmforge/antidistill/pipeline.py):
 
     traces   the teacher answers held-out prompts (greedy by default); scored; JSONL + accuracy
     grad     the proxy's average completion-only NLL gradient on those traces (torchrun: rank 0 writes)
@@ -12,7 +12,7 @@ One config, one work directory (``run.workdir``); each stage reads what the prev
     report   markdown table + PNG: student accuracy vs teacher accuracy, ADS vs temperature sampling
     all      the six stages in order
 
-The math and the core functions are in lmforge/antidistill.py and docs/antidistillation.md.
+The math and the core functions are in lmforge/antidistill/ads.py and docs/antidistillation.md.
 """
 from __future__ import annotations
 
@@ -25,18 +25,17 @@ from typing import Literal
 
 import torch
 
-from .. import hardware
-from .. import antidistill_pipeline as pipe
-from ..antidistill import (ads_generate, check_same_tokenizer, load_gradient, perturbed_copies, proxy_gradient,
-                           random_direction, save_gradient)
-from ..config import LoggingConfig, ModelConfig, OptimConfig, TrainConfig, opt, refuse_ignored, section, to_dict
+from ..runtime import hardware
+from ..antidistill import pipeline as pipe
+from ..antidistill.ads import (ads_generate, check_same_tokenizer, load_gradient, perturbed_copies, proxy_gradient, random_direction, save_gradient)
+from ..core.config import LoggingConfig, ModelConfig, OptimConfig, TrainConfig, opt, refuse_ignored, section, to_dict
 from ..data.rows_task import COLUMN_NAMES as ROWS_COLUMNS
 from ..data.sft import encode_prompt, tokenize_sft, uses_chat_format
 from ..data.tasks import SPLITS, get_task
-from ..errors import ConfigError
-from ..evaluation import task_accuracy
-from ..metrics import make_console
-from ..models import load_model, load_tokenizer_for
+from ..core.errors import ConfigError
+from ..rollout.evaluation import task_accuracy
+from ..runtime.metrics import make_console
+from ..model.load import load_model, load_tokenizer_for
 from ..parallel.context import init_parallel, torchrun_world
 from ..runtime.run import local_world_size
 from ..rollout.engine import SamplingParams, generate

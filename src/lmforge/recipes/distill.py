@@ -3,12 +3,12 @@
 ``mode: on_policy`` runs on the RL runtime (``lmforge.rl``): each step the student samples
 ``rollout.group_size`` completions of ``rollout.num_prompts`` prompts of ``data``; the teacher scores
 every sampled token in one forward without gradients; each token's ``teacher - student`` log-probability
-is its advantage in the policy-gradient loss (``distill_losses.reverse_kl_loss``: the per-token reverse
+is its advantage in the policy-gradient loss (``losses.distill.reverse_kl_loss``: the per-token reverse
 KL, optionally plus ``algo.reward_weight`` x the task reward's group-normalised advantage).
 
 ``mode: logit`` trains on fixed SFT-style rows (``fixed_data``, the data layer of ``lmforge sft``) with
 the full-vocabulary forward KL to the teacher at temperature ``algo.temperature``
-(``distill_losses.forward_kl_loss``), one teacher forward per micro-batch without gradients.
+(``losses.distill.forward_kl_loss``), one teacher forward per micro-batch without gradients.
 
 The teacher is ``teacher.name`` (any model spec), in bf16 where the device multiplies bf16 natively
 (``teacher.dtype=auto``), or, with ``teacher.name`` empty, the student's own base model with its LoRA
@@ -23,19 +23,21 @@ from typing import Callable, Literal
 
 import torch
 
-from .. import hardware, lora, rl
-from ..advantages import compute_advantages
-from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, refuse_ignored, section
-from ..distill_losses import DISTILL_LOSSES
-from ..errors import ConfigError, DataError
-from ..losses import Counts, PolicyLossSpec, policy_loss
-from ..models import load_model
+from .. import rl
+from ..runtime import hardware
+from ..model import lora
+from ..losses.advantages import compute_advantages
+from ..core.config import (LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, refuse_ignored, section)
+from ..losses.distill import DISTILL_LOSSES
+from ..core.errors import ConfigError, DataError
+from ..losses.policy import Counts, PolicyLossSpec, policy_loss
+from ..model.load import load_model
 from ..parallel.wrap import run_forward
 from ..rl import config as rl_config
 from ..rl.forward import completion_logits
 from ..runtime.loop import Trainer, build_state, full_model, train_loop
 from ..runtime.run import start_run
-from ..train import BatchOrder, logits_at, shifted_targets
+from ..runtime.optim import BatchOrder, logits_at, shifted_targets
 from ..supervised.sft_data import SFTDataConfig, build_data, check_fits_context, make_eval
 from ..supervised.step import supervised_step, validation_loss
 
@@ -172,7 +174,7 @@ def load_teacher(cfg: DistillConfig, student, student_tok) -> tuple[torch.nn.Mod
 
 
 def teacher_of(teacher: torch.nn.Module | None, student: torch.nn.Module, device) -> object:
-    """The teacher on the run's device, or the student's LoRA-off view (``lora.DisabledAdapters``)."""
+    """The teacher on the run's device, or the student's LoRA-off view (``model.lora.DisabledAdapters``)."""
     if teacher is None:
         return lora.DisabledAdapters(student)
     return teacher.to(device)

@@ -21,23 +21,23 @@ from typing import Literal
 
 import torch
 
-from .. import lora
-from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, section
+from ..model import lora
+from ..core.config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, section
 from ..data.preference import PreferenceData
 from ..data.sft import uses_chat_format
 from ..data.tasks import get_task
-from ..errors import ConfigError, DataError
-from ..evaluation import save_samples, task_accuracy
-from ..models import load_model
+from ..core.errors import ConfigError, DataError
+from ..rollout.evaluation import save_samples, task_accuracy
+from ..model.load import load_model
 from ..parallel.wrap import run_forward
-from ..preference_losses import REFERENCE_FREE, check_settings, preference_loss
+from ..losses.preference import REFERENCE_FREE, check_settings, preference_loss
 from ..rl.forward import matmul_weights
 from ..runtime.loop import Trainer, TrainState, build_state, full_model, train_loop
 from ..runtime.run import start_run
 from ..supervised.pair_forward import PairPack, pack_pairs, pair_logits, side_logps
 from ..supervised.pairs import (PreferenceDataConfig, build_pairs, check_fits_context, choice_seq_len, held_out_pairs,
                                 pairs_step)
-from ..train import BatchOrder
+from ..runtime.optim import BatchOrder
 
 METRIC_KEYS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "nll_chosen")
 
@@ -104,7 +104,7 @@ def disable_dropout(model: torch.nn.Module) -> int:
 
 
 def make_reference(model, loss: str):
-    """A frozen copy of the starting model; with LoRA, :class:`lora.DisabledAdapters` (the policy with
+    """A frozen copy of the starting model; with LoRA, :class:`model.lora.DisabledAdapters` (the policy with
     its adapters off, no copy); None for a reference-free loss (SimPO)."""
     if loss in REFERENCE_FREE:
         return None

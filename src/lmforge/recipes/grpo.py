@@ -16,10 +16,10 @@ from typing import Callable
 import torch
 
 from .. import rl
-from ..advantages import ADVANTAGES, STD_NORMALISED, compute_advantages
-from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, section
-from ..errors import ConfigError
-from ..losses import Counts, PolicyLossSpec, policy_loss
+from ..losses.advantages import ADVANTAGES, STD_NORMALISED, compute_advantages
+from ..core.config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, section
+from ..core.errors import ConfigError
+from ..losses.policy import Counts, PolicyLossSpec, policy_loss
 from ..rl import config as rl_config
 
 # Named combinations of algo keys; an explicitly set key always wins over its preset value.

@@ -21,15 +21,15 @@ from typing import Callable
 import torch
 
 from .. import rl
-from ..advantages import gae, whiten_advantages
-from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, section
-from ..errors import ConfigError
-from ..losses import Counts, PolicyLossSpec, kl_per_token, policy_loss, value_loss
-from ..ops import masked_mean, masked_sum
+from ..losses.advantages import gae, whiten_advantages
+from ..core.config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, section
+from ..core.errors import ConfigError
+from ..losses.policy import Counts, PolicyLossSpec, kl_per_token, policy_loss, value_loss
+from ..core.ops import masked_mean, masked_sum
 from ..parallel.context import ParallelContext
 from ..parallel.wrap import full_state_dict, is_sharded, run_forward
 from ..rl import config as rl_config
-from ..train import PLAIN_HEAD_MODELS, decoder_of
+from ..runtime.optim import PLAIN_HEAD_MODELS, decoder_of
 
 # Policy losses that take per-token advantages (B, T); plain "gspo" needs one per sequence.
 PER_TOKEN_ADVANTAGE_LOSSES = ("token_clip", "gspo_token")
@@ -240,7 +240,7 @@ def run_ppo(cfg: PPOConfig, model=None, tokenizer=None, console=None, name: str 
     """Train with PPO; returns the final metrics (``accuracy``, ``accuracy_before`` for tasks) and ``run_dir``."""
     algo = cfg.algo.resolved()
     if model is None:
-        from ..models import load_model
+        from ..model.load import load_model
 
         model, tokenizer = load_model(cfg.model)
     value_head = ValueHead(model.config.hidden_size)

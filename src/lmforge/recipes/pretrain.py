@@ -15,15 +15,15 @@ from typing import Iterator
 
 import torch
 
-from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, section
+from ..core.config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, section
 from ..data.source import TEXT_COLUMN_NAMES, read_text_column
 from ..data.stream import StreamingBlocks, first_blocks, held_out
 from ..data.text import load_text_files, pack_documents
-from ..errors import ConfigError, DataError
-from ..evaluation import save_samples
-from ..models import cache_dir, context_length, load_model
+from ..core.errors import ConfigError, DataError
+from ..rollout.evaluation import save_samples
+from ..model.load import cache_dir, context_length, load_model
 from ..rollout.engine import SamplingParams, generate
-from ..tokenizer import SAMPLE_TEXTS, check_unknown_tokens, train_bpe_tokenizer
+from ..model.tokenizer import SAMPLE_TEXTS, check_unknown_tokens, train_bpe_tokenizer
 from ..runtime.run import start_run
 from ..supervised.step import SupervisedData, train_supervised
 

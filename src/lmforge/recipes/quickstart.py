@@ -11,12 +11,12 @@ import dataclasses
 import time
 from pathlib import Path
 
-from ..config import LoggingConfig, ModelConfig, OptimConfig, TrainConfig, opt
+from ..core.config import LoggingConfig, ModelConfig, OptimConfig, TrainConfig, opt
 from ..data.tasks import get_task
-from ..evaluation import task_accuracy
-from ..metrics import make_console
-from ..models import load_model
-from ..tokenizer import char_tokenizer
+from ..rollout.evaluation import task_accuracy
+from ..runtime.metrics import make_console
+from ..model.load import load_model
+from ..model.tokenizer import char_tokenizer
 from ..rl.config import RLDataConfig, RolloutConfig
 from .grpo import GRPOConfig, run_grpo
 from ..supervised.sft_data import SFTDataConfig

@@ -1,6 +1,6 @@
 """``lmforge rm CONFIG``: a reward model (Bradley-Terry) on prompt / chosen / rejected pairs.
 
-The model is the starting causal LM's body with a scalar head (lmforge.reward_model: transformers'
+The model is the starting causal LM's body with a scalar head (lmforge.rollout.reward_model: transformers'
 ``*ForSequenceClassification``, ``num_labels=1``, the head at zero so every reward starts at 0); the
 reward of a sequence is read at its last non-pad token. The pairs are DPO's (lmforge.data.preference
 through the dpo recipe's ``data`` section: a file with column maps, or a built-in task), with the same
@@ -20,17 +20,17 @@ from typing import Literal
 
 import torch
 
-from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, refuse_ignored, section
+from ..core.config import (LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, refuse_ignored, section)
 from ..data.preference import PreferenceData, PreferencePair, collate_pairs
-from ..errors import ConfigError, DataError
-from ..models import load_model
+from ..core.errors import ConfigError, DataError
+from ..model.load import load_model
 from ..parallel.wrap import run_forward
-from ..reward_losses import reward_loss
-from ..reward_model import from_causal_lm, sequence_rewards
+from ..losses.reward import reward_loss
+from ..rollout.reward_model import from_causal_lm, sequence_rewards
 from ..runtime.loop import Trainer, TrainState, build_state, train_loop
 from ..runtime.run import start_run
 from ..supervised.pairs import PreferenceDataConfig, build_pairs, check_fits_context, held_out_pairs, pairs_step
-from ..train import BatchOrder
+from ..runtime.optim import BatchOrder
 
 METRIC_KEYS = ("rewards_chosen", "rewards_rejected", "reward_margin", "accuracy")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, section
-from ..models import load_model
+from ..core.config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, section
+from ..model.load import load_model
 from ..runtime.run import start_run
 from ..supervised.sft_data import SFTDataConfig, build_data, check_fits_context, make_eval
 from ..supervised.step import train_supervised

@@ -25,7 +25,7 @@ import dataclasses
 
 import torch
 
-from ..errors import TrainingError
+from ..core.errors import TrainingError
 from ..parallel.context import ParallelContext
 from ..rollout import RewardOutput, RolloutBatch
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from ..advantages import ADVANTAGES
-from ..config import opt, refuse_ignored
+from ..losses.advantages import ADVANTAGES
+from ..core.config import opt, refuse_ignored
 from ..data.prompts import COLUMN_NAMES as PROMPT_COLUMNS
 from ..data.tasks import get_task
 from ..envs.episode import EpisodeLimits
 from ..envs.registry import check_environment
-from ..errors import ConfigError
-from ..losses import AGGREGATIONS, GSPO_EPS_HIGH, GSPO_EPS_LOW, IS_LEVELS, KL_ESTIMATORS, POLICY_LOSSES, PolicyLossSpec
+from ..core.errors import ConfigError
+from ..losses.policy import (AGGREGATIONS, GSPO_EPS_HIGH, GSPO_EPS_LOW, IS_LEVELS, KL_ESTIMATORS, POLICY_LOSSES, PolicyLossSpec)
 from ..rollout import SamplingParams
 
 
@@ -374,7 +374,7 @@ def check_rl_config(cfg, algo) -> None:
     cfg.rewards.validate(allow_empty=bool(env and env.name) or cfg.rollout.backend == "agent")
     for name, *_ in cfg.rewards.specs(allow_empty=True):
         if name.startswith("rm:") and name[3:]:  # a reward model: its directory, before the run directory is taken
-            from ..reward_model import check_reward_model_dir
+            from ..rollout.reward_model import check_reward_model_dir
 
             check_reward_model_dir(name[3:])
     check_env(env, cfg)

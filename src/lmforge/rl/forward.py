@@ -13,9 +13,9 @@ import inspect
 import torch
 from transformers.cache_utils import DynamicCache
 
-from .. import lora
+from ..model import lora
 from ..parallel.wrap import run_forward
-from ..train import PLAIN_HEAD_MODELS, Precision, decoder_of, logits_at
+from ..runtime.optim import PLAIN_HEAD_MODELS, Precision, decoder_of, logits_at
 from .batch import TrainBatch, scatter_completion, trained_ends
 
 Tensor = torch.Tensor
@@ -190,7 +190,7 @@ def step_flops(model, batch: TrainBatch, micro_batch_size: int, train_passes: in
 def batch_logprobs(model, batch: TrainBatch, micro_batch_size: int, temperature: float,
                    precision: Precision, wrapped=None) -> Tensor:
     """(B, C) logprobs of ``model`` on the whole batch, in micro-batches, without gradients.
-    ``model`` may be a LoRA policy's reference (:class:`lora.DisabledAdapters`): its base model."""
+    ``model`` may be a LoRA policy's reference (:class:`model.lora.DisabledAdapters`): its base model."""
     if isinstance(model, lora.DisabledAdapters):
         with lora.adapters_disabled(model.model):
             return batch_logprobs(model.model, batch, micro_batch_size, temperature, precision, wrapped)

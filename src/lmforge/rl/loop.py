@@ -3,7 +3,7 @@ on the runtime loop (:func:`train_rl`), with the rollout source synced after eve
 
 A step (the recipe's: ``recipes/grpo.py:grpo_step``, ``recipes/ppo.py:ppo_step``) reads top to bottom
 through this package: ``state.source.next_batch(step)`` (``sources/``: this rank's rows, scored) ->
-advantages (``lmforge.advantages``) -> ``batch.pack_rollout`` (the trainer's layout, trained mask)
+advantages (``lmforge.losses.advantages``) -> ``batch.pack_rollout`` (the trainer's layout, trained mask)
 -> ``forward`` (logprobs of the trained tokens) -> ``for update in updates.Updates(...)``: ``for micro in
 update``: the recipe's forward, loss and ``update.backward``; ``update.step()`` (passes, mini- and
 micro-batches, global counts) -> ``source.sync_weights``. This file knows no source by name: they
@@ -17,18 +17,18 @@ from typing import Callable
 
 import torch
 
-from .. import lora
+from ..model import lora
 from ..data.prompts import prompt_texts
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from ..envs.episode import save_episodes
-from ..evaluation import held_out_evaluator, save_samples
-from ..models import context_length, load_model
+from ..rollout.evaluation import held_out_evaluator, save_samples
+from ..model.load import context_length, load_model
 from ..parallel.context import torchrun_world
 from ..rollout import RewardSet
 from ..runtime.loop import Trainer, TrainState, build_state, full_model, train_loop
 from ..runtime.run import Run, start_run
-from ..tokenizer import check_unknown_tokens
-from ..train import BatchOrder
+from ..model.tokenizer import check_unknown_tokens
+from ..runtime.optim import BatchOrder
 from .config import EnvConfig, RewardsConfig, RLDataConfig, RolloutConfig, check_rl_config
 from .forward import reference_model
 from .prompts import PromptSet, build_prompts, prompt_budget
@@ -154,7 +154,7 @@ def prepare(cfg, name: str, algo, model=None, tokenizer=None, console=None,
 
 def make_evaluate(state: RLState) -> Callable[[int], dict] | None:
     """Greedy held-out accuracy of the policy (a task's checker, or the configured rewards on held-out
-    rows: :func:`lmforge.evaluation.held_out_evaluator`), plus a few printed samples."""
+    rows: :func:`lmforge.rollout.evaluation.held_out_evaluator`), plus a few printed samples."""
     prompts, run = state.prompts, state.run
     if not prompts.eval_problems:
         return None

@@ -8,8 +8,8 @@ from typing import Any
 from ..data.prompts import held_out_split, load_prompt_rows
 from ..data.sft import encode_prompt, uses_chat_format
 from ..data.tasks import get_task
-from ..errors import ConfigError, DataError
-from ..models import context_length
+from ..core.errors import ConfigError, DataError
+from ..model.load import context_length
 from ..parallel.context import ParallelContext
 from .config import RLDataConfig
 

@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..losses import Counts
+from ..losses.policy import Counts
 from ..parallel.context import ParallelContext
 from ..parallel.wrap import gradient_sync
 from .batch import TrainBatch

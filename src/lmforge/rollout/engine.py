@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from .. import lora
+from ..model import lora
 
 
 @dataclass
@@ -440,7 +440,7 @@ class CastEngine:
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Copy (and cast) ``model``'s current parameters into the sampler's copy. For a LoRA policy
         these are the merged weights ``W + scale * B A``, computed out of place, one adapted matrix alive at a
-        time (``lora.merged_named_parameters``): the policy keeps its adapters unmerged."""
+        time (``model.lora.merged_named_parameters``): the policy keeps its adapters unmerged."""
         mine = dict(self.model.named_parameters())  # (a tied weight once)
         if self._names is None:
             theirs = {name for name, _ in lora.merged_named_parameters(model)}

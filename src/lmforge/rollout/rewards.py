@@ -11,7 +11,7 @@ A reward function has the signature ``fn(completion: str, problem, **kwargs) -> 
 
 Any other function is named as ``"package.module:function"`` and imported on first use, and
 ``rm:DIR`` scores prompt + completion with the reward model saved in DIR (``lmforge rm``;
-lmforge.reward_model).
+lmforge.rollout.reward_model).
 
 A function with the attribute ``batched = True`` (``rm:DIR``) is called once per batch instead,
 ``fn(completions, problems, **kwargs) -> one float per completion``, in a worker thread under the
@@ -21,7 +21,7 @@ Calls run in parallel (threads, or a process pool for functions marked ``executo
 e.g. ``math``) with a per-call timeout (:mod:`lmforge.rollout.timed_calls`). A call that raises,
 returns NaN/inf or times out is a *failure*: it is logged, scored ``failure_value`` (0 by default)
 and counted; one broken sample does not stop a run, but a function that fails on more than
-``max_failure_fraction`` of a batch raises :class:`~lmforge.errors.TrainingError` naming the function
+``max_failure_fraction`` of a batch raises :class:`~lmforge.core.errors.TrainingError` naming the function
 and its first error. :meth:`RewardSet.close` stops the workers (the RL runs call it at the end and
 on errors).
 """
@@ -40,9 +40,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..config import import_object
-from ..errors import ConfigError, TrainingError
-from ..reward_model import reward_model_reward
+from ..core.config import import_object
+from ..core.errors import ConfigError, TrainingError
+from .reward_model import reward_model_reward
 from .timed_calls import TimedCalls, call_outcome
 
 logger = logging.getLogger(__name__)

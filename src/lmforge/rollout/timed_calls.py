@@ -115,7 +115,7 @@ class DaemonThreadPool:
             thread.start()
 
     def _work(self) -> None:
-        from ..ops import adopt_thread_count
+        from ..core.ops import adopt_thread_count
         adopt_thread_count()  # a reward model's forward may run here: its OpenMP team as set (ops.py)
         while True:
             item = self._queue.get()

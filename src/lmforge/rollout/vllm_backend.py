@@ -42,8 +42,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .. import lora
-from ..errors import ConfigError
+from ..model import lora
+from ..core.errors import ConfigError
 from .engine import RolloutBatch, SamplingParams, left_pad
 
 INSTALL_HINT = ("the vLLM rollout backend needs vLLM >= 0.10.2 on a CUDA machine: pip install vllm "

@@ -15,11 +15,11 @@ from typing import Any, Callable
 
 import torch
 
-from .. import checkpoint as ckpt
-from .. import lora
-from ..metrics import RunLogger, StepTimer, plot_run, print_summary, summary, truncate_metrics
+from . import checkpoint as ckpt
+from ..model import lora
+from .metrics import RunLogger, StepTimer, plot_run, print_summary, summary, truncate_metrics
 from ..parallel.wrap import Root, full_state_dict, is_sharded, unwrap, wrap
-from ..train import BatchOrder, Precision, Updater
+from .optim import BatchOrder, Precision, Updater
 from .quant_hooks import apply_train_qat, write_quantized_copies
 from .run import Run, release_run_lock
 

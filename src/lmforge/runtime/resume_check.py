@@ -16,9 +16,9 @@ from typing import Any, Callable
 
 import yaml
 
-from ..checkpoint import STEP_DIR, list_checkpoints
-from ..config import describe, parse_yaml, read_yaml, resume_free_keys, to_dict
-from ..errors import ConfigError
+from .checkpoint import STEP_DIR, list_checkpoints
+from ..core.config import describe, parse_yaml, read_yaml, resume_free_keys, to_dict
+from ..core.errors import ConfigError
 
 UNREPORTED = frozenset({"train.resume", "train.resume_accept", "train.output_dir"})  # differ by design
 

@@ -13,12 +13,13 @@ from pathlib import Path
 import torch
 import yaml
 
-from .. import hardware, lora
-from ..checkpoint import list_checkpoints, pid_alive
-from ..config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, save_config, to_dict
-from ..errors import ConfigError
-from ..metrics import make_console
-from ..models import count_parameters
+from . import hardware
+from ..model import lora
+from .checkpoint import list_checkpoints, pid_alive
+from ..core.config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, save_config, to_dict
+from ..core.errors import ConfigError
+from .metrics import make_console
+from ..model.load import count_parameters
 from ..parallel.context import ParallelContext, init_parallel
 from .quant_hooks import check_quant_settings
 from .resume_check import check_resume_settings

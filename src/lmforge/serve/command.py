@@ -43,9 +43,9 @@ def _model_spec(spec: str) -> str:
 def run(args: argparse.Namespace) -> None:
     import torch
 
-    from ..config import ModelConfig
-    from ..hardware import detect
-    from ..models import load_model
+    from ..core.config import ModelConfig
+    from ..runtime.hardware import detect
+    from ..model.load import load_model
     from .app import ServedModel, _require_fastapi, run_server
 
     _require_fastapi()  # fail before loading a model

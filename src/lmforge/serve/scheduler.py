@@ -55,7 +55,7 @@ from typing import Callable, Hashable, Protocol
 
 import torch
 
-from ..ops import adopt_thread_count
+from ..core.ops import adopt_thread_count
 from ..rollout.continuous import (Kept, RunningBatch, distinct_rows, has_full_attention_caches, kept_entries,
                                   prefill_after_kept, reusable)
 from .extras import Penalties

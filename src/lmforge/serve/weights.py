@@ -87,7 +87,7 @@ def copy_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
 def plain_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``model``'s weights under the plain HF names, detached: a model with LoRA adapters merged
     (``W + scale * B A``), which is what a server holding the plain model expects."""
-    from .. import lora
+    from ..model import lora
 
     unwrapped = getattr(model, "module", model)
     unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)

@@ -23,8 +23,8 @@ import dataclasses
 import torch
 
 from ..data.preference import PreferencePair
-from ..ops import selective_log_softmax
-from ..train import PLAIN_HEAD_MODELS, decoder_of
+from ..core.ops import selective_log_softmax
+from ..runtime.optim import PLAIN_HEAD_MODELS, decoder_of
 
 Tensor = torch.Tensor
 

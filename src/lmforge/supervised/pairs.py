@@ -10,18 +10,18 @@ from typing import Callable, Literal
 
 import torch
 
-from ..config import ModelConfig, TrainConfig, opt, refuse_ignored
+from ..core.config import ModelConfig, TrainConfig, opt, refuse_ignored
 from ..data.preference import COLUMN_NAMES, PreferenceData, load_preference_rows, pairs_from_task
 from ..data.preference import row_texts, tokenize_pairs
 from ..data.sft import uses_chat_format
 from ..data.source import split_by_fraction
 from ..data.tasks import get_task
-from ..errors import ConfigError
-from ..evaluation import complete
-from ..models import context_length
+from ..core.errors import ConfigError
+from ..rollout.evaluation import complete
+from ..model.load import context_length
 from ..parallel.wrap import gradient_sync
 from ..runtime.loop import TrainState
-from ..tokenizer import check_unknown_tokens
+from ..model.tokenizer import check_unknown_tokens
 from .pair_forward import segment_length
 from .step import rank_share
 

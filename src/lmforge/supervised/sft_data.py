@@ -8,17 +8,17 @@ import dataclasses
 import random
 from typing import Any, Literal
 
-from ..config import ModelConfig, TrainConfig, opt, refuse_ignored
+from ..core.config import ModelConfig, TrainConfig, opt, refuse_ignored
 from ..data.sft import COLUMN_NAMES as SFT_COLUMNS
 from ..data.sft import (CHAT_SMALL, collate_sft, encode_prompt, load_sft_rows, row_texts, sft_rows_from_task,
                         tokenize_sft, uses_chat_format)
 from ..data.tasks import get_task
 from ..envs.demos import demonstration_rows
 from ..envs.registry import make_environment, resolve_environment
-from ..errors import ConfigError
-from ..evaluation import complete_ids, save_samples, task_accuracy
-from ..models import context_length
-from ..tokenizer import check_unknown_tokens
+from ..core.errors import ConfigError
+from ..rollout.evaluation import complete_ids, save_samples, task_accuracy
+from ..model.load import context_length
+from ..model.tokenizer import check_unknown_tokens
 from .step import SupervisedData
 
 

@@ -15,11 +15,11 @@ from typing import Callable
 
 import torch
 
-from ..losses import sft_loss
+from ..losses.policy import sft_loss
 from ..parallel.wrap import gradient_sync, run_forward
 from ..runtime.loop import Trainer, TrainState, build_state, full_model, train_loop
 from ..runtime.run import Run
-from ..train import BatchOrder, Precision, count_loss_tokens, logits_at, shifted_targets
+from ..runtime.optim import BatchOrder, Precision, count_loss_tokens, logits_at, shifted_targets
 
 
 @dataclasses.dataclass
@@ -128,7 +128,7 @@ def train_supervised(run: Run, model, tokenizer, data: SupervisedData,
     """Train ``model`` on ``data`` as configured by ``run``; returns the final evaluation metrics."""
     tcfg = run.train
     if data.order is None and len(data.train_rows) < tcfg.batch_size:
-        from ..errors import DataError
+        from ..core.errors import DataError
 
         raise DataError(f"{len(data.train_rows)} training rows are fewer than one batch "
                         f"(train.batch_size={tcfg.batch_size}); lower train.batch_size or add data")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ...errors import ConfigError
+from ...core.errors import ConfigError
 from . import agent, atropos, episodes, inprocess, verifiers, vllm
 from .base import Policy, RolloutSource, SourceSetup
 from .overlap import Overlapped, check_async

@@ -40,7 +40,7 @@ from typing import Any, Callable
 import torch
 
 from ...envs.episode import episode_seed
-from ...errors import ConfigError, TrainingError
+from ...core.errors import ConfigError, TrainingError
 from ...rollout import RewardOutput
 from ...serve.sessions import COUNTS, RunSampling, SessionRecorder
 from ..batch import ScoredRollout

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ...rollout import RewardOutput
-from ...serve.atropos import AtroposError, _fetch_groups, _request, batch_to_rollout, register, weight_version
+from .atropos_client import AtroposError, _fetch_groups, _request, batch_to_rollout, register, weight_version
 from ...serve.weights import weights_request
 from ..batch import ScoredRollout
 from ..prompts import rank_prompts

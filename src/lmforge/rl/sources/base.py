@@ -29,7 +29,7 @@ import torch
 
 from ...parallel.context import ParallelContext
 from ...rollout import RewardSet
-from ...train import BatchOrder
+from ...runtime.optim import BatchOrder
 from ..batch import ScoredRollout
 from ..config import EnvConfig, RolloutConfig
 from ..prompts import PromptSet

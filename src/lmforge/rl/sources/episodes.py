@@ -20,8 +20,8 @@ import torch
 
 from ...envs.episode import Episode, EpisodeRunner, combine_rewards, episode_metrics, episode_rollout
 from ...envs.registry import make_environment
-from ...errors import ConfigError, TrainingError
-from ...models import context_length
+from ...core.errors import ConfigError, TrainingError
+from ...model.load import context_length
 from ...rollout import RewardOutput, RewardSet, RolloutBatch, SamplingParams, generate
 from ...rollout.continuous import ContinuousDecoder, NgramDrafter, has_full_attention_caches
 from ...rollout.rewards import default_workers

@@ -46,8 +46,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ...errors import ConfigError
-from ...ops import adopt_thread_count
+from ...core.errors import ConfigError
+from ...core.ops import adopt_thread_count
 from ...rollout import CastEngine
 from ..batch import ScoredRollout
 from .base import Policy, RolloutSource, SourceSetup

@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from ...errors import DataError, TrainingError
-from ...evaluation import completion_texts
+from ...core.errors import DataError, TrainingError
+from ...rollout.evaluation import completion_texts
 from ...rollout import RewardOutput, RewardSet, RolloutBatch
 from ..batch import ScoredRollout, reduce_rollout_metrics
 from ..config import RolloutConfig

@@ -12,8 +12,8 @@ import copy
 
 import torch
 
-from ... import lora
-from ...errors import TrainingError
+from ...model import lora
+from ...core.errors import TrainingError
 from ...serve.weights import copy_state, plain_state
 
 SERVED_NAME = "policy"

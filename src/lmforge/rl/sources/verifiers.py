@@ -60,9 +60,9 @@ import torch
 
 from ...envs.safe_encode import encode_rendered, render_marked
 from ...envs.toolcalls import render_messages
-from ...errors import ConfigError, TrainingError
+from ...core.errors import ConfigError, TrainingError
 from ...rollout import RewardOutput
-from ...serve.atropos import IGNORE, batch_to_rollout
+from .atropos_client import IGNORE, batch_to_rollout
 from ..batch import ScoredRollout
 from .base import Policy, SourceSetup
 from .served import SERVED_NAME, PolicyServer, served_copy

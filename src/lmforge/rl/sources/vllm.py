@@ -2,7 +2,7 @@
 weights loaded into it after every step."""
 from __future__ import annotations
 
-from ...errors import ConfigError
+from ...core.errors import ConfigError
 from .base import SourceSetup
 from .sampled import SampledSource
 

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import os
 
-from .errors import ConfigError
+from ..core.errors import ConfigError
 
 # The 1-minute load average at or above this fraction of the cores makes the machine busy (thread choice)
 BUSY_LOAD_FRACTION = 0.5

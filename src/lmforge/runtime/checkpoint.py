@@ -24,10 +24,10 @@ from typing import Callable
 
 import torch
 
-from .errors import ConfigError, LmforgeError, SaveError, TrainingError, describe_errno, environment_errno
-from .models import save_merged, save_model, save_model_config
-from .parallel.context import deferred_signals
-from .parallel.wrap import full_state_dict, is_sharded
+from ..core.errors import ConfigError, LmforgeError, SaveError, TrainingError, describe_errno, environment_errno
+from ..model.load import save_merged, save_model, save_model_config
+from ..parallel.context import deferred_signals
+from ..parallel.wrap import full_state_dict, is_sharded
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -79,7 +79,7 @@ def _write_dir(final: Path, write) -> Path:
 def _cleaned_on_failure(tmp: Path, final: Path):
     """Whatever stops a write into ``tmp`` (an error of any type, a signal) removes ``tmp``; what was
     under ``final`` before is untouched. The machine's failures (disk full, quota, permissions, a
-    read-only file system: :func:`lmforge.errors.environment_errno`) become a SaveError naming
+    read-only file system: :func:`lmforge.core.errors.environment_errno`) become a SaveError naming
     ``final`` and the cause; any other error is re-raised with a note naming ``final``."""
     try:
         yield
@@ -418,7 +418,7 @@ def load_model_weights(model, path: Path) -> None:
     """Load the weights of checkpoint ``path`` into ``model`` in place (a LoRA model: its adapters)."""
     from safetensors.torch import load_file
 
-    from .lora import has_adapters, is_adapter_dir, load_adapter_weights
+    from ..model.lora import has_adapters, is_adapter_dir, load_adapter_weights
 
     if has_adapters(model) or is_adapter_dir(Path(path) / "model"):
         if not (has_adapters(model) and is_adapter_dir(Path(path) / "model")):
@@ -470,7 +470,7 @@ def export_checkpoint(run_or_checkpoint: Path, out: Path) -> Path:
     size that wrote them; others already hold an HF directory (``model/``), which is copied. A
     checkpoint that cannot be resumed (no weights, non-finite weights) is not exported either.
     """
-    from .lora import is_adapter_dir
+    from ..model.lora import is_adapter_dir
 
     path = latest_or_given(run_or_checkpoint)
     problem = None if is_adapter_dir(path / "model") else checkpoint_problem(path)
@@ -524,9 +524,9 @@ def _export_merged_lora(path: Path, out: Path) -> None:
     (``model`` section), its adapters loaded from the checkpoint, ``W + scale * B A`` written."""
     import yaml
 
-    from .config import ModelConfig, _build
-    from .lora import apply_lora, load_adapter_weights
-    from .models import load_model
+    from ..core.config import ModelConfig, _build
+    from ..model.lora import apply_lora, load_adapter_weights
+    from ..model.load import load_model
 
     run_config = path.parent.parent / "config.yaml"
     if not run_config.is_file():

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from .config import LoggingConfig
-from .errors import DataError
-from .fileio import text_lines
+from ..core.config import LoggingConfig
+from ..core.errors import DataError
+from ..core.fileio import text_lines
 
 
 def _scalar(value):

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
-from .data.preference import encode_side
-from .data.sft import collate_sft, uses_chat_format
-from .errors import ConfigError
-from .models import context_length, load_tokenizer_for
+from ..core.config import ModelConfig
+from ..data.preference import encode_side
+from ..data.sft import collate_sft, uses_chat_format
+from ..core.errors import ConfigError
+from ..model.load import context_length, load_tokenizer_for
 
 HEAD = "ForSequenceClassification"
 

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from ..errors import LmforgeError
-from ..rollout.engine import RolloutBatch, left_pad
+from ...core.errors import LmforgeError
+from ...rollout.engine import RolloutBatch, left_pad
 
 IGNORE = -100  # Atropos's mask value for positions that are not trained on
 

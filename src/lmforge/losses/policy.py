@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from lmforge.ops import entropy_from_logits, masked_mean, masked_sum
+from lmforge.core.ops import entropy_from_logits, masked_mean, masked_sum
 
 
 def sft_loss(

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .errors import ConfigError, DataError, ModelLoadError
-from .fileio import read_text
+from ..core.errors import ConfigError, DataError, ModelLoadError
+from ..core.fileio import read_text
 
 # Characters a char-level model sees on the built-in char-level tasks, plus room for simple extensions
 # (``-``, ``*``, space) and the newline the default chat template uses. ``load_tokenizer("char")``
@@ -273,7 +273,7 @@ def _unknown_fix(model_cfg, source: str) -> str:
     spec = model_cfg.tokenizer or ("char" if model_cfg.name.startswith("tiny:") else "")
     text_file = Path(source).suffix.lower() in (".txt", ".jsonl", ".json", ".ndjson") and Path(source).is_file()
     local = source if text_file else "your_text.txt"  # a file the BPE trainer reads as text
-    bpe = (f"a byte-level BPE trained on the text (it has no unknown tokens): python -c \"from lmforge.tokenizer "
+    bpe = (f"a byte-level BPE trained on the text (it has no unknown tokens): python -c \"from lmforge.model.tokenizer "
            f"import train_bpe_tokenizer; train_bpe_tokenizer(['{local}'], 2048, 'my_tokenizer')\", then "
            "model.tokenizer=my_tokenizer (lmforge pretrain tokenizer.train=true also trains one on .txt files)")
     pretrained = "or fine-tune a pretrained model with its own tokenizer (e.g. model.name=smollm2-135m-instruct)"

@@ -2,9 +2,9 @@
 
 A recipe module imports torch (its run needs it), and importing torch and transformers takes seconds
 (6-7 s on a busy laptop) that help should not wait for. A config's options are dataclass fields declared
-with :func:`lmforge.config.opt` and :func:`lmforge.config.section`, so their keys, defaults and help texts
+with :func:`lmforge.core.config.opt` and :func:`lmforge.core.config.section`, so their keys, defaults and help texts
 can be read from the modules' syntax trees without running them: :func:`option_rows` gives the rows
-:func:`lmforge.config.describe` gives for the imported class.
+:func:`lmforge.core.config.describe` gives for the imported class.
 
 The reader follows what the config modules write: dataclasses (and their dataclass bases) across the
 package's modules, ``from`` imports (relative or ``lmforge.``), module aliases (``rl_config.RolloutConfig``),
@@ -21,7 +21,7 @@ import operator
 from pathlib import Path
 from typing import Any
 
-PACKAGE_DIR = Path(__file__).parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # the lmforge package (this file is in lmforge/core)
 REQUIRED = "(required)"  # describe()'s default of a field without one
 
 
@@ -220,7 +220,7 @@ def _rows(module: _Module, cls: ast.ClassDef, prefix: str) -> list[tuple[str, st
 
 def option_rows(module: str, cls: str) -> list[tuple[str, str, str]]:
     """(dotted key, repr of the default, help) of every leaf option of the dataclass ``cls`` defined in
-    ``module`` (dotted, relative to lmforge, e.g. ``"recipes.sft"``), as :func:`lmforge.config.describe`
+    ``module`` (dotted, relative to lmforge, e.g. ``"recipes.sft"``), as :func:`lmforge.core.config.describe`
     gives them, read without importing either. :class:`Unreadable` when the source goes beyond what the
     reader follows; a SyntaxError or OSError as reading the file raises them."""
     owner, target = _lookup(_module(module), cls, ast.Name(id=cls))

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lmforge.losses import Counts, Metrics, PolicyLossSpec, policy_loss
-from lmforge.ops import masked_mean
+from lmforge.losses.policy import Counts, Metrics, PolicyLossSpec, policy_loss
+from lmforge.core.ops import masked_mean
 
 
 def reverse_kl_advantages(

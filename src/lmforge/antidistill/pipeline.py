@@ -18,10 +18,10 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .data.sft import SFTExample
-from .errors import DataError, LmforgeError
-from .fileio import read_text, text_lines
-from .rollout.engine import RolloutBatch
+from ..data.sft import SFTExample
+from ..core.errors import DataError, LmforgeError
+from ..core.fileio import read_text, text_lines
+from ..rollout.engine import RolloutBatch
 
 
 class StageInputMissing(LmforgeError, FileNotFoundError):

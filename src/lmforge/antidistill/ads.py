@@ -26,19 +26,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from .errors import DataError
-from .ops import selective_log_softmax
-from .rollout.engine import (
-    RolloutBatch,
-    SamplingParams,
-    decode_step,
-    expand_cache,
-    left_pad,
-    lockstep_decode,
-    make_cache,
-    prefill,
-    sample_token,
-)
+from ..core.errors import DataError
+from ..core.ops import selective_log_softmax
+from ..rollout.engine import (RolloutBatch, SamplingParams, decode_step, expand_cache, left_pad, lockstep_decode, make_cache, prefill, sample_token)
 
 # The objective proxy_gradient averages; also written into the saved file's metadata.
 OBJECTIVE = "mean over sequences of each sequence's mean completion-token NLL"

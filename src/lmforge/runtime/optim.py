@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from .config import OptimConfig
-from .errors import TrainingError
+from ..core.config import OptimConfig
+from ..core.errors import TrainingError
 
 # Model families whose logits are exactly ``lm_head(last_hidden_state)`` (no soft-capping or
 # scaling): for these the LM head can run on the loss positions only. Not granite: it divides the

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from .data.sft import encode_prompt
-from .rollout.engine import SamplingParams, generate
+from ..data.sft import encode_prompt
+from .engine import SamplingParams, generate
 
 
 def completion_texts(tokenizer, rollout) -> list[str]:
@@ -75,7 +75,7 @@ def held_out_evaluator(tokenizer, problems: list, chat: bool, max_new_tokens: in
     in training, and run with the training's ``reward_timeout_s`` / ``reward_workers``. The returned
     function has a ``close()`` that stops the reward workers (call it when the run ends).
     """
-    from .rollout.rewards import RewardSet
+    from .rewards import RewardSet
 
     texts_in = [p.prompt if task is not None else p["prompt"] for p in problems]
     prompt_ids = [encode_prompt(tokenizer, text, chat) for text in texts_in]

@@ -3,7 +3,7 @@ the sampler, save and load them. docs/lora.md explains what is trained and how t
 
 The trained model stays a plain Hugging Face causal LM object: PEFT injects its ``lora.Linear``
 layers in place (``q_proj`` becomes a layer holding ``base_layer``, ``lora_A``, ``lora_B``), so
-every lmforge forward (``train.logits_at``, the shared-prompt forward, the value head, the
+every lmforge forward (``runtime.optim.logits_at``, the shared-prompt forward, the value head, the
 sampler) runs the adapted model without knowing about PEFT. Only the adapter weights require
 gradients, so the optimizer (which takes the parameters that require gradients) sees only them.
 
@@ -17,8 +17,8 @@ from typing import Iterator
 
 import torch
 
-from .config import LoraConfig
-from .errors import ConfigError
+from ..core.config import LoraConfig
+from ..core.errors import ConfigError
 
 ADAPTER = "default"  # PEFT's name of the one adapter lmforge trains
 INSTALL_HINT = "pip install 'lmforge[lora]' (or: pip install peft)"

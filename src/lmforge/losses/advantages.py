@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from lmforge.ops import masked_mean, masked_sum
+from lmforge.core.ops import masked_mean, masked_sum
 
 Metrics = dict[str, torch.Tensor]
 

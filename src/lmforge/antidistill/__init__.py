@@ -1,0 +1,1 @@
+"""Antidistillation: the proxy-gradient sampler (``ads``) and the pipeline's work directory (``pipeline``)."""
