@@ -286,7 +286,7 @@ class ContinuousDecoder:
         self.num_model_calls = self.num_steps = 0
         self.num_prefilled_tokens = 0  # real tokens run through a prefill (kept caches spare their history)
         self.num_cached_tokens = 0  # ids whose kept entries spared their prefill
-        self.num_sampled_tokens = 0  # tokens sampled, every row's (accepted drafts included)
+        self.num_sampled_tokens = 0  # tokens sampled one per row and step (accepted drafts: num_accepted_tokens)
         self.num_draft_tokens = self.num_accepted_tokens = 0
         self._queue: list[Row] = []
         self._rows: list[Row] = []
@@ -607,15 +607,16 @@ class ContinuousDecoder:
         by_generator: dict[int, list[int]] = {}
         for i, b in enumerate(rows):
             by_generator.setdefault(id(self._rows[b].generator), []).append(i)
-        uniforms = torch.empty((len(rows), 1), device=self.device)
+        parts: list[torch.Tensor] = [None] * len(rows)  # (1, 1) each, in row order: one cat, no scatter per group
         for positions in by_generator.values():
             members = [self._rows[rows[i]] for i in positions]
-            if any(row.pending is not None for row in members):
-                drawn = torch.cat([self._draw(row) for row in members])
+            if len(members) == 1 or any(row.pending is not None for row in members):
+                drawn = [self._draw(row) for row in members]
             else:
-                drawn = torch.rand((len(members), 1), generator=members[0].generator, device=self.device)
-            uniforms[torch.tensor(positions, device=self.device)] = drawn
-        return uniforms
+                drawn = torch.rand((len(members), 1), generator=members[0].generator, device=self.device).split(1)
+            for i, u in zip(positions, drawn):
+                parts[i] = u
+        return torch.cat(parts)
 
     def _draw(self, row: Row) -> torch.Tensor:
         """The row's next uniform, (1, 1) on the device: the one a rejected draft left waiting, else one

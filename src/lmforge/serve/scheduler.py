@@ -45,7 +45,6 @@ result carries the version of the weights that produced all of its tokens.
 
 A forward pass outside the batch (prompt logprobs, ``scoring.py``) is a job: ``run_job(fn)`` runs
 ``fn(model)`` on this thread between two decode steps, one job per step while rows decode.
-
 """
 from __future__ import annotations
 
