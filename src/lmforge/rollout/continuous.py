@@ -567,19 +567,23 @@ class ContinuousDecoder:
         ``sample_token`` call, each with its own draw (``_uniforms``). Returns (B,) long."""
         tokens = torch.empty(len(self._rows), dtype=torch.long, device=self.device)
         groups: dict[tuple, list[int]] = {}
+        extras = set()  # the groups with a row that has processors or wants top logprobs (serve's)
         for b, row in enumerate(self._rows):
             p = row.params
-            groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(b)
-        for rows in groups.values():
+            key = (p.temperature, p.top_k, p.top_p)
+            groups.setdefault(key, []).append(b)
+            if row.processors or row.num_top_logprobs:
+                extras.add(key)
+        for key, rows in groups.items():
             params = self._rows[rows[0]].params
             index = torch.tensor(rows, device=self.device)
             logits = self._batch.logits[index]  # (R, V), a copy
-            if any(self._rows[b].processors for b in rows):
+            if key in extras:
                 logits = self._processed(logits, rows)
             uniforms = self._uniforms(rows) if params.temperature > 0 else None
             picked, logprobs = sample_token(logits, params, uniforms=uniforms)
             tokens[index] = picked
-            wanted, top = max(self._rows[b].num_top_logprobs for b in rows), None
+            wanted, top = max(self._rows[b].num_top_logprobs for b in rows) if key in extras else 0, None
             if wanted:  # the most likely alternatives of the distribution each token was drawn from
                 values, ids = torch.topk(process_logits(logits, params), wanted, dim=-1)
                 top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
@@ -604,16 +608,19 @@ class ContinuousDecoder:
         """(R, 1) the draws of ``rows``: the rows of one generator (a request's samples; the global generator's
         for unseeded rows) draw together in row order, as a ``sample_token`` call of those rows alone would,
         unless one of them has a draw waiting (``pending``): then each takes its own (``_draw``)."""
+        members = [self._rows[b] for b in rows]
+        if len({id(row.generator) for row in members}) == len(members):  # a generator each (episode turns)
+            return torch.cat([self._draw(row) for row in members])
         by_generator: dict[int, list[int]] = {}
-        for i, b in enumerate(rows):
-            by_generator.setdefault(id(self._rows[b].generator), []).append(i)
+        for i, row in enumerate(members):
+            by_generator.setdefault(id(row.generator), []).append(i)
         parts: list[torch.Tensor] = [None] * len(rows)  # (1, 1) each, in row order: one cat, no scatter per group
         for positions in by_generator.values():
-            members = [self._rows[rows[i]] for i in positions]
-            if len(members) == 1 or any(row.pending is not None for row in members):
-                drawn = [self._draw(row) for row in members]
+            group = [members[i] for i in positions]
+            if len(group) == 1 or any(row.pending is not None for row in group):
+                drawn = [self._draw(row) for row in group]
             else:
-                drawn = torch.rand((len(members), 1), generator=members[0].generator, device=self.device).split(1)
+                drawn = torch.rand((len(group), 1), generator=group[0].generator, device=self.device).split(1)
             for i, u in zip(positions, drawn):
                 parts[i] = u
         return torch.cat(parts)
