@@ -1,27 +1,33 @@
 """Continuous batching: rows join a running batch between two decode steps and leave it as soon as
 they finish, so nobody waits for the slowest row of a batch.
 
-``ContinuousDecoder`` is the loop without a server or an environment around it: ``admit`` a row
-(a key, its token ids, its ``SamplingParams``), call ``step`` again and again; each call prefills
-the rows admitted since the last one, samples one token for every running row, hands back the rows
-that finished (a stop token, or ``max_new_tokens``) and runs the model once on the rest. The
-episode runner (``envs/episode.py``) drives it, one row per episode turn.
+``ContinuousDecoder`` is the one engine of it, without a server or an environment around it: ``admit``
+rows (a key, token ids, ``SamplingParams``, ``n`` samples), call ``step`` again and again; each call
+prefills the rows admitted since the last one, samples one token for every running row, hands back the
+rows that finished (a stop token or stop string, ``max_new_tokens``, a cancel) and runs the model once
+on the rest. Two drivers share it, so admission, prefill after kept entries, sampling, drafts and
+retirement are written once: the episode runner (``envs/episode.py``: one row per episode turn, its
+environment step between turns) and ``lmforge serve``'s scheduler (``serve/scheduler.py``: a request is
+``n`` rows; it keeps the queue, weight updates, streaming through ``step``'s ``on_token``, and metrics).
 
-How rows share the batch (``RunningBatch``, which ``lmforge serve``'s scheduler runs on too:
-docs/serving.md "Batching"): the KV caches of the new rows and of the running ones are left-padded
+How rows share the batch (``running_batch.RunningBatch`` and its cache pieces; docs/serving.md
+"Batching"): the KV caches of the new rows and of the running ones are left-padded
 to one width and concatenated; the attention mask is 0 on padding and the position ids count real
 tokens only, so padding never shifts RoPE. Columns that are padding in every row are cut when rows
-leave. Rows admitted together with equal ids and nothing kept (a group's first turn) are prefilled
-once.
+leave. Rows admitted together with equal ids and nothing kept (a group's first turn, a request's
+samples) are prefilled once.
 
-Each row samples from its own generator, seeded by its ``params.seed``: its tokens do not depend
-on which rows share its steps (up to the float rounding of a different batch shape, which moves a
-greedy argmax or a sampled draw only at a near tie). Rows of equal settings share one
-``sample_token`` call, each with the uniform drawn from its own generator.
+The samples of one ``admit`` draw from one generator, seeded by its ``params.seed``, in row order (an
+episode turn is one sample: its own generator): their tokens do not depend on which rows share their
+steps (up to the float rounding of a different batch shape, which moves a greedy argmax or a sampled
+draw only at a near tie). Rows of equal temperature / top-k / top-p share one ``sample_token`` call,
+each with the uniform drawn from its own generator. A row's logits processors (serve's logit bias,
+penalties, grammars: ``admit``'s ``processors``) change its raw logits first, and its logprobs (and
+``top_logprobs`` alternatives) are of the distribution after them, the one it was drawn from.
 
-Kept caches (``keep_cache=True``): a finished row's KV entries (every position fed to the model:
-its ids and its sampled tokens but the last, or all of them when it ended on a kept draft) are kept
-under its key. When the key is admitted again
+Kept caches (``keep_cache=True``: under the row's key; or a given ``cache_key``, serve's sessions): a
+finished single sample's KV entries (every position fed to the model: its ids and its sampled tokens but
+the last, or all of them when it ended on a kept draft) are kept under its key. When the key is admitted again
 with ids that start with exactly those tokens -- an episode's next turn: its history, the sampled
 turn and the environment's delta -- only the new ids are prefilled, after the kept entries (the
 padding between them masked). Any other ids are prefilled whole. ``release(key)`` drops a kept cache.
@@ -31,7 +37,7 @@ token also feeds the tokens the drafter guesses after it (``verify_step``), so a
 tokens per call. Each guessed position is drawn as the plain loop would draw it -- from the logits
 after the tokens before it, with the row's next uniform, by ``sample_token`` -- and kept only when the
 draw equals the guess. At the first draw that does not, the row stops and that draw's uniform waits
-(``_Row.pending``) for the next step, which draws the same token from the same logits. A seeded row
+(``Row.pending``) for the next step, which draws the same token from the same logits. A seeded row
 therefore decodes the tokens it decodes without drafts (checked on CPU; up to float rounding, as with
 a different batch shape), an unseeded one the same distribution. Rejected positions stay in the cache,
 masked out, until ``RunningBatch.compact`` moves each row's real positions together.
@@ -41,187 +47,23 @@ D = head dim; N = rows admitted in one prefill.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Hashable
+import threading
+from typing import Callable, Hashable
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from .engine import SamplingParams, decode_step, left_pad, prefill, sample_token, verify_step
-
-
-def left_pad_cache(cache: DynamicCache, width: int) -> None:
-    """Prepend zero key/value columns so the cache holds ``width`` positions (padding is masked out)."""
-    for layer in cache.layers:
-        missing = width - layer.keys.shape[-2]
-        if missing > 0:
-            pad = layer.keys.new_zeros((*layer.keys.shape[:2], missing, layer.keys.shape[-1]))
-            layer.keys = torch.cat([pad, layer.keys], dim=-2)
-            layer.values = torch.cat([pad.new_zeros((*pad.shape[:3], layer.values.shape[-1])), layer.values], -2)
-
-
-def concat_cache(first: DynamicCache, second: DynamicCache) -> None:
-    """Append ``second``'s rows to ``first`` (both already the same width)."""
-    for a, b in zip(first.layers, second.layers):
-        a.keys, a.values = torch.cat([a.keys, b.keys], 0), torch.cat([a.values, b.values], 0)
-
-
-def trim_cache(cache: DynamicCache, start: int) -> None:
-    """Drop the first ``start`` positions of every row (padding in every remaining row)."""
-    for layer in cache.layers:
-        layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
+from .drafts import NgramDrafter
+from .engine import SamplingParams, process_logits, sample_token, verify_step
+from .running_batch import Kept, RunningBatch, distinct_rows, kept_entries, prefill_after_kept, reusable
 
 
 def has_full_attention_caches(model) -> bool:
     """True when every cache layer ``model`` builds is a plain full-attention one, which rows can share
     (False for sliding-window or other special layers: Mistral's default config, Gemma 2/3, ...)."""
     return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
-
-
-def check_full_attention(cache: DynamicCache, who: str) -> None:
-    if any(type(layer) is not DynamicLayer for layer in cache.layers):
-        raise ValueError(f"{who} merges full-attention KV caches between rows; this model has sliding-window or "
-                         "other special cache layers, which are not supported")
-
-
-Kept = tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]  # (ids fed, per layer (1, H, len, D) keys, values)
-
-
-def kept_entries(batch: "RunningBatch", b: int, fed: list[int]) -> Kept:
-    """Row ``b``'s KV entries of its real positions, which must be the ``fed`` ids (a finished row's
-    prompt and its sampled tokens but the last, which was never fed to the model)."""
-    real = batch.mask[b].bool()
-    assert int(real.sum()) == len(fed), "the row's cached positions do not match its tokens"
-    return fed, [(layer.keys[b:b + 1, :, real], layer.values[b:b + 1, :, real]) for layer in batch.cache.layers]
-
-
-def reusable(kept: Kept | None, ids: list[int]) -> int:
-    """How many leading ``ids`` have ``kept`` entries: all of the kept ones when ``ids`` continue them,
-    else 0 (prefill them whole)."""
-    if kept is None or len(kept[0]) >= len(ids) or ids[:len(kept[0])] != kept[0]:
-        return 0
-    return len(kept[0])
-
-
-def distinct_rows(ids: list[list[int]], num_cached: list[int]) -> tuple[list[int], list[int]]:
-    """The rows one prefill needs for rows ``ids``: (the index of each row prefilled, for each row the prefilled
-    row it copies). Rows without kept entries whose ids are equal are prefilled once; a row after kept entries
-    always by itself."""
-    first: dict[tuple, int] = {}
-    unique, source = [], []
-    for n, (row, c) in enumerate(zip(ids, num_cached)):
-        key = ("row", n) if c else ("ids", tuple(row))
-        if key not in first:
-            first[key] = len(unique)
-            unique.append(n)
-        source.append(first[key])
-    return unique, source
-
-
-def prefill_after_kept(model: torch.nn.Module, pad_token_id: int, rows: list[list[int]], kept: list[Kept | None],
-                       num_cached: list[int]) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, int]:
-    """One prefill of ``rows`` (ids), each after its first ``num_cached`` ids' ``kept`` entries (0: none):
-    the kept entries right-aligned before the new ids (left-padded), the padding between masked.
-    Returns (last logits (N, V), the cache, its mask (N, width + P), the number of ids prefilled)."""
-    device = next(model.parameters()).device
-    ids, new_mask = left_pad([row[c:] for row, c in zip(rows, num_cached)], pad_token_id)  # (N, P)
-    width = max(num_cached)
-    cache = DynamicCache(config=model.config)
-    check_full_attention(cache, "continuous batching")
-    past_mask = torch.zeros((len(rows), width), dtype=torch.long)  # (N, width): the kept entries, right-aligned
-    for n, c in enumerate(num_cached):
-        if c:
-            past_mask[n, width - c:] = 1
-    if width:
-        layers = _right_aligned(kept, num_cached, width)
-        assert len(layers) == len(cache.layers), "the kept caches do not have the model's layers"
-        for layer, (keys, values) in zip(cache.layers, layers):
-            layer.update(keys, values)
-    mask = torch.cat([past_mask, new_mask], 1).to(device)  # (N, width + P)
-    logits, cache = prefill(model, ids.to(device), mask, cache)  # (N, V)
-    return logits, cache, mask, int(new_mask.sum())
-
-
-def _right_aligned(kept: list[Kept | None], num_cached: list[int], width: int
-                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, (N, H, width, D) keys and values: each row's kept entries right-aligned, zeros before."""
-    example = next(k[1] for k, c in zip(kept, num_cached) if c)
-    out = []
-    for i, (keys, values) in enumerate(example):
-        all_keys = keys.new_zeros((len(kept), keys.shape[1], width, keys.shape[-1]))
-        all_values = values.new_zeros((len(kept), values.shape[1], width, values.shape[-1]))
-        for n, (entry, c) in enumerate(zip(kept, num_cached)):
-            if c:
-                all_keys[n, :, width - c:] = entry[1][i][0][0]
-                all_values[n, :, width - c:] = entry[1][i][1][0]
-        out.append((all_keys, all_values))
-    return out
-
-
-class RunningBatch:
-    """The state of the rows decoding together: their KV cache, attention mask (B, L) long (1 on
-    real cached positions), next-token logits (B, V) float32 and next positions (B,) long. Rows are
-    added (``add``), kept (``keep``: the others leave) and advanced one token (``decode``); the
-    caller keeps its own per-row records in the same order. ``lmforge serve``'s scheduler and
-    :class:`ContinuousDecoder` share it."""
-
-    def __init__(self):
-        self.cache: DynamicCache | None = None
-        self.mask: torch.Tensor | None = None
-        self.logits: torch.Tensor | None = None
-        self.positions: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return 0 if self.mask is None else self.mask.shape[0]
-
-    def add(self, cache: DynamicCache, mask: torch.Tensor, logits: torch.Tensor) -> None:
-        """Append prefilled rows (their cache, mask (N, L') and last logits (N, V)) after the running ones:
-        the narrower cache is left-padded with masked positions."""
-        if not len(self):
-            self.cache, self.mask, self.logits, self.positions = cache, mask, logits, mask.sum(1)
-            return
-        width = max(self.mask.shape[1], mask.shape[1])
-        for c in (self.cache, cache):
-            left_pad_cache(c, width)
-        pad = lambda m: torch.cat([m.new_zeros((m.shape[0], width - m.shape[1])), m], 1)  # noqa: E731
-        concat_cache(self.cache, cache)
-        self.mask = torch.cat([pad(self.mask), pad(mask)], 0)
-        self.logits = torch.cat([self.logits, logits], 0)
-        self.positions = torch.cat([self.positions, mask.sum(1)], 0)
-
-    def keep(self, rows: list[int]) -> None:
-        """Keep only ``rows`` (in that order); cut the columns that are padding in every one left."""
-        if not rows:
-            self.cache = self.mask = self.logits = self.positions = None
-            return
-        index = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
-        self.cache.batch_select_indices(index)
-        self.mask, self.logits, self.positions = self.mask[index], self.logits[index], self.positions[index]
-        start = int((self.mask.cumsum(1) == 0).sum(1).min())  # leading padding common to every row
-        if start:
-            trim_cache(self.cache, start)
-            self.mask = self.mask[:, start:]
-
-    def compact(self) -> None:
-        """Move each row's real positions to the right end of the cache, in order, and cut the columns no
-        row needs: the holes that rejected draft tokens leave (``ContinuousDecoder``, ``draft_tokens``).
-        Attention sees the same keys in the same order, so nothing a row computes changes."""
-        real = self.mask.bool()
-        width = int(real.sum(1).max())
-        if width == self.mask.shape[1]:
-            return
-        # a stable sort puts each row's masked columns first and its real ones after them, in order
-        order = torch.sort(real.to(torch.int8), dim=1, stable=True).indices[:, -width:]  # (B, width)
-        for layer in self.cache.layers:
-            pick = lambda t: t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1]))  # noqa: E731
-            layer.keys, layer.values = pick(layer.keys), pick(layer.values)
-        self.mask = self.mask.gather(1, order)
-
-    def decode(self, model: torch.nn.Module, tokens: torch.Tensor) -> None:
-        """Feed one token per row (B,) and take the next logits."""
-        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self), 1))], 1)  # (B, L + 1)
-        self.logits, self.cache = decode_step(model, tokens, self.cache, self.mask, self.positions)
-        self.positions = self.positions + 1
 
 
 @dataclasses.dataclass
@@ -231,125 +73,58 @@ class FinishedRow:
     key: Hashable
     token_ids: list[int]
     logprobs: list[float]  # of the distribution each token was drawn from (rollout/engine.py module doc)
-    truncated: bool  # ended at max_new_tokens without a stop token
+    truncated: bool  # ended without a stop token (max_new_tokens; or cancelled)
 
 
-@dataclasses.dataclass
-class _Row:
-    key: Hashable
-    ids: list[int]  # what it was admitted with
+@dataclasses.dataclass(eq=False)
+class Row:
+    """One sample in the batch: what ``ContinuousDecoder.admit`` was given and what it has sampled so far.
+    The engine writes it; a driver reads it (``step``'s ``on_token``)."""
+
+    key: Hashable  # the driver's handle (an episode's index, a serve request)
+    index: int  # its place among the samples admitted with it
+    n: int  # samples admitted with it; a kept cache is one row's, so only a single sample reuses or keeps one
+    ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # shared by the n samples, which draw from it in row order
+    cache_key: Hashable | None = None  # its kept KV entries' key (None: never kept)
+    processors: list = dataclasses.field(default_factory=list)  # process(logits (V,), ids, tokens), in order
+    min_tokens: int = 0  # no stop token or stop string ends it before it has this many tokens
+    num_top_logprobs: int = 0  # best alternatives recorded per token
+    cancelled: threading.Event | None = None  # set: it leaves at the next step, finish reason "cancelled"
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)  # per token, best first
+    finish_reason: str | None = None  # "stop", "length" or "cancelled" once it has finished
     pending: torch.Tensor | None = None  # (1, 1): the uniform a rejected draft position drew, for the next draw
-    index: dict | None = None  # NgramDrafter.index of ids (speculative decoding)
-
-
-class NgramDrafter:
-    """Draft tokens for speculative decoding, from token n-grams seen before (no second model).
-
-    ``observe(tokens)`` counts, for every ``n`` consecutive tokens, the token that came next;
-    ``propose(context, limit, stop_ids)`` follows the most frequent continuation of the last ``n``
-    tokens while it is confident -- seen at least ``min_count`` times and at least ``min_share`` of
-    what followed that context -- up to ``limit`` tokens or a stop token. A context's counts are
-    halved when one passes ``max_count``, so the table follows a policy that changes; past
-    ``max_contexts`` contexts, those seen fewer than ``min_count`` times (which never draft) are
-    dropped, and if that leaves more than half, the table starts again. Kept across RL steps, the table learns the text
-    the policy writes over and over (a tool call's syntax). Where it has nothing confident,
-    ``propose`` copies from the row's own ids what followed the last occurrence of the row's last
-    two tokens (``index``): a number copied from the question or from a tool's result.
-    """
-
-    def __init__(self, max_tokens: int, n: int = 4, min_count: int = 2, min_share: float = 0.75,
-                 max_count: int = 64, max_contexts: int = 1_000_000):
-        if max_tokens < 1 or n < 1:
-            raise ValueError(f"NgramDrafter needs max_tokens >= 1 and n >= 1, got {max_tokens}, {n}")
-        self.max_tokens, self.n, self.min_count, self.min_share = max_tokens, n, min_count, min_share
-        self.max_count, self.max_contexts = max_count, max_contexts
-        self.table: dict[tuple[int, ...], dict[int, int]] = {}
-
-    def observe(self, tokens: list[int]) -> None:
-        n, table = self.n, self.table
-        if len(table) > self.max_contexts:
-            self._prune()
-        for i in range(n, len(tokens)):
-            counts = table.setdefault(tuple(tokens[i - n:i]), {})
-            token = tokens[i]
-            counts[token] = counts.get(token, 0) + 1
-            if counts[token] > self.max_count:
-                for t in list(counts):
-                    counts[t] //= 2
-                    if not counts[t]:
-                        del counts[t]
-
-    def _prune(self) -> None:
-        table = self.table
-        for key in [key for key, counts in table.items() if sum(counts.values()) < self.min_count]:
-            del table[key]
-        if len(table) > self.max_contexts // 2:
-            table.clear()
-
-    @staticmethod
-    def index(ids: list[int]) -> dict:
-        """For ``propose``'s lookup in a row's own ids: the last position of each pair of consecutive
-        tokens that some token follows."""
-        return {(ids[i - 1], ids[i]): i for i in range(1, len(ids) - 1)}
-
-    def propose(self, context: list[int], limit: int, stop_ids: list[int], ids: list[int] | None = None,
-                index: dict | None = None) -> list[int]:
-        """Up to ``limit`` tokens to follow ``context`` (its last ``n`` tokens are what counts). When the
-        table has nothing confident and the row's ``ids`` and their ``index`` are given: what followed the
-        last occurrence in ``ids`` of the context's last two tokens (a copy from the prompt or a tool's
-        result), up to ``limit`` tokens or a stop token."""
-        draft = self._from_table(context, limit, stop_ids)
-        if draft or index is None or not context:
-            return draft
-        at = index.get(tuple(context[-2:])) if len(context) > 1 else None
-        if at is None:
-            return draft
-        for token in ids[at + 1:at + 1 + limit]:
-            draft.append(token)
-            if token in stop_ids:
-                break
-        return draft
-
-    def _from_table(self, context: list[int], limit: int, stop_ids: list[int]) -> list[int]:
-        if len(context) < self.n:
-            return []
-        key, draft = tuple(context[-self.n:]), []
-        while len(draft) < limit:
-            counts = self.table.get(key)
-            if not counts:
-                break
-            token, count = max(counts.items(), key=lambda item: item[1])
-            if count < self.min_count or count < self.min_share * sum(counts.values()):
-                break
-            draft.append(token)
-            if token in stop_ids:
-                break
-            key = key[1:] + (token,)
-        return draft
+    ngram_index: dict | None = None  # NgramDrafter.index of ids (speculative decoding)
 
 
 class ContinuousDecoder:
-    """Rows of ``model`` decoded together, joining and leaving between steps (module doc).
+    """Rows of ``model`` decoded together, joining and leaving between steps: the one continuous-batching
+    engine, which the episode runner and ``lmforge serve``'s scheduler both drive (module doc).
 
     The model must be in eval mode (the caller's to set); ``step`` runs under inference mode.
-    ``num_model_calls`` counts prefills and decode steps. With a ``drafter`` (speculative decoding,
-    module doc) ``num_draft_tokens`` / ``num_accepted_tokens`` count the drafted and accepted tokens.
+    ``num_model_calls`` counts prefills and decode steps, ``num_steps`` the decode steps alone. With a
+    ``drafter`` (speculative decoding, module doc) ``num_draft_tokens`` / ``num_accepted_tokens`` count
+    the drafted and accepted tokens. ``decode_fn(ids) -> str`` is needed for stop strings; ``max_kept``
+    bounds the kept caches (the oldest key goes first; None: until ``release``).
     """
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, keep_cache: bool = True,
-                 drafter: NgramDrafter | None = None):
+                 drafter: NgramDrafter | None = None, decode_fn: Callable[[list[int]], str] | None = None,
+                 max_kept: int | None = None):
         self.model, self.pad_token_id, self.keep_cache, self.drafter = model, pad_token_id, keep_cache, drafter
+        self.decode_fn, self.max_kept = decode_fn, max_kept
         self.device = next(model.parameters()).device
-        self.num_model_calls = 0
+        self.num_model_calls = self.num_steps = 0
         self.num_prefilled_tokens = 0  # real tokens run through a prefill (kept caches spare their history)
+        self.num_cached_tokens = 0  # ids whose kept entries spared their prefill
+        self.num_sampled_tokens = 0  # tokens sampled one per row and step (accepted drafts: num_accepted_tokens)
         self.num_draft_tokens = self.num_accepted_tokens = 0
-        self._queue: list[_Row] = []
-        self._rows: list[_Row] = []
-        self._kept: dict[Hashable, Kept] = {}
+        self._queue: list[Row] = []
+        self._rows: list[Row] = []
+        self._kept: collections.OrderedDict[Hashable, Kept] = collections.OrderedDict()
         self._batch = RunningBatch()
 
     @property
@@ -361,32 +136,58 @@ class ContinuousDecoder:
     def num_running(self) -> int:
         return len(self._rows)
 
-    def admit(self, key: Hashable, ids: list[int], params: SamplingParams) -> None:
-        """Queue a row; it joins at the next ``step``. ``params.seed`` seeds the row's own generator."""
-        if params.stop_strings:
-            raise ValueError("ContinuousDecoder stops on stop_token_ids only; stop_strings are not supported")
+    @property
+    def rows(self) -> list[Row]:
+        """The rows running, then those waiting to join (a copy)."""
+        return self._rows + self._queue
+
+    def admit(self, key: Hashable, ids: list[int], params: SamplingParams, n: int = 1, *,
+              cache_key: Hashable | None = None, processors: Callable[[], list] | None = None, min_tokens: int = 0,
+              top_logprobs: int = 0, cancelled: threading.Event | None = None) -> list[Row]:
+        """Queue ``n`` samples of ``ids``; they join at the next ``step``. ``params.seed`` seeds one generator
+        that the n samples draw from in turn. ``cache_key`` keys a single sample's kept KV entries (default:
+        ``key``, when ``keep_cache``); ``processors()`` makes each sample's own logits processors (serve's
+        ``RowProcessor``s); the other keywords are ``Row``'s fields. Returns the queued rows."""
+        if params.stop_strings and self.decode_fn is None:
+            raise ValueError("ContinuousDecoder stops on stop_token_ids only without a decode_fn; stop_strings "
+                             "are not supported")
+        if self.drafter is not None and (params.stop_strings or processors or min_tokens or top_logprobs):
+            raise ValueError("a ContinuousDecoder with a drafter checks drafts against plain draws: no stop_strings, "
+                             "processors, min_tokens or top_logprobs")
         if not ids:
             raise ValueError(f"row {key!r} has no ids; every row needs at least one token (e.g. BOS)")
         generator = None
         if params.seed is not None and params.temperature > 0:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        self._queue.append(_Row(key, list(ids), params, generator))
+        if cache_key is None and self.keep_cache:
+            cache_key = key
+        rows = [Row(key, i, n, list(ids), params, generator, cache_key, processors() if processors else [],
+                    min_tokens, top_logprobs, cancelled) for i in range(n)]
+        self._queue += rows
+        return rows
 
     def release(self, key: Hashable) -> None:
         """Forget ``key``'s kept cache (its episode ended)."""
         self._kept.pop(key, None)
 
+    def release_all(self) -> None:
+        """Forget every kept cache (entries of weights that just changed)."""
+        self._kept.clear()
+
     @torch.inference_mode()
-    def step(self) -> list[FinishedRow]:
+    def step(self, on_token: Callable[[Row], None] | None = None) -> list[FinishedRow]:
         """Admit the queued rows, sample a token for every row, retire finished rows, run the model on the
         rest (with a drafter: on each row's token and its drafts, keeping the drafts its draws confirm, and
-        retire the rows those ended)."""
+        retire the rows those ended). ``on_token(row)`` is called for every row, in order, once its new
+        token and its ``finish_reason`` are set (serve's streaming; not with a drafter)."""
+        if on_token is not None and self.drafter is not None:
+            raise ValueError("on_token reports one token per step; a drafter adds several")
         if self._queue:
             self._admit()
         if not self._rows:
             return []
         tokens = self._sample()  # (B,)
-        finished, keep = self._retire(fed_all=False)
+        finished, keep = self._retire(fed_all=False, on_token=on_token)
         if len(keep) < len(tokens):
             tokens = tokens[torch.tensor(keep, dtype=torch.long, device=self.device)]
         if self._rows:
@@ -396,28 +197,56 @@ class ContinuousDecoder:
                 self._verify(tokens)
                 finished += self._retire(fed_all=True)[0]  # rows that accepted drafts up to their end
             self.num_model_calls += 1
-        return finished
+            self.num_steps += 1
+        return [FinishedRow(row.key, row.tokens, row.logprobs, truncated=row.finish_reason != "stop")
+                for row in finished]
 
     # ------------------------------------------------------------------ internals
 
-    def _retire(self, fed_all: bool) -> tuple[list[FinishedRow], list[int]]:
-        """Take the rows that ended (a stop token, or max_new_tokens) out of the batch, keeping their KV
-        entries; returns them and the indices of the rows left. ``fed_all``: every token of a row has
+    def _finish_reason(self, row: Row) -> str | None:
+        """Why ``row`` ends after its newest token, or None: cancelled, a stop token or stop string (after
+        ``min_tokens``), or ``max_new_tokens``."""
+        params, least = row.params, row.min_tokens
+        if row.cancelled is not None and row.cancelled.is_set():
+            return "cancelled"
+        if len(row.tokens) > least and row.tokens[-1] in params.stop_token_ids:
+            return "stop"
+        if params.stop_strings and len(row.tokens) > least:
+            window = max(map(len, params.stop_strings)) + 8
+            start = max(0, len(row.tokens) - window)
+            tail = self.decode_fn(row.tokens[start:])
+            # with min_tokens, a stop string counts only if it ends past the first min_tokens tokens' text
+            after = len(self.decode_fn(row.tokens[start:least])) if start < least else 0
+            if any(s in tail[max(0, after - len(s) + 1):] for s in params.stop_strings):
+                return "stop"
+        if len(row.tokens) >= params.max_new_tokens:
+            return "length"
+        return None
+
+    def _retire(self, fed_all: bool, on_token: Callable[[Row], None] | None = None) -> tuple[list[Row], list[int]]:
+        """Take the rows that ended (``_finish_reason``) out of the batch, keeping the KV entries of those with
+        a cache key; returns them and the indices of the rows left. ``fed_all``: every token of a row has
         been fed to the model (after a verify step), else all but the last one."""
-        finished, keep = [], []
+        keep = []
         for b, row in enumerate(self._rows):
-            stop = row.tokens[-1] in row.params.stop_token_ids
-            if stop or len(row.tokens) >= row.params.max_new_tokens:
-                finished.append(FinishedRow(row.key, row.tokens, row.logprobs, truncated=not stop))
-                if self.keep_cache:
-                    self._keep(b, row, fed_all)
-                if self.drafter is not None:
-                    self.drafter.observe(row.ids[-self.drafter.n:] + row.tokens)
-            else:
+            row.finish_reason = self._finish_reason(row)
+            if on_token is not None:
+                on_token(row)
+            if row.finish_reason is None:
                 keep.append(b)
-        if len(keep) < len(self._rows):
-            self._rows = [self._rows[b] for b in keep]
-            self._batch.keep(keep)
+        if len(keep) == len(self._rows):
+            return [], keep
+        finished = []
+        for b, row in enumerate(self._rows):
+            if row.finish_reason is None:
+                continue
+            finished.append(row)
+            if row.cache_key is not None and row.n == 1 and row.finish_reason != "cancelled":
+                self._keep(b, row, fed_all)
+            if self.drafter is not None:
+                self.drafter.observe(row.ids[-self.drafter.n:] + row.tokens)
+        self._rows = [self._rows[b] for b in keep]
+        self._batch.keep(keep)
         return finished, keep
 
     def _verify(self, tokens: torch.Tensor) -> None:
@@ -435,11 +264,11 @@ class ContinuousDecoder:
             if limit <= 0:
                 drafts.append([])
                 continue
-            if row.index is None:
-                row.index = self.drafter.index(row.ids)
+            if row.ngram_index is None:
+                row.ngram_index = self.drafter.index(row.ids)
             # cut to the limit whatever the drafter returns (a subclass's propose may overrun it)
             drafts.append(list(self.drafter.propose(context, limit, row.params.stop_token_ids, row.ids,
-                                                    row.index))[:limit])
+                                                    row.ngram_index))[:limit])
         width = max(len(d) for d in drafts)
         if not width:
             batch.decode(self.model, tokens)
@@ -474,7 +303,7 @@ class ContinuousDecoder:
         are the logits its token there is drawn from. That token is drawn as ``step`` would draw it
         (``sample_token``, with the next uniform of the row's generator; greedy: the argmax); d is kept
         when the draw is d, and at the first draw that is not, the row stops: that draw's uniform waits
-        in ``_Row.pending`` for the next step, which draws the same token from the same logits. So a
+        in ``Row.pending`` for the next step, which draws the same token from the same logits. So a
         row's tokens are the ones it samples one token at a time (up to the float rounding of a forward
         of a different shape), and a draft is kept with probability p(d). A kept stop token ends the
         row: nothing after it is kept."""
@@ -513,7 +342,7 @@ class ContinuousDecoder:
                     self._rewind(row, states[r], uniforms[r * width:r * width + len(draft)], kept)
         return accepted
 
-    def _rewind(self, row: _Row, state: torch.Tensor | None, uniforms: torch.Tensor, kept: int) -> None:
+    def _rewind(self, row: Row, state: torch.Tensor | None, uniforms: torch.Tensor, kept: int) -> None:
         """After ``kept`` drafts of a row were kept: the draws past ``kept`` never happened. The draw at
         ``kept`` (a rejection's, which the next step repeats, or one a kept stop token left unused) waits
         in ``pending``; the generator goes back to just after it."""
@@ -523,22 +352,26 @@ class ContinuousDecoder:
             for _ in range(kept + 1):
                 torch.rand((1, 1), generator=row.generator, device=self.device)
 
-    def _keep(self, b: int, row: _Row, fed_all: bool = False) -> None:
-        """Keep row ``b``'s KV entries of its real positions: its ids and its sampled tokens, all of them
-        (``fed_all``) or all but the last (which was never fed to the model)."""
-        self._kept[row.key] = kept_entries(self._batch, b, row.ids + (row.tokens if fed_all else row.tokens[:-1]))
+    def _keep(self, b: int, row: Row, fed_all: bool = False) -> None:
+        """Keep row ``b``'s KV entries of its real positions under its cache key: its ids and its sampled
+        tokens, all of them (``fed_all``) or all but the last (which was never fed to the model)."""
+        fed = row.ids + (row.tokens if fed_all else row.tokens[:-1])
+        self._kept[row.cache_key] = kept_entries(self._batch, b, fed)
+        self._kept.move_to_end(row.cache_key)
+        while self.max_kept is not None and len(self._kept) > self.max_kept:
+            self._kept.popitem(last=False)
 
-    def _reusable(self, row: _Row) -> int:
+    def _reusable(self, row: Row) -> int:
         """How many leading ids of ``row`` have kept KV entries (0: prefill it whole)."""
-        cached = reusable(self._kept.get(row.key), row.ids)
-        if not cached:
-            self._kept.pop(row.key, None)
-        return cached
+        if row.cache_key is None or row.n != 1:
+            return 0
+        return reusable(self._kept.get(row.cache_key), row.ids)
 
     def _admit(self) -> None:
         """Prefill the queued rows (after their kept entries) in one model call and merge them in. Rows
-        without kept entries whose ids are equal (a group's first turn) are prefilled once and copied."""
-        batch, self._queue = self._queue, []
+        without kept entries whose ids are equal (a group's first turn, a request's samples) are prefilled
+        once and copied. Admitted keys' kept entries are dropped: used, or stale (the row keeps its own)."""
+        batch = self._queue  # cleared only once merged: a driver that fails its rows still finds them
         cached = [self._reusable(row) for row in batch]
         unique, source = distinct_rows([row.ids for row in batch], cached)
         rows, num_cached = [batch[n] for n in unique], [cached[n] for n in unique]
@@ -546,41 +379,87 @@ class ContinuousDecoder:
             for row, c in zip(rows, num_cached):
                 self.drafter.observe(row.ids[max(0, c - self.drafter.n):])
         logits, cache, mask, prefilled = prefill_after_kept(
-            self.model, self.pad_token_id, [row.ids for row in rows], [self._kept.get(row.key) for row in rows],
-            num_cached)
+            self.model, self.pad_token_id, [row.ids for row in rows],
+            [self._kept.get(row.cache_key) if c else None for row, c in zip(rows, num_cached)], num_cached)
         self.num_model_calls += 1
         self.num_prefilled_tokens += prefilled
+        self.num_cached_tokens += sum(cached)
         if len(rows) < len(batch):
             index = torch.tensor(source, dtype=torch.long, device=self.device)
             cache.batch_select_indices(index)
             mask, logits = mask[index], logits[index]
         for row in batch:
-            self._kept.pop(row.key, None)
+            if row.cache_key is not None:
+                self._kept.pop(row.cache_key, None)
         self._batch.add(cache, mask, logits)
         self._rows += batch
+        self._queue = []
 
     def _sample(self) -> torch.Tensor:
-        """One token per running row from its own settings and generator (one uniform per row, drawn as
-        ``sample_token`` draws it); rows of equal settings share one ``sample_token`` call. Returns (B,) long."""
+        """One token per running row from its own settings and processors, with its logprob (and best
+        alternatives, if asked) of the distribution it was drawn from; rows of equal settings share one
+        ``sample_token`` call, each with its own draw (``_uniforms``). Returns (B,) long."""
         tokens = torch.empty(len(self._rows), dtype=torch.long, device=self.device)
         groups: dict[tuple, list[int]] = {}
+        extras = set()  # the groups with a row that has processors or wants top logprobs (serve's)
         for b, row in enumerate(self._rows):
             p = row.params
-            groups.setdefault((p.temperature, p.top_k, p.top_p, row.generator is None), []).append(b)
-        for (temperature, _, _, unseeded), rows in groups.items():
-            first = self._rows[rows[0]]
+            key = (p.temperature, p.top_k, p.top_p)
+            groups.setdefault(key, []).append(b)
+            if row.processors or row.num_top_logprobs:
+                extras.add(key)
+        for key, rows in groups.items():
+            params = self._rows[rows[0]].params
             index = torch.tensor(rows, device=self.device)
-            uniforms = None
-            if temperature > 0 and (not unseeded or any(self._rows[b].pending is not None for b in rows)):
-                uniforms = torch.cat([self._draw(self._rows[b]) for b in rows])  # (R, 1)
-            picked, logprobs = sample_token(self._batch.logits[index], first.params, uniforms=uniforms)
+            logits = self._batch.logits[index]  # (R, V), a copy
+            if key in extras:
+                logits = self._processed(logits, rows)
+            uniforms = self._uniforms(rows) if params.temperature > 0 else None
+            picked, logprobs = sample_token(logits, params, uniforms=uniforms)
             tokens[index] = picked
-            for b, token, logprob in zip(rows, picked.tolist(), logprobs.tolist()):
-                self._rows[b].tokens.append(token)
-                self._rows[b].logprobs.append(logprob)
+            wanted, top = max(self._rows[b].num_top_logprobs for b in rows) if key in extras else 0, None
+            if wanted:  # the most likely alternatives of the distribution each token was drawn from
+                values, ids = torch.topk(process_logits(logits, params), wanted, dim=-1)
+                top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+            for i, (b, token, logprob) in enumerate(zip(rows, picked.tolist(), logprobs.tolist())):
+                row = self._rows[b]
+                row.tokens.append(token)
+                row.logprobs.append(logprob)
+                if row.num_top_logprobs:
+                    row.top_logprobs.append(top[i][:row.num_top_logprobs])
+        self.num_sampled_tokens += len(self._rows)
         return tokens
 
-    def _draw(self, row: _Row) -> torch.Tensor:
+    def _processed(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """(R, V) logits of ``rows``, each changed in place by its row's processors, in order."""
+        for i, b in enumerate(rows):
+            row = self._rows[b]
+            for processor in row.processors:
+                processor.process(logits[i], row.ids, row.tokens)
+        return logits
+
+    def _uniforms(self, rows: list[int]) -> torch.Tensor:
+        """(R, 1) the draws of ``rows``: the rows of one generator (a request's samples; the global generator's
+        for unseeded rows) draw together in row order, as a ``sample_token`` call of those rows alone would,
+        unless one of them has a draw waiting (``pending``): then each takes its own (``_draw``)."""
+        members = [self._rows[b] for b in rows]
+        if len({id(row.generator) for row in members}) == len(members):  # a generator each (episode turns)
+            return torch.cat([self._draw(row) for row in members])
+        by_generator: dict[int, list[int]] = {}
+        for i, row in enumerate(members):
+            by_generator.setdefault(id(row.generator), []).append(i)
+        parts: list[torch.Tensor] = [None] * len(rows)  # (1, 1) each, in row order: one cat, no scatter per group
+        for positions in by_generator.values():
+            group = [members[i] for i in positions]
+            if len(group) == 1 or any(row.pending is not None for row in group):
+                drawn = [self._draw(row) for row in group]
+            else:
+                drawn = torch.rand((len(group), 1), generator=group[0].generator, device=self.device).split(1)
+            for i, u in zip(positions, drawn):
+                parts[i] = u
+        return torch.cat(parts)
+
+    def _draw(self, row: Row) -> torch.Tensor:
         """The row's next uniform, (1, 1) on the device: the one a rejected draft left waiting, else one
         from its generator (the global one for an unseeded row)."""
         if row.pending is not None:

@@ -40,6 +40,17 @@ class MinTokens:
             logits[self.stop_ids] = float("-inf")
 
 
+class LogitBias:
+    """OpenAI's ``logit_bias``: each listed token's bias added to its logit."""
+
+    def __init__(self, bias: dict[int, float]):
+        self.ids, self.values = list(bias), list(bias.values())
+
+    def process(self, logits: torch.Tensor, prompt_ids: list[int], tokens: list[int]) -> None:
+        ids = torch.tensor(self.ids, device=logits.device)
+        logits[ids] += torch.tensor(self.values, device=logits.device, dtype=logits.dtype)
+
+
 class Penalties:
     """vLLM's ``repetition_penalty`` (tokens seen in the prompt or the output: a positive logit is
     divided by it, any other multiplied), then OpenAI's frequency and presence penalties over the

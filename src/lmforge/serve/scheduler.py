@@ -1,20 +1,24 @@
 """Continuous batching for ``lmforge serve``: one thread owns the model and runs every request's rows
 in shared decode steps.
 
-Between two decode steps the scheduler admits the requests that arrived meanwhile: it prefills their
-prompts (each distinct prompt once: its KV cache rows are repeated for its ``n`` samples and for the other
-requests of the same admission with the same prompt ids, e.g. an agent run's group of episodes opening
-with one question) and merges them into
-the running batch by left-padding the shorter KV cache, exactly as the rollout engine left-pads
-prompts (attention mask 0 on padding, position ids counting real tokens). Finished rows leave the
-batch at once, and columns that are padding in every remaining row are cut from the cache. So a
-request never waits for a whole batch to drain, and a long request never holds short ones back.
+The rows, their KV cache and their sampling are the engine's (``rollout.continuous.ContinuousDecoder``,
+which the multi-turn episode runner drives too); this module is its driver for HTTP requests: a queue,
+weight updates, jobs, streaming and metrics. A request is ``n`` rows of the engine. Between two decode
+steps the scheduler admits the requests that arrived meanwhile and fit in ``max_batch_rows``; the
+engine prefills their prompts (each distinct prompt once: its KV cache rows are repeated for its ``n``
+samples and for the other requests of the same admission with the same prompt ids, e.g. an agent run's
+group of episodes opening with one question) and merges them into the running batch by left-padding
+the shorter KV cache, exactly as the rollout engine left-pads prompts (attention mask 0 on padding,
+position ids counting real tokens). Finished rows leave the batch at once, and columns that are
+padding in every remaining row are cut from the cache. So a request never waits for a whole batch to
+drain, and a long request never holds short ones back.
 
-Sampling reuses the engine's ``sample_token`` and stores the same logprobs (``rollout/engine.py``,
-module doc): ``log p(token)`` of the processed distribution (temperature, then top-p) the token was
-drawn from; for temperature 0 the untempered model logprob. Rows with different sampling settings
-share the model call and are sampled in groups of equal settings. OpenAI's logit adjustments come
-first, per row, on the raw logits: ``logit_bias[j]`` is added, then the penalties
+Sampling is the engine's ``sample_token``, with the same logprobs (``rollout/engine.py``, module doc):
+``log p(token)`` of the processed distribution (temperature, then top-p) the token was drawn from;
+for temperature 0 the untempered model logprob. Rows with different sampling settings share the model
+call and are sampled in groups of equal settings; a request's samples draw from one generator seeded
+by its ``seed``. OpenAI's logit adjustments come first, per row, on the raw logits, as the row's first
+logits processors: ``logit_bias[j]`` is added (``extras.LogitBias``), then the penalties
 (``extras.Penalties``): vLLM's ``repetition_penalty`` over the prompt and the output, then
 ``frequency_penalty * c[j] + presence_penalty * (c[j] > 0)`` subtracted, where c[j] counts token j
 among the row's sampled tokens so far; the stored logprobs (and ``top_logprobs`` alternatives) are of the distribution after
@@ -23,16 +27,17 @@ outputs, vLLM's sampling extras) run after them, per sample row, on the same raw
 ``min_tokens`` keeps stop tokens and stop strings from ending a sample before it has that many tokens.
 
 Streaming: a request's ``on_token(sample, token, logprob, top, finish_reason)`` is called from this
-thread after every token of every sample (``finish_reason`` is None until its last). A request whose
+thread after every token of every sample (``finish_reason`` is None until its last), from the engine's
+``on_token``, which also resolves a request once its last sample has finished. A request whose
 client left is ``cancel()``-ed: a waiting one is never admitted, running rows leave the batch at the
 next step, so its slots go to other requests.
 
 Kept entries (``GenerationRequest.cache_key``: an agent session's calls, ``sessions.py``): when such a
 request finishes, its KV entries (its prompt and its sampled tokens but the last, which was never fed) are
-kept under its key, the oldest key dropped past ``max_batch_rows`` keys. A later request with that key
-whose prompt ids start with exactly those ids (the session's next call: the last call's prompt, its
-sampled ids, the tool result) prefills only the ids after them (``rollout.continuous.prefill_after_kept``,
-the episode decoder's kept caches). A weight update drops every kept entry.
+kept under its key by the engine, the oldest key dropped past ``max_batch_rows`` keys. A later request
+with that key whose prompt ids start with exactly those ids (the session's next call: the last call's
+prompt, its sampled ids, the tool result) prefills only the ids after them (the engine's kept caches, as
+for an episode's next turn). A weight update drops every kept entry.
 
 Weight updates are never mixed into a sequence: an update waits until the running rows have finished
 (no new request is admitted meanwhile), is applied between steps, and raises the version. Every
@@ -40,12 +45,9 @@ result carries the version of the weights that produced all of its tokens.
 
 A forward pass outside the batch (prompt logprobs, ``scoring.py``) is a job: ``run_job(fn)`` runs
 ``fn(model)`` on this thread between two decode steps, one job per step while rows decode.
-
-Shapes: B = running rows, L = cached positions (left-padded), V = vocabulary size.
 """
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 import queue
@@ -56,10 +58,9 @@ from typing import Callable, Hashable, Protocol
 import torch
 
 from ..core.ops import adopt_thread_count
-from ..rollout.continuous import (Kept, RunningBatch, distinct_rows, has_full_attention_caches, kept_entries,
-                                  prefill_after_kept, reusable)
-from .extras import Penalties
-from ..rollout.engine import SamplingParams, process_logits, sample_token
+from ..rollout.continuous import ContinuousDecoder, Row, has_full_attention_caches
+from .extras import LogitBias, Penalties
+from ..rollout.engine import SamplingParams
 
 
 class ServeError(RuntimeError):
@@ -106,10 +107,6 @@ class GenerationRequest:
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     @property
-    def adjusts_logits(self) -> bool:
-        return bool(self.penalised or self.logit_bias or self.processors)
-
-    @property
     def penalised(self) -> bool:
         return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
 
@@ -133,18 +130,12 @@ class GenerationResult:
     weight_version: int  # the weights that produced every token of every sample
 
 
-@dataclasses.dataclass
-class _Row:
+@dataclasses.dataclass(eq=False)
+class _Admitted:
+    """A request whose samples are the engine's rows (each row's ``key``)."""
+
     request: GenerationRequest
-    generator: torch.Generator | None
-    siblings: list["_Row"] = dataclasses.field(repr=False, compare=False)  # the request's rows, in order
-    index: int = 0  # this row's place among its siblings (the sample's index in the request)
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
-    penalties: Penalties | None = None  # the request's penalties over this row's tokens (penalised rows only)
-    processors: list[RowProcessor] = dataclasses.field(default_factory=list)  # made from request.processors
-    finish_reason: str | None = None
+    rows: list[Row] = dataclasses.field(default_factory=list)  # its samples, in order
 
 
 @dataclasses.dataclass
@@ -178,18 +169,15 @@ class BatchScheduler:
         self.pad_token_id, self.decode_fn = pad_token_id, decode_fn
         self.max_batch_rows, self.gather_s = max_batch_rows, gather_s
         self.weight_version = weight_version
-        self.num_steps = 0  # decode steps run (shared by all rows of a step)
         self.num_prompt_tokens = 0  # prompt tokens prefilled (once per request, whatever its n)
-        self.num_cached_tokens = 0  # prompt tokens whose kept KV entries spared their prefill (cache_key)
-        self._kept: collections.OrderedDict[Hashable, Kept] = collections.OrderedDict()  # cache_key -> entries
-        self.num_generated_tokens = 0  # tokens sampled, every row's
+        # the rows, their KV cache, sampling and kept entries (rollout/continuous.py); cache keys are the requests'
+        self._engine = ContinuousDecoder(self.model, pad_token_id, keep_cache=False, decode_fn=decode_fn,
+                                         max_kept=max_batch_rows)
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: list[GenerationRequest] = []
         self._updates: list[_WeightUpdate] = []
         self._jobs: list[_Job] = []
-        self._rows: list[_Row] = []
-        self._admitting: list[GenerationRequest] = []  # taken from _waiting, not yet rows (prefill running)
-        self._batch = RunningBatch()  # the rows' KV cache, mask, next logits and positions (rollout/continuous.py)
+        self._admitting: list[GenerationRequest] = []  # taken from _waiting, not yet the engine's rows
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lmforge-serve-scheduler", daemon=True)
         self._thread.start()
@@ -204,7 +192,22 @@ class BatchScheduler:
     @property
     def num_running(self) -> int:
         """Rows decoding now (a snapshot read from another thread)."""
-        return len(self._rows)
+        return self._engine.num_running
+
+    @property
+    def num_steps(self) -> int:
+        """Decode steps run (shared by all rows of a step)."""
+        return self._engine.num_steps
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens whose kept KV entries spared their prefill (``cache_key``)."""
+        return self._engine.num_cached_tokens
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Tokens sampled, every row's."""
+        return self._engine.num_sampled_tokens
 
     @property
     def num_waiting(self) -> int:
@@ -249,17 +252,18 @@ class BatchScheduler:
         adopt_thread_count()  # this thread's OpenMP team as torch.set_num_threads set it (ops.py)
         try:
             while not self._stopping.is_set():
-                self._collect(block=not self._rows and not self._waiting and not self._updates and not self._jobs)
+                busy = self._engine.busy
+                self._collect(block=not busy and not self._waiting and not self._updates and not self._jobs)
                 if self._stopping.is_set():
                     break
                 if self._jobs:
                     self._run_job(self._jobs.pop(0))
-                if self._updates and not self._rows:
+                if self._updates and not self._engine.busy:
                     self._apply_update(self._updates.pop(0))
                     continue
                 if not self._updates:
                     self._admit()
-                if self._rows:
+                if self._engine.busy:
                     self._step()
         except BaseException as exc:  # the model failed: fail everything instead of hanging clients
             self._stopping.set()  # and refuse new requests (submit raises) rather than queue them forever
@@ -293,11 +297,11 @@ class BatchScheduler:
 
     def _fail_all(self, exc: Exception) -> None:
         self._collect(block=False)
-        pending = [r.request for r in self._rows] + self._admitting + self._waiting
+        pending = [row.key.request for row in self._engine.rows] + self._admitting + self._waiting
         for item in pending + [u for u in self._updates] + self._jobs:
             if not item.future.done():
                 item.future.set_exception(exc)
-        self._rows, self._admitting, self._waiting, self._updates, self._jobs = [], [], [], [], []
+        self._admitting, self._waiting, self._updates, self._jobs = [], [], [], []
 
     def _run_job(self, job: _Job) -> None:
         if not job.future.set_running_or_notify_cancel():
@@ -315,16 +319,16 @@ class BatchScheduler:
                 raise ValueError(f"weight version must increase: the server is at {self.weight_version}, "
                                  f"the update asks for {update.version}")
             update.load(self.model)
-            self._kept.clear()  # entries of the old weights
+            self._engine.release_all()  # entries of the old weights
             self.weight_version = self.weight_version + 1 if update.version is None else update.version
             update.future.set_result(self.weight_version)
         except Exception as exc:  # a bad checkpoint leaves the old weights serving; the caller sees why
             update.future.set_exception(exc)
 
-    @torch.inference_mode()
     def _admit(self) -> None:
-        """Prefill waiting requests that fit and merge their rows into the running batch."""
-        room = self.max_batch_rows - len(self._rows)
+        """Queue the waiting requests that fit as the engine's rows; the next ``_step`` prefills them (each
+        distinct prompt once, after its kept entries) and merges them into the running batch."""
+        room = self.max_batch_rows - len(self._engine.rows)
         batch = []
         while self._waiting and self._waiting[0].n <= room:
             request = self._waiting.pop(0)
@@ -338,156 +342,38 @@ class BatchScheduler:
         if not self._full_attention:
             raise ServeError("lmforge serve batches requests by merging full-attention KV caches; this model "
                              "has sliding-window or other special cache layers, which are not supported")
-        cached = [self._reusable(r) for r in batch]
-        self.num_cached_tokens += sum(cached)
-        firsts, which = distinct_rows([r.prompt_ids for r in batch], cached)  # prefilled requests; each one's row
-        logits, cache, mask, _ = prefill_after_kept(
-            self.model, self.pad_token_id, [batch[n].prompt_ids for n in firsts],
-            [self._kept.get(batch[n].cache_key) if cached[n] else None for n in firsts], [cached[n] for n in firsts])
         for request in batch:
-            if request.cache_key is not None:
-                self._kept.pop(request.cache_key, None)  # used, or stale: this call's own replaces it
-        repeat = torch.tensor(which, device=self.device).repeat_interleave(
-            torch.tensor([r.n for r in batch], device=self.device))  # (rows,)
-        cache.batch_select_indices(repeat)
-        mask, logits = mask[repeat], logits[repeat]
-        new_rows = []
-        for request in batch:
-            generator = None
-            if request.params.seed is not None:
-                generator = torch.Generator(device=self.device).manual_seed(request.params.seed)
-            siblings: list[_Row] = []
-            siblings += [_Row(request, generator, siblings, index=i) for i in range(request.n)]
-            for row in siblings:
-                if request.penalised:
-                    row.penalties = Penalties(request.repetition_penalty, request.frequency_penalty,
-                                              request.presence_penalty)
-                row.processors = [make() for make in request.processors]
-            new_rows += siblings
-        self._batch.add(cache, mask, logits)
-        self._rows += new_rows
+            admitted = _Admitted(request)
+            admitted.rows = self._engine.admit(
+                admitted, request.prompt_ids, request.params, request.n, cache_key=request.cache_key,
+                processors=lambda r=request: _processors(r), min_tokens=request.min_tokens,
+                top_logprobs=request.top_logprobs, cancelled=request.cancelled)
         self._admitting = []
 
-    def _adjusted(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """(R, V) logits of ``rows`` with their requests' logit bias and penalties applied (module doc)."""
-        for i, b in enumerate(rows):
-            row = self._rows[b]
-            request = row.request
-            if request.logit_bias:
-                ids = torch.tensor(list(request.logit_bias), device=self.device)
-                logits[i, ids] += torch.tensor(list(request.logit_bias.values()), device=self.device, dtype=logits.dtype)
-            if row.penalties is not None:
-                row.penalties.process(logits[i], request.prompt_ids, row.tokens)
-            for processor in row.processors:
-                processor.process(logits[i], request.prompt_ids, row.tokens)
-        return logits
-
-    def _sample(self) -> torch.Tensor:
-        """One token per running row, each from its request's settings. Returns tokens (B,) long."""
-        tokens = torch.empty(len(self._rows), dtype=torch.long, device=self.device)
-        groups: dict[tuple, list[int]] = {}
-        for b, row in enumerate(self._rows):
-            p = row.request.params
-            groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(b)
-        for rows in groups.values():  # rows of equal settings share one sample_token call, whatever their seeds
-            first = self._rows[rows[0]]
-            index = torch.tensor(rows, device=self.device)
-            logits = self._batch.logits[index]  # (R, V), a copy
-            if any(self._rows[b].request.adjusts_logits for b in rows):
-                logits = self._adjusted(logits.float(), rows)
-            uniforms = self._uniforms(rows) if first.request.params.temperature > 0 else None
-            picked, logprobs = sample_token(logits, first.request.params, uniforms=uniforms)
-            tokens[index] = picked
-            wanted = max(self._rows[b].request.top_logprobs for b in rows)
-            top = None
-            if wanted:  # the most likely alternatives of the distribution each token was drawn from
-                values, ids = torch.topk(process_logits(logits, first.request.params), wanted, dim=-1)
-                top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-            for i, (b, token, logprob) in enumerate(zip(rows, picked.tolist(), logprobs.tolist())):
-                row = self._rows[b]
-                row.tokens.append(token)
-                row.logprobs.append(logprob)
-                if row.request.top_logprobs:
-                    row.top_logprobs.append(top[i][:row.request.top_logprobs])
-        self.num_generated_tokens += len(self._rows)
-        return tokens
-
-    def _uniforms(self, rows: list[int]) -> torch.Tensor:
-        """(R, 1) the draws of ``rows``: each generator's rows (a request's samples; the global generator's
-        for unseeded ones) draw together in row order, as a ``sample_token`` call of those rows alone would."""
-        by_generator: dict[int, list[int]] = {}
-        for i, b in enumerate(rows):
-            by_generator.setdefault(id(self._rows[b].generator), []).append(i)
-        uniforms = torch.empty((len(rows), 1), device=self.device)
-        for positions in by_generator.values():
-            generator = self._rows[rows[positions[0]]].generator
-            uniforms[torch.tensor(positions, device=self.device)] = torch.rand(
-                (len(positions), 1), generator=generator, device=self.device)
-        return uniforms
-
-    def _finish_reason(self, row: _Row) -> str | None:
-        params, least = row.request.params, row.request.min_tokens
-        if row.request.cancelled.is_set():
-            return "cancelled"
-        if len(row.tokens) > least and row.tokens[-1] in params.stop_token_ids:
-            return "stop"
-        if params.stop_strings and len(row.tokens) > least:
-            window = max(map(len, params.stop_strings)) + 8
-            start = max(0, len(row.tokens) - window)
-            tail = self.decode_fn(row.tokens[start:])
-            # with min_tokens, a stop string counts only if it ends past the first min_tokens tokens' text
-            after = len(self.decode_fn(row.tokens[start:least])) if start < least else 0
-            if any(s in tail[max(0, after - len(s) + 1):] for s in params.stop_strings):
-                return "stop"
-        if len(row.tokens) >= params.max_new_tokens:
-            return "length"
-        return None
-
-    @torch.inference_mode()
     def _step(self) -> None:
-        """Sample a token for every row, retire finished rows, run the model once on the rest."""
-        tokens = self._sample()
-        keep = []
-        for b, row in enumerate(self._rows):
-            row.finish_reason = self._finish_reason(row)
-            if row.request.on_token is not None and row.finish_reason != "cancelled":
-                top = row.top_logprobs[-1] if row.top_logprobs else []
-                row.request.on_token(row.index, row.tokens[-1], row.logprobs[-1], top, row.finish_reason)
-            if row.finish_reason is None:
-                keep.append(b)
-        if len(keep) < len(self._rows):
-            for b, row in enumerate(self._rows):
-                if row.finish_reason is not None:
-                    self._keep(b, row)
-            self._retire([row for row in self._rows if row.finish_reason is not None])
-            self._rows = [self._rows[b] for b in keep]
-            self._batch.keep(keep)
-            if not keep:
-                return
-            tokens = tokens[torch.tensor(keep, dtype=torch.long, device=self.device)]
-        self._batch.decode(self.model, tokens)
-        self.num_steps += 1
+        """Prefill the rows just admitted, sample a token for every row, retire finished rows, run the model
+        once on the rest (``ContinuousDecoder.step``), streaming and resolving as rows go (``_on_token``)."""
+        self._engine.step(on_token=self._on_token)
 
-    def _reusable(self, request: GenerationRequest) -> int:
-        """How many leading prompt ids of ``request`` have kept KV entries under its ``cache_key``."""
-        if request.cache_key is None or request.n != 1:
-            return 0
-        return reusable(self._kept.get(request.cache_key), request.prompt_ids)
-
-    def _keep(self, b: int, row: _Row) -> None:
-        """Keep finished row ``b``'s KV entries under its request's ``cache_key`` (the oldest key goes past
-        ``max_batch_rows`` keys): its prompt and its sampled tokens but the last, never fed to the model."""
-        request = row.request
-        if request.cache_key is None or request.n != 1 or row.finish_reason == "cancelled":
+    def _on_token(self, row: Row) -> None:
+        """A row's new token: stream it, and resolve its request once every sample of it has finished."""
+        admitted: _Admitted = row.key
+        request = admitted.request
+        if request.on_token is not None and row.finish_reason != "cancelled":
+            top = row.top_logprobs[-1] if row.top_logprobs else []
+            request.on_token(row.index, row.tokens[-1], row.logprobs[-1], top, row.finish_reason)
+        if row.finish_reason is None or request.future.done():
             return
-        self._kept[request.cache_key] = kept_entries(self._batch, b, list(request.prompt_ids) + row.tokens[:-1])
-        self._kept.move_to_end(request.cache_key)
-        while len(self._kept) > self.max_batch_rows:
-            self._kept.popitem(last=False)
+        if all(r.finish_reason is not None for r in admitted.rows):  # (a request's rows run in order: this is its last)
+            samples = [Sample(r.tokens, r.logprobs, r.finish_reason, r.top_logprobs) for r in admitted.rows]
+            request.future.set_result(GenerationResult(samples, self.weight_version))
 
-    def _retire(self, finished: list[_Row]) -> None:
-        """Resolve the requests whose every sample has now finished."""
-        for row in finished:
-            if all(r.finish_reason is not None for r in row.siblings) and not row.request.future.done():
-                samples = [Sample(r.tokens, r.logprobs, r.finish_reason, r.top_logprobs) for r in row.siblings]
-                row.request.future.set_result(GenerationResult(samples, self.weight_version))
+
+def _processors(request: GenerationRequest) -> list[RowProcessor]:
+    """One sample's logits processors, in the module doc's order: logit bias, penalties, the request's own."""
+    made: list[RowProcessor] = []
+    if request.logit_bias:
+        made.append(LogitBias(request.logit_bias))
+    if request.penalised:
+        made.append(Penalties(request.repetition_penalty, request.frequency_penalty, request.presence_penalty))
+    return made + [make() for make in request.processors]

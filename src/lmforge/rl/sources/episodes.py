@@ -23,7 +23,8 @@ from ...envs.registry import make_environment
 from ...core.errors import ConfigError, TrainingError
 from ...model.load import context_length
 from ...rollout import RewardOutput, RewardSet, RolloutBatch, SamplingParams, generate
-from ...rollout.continuous import ContinuousDecoder, NgramDrafter, has_full_attention_caches
+from ...rollout.continuous import ContinuousDecoder, has_full_attention_caches
+from ...rollout.drafts import NgramDrafter
 from ...rollout.rewards import default_workers
 from ..config import RolloutConfig
 from ..prompts import PromptSet
