@@ -199,7 +199,7 @@ def _default_and_help(module: _Module, stmt: ast.AnnAssign) -> tuple[Any, str]:
         return REQUIRED, ""
     if isinstance(value, ast.Call):
         owner, target = _resolve(module, value.func)
-        if not (isinstance(target, ast.FunctionDef) and target.name == "opt" and owner.name == "config"):
+        if not (isinstance(target, ast.FunctionDef) and target.name == "opt" and owner.name == "core.config"):
             raise Unreadable(f"{module.where(value)}: {ast.unparse(value.func)}(...) is not config.opt")
         arguments = dict(zip(("default", "help"), value.args)) | {k.arg: k.value for k in value.keywords if k.arg}
         return _value(module, arguments["default"]), _value(module, arguments["help"])
