@@ -13,7 +13,7 @@ CONFIG = '''
 import dataclasses
 from typing import ClassVar, Literal
 
-from .config import opt, section
+from .core.config import opt, section
 from .consts import NAMES, WIDTH
 
 
@@ -59,7 +59,9 @@ def package(tmp_path, monkeypatch):
     root.mkdir()
     (root / "__init__.py").write_text("")
     (root / "consts.py").write_text(CONSTS)
-    (root / "config.py").write_text(OPT)
+    (root / "core").mkdir()
+    (root / "core" / "__init__.py").write_text("")
+    (root / "core" / "config.py").write_text(OPT)  # where lmforge's opt lives: lmforge/core/config.py
     monkeypatch.setattr(confighelp, "PACKAGE_DIR", root)
     confighelp._module.cache_clear()
     monkeypatch.syspath_prepend(str(tmp_path))
