@@ -41,7 +41,7 @@ rows (lmforge ``train.micro_batch_size``; TRL ``per_device_train_batch_size`` wi
 ``gradient_accumulation_steps`` making up the batch): the same update as one micro-batch on both sides
 (both normalise by the whole batch), and faster on both here. lmforge's speculative decoding
 (``--draft-tokens``, ``env.draft_tokens``) draws every token as decoding one token at a time draws it
-(tests/unit/test_speculative.py): an engine setting, not an algorithm one. Episode limits:
+(tests/rollout/test_speculative.py): an engine setting, not an algorithm one. Episode limits:
 ``--episode-tokens`` tokens after the first prompt
 (lmforge ``env.max_episode_tokens`` = TRL ``max_completion_length``; a reply may use what is left of it:
 lmforge ``rollout.max_new_tokens`` = the same number), ``--turns`` replies (lmforge ``env.max_turns``; TRL

@@ -511,7 +511,7 @@ def test_drafted_tokens_give_the_run_without_them(tmp_path):
         for key in ("loss", "grad_norm"):
             assert drafted[step][key] == pytest.approx(plain[step][key], rel=1e-4, abs=1e-9), (step, key)
         assert "draft_acceptance" not in plain[step]
-    # drafts were checked at every step; a random tiny model keeps few of them (tests/unit/test_speculative.py
+    # drafts were checked at every step; a random tiny model keeps few of them (tests/rollout/test_speculative.py
     # checks kept and rejected drafts token by token)
     for step in drafted:
         assert drafted[step]["draft_tokens_per_episode"] > 0 and 0 <= drafted[step]["draft_acceptance"] <= 1

@@ -1,6 +1,6 @@
 """CUDA only (marker ``gpu``; skipped without a GPU): SFT in bf16 and fp16 autocast, the fp16 grad
 scaler's state in the checkpoint, and a resume that reproduces the uninterrupted run. The scaler's
-logic itself is checked on CPU in tests/unit/test_train.py."""
+logic itself is checked on CPU in tests/runtime/test_train.py."""
 import json
 
 import pytest

@@ -2,7 +2,7 @@
 of the two former pools now gets from the other -- the environment's worker-reported start times and
 located errors for rewards; call numbers never reused, cleanup when the pool is dropped, a given-up
 pool given up once, for environments -- and the texts both share. The reward side's process workers
-are tested through RewardSet (tests/unit/test_rewards_real.py, slow)."""
+are tested through RewardSet (tests/rollout/test_rewards_real.py, slow)."""
 from __future__ import annotations
 
 import gc
