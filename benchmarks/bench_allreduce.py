@@ -25,6 +25,7 @@ for N parameters of b bytes each.
     python benchmarks/bench_allreduce.py --world 2 --reps 15 --sizes 4096 67108864
     python benchmarks/bench_allreduce.py --paper-only
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,8 +71,13 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], reps: int) -> No
 
     from lmforge.parallel.ring import ring_all_reduce
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=600),
+    )
     contestants = {"ring": ring_all_reduce, "native": dist.all_reduce}
     try:
         for size in sizes:
@@ -85,7 +91,7 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], reps: int) -> No
             # Two summation orders of W fp32 terms differ by at most 2 gamma_{W-1} sum_r |x_r| per element.
             abs_sum = source.abs()
             dist.all_reduce(abs_sum)
-            gamma = (world - 1) * 2.0 ** -24 / (1 - (world - 1) * 2.0 ** -24)
+            gamma = (world - 1) * 2.0**-24 / (1 - (world - 1) * 2.0**-24)
             if not bool(((results["ring"] - results["native"]).abs() <= 2 * gamma * abs_sum).all()):
                 raise RuntimeError(f"ring and native all-reduce disagree beyond fp32 rounding at {size} bytes")
             times: dict[str, list[float]] = {name: [] for name in contestants}
@@ -97,11 +103,13 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], reps: int) -> No
                 ring_t, native_t = statistics.median(times["ring"]), statistics.median(times["native"])
                 ring_best, native_best = min(times["ring"]), min(times["native"])
                 bus = 2 * (world - 1) / world * size
-                print(f"| {world} | {_human(size)} | {ring_t * 1e3:.3f} | {native_t * 1e3:.3f} "
-                      f"| {size / ring_t / 1e6:.1f} | {size / native_t / 1e6:.1f} "
-                      f"| {bus / ring_t / 1e6:.1f} | {bus / native_t / 1e6:.1f} | {native_t / ring_t:.2f} "
-                      f"| {ring_best * 1e3:.3f} / {native_best * 1e3:.3f} = {native_best / ring_best:.2f} |",
-                      flush=True)
+                print(
+                    f"| {world} | {_human(size)} | {ring_t * 1e3:.3f} | {native_t * 1e3:.3f} "
+                    f"| {size / ring_t / 1e6:.1f} | {size / native_t / 1e6:.1f} "
+                    f"| {bus / ring_t / 1e6:.1f} | {bus / native_t / 1e6:.1f} | {native_t / ring_t:.2f} "
+                    f"| {ring_best * 1e3:.3f} / {native_best * 1e3:.3f} = {native_best / ring_best:.2f} |",
+                    flush=True,
+                )
     finally:
         dist.destroy_process_group()
 
@@ -124,16 +132,26 @@ def print_paper_table() -> None:
     for label, n in PAPER_PARAMS:
         for w in PAPER_WORLDS:
             mixed = (2 * 2 + 4) * (w - 1) / w * n  # two bf16 all-gathers, one fp32 reduce-scatter
-            cells = [ddp_bytes_per_step(n, w, 4), ddp_bytes_per_step(n, w, 2),
-                     fsdp2_bytes_per_step(n, w, 4), fsdp2_bytes_per_step(n, w, 2), mixed]
+            cells = [
+                ddp_bytes_per_step(n, w, 4),
+                ddp_bytes_per_step(n, w, 2),
+                fsdp2_bytes_per_step(n, w, 4),
+                fsdp2_bytes_per_step(n, w, 2),
+                mixed,
+            ]
             print(f"| {label} | {w} | " + " | ".join(f"{c / 1e9:.3g}" for c in cells) + " |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4], help="world sizes to measure")
-    parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES),
-                        help="payload sizes in bytes (multiples of 4: fp32)")
+    parser.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_SIZES),
+        help="payload sizes in bytes (multiples of 4: fp32)",
+    )
     parser.add_argument("--reps", type=int, default=7, help="timed repetitions per contestant and size")
     parser.add_argument("--paper-only", action="store_true", help="print only the analytic table")
     args = parser.parse_args()
@@ -146,15 +164,24 @@ def main() -> None:
     if not args.paper_only:
         import torch.multiprocessing as mp
 
-        print(f"torch {torch.__version__}, gloo over loopback, 1 thread per rank, fp32, "
-              f"median of {args.reps} alternating repetitions; times are the slowest rank's")
-        print("| W | size M | ring ms | native ms | ring MB/s (M/t) | native MB/s (M/t) "
-              "| ring bus MB/s | native bus MB/s | native t / ring t | best ms: ring / native = ratio |")
+        print(
+            f"torch {torch.__version__}, gloo over loopback, 1 thread per rank, fp32, "
+            f"median of {args.reps} alternating repetitions; times are the slowest rank's"
+        )
+        print(
+            "| W | size M | ring ms | native ms | ring MB/s (M/t) | native MB/s (M/t) "
+            "| ring bus MB/s | native bus MB/s | native t / ring t | best ms: ring / native = ratio |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|")
         for world in args.world:
             # spawn, not fork: a forked child of a process whose OpenMP pool has started can deadlock.
-            mp.start_processes(_worker, args=(world, _free_port(), args.sizes, args.reps), nprocs=world,
-                               join=True, start_method="spawn")
+            mp.start_processes(
+                _worker,
+                args=(world, _free_port(), args.sizes, args.reps),
+                nprocs=world,
+                join=True,
+                start_method="spawn",
+            )
     print_paper_table()
 
 

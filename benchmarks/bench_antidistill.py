@@ -20,6 +20,7 @@ Contestants:
     python benchmarks/bench_antidistill.py --teacher smollm2 --proxy truncate:6   # SmolLM2-135M, its first 6 layers
     python benchmarks/bench_antidistill.py --teacher DIR --proxy DIR     # any two HF dirs with one tokenizer
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,15 @@ def random_llama(vocab: int, hidden: int, layers: int, seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=max(hidden // 64, 1), tie_word_embeddings=True, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(hidden // 64, 1),
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -117,17 +125,22 @@ def main() -> None:
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)  # no stop tokens: fixed length
 
     f_teacher, f_proxy = forward_flops_per_token(teacher), forward_flops_per_token(proxy)
-    print(f"teacher={args.teacher} {sum(p.numel() for p in teacher.parameters()) / 1e6:.1f}M params, "
-          f"proxy={args.proxy} {sum(p.numel() for p in proxy.parameters()) / 1e6:.1f}M params, vocab={vocab}; "
-          f"forward FLOPs/token {f_teacher / 1e6:.1f}M vs {f_proxy / 1e6:.1f}M")
-    print(f"rows={args.prompts}x{args.samples} prompt_len={args.prompt_len} new_tokens={args.new_tokens} "
-          f"threads={torch.get_num_threads()} torch={torch.__version__}")
+    print(
+        f"teacher={args.teacher} {sum(p.numel() for p in teacher.parameters()) / 1e6:.1f}M params, "
+        f"proxy={args.proxy} {sum(p.numel() for p in proxy.parameters()) / 1e6:.1f}M params, vocab={vocab}; "
+        f"forward FLOPs/token {f_teacher / 1e6:.1f}M vs {f_proxy / 1e6:.1f}M"
+    )
+    print(
+        f"rows={args.prompts}x{args.samples} prompt_len={args.prompt_len} new_tokens={args.new_tokens} "
+        f"threads={torch.get_num_threads()} torch={torch.__version__}"
+    )
 
     def run(name: str, seed: int) -> int:
         p = SamplingParams(**{**params.__dict__, "seed": seed})
         if name == "ads":
-            batch = ads_generate(teacher, plus, minus, prompts, p, args.lam, args.eps, num_samples=args.samples,
-                                 vocab_size=vocab)
+            batch = ads_generate(
+                teacher, plus, minus, prompts, p, args.lam, args.eps, num_samples=args.samples, vocab_size=vocab
+            )
         else:
             batch = generate(teacher if name == "plain" else proxy, prompts, p, num_samples=args.samples)
         return int(batch.completion_mask.sum())
@@ -153,8 +166,10 @@ def main() -> None:
     print(f"  plain (temperature sampling)  {med['plain']:9.1f}")
     print(f"  ads   (antidistillation)      {med['ads']:9.1f}")
     print(f"  proxy alone (calibration)     {med['proxy']:9.1f}")
-    print(f"cost ratio ADS / plain: measured {measured:.2f}; predicted from FLOPs 1 + 2*F_proxy/F_teacher = "
-          f"{by_flops:.2f}; from measured times 1 + 2*t_proxy/t_teacher = {by_time:.2f}")
+    print(
+        f"cost ratio ADS / plain: measured {measured:.2f}; predicted from FLOPs 1 + 2*F_proxy/F_teacher = "
+        f"{by_flops:.2f}; from measured times 1 + 2*t_proxy/t_teacher = {by_time:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ thread), each once as a thread of this process and once as a separate process. A
 that holds the GIL (Python) costs more than the same work in a process; one that releases it
 (matmul) costs the same either way: the difference is the GIL's share of the async slowdown.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,14 @@ from lmforge.core.config import load_config
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
 
 ROOT = Path(__file__).resolve().parent.parent
-QUICKSTART_SHAPE = ["model.name=tiny:llama", "model.tokenizer=char", "model.hidden_size=128", "model.num_layers=4",
-                    "model.num_heads=4", "model.max_position_embeddings=64"]
+QUICKSTART_SHAPE = [
+    "model.name=tiny:llama",
+    "model.tokenizer=char",
+    "model.hidden_size=128",
+    "model.num_layers=4",
+    "model.num_heads=4",
+    "model.max_position_embeddings=64",
+]
 
 
 def workload_args(name: str, args) -> tuple[Path, list[str]]:
@@ -78,16 +85,26 @@ def medians(train: dict[int, dict], warmup: int) -> dict[str, float]:
     timed = [r for step, r in sorted(train.items()) if step > warmup]
     if not timed:
         raise SystemExit("no timed steps: raise --steps")
-    pick = {"step": lambda r: r["step_time"], "gen": lambda r: r["time_generation"] + r["time_scoring"],
-            "train": lambda r: r["time_training"], "wait": lambda r: r.get("time_rollout_wait", float("nan")),
-            "staleness": lambda r: r.get("staleness", 0)}
+    pick = {
+        "step": lambda r: r["step_time"],
+        "gen": lambda r: r["time_generation"] + r["time_scoring"],
+        "train": lambda r: r["time_training"],
+        "wait": lambda r: r.get("time_rollout_wait", float("nan")),
+        "staleness": lambda r: r.get("staleness", 0),
+    }
     return {key: statistics.median(fn(r) for r in timed) for key, fn in pick.items()}
 
 
 def bench(name: str, args, scratch: Path) -> None:
     yaml, model = workload_args(name, args)
-    common = model + [f"train.max_steps={args.warmup + args.steps}", "data.num_eval=0", "train.save_every=0",
-                      "algo.is_level=token", f"train.seed={args.seed}", "train.log_every=100"]
+    common = model + [
+        f"train.max_steps={args.warmup + args.steps}",
+        "data.num_eval=0",
+        "train.save_every=0",
+        "algo.is_level=token",
+        f"train.seed={args.seed}",
+        "train.log_every=100",
+    ]
     half = max(args.threads // 2, 1)  # what each of async's two threads runs ops with
     modes = {f"sync {args.threads}t": [f"train.threads={args.threads}"]}
     if half != args.threads:  # sync with the thread count each of async's threads gets
@@ -96,8 +113,9 @@ def bench(name: str, args, scratch: Path) -> None:
     got = {}
     for mode, extra in modes.items():
         print(f"\n=== {name}: {mode} ({args.warmup} warm-up + {args.steps} timed steps)", flush=True)
-        got[mode] = medians(run(yaml, common + extra, scratch / f"{name}-{mode.replace(' ', '_')}")["train"],
-                            args.warmup)
+        got[mode] = medians(
+            run(yaml, common + extra, scratch / f"{name}-{mode.replace(' ', '_')}")["train"], args.warmup
+        )
     names = list(modes)
     over = got[names[-1]]
     print(f"\n--- {name}: medians over {args.steps} steps (seconds)")
@@ -110,10 +128,14 @@ def bench(name: str, args, scratch: Path) -> None:
     for mode in names[:-1]:
         part = got[mode]
         ideal = max(part["gen"], part["train"])
-        print(f"separate hardware, from the {mode} parts: gen + train = {part['gen'] + part['train']:.3f} s, "
-              f"overlapped = max(gen, train) = {ideal:.3f} s -> {(part['gen'] + part['train']) / ideal:.2f}x")
-    print(f"this machine, async parts on shared cores: gen {over['gen']:.3f} s, train {over['train']:.3f} s "
-          f"(sum {over['gen'] + over['train']:.3f} s against the step's {over['step']:.3f} s)")
+        print(
+            f"separate hardware, from the {mode} parts: gen + train = {part['gen'] + part['train']:.3f} s, "
+            f"overlapped = max(gen, train) = {ideal:.3f} s -> {(part['gen'] + part['train']) / ideal:.2f}x"
+        )
+    print(
+        f"this machine, async parts on shared cores: gen {over['gen']:.3f} s, train {over['train']:.3f} s "
+        f"(sum {over['gen'] + over['train']:.3f} s against the step's {over['step']:.3f} s)"
+    )
 
 
 def accuracy(args, scratch: Path) -> None:
@@ -124,9 +146,20 @@ def accuracy(args, scratch: Path) -> None:
     before = []  # per seed: the seed also draws the held-out problems
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         for mode, extra in (("sync", []), ("async", ["rollout.async_steps=1"])):
-            overrides = model + [f"train.max_steps={args.acc_steps}", f"train.eval_every={args.acc_steps}",
-                                 "train.save_every=0", f"train.threads={args.threads}", "algo.is_level=token",
-                                 f"train.seed={seed}", "train.log_every=100", "data.num_eval=200"] + extra
+            overrides = (
+                model
+                + [
+                    f"train.max_steps={args.acc_steps}",
+                    f"train.eval_every={args.acc_steps}",
+                    "train.save_every=0",
+                    f"train.threads={args.threads}",
+                    "algo.is_level=token",
+                    f"train.seed={seed}",
+                    "train.log_every=100",
+                    "data.num_eval=200",
+                ]
+                + extra
+            )
             print(f"\n=== accuracy: seed {seed} {mode}", flush=True)
             out = run(yaml, overrides, scratch / f"acc-{seed}-{mode}")
             table[mode].append(out["result"]["accuracy"])
@@ -135,8 +168,10 @@ def accuracy(args, scratch: Path) -> None:
     table = {"before": before, **table}
     for mode, values in table.items():
         spread = statistics.stdev(values) if len(values) > 1 else 0.0
-        print(f"{mode:<6} " + " ".join(f"{v:.3f}" for v in values) + f"   mean {statistics.mean(values):.3f}"
-              f"  sd {spread:.3f}")
+        print(
+            f"{mode:<6} " + " ".join(f"{v:.3f}" for v in values) + f"   mean {statistics.mean(values):.3f}"
+            f"  sd {spread:.3f}"
+        )
 
 
 def python_work(stop) -> None:
@@ -154,21 +189,26 @@ def matmul_work(stop) -> None:
 
 def contention(args) -> None:
     from lmforge import rl
-    from lmforge.rl import config as rl_config
     from lmforge.core.config import ModelConfig
     from lmforge.model.load import load_model
+    from lmforge.rl import config as rl_config
     from lmforge.rollout import RewardSet
     from lmforge.runtime.optim import Precision
 
     torch.set_num_threads(1)
-    spec = (ModelConfig(name=args.quickstart_model) if args.quickstart_model else
-            ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=128, num_layers=4, num_heads=4,
-                        max_position_embeddings=64))
+    spec = (
+        ModelConfig(name=args.quickstart_model)
+        if args.quickstart_model
+        else ModelConfig(
+            name="tiny:llama", tokenizer="char", hidden_size=128, num_layers=4, num_heads=4, max_position_embeddings=64
+        )
+    )
     model, tokenizer = load_model(spec)
     prompts = rl.build_prompts(rl_config.RLDataConfig(task="addition", num_train=64, num_eval=0), tokenizer, seed=0)
     sampling = rl_config.RolloutConfig(num_prompts=8, group_size=8, max_new_tokens=6)
-    rollout, _, _ = rl.sample_and_score(rl.PolicyEngine(model), tokenizer, prompts, list(range(8)), sampling,
-                                        RewardSet([("exact", 1.0)]), 0)
+    rollout, _, _ = rl.sample_and_score(
+        rl.PolicyEngine(model), tokenizer, prompts, list(range(8)), sampling, RewardSet([("exact", 1.0)]), 0
+    )
     batch = rl.pack_rollout(rollout, tokenizer.pad_token_id, False)
     precision = Precision(torch.device("cpu"), torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), 1e-5)

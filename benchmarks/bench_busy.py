@@ -24,6 +24,7 @@ The recipes: sft = examples/sft_addition.yaml (a tiny char-level Llama, 32 rows 
 examples/grpo_addition.yaml on the same tiny model, freshly initialised (8 prompts x 8 samples of 6 tokens;
 algo.skip_zero_advantage=false, so each step trains on all 64 rows although the rewards are 0).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,11 +40,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {
-    "sft": ["sft", "examples/sft_addition.yaml", "train.eval_every=0", "train.save_every=0", "train.num_samples=0",
-            "data.num_val=8", "data.num_eval=0"],
-    "grpo": ["grpo", "examples/grpo_addition.yaml", "model.name=tiny:llama", "model.tokenizer=char",
-             "model.max_position_embeddings=64", "algo.skip_zero_advantage=false", "train.eval_every=0",
-             "train.save_every=0", "train.num_samples=0", "data.num_eval=0"],
+    "sft": [
+        "sft",
+        "examples/sft_addition.yaml",
+        "train.eval_every=0",
+        "train.save_every=0",
+        "train.num_samples=0",
+        "data.num_val=8",
+        "data.num_eval=0",
+    ],
+    "grpo": [
+        "grpo",
+        "examples/grpo_addition.yaml",
+        "model.name=tiny:llama",
+        "model.tokenizer=char",
+        "model.max_position_embeddings=64",
+        "algo.skip_zero_advantage=false",
+        "train.eval_every=0",
+        "train.save_every=0",
+        "train.num_samples=0",
+        "data.num_eval=0",
+    ],
 }
 HOG = "while True:\n    pass\n"
 WAIT_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
@@ -69,18 +86,26 @@ def setting(name: str) -> tuple[int, dict[str, str]]:
     threads, _, wait = name[1:].partition("-")
     if not name.startswith("t") or not threads.isdigit() or not (wait in ("", "passive") or wait.startswith("spin")):
         raise SystemExit(f"--settings: {name!r} is not auto, t<N>, t<N>-passive or t<N>-spin<K>")
-    env = {"OMP_WAIT_POLICY": "PASSIVE"} if wait == "passive" else {"GOMP_SPINCOUNT": wait[4:]} if wait else DEFAULT_WAIT
+    env = (
+        {"OMP_WAIT_POLICY": "PASSIVE"} if wait == "passive" else {"GOMP_SPINCOUNT": wait[4:]} if wait else DEFAULT_WAIT
+    )
     return int(threads), env
 
 
-def run_recipe(recipe: str, steps: int, warmup: int, threads: int, env_extra: dict[str, str],
-               budget: float) -> dict:
+def run_recipe(recipe: str, steps: int, warmup: int, threads: int, env_extra: dict[str, str], budget: float) -> dict:
     """One fresh lmforge process; its median step time after the warm-up and its wall time. A run still
     going ``budget`` seconds after its first step is stopped with SIGINT (its metrics so far are kept):
     under load the worst settings take many seconds per step (and the start, imports, a minute)."""
     with tempfile.TemporaryDirectory(prefix="bench_busy_") as tmp:
-        argv = [sys.executable, "-m", "lmforge.cli", *RECIPES[recipe], f"train.max_steps={steps}",
-                f"train.output_dir={tmp}/run", "logging.progress=false"]
+        argv = [
+            sys.executable,
+            "-m",
+            "lmforge.cli",
+            *RECIPES[recipe],
+            f"train.max_steps={steps}",
+            f"train.output_dir={tmp}/run",
+            "logging.progress=false",
+        ]
         if threads:
             argv.append(f"train.threads={threads}")
         env = {k: v for k, v in os.environ.items() if k not in WAIT_KEYS}
@@ -107,15 +132,27 @@ def run_recipe(recipe: str, steps: int, warmup: int, threads: int, env_extra: di
         raise RuntimeError(f"{recipe}: {len(times)} step(s) in {budget:.0f} s; raise --budget")
     chosen = next((line for line in out.splitlines() if line.startswith("[hardware] threads")), "")
     kept = times[warmup:] if len(times) > warmup else times[1:]  # a stopped run: all but the first step
-    return {"median": statistics.median(kept), "steps": times, "wall": wall, "chosen": chosen,
-            "stopped": proc.returncode == 130}
+    return {
+        "median": statistics.median(kept),
+        "steps": times,
+        "wall": wall,
+        "chosen": chosen,
+        "stopped": proc.returncode == 130,
+    }
 
 
 def run_quickstart(args) -> dict:
     """``lmforge quickstart`` (small) with lmforge's own choice: wall time and each stage's median step."""
     with tempfile.TemporaryDirectory(prefix="bench_busy_") as tmp:
-        argv = [sys.executable, "-m", "lmforge.cli", "quickstart", f"output_dir={tmp}/qs", "progress=false",
-                *args.quickstart.split()]
+        argv = [
+            sys.executable,
+            "-m",
+            "lmforge.cli",
+            "quickstart",
+            f"output_dir={tmp}/qs",
+            "progress=false",
+            *args.quickstart.split(),
+        ]
         env = {k: v for k, v in os.environ.items() if k not in WAIT_KEYS}
         start = time.perf_counter()
         proc = subprocess.run(argv, cwd=ROOT, env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
@@ -126,7 +163,7 @@ def run_quickstart(args) -> dict:
         for stage in ("sft", "grpo"):
             lines = Path(tmp, "qs", stage, "metrics.jsonl").read_text().splitlines()
             times = [r["step_time"] for r in map(json.loads, lines) if r.get("kind") == "train" and "step_time" in r]
-            stages[stage] = statistics.median(times[args.warmup:])
+            stages[stage] = statistics.median(times[args.warmup :])
     chosen = next((line for line in proc.stdout.splitlines() if line.startswith("[hardware] threads")), "")
     return {"wall": wall, "stages": stages, "chosen": chosen, "loadavg": loadavg()}
 
@@ -168,10 +205,18 @@ def measure(args, load: str, table: dict) -> dict[str, dict[str, dict]]:
                 result["loadavg"] = loadavg()
                 results[recipe][name].append(result)
                 stopped = f", stopped after {len(result['steps'])} steps" if result["stopped"] else ""
-                print(f"  {load:<5} {recipe:<5} {name:<13} median step {result['median']:.3f} s  "
-                      f"(wall {result['wall']:.0f} s{stopped}, load {result['loadavg']})  {result['chosen']}", flush=True)
-    return {recipe: {name: {"median": statistics.median(r["median"] for r in runs), "runs": runs}
-                     for name, runs in by_setting.items()} for recipe, by_setting in results.items()}
+                print(
+                    f"  {load:<5} {recipe:<5} {name:<13} median step {result['median']:.3f} s  "
+                    f"(wall {result['wall']:.0f} s{stopped}, load {result['loadavg']})  {result['chosen']}",
+                    flush=True,
+                )
+    return {
+        recipe: {
+            name: {"median": statistics.median(r["median"] for r in runs), "runs": runs}
+            for name, runs in by_setting.items()
+        }
+        for recipe, by_setting in results.items()
+    }
 
 
 def report(found: dict, table: dict) -> list[str]:
@@ -181,17 +226,22 @@ def report(found: dict, table: dict) -> list[str]:
         lines.append(f"  {'setting':<12}" + "".join(f"{load:>22}" for load in found))
         best = {load: min(v["median"] for v in found[load][recipe].values()) for load in found}
         for name in table:
-            cells = "".join(f"{found[load][recipe][name]['median']:>13.3f} ({found[load][recipe][name]['median'] / best[load]:4.2f}x)"
-                            for load in found)
+            cells = "".join(
+                f"{found[load][recipe][name]['median']:>13.3f} "
+                f"({found[load][recipe][name]['median'] / best[load]:4.2f}x)"
+                for load in found
+            )
             lines.append(f"  {name:<12}{cells}")
         if "quiet" in found and "busy" in found:
             default = f"t{len(os.sched_getaffinity(0))}"
             if "auto" not in table or default not in table:
                 continue
-            lines.append(f"  auto busy / best busy: {found['busy'][recipe]['auto']['median'] / best['busy']:.2f}x "
-                         f"(target <= 1.5x); auto quiet / {default} quiet (today's default): "
-                         f"{found['quiet'][recipe]['auto']['median'] / found['quiet'][recipe][default]['median']:.2f}x "
-                         "(target <= 1.03x)")
+            lines.append(
+                f"  auto busy / best busy: {found['busy'][recipe]['auto']['median'] / best['busy']:.2f}x "
+                f"(target <= 1.5x); auto quiet / {default} quiet (today's default): "
+                f"{found['quiet'][recipe]['auto']['median'] / found['quiet'][recipe][default]['median']:.2f}x "
+                "(target <= 1.03x)"
+            )
     return lines
 
 
@@ -199,35 +249,54 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipes", default="sft,grpo", help="comma-separated: sft, grpo")
     parser.add_argument("--loads", default="quiet,busy", help="comma-separated: quiet, busy")
-    parser.add_argument("--settings", default="", help="comma-separated: auto, t<N>, t<N>-passive, t<N>-spin<K> "
-                        "(default: auto and t<N>, t<N>-passive for N = 1, 2, cores)")
+    parser.add_argument(
+        "--settings",
+        default="",
+        help="comma-separated: auto, t<N>, t<N>-passive, t<N>-spin<K> "
+        "(default: auto and t<N>, t<N>-passive for N = 1, 2, cores)",
+    )
     parser.add_argument("--sft-steps", type=int, default=20)
     parser.add_argument("--grpo-steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=4, help="first steps left out of the median")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--hogs-per-core", type=int, default=2)
     parser.add_argument("--settle", type=float, default=60.0, help="longest wait for the load average (s)")
-    parser.add_argument("--budget", type=float, default=90.0, help="a run still going this many seconds after its "
-                        "first step is stopped (SIGINT) and its steps so far are used")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=90.0,
+        help="a run still going this many seconds after its "
+        "first step is stopped (SIGINT) and its steps so far are used",
+    )
     parser.add_argument("--json", default="", help="also write every step time here")
-    parser.add_argument("--quickstart", default="", help="instead: time `lmforge quickstart` with these key=value "
-                        "settings (e.g. 'sft_steps=150 grpo_steps=30 num_eval=50'), lmforge's own choice, per load")
+    parser.add_argument(
+        "--quickstart",
+        default="",
+        help="instead: time `lmforge quickstart` with these key=value "
+        "settings (e.g. 'sft_steps=150 grpo_steps=30 num_eval=50'), lmforge's own choice, per load",
+    )
     args = parser.parse_args()
     args.recipes = args.recipes.split(",")
     args.steps = {"sft": args.sft_steps, "grpo": args.grpo_steps}
     cores = len(os.sched_getaffinity(0))
     table = {name: setting(name) for name in (args.settings.split(",") if args.settings else default_settings(cores))}
-    print(f"bench_busy: {cores} cores, load average {loadavg()} at start; busy = {args.hogs_per_core * cores} "
-          f"spinning processes; settings {', '.join(table)}", flush=True)
+    print(
+        f"bench_busy: {cores} cores, load average {loadavg()} at start; busy = {args.hogs_per_core * cores} "
+        f"spinning processes; settings {', '.join(table)}",
+        flush=True,
+    )
     if args.quickstart:
         walls = {}
         for load in args.loads.split(","):
             with Hogs(args.hogs_per_core * cores if load == "busy" else 0) as hogs:
                 hogs.settle(args.settle)
                 result = walls[load] = run_quickstart(args)
-            print(f"  {load:<5} quickstart {args.quickstart}: {result['wall']:.0f} s (median step: sft "
-                  f"{result['stages']['sft']:.3f} s, grpo {result['stages']['grpo']:.3f} s; load {result['loadavg']})  "
-                  f"{result['chosen']}", flush=True)
+            print(
+                f"  {load:<5} quickstart {args.quickstart}: {result['wall']:.0f} s (median step: sft "
+                f"{result['stages']['sft']:.3f} s, grpo {result['stages']['grpo']:.3f} s; load {result['loadavg']})  "
+                f"{result['chosen']}",
+                flush=True,
+            )
         if len(walls) == 2:
             print(f"quickstart busy / quiet: {walls['busy']['wall'] / walls['quiet']['wall']:.2f}x (target <= 3x)")
         return

@@ -5,6 +5,7 @@ setting alone. Prints median step time, peak memory and the ratios.
 
     python benchmarks/bench_checkpointing.py [--hidden 256 --layers 8 --seq 512 --batch 8 --steps 4]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,12 @@ def one_setting(args) -> dict:
     from lmforge.runtime.optim import Precision, build_optimizer, build_scheduler, optimizer_step
 
     torch.set_num_threads(args.threads)
-    cfg = ModelConfig(hidden_size=args.hidden, num_layers=args.layers, num_heads=max(args.hidden // 64, 1),
-                      max_position_embeddings=args.seq + 1)
+    cfg = ModelConfig(
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=max(args.hidden // 64, 1),
+        max_position_embeddings=args.seq + 1,
+    )
     model = build_tiny("llama", cfg, char_tokenizer())
     if args.checkpointing:
         model.gradient_checkpointing_enable()
@@ -65,19 +70,27 @@ def main() -> None:
         return
     results = {}
     for flag in (False, True):
-        cmd = [sys.executable, __file__, "--child", *[f"--{k}={getattr(args, k)}" for k in
-               ("hidden", "layers", "seq", "batch", "steps", "threads")]] + (["--checkpointing"] if flag else [])
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            *[f"--{k}={getattr(args, k)}" for k in ("hidden", "layers", "seq", "batch", "steps", "threads")],
+        ] + (["--checkpointing"] if flag else [])
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)
         results[flag] = json.loads(out.stdout.strip().splitlines()[-1])
     off, on = results[False], results[True]
     print(f"model hidden={args.hidden} layers={args.layers}, batch {args.batch} x {args.seq} tokens, fp32 CPU")
     for name, r in (("off", off), ("on", on)):
-        print(f"checkpointing {name:>3}: median step {r['median_step_s']:.3f} s, peak RSS {r['peak_rss_gb']:.2f} GB "
-              f"(before training {r['rss_before_gb']:.2f} GB)")
+        print(
+            f"checkpointing {name:>3}: median step {r['median_step_s']:.3f} s, peak RSS {r['peak_rss_gb']:.2f} GB "
+            f"(before training {r['rss_before_gb']:.2f} GB)"
+        )
     act_off = off["peak_rss_gb"] - off["rss_before_gb"]
     act_on = on["peak_rss_gb"] - on["rss_before_gb"]
-    print(f"ratios (on / off): step time {on['median_step_s'] / off['median_step_s']:.2f}x, "
-          f"training memory growth {act_on / act_off:.2f}x")
+    print(
+        f"ratios (on / off): step time {on['median_step_s'] / off['median_step_s']:.2f}x, "
+        f"training memory growth {act_on / act_off:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ Target (issue: "the gradient synchronisation is nearly free"): T ranks reach at 
     python benchmarks/bench_ddp.py                  # 2 ranks vs 1 rank x 2 threads, 3 repeats
     python benchmarks/bench_ddp.py --repeats 5 --steps 30 --strategy fsdp2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,14 +42,37 @@ def corpus(path: Path, num_chars: int = 2_000_000) -> Path:
 
 def one_run(out: Path, text: Path, ranks: int, threads: int, args) -> dict:
     batch = args.batch
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}",
-           "-m", "lmforge", "pretrain", "model.name=tiny:llama", "model.tokenizer=char", f"model.hidden_size={args.hidden}",
-           f"model.num_layers={args.layers}", "model.num_heads=8", "model.max_position_embeddings=512",
-           f"data.files=[{text}]", "data.seq_len=256", "data.cache=false", f"train.batch_size={batch}",
-           f"train.micro_batch_size={batch // ranks}", f"train.max_steps={args.steps}", f"train.threads={threads}",
-           "train.dtype=fp32", "train.gradient_checkpointing='off'", "train.eval_every=0", "train.save_every=0",
-           "train.num_samples=0", "logging.progress=false", f"parallel.strategy={args.strategy}",
-           f"train.output_dir={out}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={ranks}",
+        f"--master_port={free_port()}",
+        "-m",
+        "lmforge",
+        "pretrain",
+        "model.name=tiny:llama",
+        "model.tokenizer=char",
+        f"model.hidden_size={args.hidden}",
+        f"model.num_layers={args.layers}",
+        "model.num_heads=8",
+        "model.max_position_embeddings=512",
+        f"data.files=[{text}]",
+        "data.seq_len=256",
+        "data.cache=false",
+        f"train.batch_size={batch}",
+        f"train.micro_batch_size={batch // ranks}",
+        f"train.max_steps={args.steps}",
+        f"train.threads={threads}",
+        "train.dtype=fp32",
+        "train.gradient_checkpointing='off'",
+        "train.eval_every=0",
+        "train.save_every=0",
+        "train.num_samples=0",
+        "logging.progress=false",
+        f"parallel.strategy={args.strategy}",
+        f"train.output_dir={out}",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -60,7 +84,9 @@ def one_run(out: Path, text: Path, ranks: int, threads: int, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=2, help="T: ranks of the parallel contestant = threads of the other")
+    parser.add_argument(
+        "--ranks", type=int, default=2, help="T: ranks of the parallel contestant = threads of the other"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run (median step time)")
     parser.add_argument("--batch", type=int, default=16, help="global batch (rows of 256 tokens)")
@@ -75,16 +101,21 @@ def main() -> None:
         text = corpus(Path(tmp) / "corpus.txt")
         for repeat in range(args.repeats):
             order = [(1, args.ranks), (args.ranks, 1)]
-            for ranks, threads in (order if repeat % 2 == 0 else order[::-1]):
+            for ranks, threads in order if repeat % 2 == 0 else order[::-1]:
                 name = "1 rank" if ranks == 1 else f"{args.ranks} ranks"
                 result = one_run(Path(tmp) / f"run-{repeat}-{ranks}", text, ranks, threads, args)
                 results[name].append(result)
-                print(f"[bench] repeat {repeat}: {name} x {threads} thread(s): median step "
-                      f"{result['median_step_s']:.3f} s, {result['tokens_per_s']:.0f} tok/s", flush=True)
+                print(
+                    f"[bench] repeat {repeat}: {name} x {threads} thread(s): median step "
+                    f"{result['median_step_s']:.3f} s, {result['tokens_per_s']:.0f} tok/s",
+                    flush=True,
+                )
     medians = {name: statistics.median(r["tokens_per_s"] for r in runs) for name, runs in results.items()}
     single, multi = medians["1 rank"], medians[f"{args.ranks} ranks"]
-    print(f"\n{args.strategy}: {args.ranks} ranks x 1 thread: {multi:.0f} tok/s; 1 rank x {args.ranks} threads: "
-          f"{single:.0f} tok/s (medians of {args.repeats})")
+    print(
+        f"\n{args.strategy}: {args.ranks} ranks x 1 thread: {multi:.0f} tok/s; 1 rank x {args.ranks} threads: "
+        f"{single:.0f} tok/s (medians of {args.repeats})"
+    )
     print(f"RESULT ratio={multi / single:.3f} target>=0.90 {'met' if multi / single >= 0.9 else 'NOT met'}")
 
 

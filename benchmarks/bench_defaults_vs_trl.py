@@ -23,6 +23,7 @@ lmforge's choice for this machine, applied to the whole process).
 
     python benchmarks/bench_defaults_vs_trl.py --sft --grpo --steps 3
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,23 +36,24 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_sft  # noqa: E402  (the SFT data and TRL SFT trainer)
-import bench_vs_trl  # noqa: E402  (the GRPO workload and TRL GRPO trainer)
+import bench_sft
+import bench_vs_trl
 
 from lmforge import rl
-from lmforge.runtime import hardware  # noqa: E402
-from lmforge.core.config import OptimConfig, TrainConfig  # noqa: E402
-from lmforge.data.sft import collate_sft  # noqa: E402
-from lmforge.model.load import load_model  # noqa: E402
-from lmforge.core.config import ModelConfig  # noqa: E402
-from lmforge.recipes.grpo import make_step  # noqa: E402
-from lmforge.recipes.sft import SFTConfig  # noqa: E402
-from lmforge.supervised.step import SupervisedData, supervised_step  # noqa: E402
-from lmforge.runtime.loop import build_state  # noqa: E402
-from lmforge.runtime.run import start_run  # noqa: E402
+from lmforge.core.config import (
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+)
+from lmforge.data.sft import collate_sft
+from lmforge.model.load import load_model
+from lmforge.recipes.grpo import make_step
+from lmforge.recipes.sft import SFTConfig
+from lmforge.runtime import hardware
+from lmforge.runtime.loop import build_state
+from lmforge.runtime.run import start_run
+from lmforge.supervised.step import SupervisedData, supervised_step
 
 
 def make_callback(lmforge_step, warmup: int, record: dict):
@@ -72,8 +74,10 @@ def make_callback(lmforge_step, warmup: int, record: dict):
             if timed:
                 record["trl"].append(trl)
                 record["lmforge"].append(lm)
-            print(f"  step {state['step']}{'' if timed else ' (warm-up)'}: trl {trl:6.1f} s  lmforge {lm:6.1f} s",
-                  flush=True)
+            print(
+                f"  step {state['step']}{'' if timed else ' (warm-up)'}: trl {trl:6.1f} s  lmforge {lm:6.1f} s",
+                flush=True,
+            )
             state["step"] += 1
             state["mark"] = time.perf_counter()
 
@@ -83,22 +87,42 @@ def make_callback(lmforge_step, warmup: int, record: dict):
 def summary(name: str, record: dict, lm_choice: str, trl_choice: str) -> dict:
     trl, lm = statistics.median(record["trl"]), statistics.median(record["lmforge"])
     paired = statistics.median(t / m for t, m in zip(record["trl"], record["lmforge"]))
-    print(f"RESULT {name}: trl {trl:.2f} s/step ({trl_choice}), lmforge {lm:.2f} s/step ({lm_choice}); "
-          f"trl / lmforge median {trl / lm:.2f}x, paired {paired:.2f}x", flush=True)
-    return {"workload": name, "trl_s": trl, "lmforge_s": lm, "ratio_median": trl / lm, "ratio_paired": paired,
-            "trl_settings": trl_choice, "lmforge_settings": lm_choice}
+    print(
+        f"RESULT {name}: trl {trl:.2f} s/step ({trl_choice}), lmforge {lm:.2f} s/step ({lm_choice}); "
+        f"trl / lmforge median {trl / lm:.2f}x, paired {paired:.2f}x",
+        flush=True,
+    )
+    return {
+        "workload": name,
+        "trl_s": trl,
+        "lmforge_s": lm,
+        "ratio_median": trl / lm,
+        "ratio_paired": paired,
+        "trl_settings": trl_choice,
+        "lmforge_settings": lm_choice,
+    }
 
 
 # ----------------------------------------------------------------------------- SFT
+
 
 def sft(args, out_dir: str) -> dict:
     model, tokenizer = load_model(ModelConfig(name="smollm2-135m-instruct"))
     rows = bench_sft.packed_rows(tokenizer, args.seq_len)
     total = args.warmup + args.steps
-    cfg = SFTConfig(optim=OptimConfig(lr=bench_sft.LR, weight_decay=0.0, warmup_steps=0, schedule="linear",
-                                      max_grad_norm=bench_sft.MAX_GRAD_NORM),
-                    train=TrainConfig(output_dir=f"{out_dir}/sft", max_steps=2 * total, batch_size=args.batch,
-                                      micro_batch_size=args.batch, threads=args.threads, device="cpu"))
+    cfg = SFTConfig(
+        optim=OptimConfig(
+            lr=bench_sft.LR, weight_decay=0.0, warmup_steps=0, schedule="linear", max_grad_norm=bench_sft.MAX_GRAD_NORM
+        ),
+        train=TrainConfig(
+            output_dir=f"{out_dir}/sft",
+            max_steps=2 * total,
+            batch_size=args.batch,
+            micro_batch_size=args.batch,
+            threads=args.threads,
+            device="cpu",
+        ),
+    )
     lm_model = copy.deepcopy(model)
     run = start_run(cfg, "bench", lm_model, seq_len=args.seq_len, console=bench_sft.Quiet())
     choice = f"dtype={str(run.choices.dtype).replace('torch.', '')}, checkpointing={run.choices.gradient_checkpointing}"
@@ -111,8 +135,16 @@ def sft(args, out_dir: str) -> dict:
         supervised_step(state, data, counter["step"])
 
     record = {"trl": [], "lmforge": []}
-    trainer = bench_sft.trl_trainer(model, tokenizer, rows, args, f"{out_dir}/trl_sft",
-                                    make_callback(lm_step, args.warmup, record), total, defaults=True)
+    trainer = bench_sft.trl_trainer(
+        model,
+        tokenizer,
+        rows,
+        args,
+        f"{out_dir}/trl_sft",
+        make_callback(lm_step, args.warmup, record),
+        total,
+        defaults=True,
+    )
     trl_choice = f"bf16={trainer.args.bf16}, gradient_checkpointing={trainer.args.gradient_checkpointing}"
     trainer.train()
     return summary("sft", record, choice, trl_choice)
@@ -120,11 +152,12 @@ def sft(args, out_dir: str) -> dict:
 
 # ----------------------------------------------------------------------------- GRPO
 
+
 def grpo(args, out_dir: str) -> dict:
     from trl import GRPOTrainer
 
     total = args.warmup + args.steps
-    cfg = bench_vs_trl.lmforge_config(0, 2 * total, 10 ** 6, f"{out_dir}/grpo", args.threads, [])
+    cfg = bench_vs_trl.lmforge_config(0, 2 * total, 10**6, f"{out_dir}/grpo", args.threads, [])
     model, tokenizer = load_model(cfg.model)
     algo = cfg.algo.resolved()
     state = rl.prepare(cfg, "bench", algo, copy.deepcopy(model), tokenizer)
@@ -138,10 +171,14 @@ def grpo(args, out_dir: str) -> dict:
 
     record = {"trl": [], "lmforge": []}
     trl_args = argparse.Namespace(trl_settings="defaults")
-    trainer = GRPOTrainer(model=model, reward_funcs=[bench_vs_trl.task_reward(state.prompts.task)],
-                          args=bench_vs_trl.trl_config(trl_args, 0, total, f"{out_dir}/trl_grpo"),
-                          train_dataset=bench_vs_trl.trl_dataset(state.prompts.problems), processing_class=tokenizer,
-                          callbacks=[make_callback(lm_step, args.warmup, record)])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[bench_vs_trl.task_reward(state.prompts.task)],
+        args=bench_vs_trl.trl_config(trl_args, 0, total, f"{out_dir}/trl_grpo"),
+        train_dataset=bench_vs_trl.trl_dataset(state.prompts.problems),
+        processing_class=tokenizer,
+        callbacks=[make_callback(lm_step, args.warmup, record)],
+    )
     trl_choice = f"bf16={trainer.args.bf16}, gradient_checkpointing={trainer.args.gradient_checkpointing}"
     trainer.train()
     return summary("grpo", record, choice, trl_choice)
@@ -172,8 +209,10 @@ def main() -> None:
     print("\n| workload | TRL defaults s/step | lmforge defaults s/step | TRL / lmforge (median, paired) |")
     print("|---|---|---|---|")
     for r in results:
-        print(f"| {r['workload']} | {r['trl_s']:.2f} ({r['trl_settings']}) | {r['lmforge_s']:.2f} "
-              f"({r['lmforge_settings']}) | {r['ratio_median']:.2f}x, {r['ratio_paired']:.2f}x |")
+        print(
+            f"| {r['workload']} | {r['trl_s']:.2f} ({r['trl_settings']}) | {r['lmforge_s']:.2f} "
+            f"({r['lmforge_settings']}) | {r['ratio_median']:.2f}x, {r['ratio_paired']:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

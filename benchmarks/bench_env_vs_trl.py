@@ -65,6 +65,7 @@ and for each ``--target`` each side's training time until the held-out success r
     python benchmarks/bench_env_vs_trl.py --env textarena --steps 8 --eval-every 4 --eval-games 16
     python benchmarks/bench_env_vs_trl.py --quick                # a few steps, to see it run
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,21 +86,34 @@ if __name__ == "__main__":  # env.name imports this module by name: let it find 
 GAME = "GuessTheNumber-v0"
 # How TEMPLATE renders an assistant message's ``tool_calls`` (TRL renders them; lmforge's replies carry
 # their calls as text, so for lmforge TEMPLATE is char:ascii's own tool template)
-CALLS = ("{% for call in message.get('tool_calls') or [] %}{% set fn = call.get('function', call) %}"
-         "{{ '<tool_call>\n' + {'name': fn['name'], 'arguments': fn['arguments']} | tojson + '\n</tool_call>' }}"
-         "{% endfor %}")
+CALLS = (
+    "{% for call in message.get('tool_calls') or [] %}{% set fn = call.get('function', call) %}"
+    "{{ '<tool_call>\n' + {'name': fn['name'], 'arguments': fn['arguments']} | tojson + '\n</tool_call>' }}"
+    "{% endfor %}"
+)
 TEMPLATE = (
     "{% if tools %}{{ '<|system|>\n' }}{% for tool in tools %}{% set fn = tool.get('function', tool) %}"
     "{{ fn['name'] + '(' + (fn.get('parameters', {}).get('properties', {}) | join(', ')) + ')' }}"
     "{% if not loop.last %}{{ ' ' }}{% endif %}{% endfor %}{{ eos_token + '\n' }}{% endif %}"
     "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + (message['content'] or '') }}"
-    + CALLS + "{{ eos_token + '\n' }}{% endfor %}"
+    + CALLS
+    + "{{ eos_token + '\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
-RESPONSE_TEMPLATE = {"defaults": {"role": "assistant"}, "start_anchor": "<|assistant|>\n", "fields": {
-    "tool_calls": {"open": "<tool_call>", "close_pattern": "</tool_call>\\s*", "repeats": True, "content": "json",
-                   "transform": {"type": "function", "function": "{content}"}},
-    "content": {"close_pattern": "<eos>\\s*", "content": "text"}}}
+RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|assistant|>\n",
+    "fields": {
+        "tool_calls": {
+            "open": "<tool_call>",
+            "close_pattern": "</tool_call>\\s*",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
+        "content": {"close_pattern": "<eos>\\s*", "content": "text"},
+    },
+}
 _GAMES: dict = {}  # the one TextArenaGame (lmforge.envs.textarena), built on first use
 
 
@@ -117,6 +131,7 @@ def textarena_game():
 # ``_played`` (set by ``reset``: which problem the episode plays).
 
 PLAYED: dict = {"trl": set(), "lmforge": set()}  # the problems each side played since the last clear()
+
 
 class Arena:
     """One TextArena game behind the tool ``move`` (``--env textarena``, module doc)."""
@@ -201,8 +216,11 @@ class ToolLoop:
 
         instance = self.game()
         # TRL's tools: the class's public methods but reset
-        self.tool_names = [name for name in sorted(vars(self.game))
-                           if not name.startswith("_") and name != "reset" and callable(getattr(instance, name))]
+        self.tool_names = [
+            name
+            for name in sorted(vars(self.game))
+            if not name.startswith("_") and name != "reset" and callable(getattr(instance, name))
+        ]
         self.tools = [function_schema(getattr(instance, name)) for name in self.tool_names]
 
     def reset(self, problem, state):
@@ -241,13 +259,22 @@ class CalcGame(ToolLoop):
 
 # ----------------------------------------------------------------------------- the warm start
 
+
 def bench_model(seed: int = 0):
     from lmforge.core.config import ModelConfig
     from lmforge.model.load import load_model
 
     torch.manual_seed(seed)
-    model, tok = load_model(ModelConfig(name="tiny:llama", tokenizer="char:ascii", hidden_size=64, num_layers=2,
-                                        num_heads=4, max_position_embeddings=2048))
+    model, tok = load_model(
+        ModelConfig(
+            name="tiny:llama",
+            tokenizer="char:ascii",
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            max_position_embeddings=2048,
+        )
+    )
     tok.chat_template = TEMPLATE
     tok.response_template = RESPONSE_TEMPLATE
     return model, tok
@@ -265,7 +292,7 @@ def demonstration(tok, tools, seed: int) -> tuple[list[int], list[int]]:
         guess = (low + high) // 2
         reply = format_tool_calls([ToolCall("move", {"action": f"[{guess}]"}, "c")]) if low <= high else "done"
         before = render_messages(tok, messages, tools, add_generation_prompt=True)
-        new = tok(before, add_special_tokens=False)["input_ids"][len(ids):]
+        new = tok(before, add_special_tokens=False)["input_ids"][len(ids) :]
         reply_ids = tok(reply, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         ids, mask = ids + new + reply_ids, mask + [0] * len(new) + [1] * len(reply_ids)
         messages.append({"role": "assistant", "content": reply})
@@ -300,8 +327,11 @@ def warm_up(model, tok, seeds: list[int], steps: int, lr: float = 1e-2, batch: i
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    print(f"[bench] warm-up: {steps} steps on {len(demos)} scripted games, last loss {loss.item():.3f} "
-          f"({time.perf_counter() - start:.0f} s)", flush=True)
+    print(
+        f"[bench] warm-up: {steps} steps on {len(demos)} scripted games, last loss {loss.item():.3f} "
+        f"({time.perf_counter() - start:.0f} s)",
+        flush=True,
+    )
     return time.perf_counter() - start
 
 
@@ -310,13 +340,39 @@ def warm_up(model, tok, seeds: list[int], steps: int, lr: float = 1e-2, batch: i
 # What differs between the two environments; every key but env and task is also a command-line option (main).
 SETTINGS = {
     # GuessTheNumber from a 120-step warm-up of a random model (bench_model, warm_up)
-    "textarena": dict(env="MoveGame", task="seeds", steps=30, prompts=2, group=4, turns=8, episode_tokens=400,
-                      temperature=0.5, lr=1e-4, eval_every=10, eval_games=32, target=[0.5], micro_batch=0,
-                      draft_tokens=0),
+    "textarena": dict(
+        env="MoveGame",
+        task="seeds",
+        steps=30,
+        prompts=2,
+        group=4,
+        turns=8,
+        episode_tokens=400,
+        temperature=0.5,
+        lr=1e-4,
+        eval_every=10,
+        eval_games=32,
+        target=[0.5],
+        micro_batch=0,
+        draft_tokens=0,
+    ),
     # multiplication with the calculator tool from examples/grpo_calculator.yaml's start and settings
-    "calculator": dict(env="CalcGame", task="multiplication:digits=3", steps=8, prompts=8, group=8, turns=3,
-                       episode_tokens=200, temperature=0.6, lr=2e-5, eval_every=1, eval_games=200,
-                       target=[0.5, 0.6, 0.7, 0.8], micro_batch=16, draft_tokens=8),
+    "calculator": dict(
+        env="CalcGame",
+        task="multiplication:digits=3",
+        steps=8,
+        prompts=8,
+        group=8,
+        turns=3,
+        episode_tokens=200,
+        temperature=0.6,
+        lr=2e-5,
+        eval_every=1,
+        eval_games=200,
+        target=[0.5, 0.6, 0.7, 0.8],
+        micro_batch=16,
+        draft_tokens=8,
+    ),
 }
 
 
@@ -326,23 +382,58 @@ def lmforge_state(model, tok, args, out_dir: str):
     from lmforge.core.config import load_config
     from lmforge.recipes.grpo import GRPOConfig
 
-    cfg = load_config(GRPOConfig, None, [
-        f"data.task={args.task}", "data.num_train=4096", "data.num_eval=0", "data.use_chat_template='on'",
-        f"env.name=bench_env_vs_trl:{args.env}", f"env.max_turns={args.turns}",
-        f"env.max_episode_tokens={args.episode_tokens}", "env.max_invalid_calls=0", "env.workers=2",
-        f"env.draft_tokens={args.draft_tokens}",
-        f"rollout.num_prompts={args.prompts}", f"rollout.group_size={args.group}",
-        f"rollout.temperature={args.temperature}",
-        "rollout.top_k=0", "rollout.top_p=1.0", f"rollout.max_new_tokens={args.episode_tokens}",
-        "rewards.functions=[]", "algo.advantage=group_norm", "algo.loss_type=token_clip",
-        "algo.aggregation=seq_mean_token_mean", "algo.skip_zero_advantage=true", "algo.eps_low=0.2",
-        "algo.eps_high=0.2", "algo.kl_coef=0.0", "algo.entropy_coef=0.0", "algo.num_iterations=1",
-        "algo.num_mini_batches=1", f"optim.lr={args.lr}", "optim.schedule=constant", "optim.warmup_steps=0",
-        "optim.weight_decay=0.0", "optim.beta1=0.9", "optim.beta2=0.999", "optim.eps=1e-8",
-        "optim.max_grad_norm=1.0", f"train.micro_batch_size={args.micro_batch or args.prompts * args.group}",
-        "train.gradient_checkpointing='off'", "train.dtype=fp32", "train.device=cpu", f"train.seed={args.seed}",
-        f"train.max_steps={args.steps}", f"train.output_dir={out_dir}", "train.save_every=0",
-        "train.eval_every=0", "logging.progress=false", "train.threads=2"])
+    cfg = load_config(
+        GRPOConfig,
+        None,
+        [
+            f"data.task={args.task}",
+            "data.num_train=4096",
+            "data.num_eval=0",
+            "data.use_chat_template='on'",
+            f"env.name=bench_env_vs_trl:{args.env}",
+            f"env.max_turns={args.turns}",
+            f"env.max_episode_tokens={args.episode_tokens}",
+            "env.max_invalid_calls=0",
+            "env.workers=2",
+            f"env.draft_tokens={args.draft_tokens}",
+            f"rollout.num_prompts={args.prompts}",
+            f"rollout.group_size={args.group}",
+            f"rollout.temperature={args.temperature}",
+            "rollout.top_k=0",
+            "rollout.top_p=1.0",
+            f"rollout.max_new_tokens={args.episode_tokens}",
+            "rewards.functions=[]",
+            "algo.advantage=group_norm",
+            "algo.loss_type=token_clip",
+            "algo.aggregation=seq_mean_token_mean",
+            "algo.skip_zero_advantage=true",
+            "algo.eps_low=0.2",
+            "algo.eps_high=0.2",
+            "algo.kl_coef=0.0",
+            "algo.entropy_coef=0.0",
+            "algo.num_iterations=1",
+            "algo.num_mini_batches=1",
+            f"optim.lr={args.lr}",
+            "optim.schedule=constant",
+            "optim.warmup_steps=0",
+            "optim.weight_decay=0.0",
+            "optim.beta1=0.9",
+            "optim.beta2=0.999",
+            "optim.eps=1e-8",
+            "optim.max_grad_norm=1.0",
+            f"train.micro_batch_size={args.micro_batch or args.prompts * args.group}",
+            "train.gradient_checkpointing='off'",
+            "train.dtype=fp32",
+            "train.device=cpu",
+            f"train.seed={args.seed}",
+            f"train.max_steps={args.steps}",
+            f"train.output_dir={out_dir}",
+            "train.save_every=0",
+            "train.eval_every=0",
+            "logging.progress=false",
+            "train.threads=2",
+        ],
+    )
     algo = cfg.algo.resolved()
     return rl.prepare(cfg, "bench_env_vs_trl", algo, model=model, tokenizer=tok), algo, cfg
 
@@ -350,7 +441,8 @@ def lmforge_state(model, tok, args, out_dir: str):
 def trl_trainer(model, tok, args, out_dir: str, callback, train_problems: list):
     from datasets import Dataset
     from transformers.utils import logging as hf_logging
-    from trl import GRPOConfig as TRLConfig, GRPOTrainer
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     hf_logging.set_verbosity_error()
@@ -359,18 +451,52 @@ def trl_trainer(model, tok, args, out_dir: str, callback, train_problems: list):
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": ""}], **game._row(p)} for p in train_problems])
     # read in order: row i is the problem lmforge plays at step i // prompts + 1 (lmforge_problems)
     config = TRLConfig(
-        output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        per_device_train_batch_size=micro, gradient_accumulation_steps=args.prompts * args.group // micro,
-        num_generations=args.group, max_completion_length=args.episode_tokens,
-        max_tool_calling_iterations=args.turns - 1, temperature=args.temperature, top_p=1.0, top_k=0, beta=0.0,
-        num_iterations=1, epsilon=0.2, loss_type="grpo", scale_rewards="group", learning_rate=args.lr,
-        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
-        adam_epsilon=1e-8, max_grad_norm=1.0, max_steps=args.steps, logging_steps=1, save_strategy="no",
-        report_to="none", dataloader_num_workers=0, disable_tqdm=True, seed=args.seed, log_completions=False,
+        output_dir=out_dir,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=args.prompts * args.group // micro,
+        num_generations=args.group,
+        max_completion_length=args.episode_tokens,
+        max_tool_calling_iterations=args.turns - 1,
+        temperature=args.temperature,
+        top_p=1.0,
+        top_k=0,
+        beta=0.0,
+        num_iterations=1,
+        epsilon=0.2,
+        loss_type="grpo",
+        scale_rewards="group",
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        max_grad_norm=1.0,
+        max_steps=args.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=args.seed,
+        log_completions=False,
         shuffle_dataset=False,
-        use_transformers_continuous_batching=args.trl_continuous_batching)
-    return GRPOTrainer(model=model, args=config, reward_funcs=[trl_reward], train_dataset=dataset,
-                       processing_class=tok, environment_factory=game, callbacks=[callback])
+        use_transformers_continuous_batching=args.trl_continuous_batching,
+    )
+    return GRPOTrainer(
+        model=model,
+        args=config,
+        reward_funcs=[trl_reward],
+        train_dataset=dataset,
+        processing_class=tok,
+        environment_factory=game,
+        callbacks=[callback],
+    )
 
 
 def lmforge_problems(state, steps: int) -> list:
@@ -396,10 +522,13 @@ def check_same_prompt(trainer, state, args, problem) -> None:
     game = env.game()
     prompt = [{"role": "user", "content": game.reset(**game._row(problem))}]
     tools = [getattr(game, t["function"]["name"]) for t in env.tools]
-    theirs = trainer.processing_class.apply_chat_template(prompt, tools=tools, add_generation_prompt=True,
-                                                          tokenize=True, return_dict=False)
-    print(f"[bench] first-prompt token ids identical on both sides: {list(theirs) == list(ours)} "
-          f"({len(ours)} tokens)", flush=True)
+    theirs = trainer.processing_class.apply_chat_template(
+        prompt, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    print(
+        f"[bench] first-prompt token ids identical on both sides: {list(theirs) == list(ours)} ({len(ours)} tokens)",
+        flush=True,
+    )
 
 
 def start_model(args):
@@ -413,26 +542,34 @@ def start_model(args):
     from lmforge.model.load import load_model
 
     if not os.path.isdir(args.start):
-        sys.exit(f"--start {args.start}: no such checkpoint directory; make it with the three commands in "
-                 f"examples/sft_calculator.yaml's header (~10 min on 2 cores), or pass the path of yours")
+        sys.exit(
+            f"--start {args.start}: no such checkpoint directory; make it with the three commands in "
+            f"examples/sft_calculator.yaml's header (~10 min on 2 cores), or pass the path of yours"
+        )
     model, tok = load_model(ModelConfig(name=args.start, tokenizer=""))
     # TEMPLATE renders lmforge's messages (calls as text) as the checkpoint's own template does, and
     # also renders TRL's ``tool_calls``; checked on one whole episode
-    episode = [{"role": "user", "content": "12*34="}, {"role": "assistant", "content": format_tool_calls(
-        [ToolCall("calculator", {"expression": "12*34"}, "")])}, {"role": "tool", "content": "408"},
-        {"role": "assistant", "content": "408"}]
+    episode = [
+        {"role": "user", "content": "12*34="},
+        {"role": "assistant", "content": format_tool_calls([ToolCall("calculator", {"expression": "12*34"}, "")])},
+        {"role": "tool", "content": "408"},
+        {"role": "assistant", "content": "408"},
+    ]
     texts = [render_messages(tok, episode, CalcGame().tools, add_generation_prompt=False)]
     tok.chat_template = TEMPLATE
     texts.append(render_messages(tok, episode, CalcGame().tools, add_generation_prompt=False))
     if texts[0] != texts[1]:
-        sys.exit(f"--start {args.start}: its chat template renders a calculator episode otherwise than this "
-                 f"bench's TEMPLATE; the bench runs the char-level model of examples/sft_calculator.yaml")
+        sys.exit(
+            f"--start {args.start}: its chat template renders a calculator episode otherwise than this "
+            f"bench's TEMPLATE; the bench runs the char-level model of examples/sft_calculator.yaml"
+        )
     tok.response_template = RESPONSE_TEMPLATE
     print(f"[bench] start: {args.start}", flush=True)
     return model, tok
 
 
 # ----------------------------------------------------------------------------- alternating
+
 
 def run(args) -> None:
     from transformers import TrainerCallback
@@ -449,8 +586,9 @@ def run(args) -> None:
     model, tok = start_model(args)
     out = tempfile.mkdtemp(prefix="bench_env_vs_trl_")
     state, algo, cfg = lmforge_state(copy.deepcopy(model), tok, args, os.path.join(out, "lmforge"))
-    evaluate = episode_evaluator(cfg.env, tok, eval_problems, task, [], args.episode_tokens,
-                                 model.config.max_position_embeddings, 10.0, 1)
+    evaluate = episode_evaluator(
+        cfg.env, tok, eval_problems, task, [], args.episode_tokens, model.config.max_position_embeddings, 10.0, 1
+    )
     lm_step = rl.synced_steps(state, make_step(state, algo))
     log = {"trl": [], "lmforge": []}  # (step, training seconds so far, episodes so far, accuracy)
     clock = {"trl": 0.0, "lmforge": 0.0, "mark": 0.0, "step": 0, "different_problems": []}
@@ -459,8 +597,10 @@ def run(args) -> None:
         for side, policy in (("trl", trl_model), ("lmforge", state.model)):
             accuracy = evaluate(policy)[0]["accuracy"]
             log[side].append((step, clock[side], step * args.prompts * args.group, accuracy))
-        print(f"[eval {step:3d}] held-out success: trl {log['trl'][-1][3]:.3f}  lmforge {log['lmforge'][-1][3]:.3f}",
-              flush=True)
+        print(
+            f"[eval {step:3d}] held-out success: trl {log['trl'][-1][3]:.3f}  lmforge {log['lmforge'][-1][3]:.3f}",
+            flush=True,
+        )
 
     class Alternate(TrainerCallback):
         def on_train_begin(self, _args, _state, _control, model=None, **_):
@@ -476,17 +616,24 @@ def run(args) -> None:
             start = time.perf_counter()
             metrics = lm_step(step)
             clock["lmforge"] += time.perf_counter() - start
-            expected = set(problem_keys[(step - 1) * args.prompts:step * args.prompts])
+            expected = set(problem_keys[(step - 1) * args.prompts : step * args.prompts])
             if not PLAYED["trl"] == PLAYED["lmforge"] == expected:
                 clock["different_problems"].append(step)
-            print(f"step {step:3d}: trl {clock['trl']:7.1f}s  lmforge {clock['lmforge']:7.1f}s  (lmforge reward "
-                  f"{float(metrics['reward']):.2f}, turns {float(metrics['turns_per_episode']):.1f}, policy tokens "
-                  f"{float(metrics['completion_len_mean']):.0f} of {float(metrics['episode_len_mean']):.0f}; gen "
-                  f"{float(metrics['time_generation']):.1f}s env {float(metrics['time_env']):.1f}s train "
-                  f"{float(metrics['time_training']):.1f}s"
-                  + (f"; drafts {float(metrics['draft_tokens_per_episode']):.0f} an episode, "
-                     f"{100 * float(metrics['draft_acceptance']):.0f}% kept" if "draft_acceptance" in metrics else "")
-                  + ")", flush=True)
+            print(
+                f"step {step:3d}: trl {clock['trl']:7.1f}s  lmforge {clock['lmforge']:7.1f}s  (lmforge reward "
+                f"{float(metrics['reward']):.2f}, turns {float(metrics['turns_per_episode']):.1f}, policy tokens "
+                f"{float(metrics['completion_len_mean']):.0f} of {float(metrics['episode_len_mean']):.0f}; gen "
+                f"{float(metrics['time_generation']):.1f}s env {float(metrics['time_env']):.1f}s train "
+                f"{float(metrics['time_training']):.1f}s"
+                + (
+                    f"; drafts {float(metrics['draft_tokens_per_episode']):.0f} an episode, "
+                    f"{100 * float(metrics['draft_acceptance']):.0f}% kept"
+                    if "draft_acceptance" in metrics
+                    else ""
+                )
+                + ")",
+                flush=True,
+            )
             if step % args.eval_every == 0 or step == args.steps:
                 evaluate_both(model, step)
             for played in PLAYED.values():
@@ -501,14 +648,19 @@ def run(args) -> None:
     trainer.train()
     print(f"[bench] trl's last step: {trl_tool_use(trainer)}", flush=True)
     different = clock["different_problems"]
-    print(f"[bench] the same problems on both sides at every step: {not different}"
-          + (f" (not at steps {different})" if different else ""), flush=True)
+    print(
+        f"[bench] the same problems on both sides at every step: {not different}"
+        + (f" (not at steps {different})" if different else ""),
+        flush=True,
+    )
     evaluate.close()
     state.source.close()
     report(log, args)
     if different:  # the ratios above then compare runs on different problems: say so, and fail
-        sys.exit(f"[result] the two sides played different problems at steps {different}: the times above do "
-                 f"not compare the same training problems")
+        sys.exit(
+            f"[result] the two sides played different problems at steps {different}: the times above do "
+            f"not compare the same training problems"
+        )
 
 
 def report(log: dict, args) -> None:
@@ -517,17 +669,25 @@ def report(log: dict, args) -> None:
     for side, rows in log.items():
         step, seconds, episodes, _ = rows[-1]
         rates[side] = episodes / seconds
-        print(f"[result] {side:8s}: {episodes} episodes in {seconds:.1f} s of training steps = "
-              f"{rates[side]:.2f} episodes/s; held-out success {rows[0][3]:.3f} -> {rows[-1][3]:.3f} "
-              f"(best {max(r[3] for r in rows):.3f})", flush=True)
+        print(
+            f"[result] {side:8s}: {episodes} episodes in {seconds:.1f} s of training steps = "
+            f"{rates[side]:.2f} episodes/s; held-out success {rows[0][3]:.3f} -> {rows[-1][3]:.3f} "
+            f"(best {max(r[3] for r in rows):.3f})",
+            flush=True,
+        )
     print(f"[result] episodes/s lmforge / trl = {rates['lmforge'] / rates['trl']:.2f}", flush=True)
     for target in args.target:
         reached = {side: next((r for r in rows if r[3] >= target), None) for side, rows in log.items()}
         when = {side: f"{r[1]:.1f} s (step {r[0]})" if r else "not reached" for side, r in reached.items()}
-        ratio = (f"; trl / lmforge = {reached['trl'][1] / reached['lmforge'][1]:.2f}"
-                 if reached["trl"] and reached["lmforge"] and reached["lmforge"][1] > 0 else "")
-        print(f"[result] time to held-out success {target:.2f}: trl {when['trl']}, lmforge {when['lmforge']}{ratio}",
-              flush=True)
+        ratio = (
+            f"; trl / lmforge = {reached['trl'][1] / reached['lmforge'][1]:.2f}"
+            if reached["trl"] and reached["lmforge"] and reached["lmforge"][1] > 0
+            else ""
+        )
+        print(
+            f"[result] time to held-out success {target:.2f}: trl {when['trl']}, lmforge {when['lmforge']}{ratio}",
+            flush=True,
+        )
 
 
 def trl_tool_use(trainer) -> str:
@@ -538,34 +698,66 @@ def trl_tool_use(trainer) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--env", dest="env_name", choices=sorted(SETTINGS), default="calculator",
-                        help="the environment and its default settings (default calculator; module doc)")
-    parser.add_argument("--start", default="runs/sft_calculator3/final",
-                        help="calculator: the warm checkpoint both sides start from (default "
-                             "runs/sft_calculator3/final, examples/sft_calculator.yaml's third run)")
+    parser.add_argument(
+        "--env",
+        dest="env_name",
+        choices=sorted(SETTINGS),
+        default="calculator",
+        help="the environment and its default settings (default calculator; module doc)",
+    )
+    parser.add_argument(
+        "--start",
+        default="runs/sft_calculator3/final",
+        help="calculator: the warm checkpoint both sides start from (default "
+        "runs/sft_calculator3/final, examples/sft_calculator.yaml's third run)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="both sides' training seed (default 0)")
-    for key, kind, text in (("steps", int, "GRPO steps per side"), ("prompts", int, "problems per step"),
-                            ("group", int, "episodes per problem"), ("turns", int, "replies per episode"),
-                            ("episode_tokens", int, "tokens after the first prompt"),
-                            ("temperature", float, "sampling temperature of both sides"),
-                            ("lr", float, "AdamW learning rate"),
-                            ("eval_every", int, "steps between held-out evaluations"),
-                            ("eval_games", int, "held-out problems per evaluation"),
-                            ("target", float, "held-out success rates to time (one or more)"),
-                            ("micro_batch", int, "rows per forward and backward on both sides (lmforge "
-                             "train.micro_batch_size; TRL per_device_train_batch_size, gradient_accumulation_steps "
-                             "making up the batch): the same update either way; 0: the whole batch in one"),
-                            ("draft_tokens", int, "lmforge's env.draft_tokens (speculative decoding from n-gram "
-                             "drafts: the same tokens, fewer model calls; 0: off)")):
+    for key, kind, text in (
+        ("steps", int, "GRPO steps per side"),
+        ("prompts", int, "problems per step"),
+        ("group", int, "episodes per problem"),
+        ("turns", int, "replies per episode"),
+        ("episode_tokens", int, "tokens after the first prompt"),
+        ("temperature", float, "sampling temperature of both sides"),
+        ("lr", float, "AdamW learning rate"),
+        ("eval_every", int, "steps between held-out evaluations"),
+        ("eval_games", int, "held-out problems per evaluation"),
+        ("target", float, "held-out success rates to time (one or more)"),
+        (
+            "micro_batch",
+            int,
+            "rows per forward and backward on both sides (lmforge "
+            "train.micro_batch_size; TRL per_device_train_batch_size, gradient_accumulation_steps "
+            "making up the batch): the same update either way; 0: the whole batch in one",
+        ),
+        (
+            "draft_tokens",
+            int,
+            "lmforge's env.draft_tokens (speculative decoding from n-gram "
+            "drafts: the same tokens, fewer model calls; 0: off)",
+        ),
+    ):
         defaults = ", ".join(f"{name} {values[key]}" for name, values in SETTINGS.items())
-        parser.add_argument("--" + key.replace("_", "-"), type=kind, nargs="+" if key == "target" else None,
-                            help=f"{text} (default: {defaults})")
-    parser.add_argument("--sft-steps", type=int, default=120,
-                        help="textarena: warm-up steps on scripted games (default 120)")
-    parser.add_argument("--trl-micro-batch", type=int, default=None,
-                        help="TRL's alone, when it differs from --micro-batch (0: the whole batch)")
-    parser.add_argument("--trl-continuous-batching", action="store_true",
-                        help="TRL generates with transformers' continuous batching (default: model.generate)")
+        parser.add_argument(
+            "--" + key.replace("_", "-"),
+            type=kind,
+            nargs="+" if key == "target" else None,
+            help=f"{text} (default: {defaults})",
+        )
+    parser.add_argument(
+        "--sft-steps", type=int, default=120, help="textarena: warm-up steps on scripted games (default 120)"
+    )
+    parser.add_argument(
+        "--trl-micro-batch",
+        type=int,
+        default=None,
+        help="TRL's alone, when it differs from --micro-batch (0: the whole batch)",
+    )
+    parser.add_argument(
+        "--trl-continuous-batching",
+        action="store_true",
+        help="TRL generates with transformers' continuous batching (default: model.generate)",
+    )
     parser.add_argument("--quick", action="store_true", help="3 steps, 8 held-out games: to see it run")
     args = parser.parse_args()
     for key, value in SETTINGS[args.env_name].items():
@@ -574,7 +766,9 @@ def main() -> None:
     batch = args.prompts * args.group
     for name, micro in (("--micro-batch", args.micro_batch), ("--trl-micro-batch", args.trl_micro_batch)):
         if micro is not None and (micro < 0 or (micro and batch % micro)):
-            parser.error(f"{name} {micro} must divide the batch, --prompts x --group = {batch} (or be 0: the whole batch)")
+            parser.error(
+                f"{name} {micro} must divide the batch, --prompts x --group = {batch} (or be 0: the whole batch)"
+            )
     if args.quick:
         args.steps, args.eval_every, args.eval_games = 3, 3, 8
     torch.set_num_threads(2)

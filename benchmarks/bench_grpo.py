@@ -8,7 +8,8 @@ TRL's chat-template token ids equal lmforge's). Reward: the task's ``exact`` sco
 
 The same work by default: lmforge trains every row as TRL does (``algo.skip_zero_advantage=false``;
 ``--shipped-defaults`` turns lmforge's default skip of zero-advantage groups back on, and the ratio then
-counts rows lmforge did not train). Same loss settings on both sides: no KL term (lmforge ``algo.kl_coef=0``, TRL ``beta=0``: no
+counts rows lmforge did not train). Same loss settings on both sides: no KL term (lmforge ``algo.kl_coef=0``, TRL
+``beta=0``: no
 reference model), one iteration / one mini-batch (on-policy: both take old logprobs from the
 update's own forward, ratio 1), clip 0.2 / 0.2, temperature 1, no top-k / top-p, group-std
 normalised advantages (Bessel std; eps 1e-6 lmforge, 1e-4 TRL), per-sequence token mean then mean
@@ -37,6 +38,7 @@ first ``--warmup`` steps of each are not timed.
     python benchmarks/bench_grpo.py --quick          # tiny random Llama (SmolLM2 tokenizer), seconds
     python benchmarks/bench_grpo.py --no-trl --profile   # lmforge only, + torch.profiler of one step
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,10 +55,10 @@ import warnings
 import torch
 
 from lmforge import rl
-from lmforge.rl import config as rl_config
 from lmforge.core.config import ModelConfig, load_config
 from lmforge.model.load import count_parameters, load_model, resolve_pretrained
 from lmforge.recipes.grpo import GRPOConfig, make_step
+from lmforge.rl import config as rl_config
 
 LR, BETA2, MAX_GRAD_NORM, CLIP_EPS, TEMPERATURE = 1e-6, 0.999, 1.0, 0.2, 1.0
 
@@ -76,23 +78,49 @@ class NoStopTokenizer:
 
 # ----------------------------------------------------------------------------- lmforge
 
+
 def lmforge_state(model, tokenizer, args, out_dir: str, total_steps: int):
     """The state ``run_grpo`` builds (``rl.prepare``) for the benchmark's settings, and the resolved algo."""
     overrides = [
-        "data.task=arith_chat", "data.num_train=256", "data.num_eval=0", "data.use_chat_template='on'",
-        f"rollout.num_prompts={args.prompts}", f"rollout.group_size={args.samples}",
-        f"rollout.temperature={TEMPERATURE}", "rollout.top_k=0", "rollout.top_p=1.0",
-        f"rollout.max_new_tokens={args.new_tokens}", "rewards.functions=[exact]",
-        "algo.advantage=group_norm", "algo.loss_type=token_clip", "algo.aggregation=seq_mean_token_mean",
-        f"algo.eps_low={CLIP_EPS}", f"algo.eps_high={CLIP_EPS}", "algo.kl_coef=0.0", "algo.entropy_coef=0.0",
-        "algo.num_iterations=1", "algo.num_mini_batches=1",
+        "data.task=arith_chat",
+        "data.num_train=256",
+        "data.num_eval=0",
+        "data.use_chat_template='on'",
+        f"rollout.num_prompts={args.prompts}",
+        f"rollout.group_size={args.samples}",
+        f"rollout.temperature={TEMPERATURE}",
+        "rollout.top_k=0",
+        "rollout.top_p=1.0",
+        f"rollout.max_new_tokens={args.new_tokens}",
+        "rewards.functions=[exact]",
+        "algo.advantage=group_norm",
+        "algo.loss_type=token_clip",
+        "algo.aggregation=seq_mean_token_mean",
+        f"algo.eps_low={CLIP_EPS}",
+        f"algo.eps_high={CLIP_EPS}",
+        "algo.kl_coef=0.0",
+        "algo.entropy_coef=0.0",
+        "algo.num_iterations=1",
+        "algo.num_mini_batches=1",
         # the same work as TRL, which trains every row: lmforge's default skips zero-advantage rows
         f"algo.skip_zero_advantage={'true' if args.shipped_defaults else 'false'}",
-        f"optim.lr={LR}", "optim.schedule=constant", "optim.warmup_steps=0", "optim.weight_decay=0.0",
-        "optim.beta1=0.9", f"optim.beta2={BETA2}", "optim.eps=1e-8", f"optim.max_grad_norm={MAX_GRAD_NORM}",
-        f"train.micro_batch_size={args.prompts * args.samples}", "train.gradient_checkpointing='off'",
-        "train.dtype=fp32", "train.device=cpu", f"train.max_steps={total_steps}", f"train.output_dir={out_dir}",
-        "train.save_every=0", "logging.progress=false", f"train.threads={args.threads}",
+        f"optim.lr={LR}",
+        "optim.schedule=constant",
+        "optim.warmup_steps=0",
+        "optim.weight_decay=0.0",
+        "optim.beta1=0.9",
+        f"optim.beta2={BETA2}",
+        "optim.eps=1e-8",
+        f"optim.max_grad_norm={MAX_GRAD_NORM}",
+        f"train.micro_batch_size={args.prompts * args.samples}",
+        "train.gradient_checkpointing='off'",
+        "train.dtype=fp32",
+        "train.device=cpu",
+        f"train.max_steps={total_steps}",
+        f"train.output_dir={out_dir}",
+        "train.save_every=0",
+        "logging.progress=false",
+        f"train.threads={args.threads}",
         f"rollout.dtype={args.rollout_dtype}",
     ]
     if args.rollout_dtype != "same":  # samples from the bf16 copy: weight by pi_fp32 / pi_bf16 per token
@@ -107,37 +135,74 @@ def lmforge_state(model, tokenizer, args, out_dir: str, total_steps: int):
 
 # ----------------------------------------------------------------------------- TRL
 
+
 def trl_trainer(model, tokenizer, state, args, out_dir: str, callback, total_steps: int):
     """TRL's GRPOTrainer on the prompts lmforge will sample, in lmforge's order, with matching settings."""
     from datasets import Dataset
     from transformers.utils import logging as hf_logging
-    from trl import GRPOConfig as TRLConfig, GRPOTrainer
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer
 
     hf_logging.set_verbosity_error()
     prompts = state.prompts
     order = copy.deepcopy(state.train.order)  # the rows lmforge's steps will take, before it takes any
     rows = [i for _ in range(total_steps) for i in order.next()]
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": prompts.problems[i].prompt}],
-                                  "answer": prompts.problems[i].answer} for i in rows])
+    dataset = Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": prompts.problems[i].prompt}], "answer": prompts.problems[i].answer}
+            for i in rows
+        ]
+    )
     task = prompts.task
 
     def exact(completions, answer, **_):
         return [task.score(c[0]["content"], types.SimpleNamespace(answer=a)) for c, a in zip(completions, answer)]
 
     config = TRLConfig(
-        output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        per_device_train_batch_size=args.prompts * args.samples, gradient_accumulation_steps=1,
-        num_generations=args.samples, max_completion_length=args.new_tokens,
+        output_dir=out_dir,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        per_device_train_batch_size=args.prompts * args.samples,
+        gradient_accumulation_steps=1,
+        num_generations=args.samples,
+        max_completion_length=args.new_tokens,
         generation_kwargs={"min_new_tokens": args.new_tokens},
-        temperature=TEMPERATURE, top_p=1.0, top_k=0, beta=0.0, num_iterations=1,
-        epsilon=CLIP_EPS, loss_type="grpo", scale_rewards="group",
-        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        adam_beta1=0.9, adam_beta2=BETA2, adam_epsilon=1e-8, max_grad_norm=MAX_GRAD_NORM,
-        max_steps=total_steps, logging_steps=1, save_strategy="no", report_to="none",
-        dataloader_num_workers=0, disable_tqdm=True, seed=0, shuffle_dataset=False, log_completions=False,
+        temperature=TEMPERATURE,
+        top_p=1.0,
+        top_k=0,
+        beta=0.0,
+        num_iterations=1,
+        epsilon=CLIP_EPS,
+        loss_type="grpo",
+        scale_rewards="group",
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=BETA2,
+        adam_epsilon=1e-8,
+        max_grad_norm=MAX_GRAD_NORM,
+        max_steps=total_steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
+        shuffle_dataset=False,
+        log_completions=False,
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=[exact], args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[callback])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[exact],
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[callback],
+    )
     trl_ids = trainer._tokenize_prompts([dataset[0]["prompt"]])[0][0]
     same = list(trl_ids) == list(prompts.prompt_ids[rows[0]])
     print(f"[bench] prompt token ids identical on both sides: {same} ({len(trl_ids)} tokens)", flush=True)
@@ -176,10 +241,12 @@ def run_lmforge(state, algo, step: int) -> dict:
 
 
 def describe(step: int, metrics: dict) -> str:
-    return (f"lmforge {metrics['step_time']:6.1f}s (gen {metrics['time_generation']:.1f} score "
-            f"{metrics['time_scoring']:.2f} train {metrics['time_training']:.1f}; len "
-            f"{float(metrics['completion_len_mean']):.0f}, reward {float(metrics['reward']):.2f}, "
-            f"loss {float(metrics['loss']):+.4f})")
+    return (
+        f"lmforge {metrics['step_time']:6.1f}s (gen {metrics['time_generation']:.1f} score "
+        f"{metrics['time_scoring']:.2f} train {metrics['time_training']:.1f}; len "
+        f"{float(metrics['completion_len_mean']):.0f}, reward {float(metrics['reward']):.2f}, "
+        f"loss {float(metrics['loss']):+.4f})"
+    )
 
 
 def alternate(trainer_factory, state, algo, args) -> tuple[list[float], list[float], list[dict]]:
@@ -207,8 +274,11 @@ def alternate(trainer_factory, state, algo, args) -> tuple[list[float], list[flo
                 trl_gen.append(gen)
                 lm.append(metrics)
             trl_len = statistics.mean(lengths) if lengths else float("nan")
-            print(f"step {step}{'' if timed else ' (warm-up)'}: trl {trl_time:6.1f}s (gen {gen:.1f}; len "
-                  f"{trl_len:.0f})  " + describe(step, metrics), flush=True)
+            print(
+                f"step {step}{'' if timed else ' (warm-up)'}: trl {trl_time:6.1f}s (gen {gen:.1f}; len "
+                f"{trl_len:.0f})  " + describe(step, metrics),
+                flush=True,
+            )
             mark["step"] += 1
             mark["t"] = time.perf_counter()
 
@@ -237,10 +307,14 @@ def profile_lmforge(state, algo, step: int, rows_limit: int = 25) -> None:
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         with record_function("grpo_step"):
             metrics = run_lmforge(state, algo, step)
-    print(f"\n[profile] lmforge grpo_step: gen {metrics['time_generation']:.2f}s score "
-          f"{metrics['time_scoring']:.2f}s train {metrics['time_training']:.2f}s (profiler overhead included)")
-    print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=rows_limit),
-          flush=True)
+    print(
+        f"\n[profile] lmforge grpo_step: gen {metrics['time_generation']:.2f}s score "
+        f"{metrics['time_scoring']:.2f}s train {metrics['time_training']:.2f}s (profiler overhead included)"
+    )
+    print(
+        prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=rows_limit),
+        flush=True,
+    )
 
 
 def report(trl_times, trl_gen, lm, args) -> None:
@@ -249,27 +323,46 @@ def report(trl_times, trl_gen, lm, args) -> None:
     split = {k: med([m[k] for m in lm]) for k in ("time_generation", "time_scoring", "time_training")}
     work = f"{args.prompts} x {args.samples} x {args.new_tokens} new tokens"
     print(f"\nmedian over {len(lm)} timed steps ({work}):")
-    print(f"  lmforge {lm_step:7.2f} s/step   generation {split['time_generation']:.2f} s | scoring "
-          f"{split['time_scoring']:.3f} s | training {split['time_training']:.2f} s   (steps: "
-          + " ".join(f"{m['step_time']:.1f}" for m in lm) + ")")
+    print(
+        f"  lmforge {lm_step:7.2f} s/step   generation {split['time_generation']:.2f} s | scoring "
+        f"{split['time_scoring']:.3f} s | training {split['time_training']:.2f} s   (steps: "
+        + " ".join(f"{m['step_time']:.1f}" for m in lm)
+        + ")"
+    )
     if trl_times:
         trl_step, gen = med(trl_times), med(trl_gen)
-        print(f"  trl     {trl_step:7.2f} s/step   generation {gen:.2f} s | rest (scoring + training + "
-              f"overhead) {trl_step - gen:.2f} s   (steps: " + " ".join(f"{t:.1f}" for t in trl_times) + ")")
-        print(f"  ratio trl / lmforge: {trl_step / lm_step:.2f}x   (generation {gen / split['time_generation']:.2f}x, "
-              f"rest {(trl_step - gen) / (split['time_scoring'] + split['time_training']):.2f}x)")
-        print(f"RESULT lmforge_s={lm_step:.2f} trl_s={trl_step:.2f} ratio={trl_step / lm_step:.2f} "
-              f"lm_gen_s={split['time_generation']:.2f} lm_score_s={split['time_scoring']:.3f} "
-              f"lm_train_s={split['time_training']:.2f} trl_gen_s={gen:.2f}", flush=True)
+        print(
+            f"  trl     {trl_step:7.2f} s/step   generation {gen:.2f} s | rest (scoring + training + "
+            f"overhead) {trl_step - gen:.2f} s   (steps: " + " ".join(f"{t:.1f}" for t in trl_times) + ")"
+        )
+        print(
+            f"  ratio trl / lmforge: {trl_step / lm_step:.2f}x   (generation {gen / split['time_generation']:.2f}x, "
+            f"rest {(trl_step - gen) / (split['time_scoring'] + split['time_training']):.2f}x)"
+        )
+        print(
+            f"RESULT lmforge_s={lm_step:.2f} trl_s={trl_step:.2f} ratio={trl_step / lm_step:.2f} "
+            f"lm_gen_s={split['time_generation']:.2f} lm_score_s={split['time_scoring']:.3f} "
+            f"lm_train_s={split['time_training']:.2f} trl_gen_s={gen:.2f}",
+            flush=True,
+        )
 
 
 # ----------------------------------------------------------------------------- main
 
+
 def load(quick: bool):
     smollm2 = resolve_pretrained("smollm2-135m-instruct")
     if quick:  # random tiny Llama with SmolLM2's tokenizer (chat template, 49k vocab)
-        return load_model(ModelConfig(name="tiny:llama", tokenizer=str(smollm2), hidden_size=64, num_layers=2,
-                                      num_heads=4, max_position_embeddings=1024))
+        return load_model(
+            ModelConfig(
+                name="tiny:llama",
+                tokenizer=str(smollm2),
+                hidden_size=64,
+                num_layers=2,
+                num_heads=4,
+                max_position_embeddings=1024,
+            )
+        )
     return load_model(ModelConfig(name=str(smollm2)))
 
 
@@ -280,19 +373,33 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--samples", type=int, default=8, help="completions per prompt (group size)")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch threads for both (one process): 0 = what lmforge's hardware tier picks "
-                             "(= usable cores); 1 is far faster when other jobs load the cores")
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny random Llama: a smoke run in seconds (1 thread unless --threads says otherwise)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads for both (one process): 0 = what lmforge's hardware tier picks "
+        "(= usable cores); 1 is far faster when other jobs load the cores",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny random Llama: a smoke run in seconds (1 thread unless --threads says otherwise)",
+    )
     parser.add_argument("--no-trl", action="store_true", help="lmforge steps only (no comparison)")
-    parser.add_argument("--rollout-dtype", default="same", choices=["same", "bf16"],
-                        help="lmforge's rollout.dtype; bf16 (a bf16 sampler copy, synced every step) also sets "
-                             "algo.is_level=token, so the loss differs from TRL's by the importance weights")
+    parser.add_argument(
+        "--rollout-dtype",
+        default="same",
+        choices=["same", "bf16"],
+        help="lmforge's rollout.dtype; bf16 (a bf16 sampler copy, synced every step) also sets "
+        "algo.is_level=token, so the loss differs from TRL's by the importance weights",
+    )
     parser.add_argument("--profile", action="store_true", help="after timing, profile one lmforge step")
-    parser.add_argument("--shipped-defaults", action="store_true",
-                        help="lmforge skips the rows of zero-advantage groups, as `lmforge grpo` does by default "
-                             "(less work than TRL's step); without it both sides train every row (the same work)")
+    parser.add_argument(
+        "--shipped-defaults",
+        action="store_true",
+        help="lmforge skips the rows of zero-advantage groups, as `lmforge grpo` does by default "
+        "(less work than TRL's step); without it both sides train every row (the same work)",
+    )
     args = parser.parse_args()
     if args.steps < 1 or args.samples < 2:
         parser.error("need --steps >= 1 and --samples >= 2")
@@ -310,22 +417,26 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as out_dir:
         trl_model = None if args.no_trl else copy.deepcopy(model)
-        state, algo = lmforge_state(model, tokenizer, args, os.path.join(out_dir, "lmforge"),
-                                    total + int(args.profile))
-        print(f"[bench] model={'tiny' if args.quick else 'SmolLM2-135M-Instruct'} "
-              f"params={count_parameters(model) / 1e6:.1f}M fp32 threads={torch.get_num_threads()} "
-              f"torch={torch.__version__} transformers={transformers.__version__} trl={trl_version} "
-              f"rows={args.prompts}x{args.samples} new_tokens={args.new_tokens} steps={args.warmup}+{args.steps} "
-              f"lmforge rollout.dtype={args.rollout_dtype} "
-              f"work={'shipped defaults (zero-advantage rows skipped)' if args.shipped_defaults else 'same'}",
-              flush=True)
+        state, algo = lmforge_state(model, tokenizer, args, os.path.join(out_dir, "lmforge"), total + int(args.profile))
+        print(
+            f"[bench] model={'tiny' if args.quick else 'SmolLM2-135M-Instruct'} "
+            f"params={count_parameters(model) / 1e6:.1f}M fp32 threads={torch.get_num_threads()} "
+            f"torch={torch.__version__} transformers={transformers.__version__} trl={trl_version} "
+            f"rows={args.prompts}x{args.samples} new_tokens={args.new_tokens} steps={args.warmup}+{args.steps} "
+            f"lmforge rollout.dtype={args.rollout_dtype} "
+            f"work={'shipped defaults (zero-advantage rows skipped)' if args.shipped_defaults else 'same'}",
+            flush=True,
+        )
         print(f"[bench] lmforge algo: {rl_config.describe_algo(algo)}", flush=True)
         if args.no_trl:
             trl_times, trl_gen, lm = [], [], lmforge_only(state, algo, args)
         else:
             trl_times, trl_gen, lm = alternate(
                 lambda cb: trl_trainer(trl_model, tokenizer, state, args, os.path.join(out_dir, "trl"), cb, total),
-                state, algo, args)
+                state,
+                algo,
+                args,
+            )
         report(trl_times, trl_gen, lm, args)
         if args.profile:
             profile_lmforge(state, algo, total + 1)

@@ -20,6 +20,7 @@ adapted matrix, then cast-copied), median of ``--sync-repeats`` calls in this pr
     python benchmarks/bench_lora.py                    # 3 GRPO steps of 2 prompts x 8 per configuration
     python benchmarks/bench_lora.py --num-prompts 8 --steps 6 --sequential
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,11 +34,26 @@ import tempfile
 import time
 from pathlib import Path
 
-GRPO = ["model.name=smollm2-135m-instruct", "data.task=arith_chat", "data.num_train=400", "data.num_eval=8",
-        "rollout.group_size=8", "rollout.max_new_tokens=8", "rewards.functions=[exact]",
-        "algo.preset=dapo", "optim.schedule=constant", "optim.weight_decay=0.0", "train.micro_batch_size=8",
-        "train.eval_every=0", "train.save_every=0", "train.max_new_tokens=8", "train.num_samples=0",
-        "train.dtype=fp32", "train.gradient_checkpointing='off'", "logging.progress=false"]
+GRPO = [
+    "model.name=smollm2-135m-instruct",
+    "data.task=arith_chat",
+    "data.num_train=400",
+    "data.num_eval=8",
+    "rollout.group_size=8",
+    "rollout.max_new_tokens=8",
+    "rewards.functions=[exact]",
+    "algo.preset=dapo",
+    "optim.schedule=constant",
+    "optim.weight_decay=0.0",
+    "train.micro_batch_size=8",
+    "train.eval_every=0",
+    "train.save_every=0",
+    "train.max_new_tokens=8",
+    "train.num_samples=0",
+    "train.dtype=fp32",
+    "train.gradient_checkpointing='off'",
+    "logging.progress=false",
+]
 CONFIGS = {
     "full": ["optim.lr=1e-5"],
     "lora": ["optim.lr=2e-4", "model.lora.r=8", "model.lora.alpha=16"],
@@ -49,8 +65,16 @@ def child(name: str, steps: int, threads: int, num_prompts: int, out: str) -> No
     from lmforge.core.config import load_config
     from lmforge.recipes.grpo import GRPOConfig, run_grpo
 
-    args = GRPO + CONFIGS[name] + [f"train.max_steps={steps}", f"train.threads={threads}", f"train.output_dir={out}",
-                                   f"rollout.num_prompts={num_prompts}"]
+    args = (
+        GRPO
+        + CONFIGS[name]
+        + [
+            f"train.max_steps={steps}",
+            f"train.threads={threads}",
+            f"train.output_dir={out}",
+            f"rollout.num_prompts={num_prompts}",
+        ]
+    )
     run_grpo(load_config(GRPOConfig, None, args))
     rows = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
     times = [r["step_time"] for r in rows if r["kind"] == "train"]
@@ -62,8 +86,8 @@ def sync_cost(repeats: int, threads: int) -> dict:
     """Median seconds of one bf16 sampler-copy sync: plain model vs LoRA model (merged weights)."""
     import torch
 
-    from lmforge.model import lora
     from lmforge.core.config import LoraConfig, ModelConfig
+    from lmforge.model import lora
     from lmforge.model.load import load_model
     from lmforge.rollout import CastEngine
 
@@ -104,35 +128,56 @@ def main() -> None:
         for repeat in range(args.repeats):
             procs = []
             for name in CONFIGS:
-                cmd = [sys.executable, __file__, "--child", name, "--steps", str(args.steps), "--threads",
-                       str(args.threads), "--num-prompts", str(args.num_prompts), "--out", os.path.join(tmp, f"{name}-{repeat}")]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    name,
+                    "--steps",
+                    str(args.steps),
+                    "--threads",
+                    str(args.threads),
+                    "--num-prompts",
+                    str(args.num_prompts),
+                    "--out",
+                    os.path.join(tmp, f"{name}-{repeat}"),
+                ]
                 procs.append((name, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
                 if args.sequential:
                     procs[-1] = (name, procs[-1][1], procs[-1][1].communicate())
             for entry in procs:
                 name, proc = entry[0], entry[1]
                 stdout, stderr = entry[2] if len(entry) == 3 else proc.communicate()
-                line = next((l for l in stdout.splitlines() if l.startswith("RESULT ")), None)
+                line = next((text for text in stdout.splitlines() if text.startswith("RESULT ")), None)
                 if proc.returncode or line is None:
                     sys.exit(f"{name} run failed:\n{stderr[-3000:]}")
-                results[name].append(json.loads(line[len("RESULT "):]))
-    print(f"GRPO on SmolLM2-135M-Instruct, fp32, CPU ({args.threads} thread(s) per process, "
-          f"{'one after the other' if args.sequential else 'both at the same time'}), {args.num_prompts} prompts x 8 "
-          f"samples, <= 8 new tokens, {args.steps} steps per run, {args.repeats} run(s) per configuration, "
-          f"{time.perf_counter() - start:.0f} s")
+                results[name].append(json.loads(line[len("RESULT ") :]))
+    print(
+        f"GRPO on SmolLM2-135M-Instruct, fp32, CPU ({args.threads} thread(s) per process, "
+        f"{'one after the other' if args.sequential else 'both at the same time'}), {args.num_prompts} prompts x 8 "
+        f"samples, <= 8 new tokens, {args.steps} steps per run, {args.repeats} run(s) per configuration, "
+        f"{time.perf_counter() - start:.0f} s"
+    )
     print(f"{'config':<6} {'peak RSS (MB)':>14} {'median step (s)':>16}  step times (s)")
     summary = {}
     for name, runs in results.items():
         rss = max(r["maxrss_mb"] for r in runs)
         later = [t for r in runs for t in r["step_times"][1:]] or [t for r in runs for t in r["step_times"]]
         summary[name] = (rss, statistics.median(later))
-        print(f"{name:<6} {rss:>14.0f} {summary[name][1]:>16.2f}  "
-              + " | ".join(", ".join(f"{t:.2f}" for t in r["step_times"]) for r in runs))
-    print(f"LoRA / full: peak RSS {summary['lora'][0] / summary['full'][0]:.2f}x, "
-          f"step time {summary['lora'][1] / summary['full'][1]:.2f}x")
+        print(
+            f"{name:<6} {rss:>14.0f} {summary[name][1]:>16.2f}  "
+            + " | ".join(", ".join(f"{t:.2f}" for t in r["step_times"]) for r in runs)
+        )
+    print(
+        f"LoRA / full: peak RSS {summary['lora'][0] / summary['full'][0]:.2f}x, "
+        f"step time {summary['lora'][1] / summary['full'][1]:.2f}x"
+    )
     sync = sync_cost(args.sync_repeats, args.threads)
-    print(f"bf16 sampler-copy sync (CastEngine.sync_weights), median of {args.sync_repeats}: plain {sync['plain']:.3f} s, "
-          f"LoRA r=8 merged {sync['lora']:.3f} s")
+    print(
+        f"bf16 sampler-copy sync (CastEngine.sync_weights), median of {args.sync_repeats}: plain "
+        f"{sync['plain']:.3f} s, "
+        f"LoRA r=8 merged {sync['lora']:.3f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ Rows (held-out exact-match accuracy, greedy, the quickstart's 200 test problems)
   * the same from scratch (a fresh tiny model with QAT from step 0, --scratch-steps steps).
 QAT is the SFT recipe's own ``train.qat`` setting; nothing else differs from the control.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,13 +22,13 @@ from pathlib import Path
 import torch
 
 from lmforge.data.tasks import get_task
-from lmforge.rollout.evaluation import task_accuracy
 from lmforge.model.load import load_model
+from lmforge.model.tokenizer import char_tokenizer
 from lmforge.quantize import dequantize, quantize_model
 from lmforge.quantize.common import load_source
 from lmforge.recipes.quickstart import QuickstartConfig, sft_config
 from lmforge.recipes.sft import run_sft
-from lmforge.model.tokenizer import char_tokenizer
+from lmforge.rollout.evaluation import task_accuracy
 
 
 def accuracy(model, tokenizer, problems, task) -> float:
@@ -39,8 +40,9 @@ def exported_accuracy(tokenizer, problems, task, out: Path) -> float:
     from transformers import AutoModelForCausalLM
 
     dequantize(out / "sft" / "final" / "quantized-ternary", out / "ternary-hf")
-    return accuracy(AutoModelForCausalLM.from_pretrained(out / "ternary-hf", dtype=torch.float32),
-                    tokenizer, problems, task)
+    return accuracy(
+        AutoModelForCausalLM.from_pretrained(out / "ternary-hf", dtype=torch.float32), tokenizer, problems, task
+    )
 
 
 def qat_run(model, tokenizer, steps: int, lr: float, out: Path, problems, task, qat: bool = True):
@@ -79,16 +81,19 @@ def main() -> None:
         print(f"| {line[0]} | {line[1]:.1%} |", flush=True)
 
     sft, tokenizer = load_source(args.sft_model)
-    control, _, seconds = qat_run(sft, tokenizer, args.steps, args.lr, out / "control-from-sft", problems, task,
-                                  qat=False)
-    print(f"| control: SFT continued {args.steps} steps without QAT, fp32 | {control:.1%} | ({seconds:.0f} s)",
-          flush=True)
+    control, _, seconds = qat_run(
+        sft, tokenizer, args.steps, args.lr, out / "control-from-sft", problems, task, qat=False
+    )
+    print(
+        f"| control: SFT continued {args.steps} steps without QAT, fp32 | {control:.1%} | ({seconds:.0f} s)", flush=True
+    )
 
     sft, tokenizer = load_source(args.sft_model)
     fake, exported, seconds = qat_run(sft, tokenizer, args.steps, args.lr, out / "qat-from-sft", problems, task)
     print(f"| ternary QAT from SFT, {args.steps} steps: fake-quantized | {fake:.1%} |")
-    print(f"| ternary QAT from SFT, {args.steps} steps: exported ternary | {exported:.1%} | ({seconds:.0f} s)",
-          flush=True)
+    print(
+        f"| ternary QAT from SFT, {args.steps} steps: exported ternary | {exported:.1%} | ({seconds:.0f} s)", flush=True
+    )
 
     tokenizer = char_tokenizer(task.alphabet)
     scratch_cfg = sft_config(QuickstartConfig(), out)
@@ -96,8 +101,9 @@ def main() -> None:
     steps = args.scratch_steps or args.steps
     fake, exported, seconds = qat_run(scratch, tokenizer, steps, args.lr, out / "qat-scratch", problems, task)
     print(f"| ternary QAT from scratch, {steps} steps: fake-quantized | {fake:.1%} |")
-    print(f"| ternary QAT from scratch, {steps} steps: exported ternary | {exported:.1%} | ({seconds:.0f} s)",
-          flush=True)
+    print(
+        f"| ternary QAT from scratch, {steps} steps: exported ternary | {exported:.1%} | ({seconds:.0f} s)", flush=True
+    )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ the contestants alternate within one process (fp32, bf16, int8, fp32, ...) and t
 --repeats runs is reported. The compressed-tensors checkpoints are dequantized at load on CPU, so
 they decode at fp32 speed by construction; torchao's int8 weight-only is the CPU int8 kernel path.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,7 @@ from lmforge.model.load import load_model
 def tokens_per_s(model, ids, new_tokens: int) -> float:
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=0)
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     assert out.shape[1] == ids.shape[1] + new_tokens
     return ids.shape[0] * new_tokens / (time.perf_counter() - start)
 
@@ -54,8 +54,9 @@ def main() -> None:
     args = parser.parse_args()
     timer = engine_tokens_per_s if args.engine else tokens_per_s
     model, tok = load_model(ModelConfig(name="smollm2-135m-instruct"))
-    ids = torch.tensor([tok.encode("The three most useful things to know about", add_special_tokens=False)]
-                       * args.batch)
+    ids = torch.tensor(
+        [tok.encode("The three most useful things to know about", add_special_tokens=False)] * args.batch
+    )
     contestants = {"fp32": model.eval(), "bf16": copy.deepcopy(model).to(torch.bfloat16).eval()}
     if importlib.util.find_spec("torchao") is not None:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
@@ -71,8 +72,10 @@ def main() -> None:
     for _ in range(args.repeats):
         for name, m in contestants.items():
             best[name] = max(best[name], timer(m, ids, args.new_tokens))
-    print(f"{'lmforge rollout engine' if args.engine else 'transformers generate'}, "
-          f"threads {torch.get_num_threads()}, batch {args.batch}, {args.new_tokens} new tokens, best of {args.repeats}")
+    print(
+        f"{'lmforge rollout engine' if args.engine else 'transformers generate'}, "
+        f"threads {torch.get_num_threads()}, batch {args.batch}, {args.new_tokens} new tokens, best of {args.repeats}"
+    )
     for name, value in best.items():
         print(f"| {name} | {value:.1f} tokens/s | {value / best['fp32']:.2f}x fp32 |")
 

@@ -13,6 +13,7 @@ transformers (weights dequantized at load); GGUF F16/BF16/Q8_0/Q4_0 with transfo
 GGUF TQ1_0/TQ2_0 and the lmforge ternary formats through ``lmforge dequantize`` (transformers cannot
 read them). Evaluation runs in fp32 in every case: the columns measure the weights, not kernels.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,9 +27,9 @@ from pathlib import Path
 import torch
 
 from lmforge.data.tasks import get_task
-from lmforge.rollout.evaluation import task_accuracy
 from lmforge.quantize import FORMATS, QuantizeError, dequantize, quantize_model
 from lmforge.quantize.common import load_source
+from lmforge.rollout.evaluation import task_accuracy
 
 
 @torch.no_grad()
@@ -36,7 +37,7 @@ def perplexity(model, tokenizer, text: str, num_tokens: int, window: int = 512) 
     ids = tokenizer.encode(text, add_special_tokens=False)[:num_tokens]
     total, count = 0.0, 0
     for start in range(0, len(ids) - 1, window):
-        chunk = torch.tensor([ids[start:start + window + 1]])
+        chunk = torch.tensor([ids[start : start + window + 1]])
         if chunk.shape[1] < 2:
             break
         logits = model(chunk[:, :-1]).logits
@@ -56,8 +57,9 @@ def load_for_eval(fmt: str, out_dir: Path, scratch: Path):
         return load_compressed(out_dir), "transformers"
     gguf_files = sorted(out_dir.glob("*.gguf"))
     if gguf_files and not fmt.startswith("gguf-tq"):
-        return AutoModelForCausalLM.from_pretrained(out_dir, gguf_file=gguf_files[0].name,
-                                                    dtype=torch.float32), "transformers GGUF"
+        return AutoModelForCausalLM.from_pretrained(
+            out_dir, gguf_file=gguf_files[0].name, dtype=torch.float32
+        ), "transformers GGUF"
     hf_dir = scratch / f"{fmt}-hf"
     dequantize(out_dir, hf_dir)
     return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), "lmforge dequantize"
@@ -99,15 +101,21 @@ def main() -> None:
         bf16_bytes = sum(f.stat().st_size for f in (scratch / "bf16").glob("*.safetensors"))
         start = time.perf_counter()
         from transformers import AutoModelForCausalLM
+
         AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)
         load_s = time.perf_counter() - start
         ppl, acc = evaluate(model, tokenizer, args, task, problems, text)
-        print(f"model {args.model}: fp32 {fp32_bytes / 2**20:.2f} MiB, bf16 {bf16_bytes / 2**20:.2f} MiB; "
-              f"task {args.task} ({len(problems)} held-out), ppl text {args.ppl_file} ({args.ppl_tokens} tokens)")
+        print(
+            f"model {args.model}: fp32 {fp32_bytes / 2**20:.2f} MiB, bf16 {bf16_bytes / 2**20:.2f} MiB; "
+            f"task {args.task} ({len(problems)} held-out), ppl text {args.ppl_file} ({args.ppl_tokens} tokens)"
+        )
         print("| format | bits/weight | MiB | vs fp32 | vs bf16 | ppl | accuracy | quantize s | load s | loaded by |")
         print("|---|---|---|---|---|---|---|---|---|---|")
-        print(f"| fp32 (reference) | 32 | {fp32_bytes / 2**20:.2f} | 1.00 | {fp32_bytes / bf16_bytes:.2f} | {ppl} | "
-              f"{acc} | - | {load_s:.2f} | transformers |", flush=True)
+        print(
+            f"| fp32 (reference) | 32 | {fp32_bytes / 2**20:.2f} | 1.00 | {fp32_bytes / bf16_bytes:.2f} | {ppl} | "
+            f"{acc} | - | {load_s:.2f} | transformers |",
+            flush=True,
+        )
         for fmt in args.formats.split(","):
             out_dir = scratch / fmt
             try:
@@ -120,9 +128,11 @@ def main() -> None:
             load_s = time.perf_counter() - start
             ppl, acc = evaluate(loaded, tokenizer, args, task, problems, text)
             size = result.num_bytes
-            print(f"| {fmt} | {FORMATS[fmt].bits:g} | {size / 2**20:.2f} | {size / fp32_bytes:.3f} | "
-                  f"{size / bf16_bytes:.3f} | {ppl} | {acc} | {result.seconds:.2f} | {load_s:.2f} | {how} |",
-                  flush=True)
+            print(
+                f"| {fmt} | {FORMATS[fmt].bits:g} | {size / 2**20:.2f} | {size / fp32_bytes:.3f} | "
+                f"{size / bf16_bytes:.3f} | {ppl} | {acc} | {result.seconds:.2f} | {load_s:.2f} | {how} |",
+                flush=True,
+            )
             del loaded
             shutil.rmtree(out_dir, ignore_errors=True)
     finally:

@@ -23,6 +23,7 @@ That is the speed an engine would reach with zero overhead on this machine at th
 rows a decode forward streams all weights from memory (0.54 GB for SmolLM2) for little arithmetic,
 so the ceiling is set by memory traffic, which no sampling loop can reduce.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,16 @@ def load(spec: str):
 
     if spec == "tiny":
         torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=2)
+        cfg = LlamaConfig(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            pad_token_id=0,
+            eos_token_id=2,
+        )
         prompts = [torch.randint(3, 512, (n,)).tolist() for n in (60, 45)]
         return LlamaForCausalLM(cfg).eval(), prompts, 0
     if spec == "smollm2":
@@ -57,8 +66,12 @@ def load(spec: str):
         spec = resolve_pretrained("smollm2-135m-instruct")  # cached safetensors copy after the first run
     tokenizer = AutoTokenizer.from_pretrained(spec)
     model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=True)["input_ids"] for q in QUESTIONS]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        for q in QUESTIONS
+    ]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return model, prompts, pad
 
@@ -69,8 +82,7 @@ def linear_pass_seconds(model, rows: int, with_head: bool) -> float:
     No attention, norms, sampling or Python: the part of a forward no engine can avoid.
     """
     head = model.get_output_embeddings()
-    weights = [m.weight for m in model.modules()
-               if isinstance(m, torch.nn.Linear) and (with_head or m is not head)]
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and (with_head or m is not head)]
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
     start = time.perf_counter()
     with torch.inference_mode():
@@ -98,9 +110,18 @@ def run_hf(model, prompts, pad, samples, new_tokens, seed):
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     torch.manual_seed(seed)
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                             num_return_sequences=samples, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, pad_token_id=pad)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            num_return_sequences=samples,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=pad,
+        )
     return out.shape[0] * (out.shape[1] - width)
 
 
@@ -128,9 +149,12 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt (2 prompts)")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--bf16", action="store_true",
-                        help="also time lmforge_bf16 (rollout.dtype=bf16: a bf16 copy of the fp32 policy, synced "
-                             "before each rollout, sync included) and hf_generate_bf16 (generate on a bf16 copy)")
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="also time lmforge_bf16 (rollout.dtype=bf16: a bf16 copy of the fp32 policy, synced "
+        "before each rollout, sync included) and hf_generate_bf16 (generate on a bf16 copy)",
+    )
     args = parser.parse_args()
     if args.reps < 1:
         parser.error("--reps must be >= 1")
@@ -138,9 +162,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     model, prompts, pad = load(args.model)
-    print(f"model={args.model} params={sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
-          f"threads={torch.get_num_threads()} prompt_lens={[len(p) for p in prompts]} "
-          f"batch={len(prompts)}x{args.samples} new_tokens={args.new_tokens} torch={torch.__version__}")
+    print(
+        f"model={args.model} params={sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
+        f"threads={torch.get_num_threads()} prompt_lens={[len(p) for p in prompts]} "
+        f"batch={len(prompts)}x{args.samples} new_tokens={args.new_tokens} torch={torch.__version__}"
+    )
     contestants = {
         "hf_generate": lambda s: run_hf(model, prompts, pad, args.samples, args.new_tokens, s),
         "lmforge": lambda s: run_lmforge(model, prompts, pad, args.samples, args.new_tokens, s),
@@ -148,10 +174,10 @@ def main() -> None:
     }
     if args.bf16:
         engine = CastEngine(model, torch.bfloat16)
-        contestants["hf_generate_bf16"] = lambda s: run_hf(engine.model, prompts, pad, args.samples,
-                                                           args.new_tokens, s)
-        contestants["lmforge_bf16"] = lambda s: run_cast_engine(engine, model, prompts, pad, args.samples,
-                                                                args.new_tokens, s)
+        contestants["hf_generate_bf16"] = lambda s: run_hf(engine.model, prompts, pad, args.samples, args.new_tokens, s)
+        contestants["lmforge_bf16"] = lambda s: run_cast_engine(
+            engine, model, prompts, pad, args.samples, args.new_tokens, s
+        )
     expected = len(prompts) * args.samples * args.new_tokens
     for fn in contestants.values():  # warm-up: allocator, thread pools, lazy imports
         fn(0)
@@ -177,13 +203,17 @@ def report(rates: dict[str, list[float]], floors: dict[str, list[float]]) -> Non
     """Median tokens/s, ratio to hf_generate, spread, and the GEMM-only ceiling measured alongside."""
     medians = {name: statistics.median(r) for name, r in rates.items()}
     base = medians["hf_generate"]
-    print("\ntokens/s = generated tokens / wall time incl. prefill; ceiling = tokens / GEMM-only time "
-          "(every weight matrix once per forward, measured between repetitions)")
+    print(
+        "\ntokens/s = generated tokens / wall time incl. prefill; ceiling = tokens / GEMM-only time "
+        "(every weight matrix once per forward, measured between repetitions)"
+    )
     print(f"  {'':16s} {'median':>8s} {'vs hf':>6s} {'min..max':>17s} {'ceiling':>8s} {'% of ceiling':>12s}")
     for name, values in rates.items():
         ceiling = statistics.median(floors[name])
-        print(f"  {name:16s} {medians[name]:8.1f} {medians[name] / base:5.2f}x {min(values):8.1f}..{max(values):<8.1f}"
-              f" {ceiling:8.1f} {100 * medians[name] / ceiling:11.0f}%")
+        print(
+            f"  {name:16s} {medians[name]:8.1f} {medians[name] / base:5.2f}x {min(values):8.1f}..{max(values):<8.1f}"
+            f" {ceiling:8.1f} {100 * medians[name] / ceiling:11.0f}%"
+        )
 
 
 if __name__ == "__main__":

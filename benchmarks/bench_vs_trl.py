@@ -37,6 +37,7 @@ their cosine and relative difference: whether the two compute the same update di
     python benchmarks/bench_vs_trl.py --seeds 0 1 2 --steps 30        # both; ~20 min per TRL seed on 2 cores
     python benchmarks/bench_vs_trl.py --seeds 0 1 --steps 10 --no-trl  # lmforge only
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,23 +55,34 @@ import torch
 
 from lmforge import rl
 from lmforge.core.config import load_config
-from lmforge.rollout.evaluation import task_accuracy
 from lmforge.model.load import load_model
 from lmforge.recipes.grpo import GRPOConfig, advantages_of, micro_loss, run_grpo
 from lmforge.rl import config as rl_config
+from lmforge.rollout.evaluation import task_accuracy
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "grpo_smollm2.yaml"
 EVAL_TOKENS = 8
 
 
 def lmforge_config(seed: int, steps: int, eval_every: int, out_dir: str, threads: int, overrides: list[str]):
-    return load_config(GRPOConfig, EXAMPLE, [
-        f"train.seed={seed}", f"train.max_steps={steps}", f"train.eval_every={eval_every}",
-        f"train.output_dir={out_dir}", "train.save_every=0", f"train.threads={threads}",
-        "logging.progress=false", *overrides])
+    return load_config(
+        GRPOConfig,
+        EXAMPLE,
+        [
+            f"train.seed={seed}",
+            f"train.max_steps={steps}",
+            f"train.eval_every={eval_every}",
+            f"train.output_dir={out_dir}",
+            "train.save_every=0",
+            f"train.threads={threads}",
+            "logging.progress=false",
+            *overrides,
+        ],
+    )
 
 
 # ----------------------------------------------------------------------------- lmforge run
+
 
 def run_lmforge(seed: int, args, out_root: str) -> dict:
     out_dir = os.path.join(out_root, f"lmforge_s{seed}")
@@ -88,11 +100,16 @@ def run_lmforge(seed: int, args, out_root: str) -> dict:
     for e in evals:
         e["samples"] = e["step"] * cfg.rollout.num_prompts * cfg.rollout.group_size
         e["train_seconds"] = train_seconds.get(e["step"], 0.0)
-    return {"framework": "lmforge", "seed": seed, "settings": " ".join(args.lm_override) or "example as shipped",
-            "evals": evals}
+    return {
+        "framework": "lmforge",
+        "seed": seed,
+        "settings": " ".join(args.lm_override) or "example as shipped",
+        "evals": evals,
+    }
 
 
 # ----------------------------------------------------------------------------- TRL run
+
 
 def trl_config(args, seed: int, steps: int, out_dir: str, batch_rows: int = 64, group: int = 8):
     from trl import GRPOConfig as TRLConfig
@@ -101,29 +118,51 @@ def trl_config(args, seed: int, steps: int, out_dir: str, batch_rows: int = 64, 
     if updates == 1:  # one update per generation: the batch accumulated over batch_rows / group micro-batches
         batching = dict(per_device_train_batch_size=group, gradient_accumulation_steps=batch_rows // group)
     else:  # `updates` optimizer steps per generation of batch_rows completions (TRL's steps_per_generation)
-        batching = dict(per_device_train_batch_size=batch_rows // updates, gradient_accumulation_steps=1,
-                        generation_batch_size=batch_rows)
+        batching = dict(
+            per_device_train_batch_size=batch_rows // updates,
+            gradient_accumulation_steps=1,
+            generation_batch_size=batch_rows,
+        )
     common = dict(
-        output_dir=out_dir, use_cpu=True, **batching, num_generations=group,
-        max_completion_length=EVAL_TOKENS, learning_rate=1e-5, beta=0.0, loss_type="dapo",
-        max_steps=steps * updates, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-        seed=seed, dataloader_num_workers=0)
+        output_dir=out_dir,
+        use_cpu=True,
+        **batching,
+        num_generations=group,
+        max_completion_length=EVAL_TOKENS,
+        learning_rate=1e-5,
+        beta=0.0,
+        loss_type="dapo",
+        max_steps=steps * updates,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=seed,
+        dataloader_num_workers=0,
+    )
     if args.trl_settings == "matched":
-        common.update(bf16=False, gradient_checkpointing=False, lr_scheduler_type="constant",
-                      adam_beta2=args.lm_beta2, epsilon_high=0.28)
+        common.update(
+            bf16=False,
+            gradient_checkpointing=False,
+            lr_scheduler_type="constant",
+            adam_beta2=args.lm_beta2,
+            epsilon_high=0.28,
+        )
     return TRLConfig(**common)
 
 
 def trl_dataset(problems):
     from datasets import Dataset
 
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": p.prompt}], "answer": p.answer}
-                              for p in problems])
+    return Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": p.prompt}], "answer": p.answer} for p in problems]
+    )
 
 
 def task_reward(task):
     def exact(completions, answer, **_):
         return [task.score(c[0]["content"], types.SimpleNamespace(answer=a)) for c, a in zip(completions, answer)]
+
     return exact
 
 
@@ -147,8 +186,9 @@ def run_trl(seed: int, args, out_root: str) -> dict:
         model.forward = getattr(model, "_original_forward", wrapped)
         model.eval()
         try:
-            accuracy, _ = task_accuracy(model, tokenizer, prompts.task, prompts.eval_problems, EVAL_TOKENS,
-                                        prompts.chat)
+            accuracy, _ = task_accuracy(
+                model, tokenizer, prompts.task, prompts.eval_problems, EVAL_TOKENS, prompts.chat
+            )
         finally:
             model.forward = wrapped
             model.train(was)
@@ -168,18 +208,22 @@ def run_trl(seed: int, args, out_root: str) -> dict:
                     evaluate(step, model)
             clock["mark"] = time.perf_counter()
 
-    trainer = GRPOTrainer(model=model, reward_funcs=[task_reward(prompts.task)],
-                          args=trl_config(args, seed, args.steps, os.path.join(out_root, f"trl_s{seed}")),
-                          train_dataset=trl_dataset(prompts.problems), processing_class=tokenizer,
-                          callbacks=[Evaluate()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[task_reward(prompts.task)],
+        args=trl_config(args, seed, args.steps, os.path.join(out_root, f"trl_s{seed}")),
+        train_dataset=trl_dataset(prompts.problems),
+        processing_class=tokenizer,
+        callbacks=[Evaluate()],
+    )
     trainer.train()
     rewards = [h.get("reward") for h in trainer.state.log_history if "reward" in h]
     settings = args.trl_settings + (f", {args.trl_updates} updates per generation" if args.trl_updates > 1 else "")
-    return {"framework": "trl", "seed": seed, "settings": settings, "evals": evals,
-            "sampled_reward": rewards}
+    return {"framework": "trl", "seed": seed, "settings": settings, "evals": evals, "sampled_reward": rewards}
 
 
 # ----------------------------------------------------------------------------- same-batch update check
+
 
 def check_update(args) -> None:
     """lmforge's and TRL's gradient on one lmforge-sampled batch (same advantages, fp32)."""
@@ -196,8 +240,10 @@ def check_update(args) -> None:
         advantages, _ = advantages_of(rewards.total, algo, cfg.rollout.group_size)
         batch = rl.pack_rollout(rollout, tokenizer.pad_token_id, need_rollout_logprobs=False)
         batch = batch.with_(advantages=advantages)
-        print(f"[check] reward mean {float(rewards.total.mean()):.3f}, completion tokens "
-              f"{int(batch.trained_mask.sum())}, nonzero advantages {int((advantages != 0).sum())}")
+        print(
+            f"[check] reward mean {float(rewards.total.mean()):.3f}, completion tokens "
+            f"{int(batch.trained_mask.sum())}, nonzero advantages {int((advantages != 0).sum())}"
+        )
 
         def grads():
             return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
@@ -212,16 +258,26 @@ def check_update(args) -> None:
         lm_grad = grads().clone()
 
         trl_args = argparse.Namespace(trl_settings="matched", lm_beta2=0.999)
-        trainer = GRPOTrainer(model=model, reward_funcs=[task_reward(state.prompts.task)],
-                              args=trl_config(trl_args, 0, 1, os.path.join(out_root, "trl"),
-                                              batch_rows=batch.num_rows, group=batch.num_rows),
-                              train_dataset=trl_dataset(state.prompts.problems[:8]), processing_class=tokenizer)
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=[task_reward(state.prompts.task)],
+            args=trl_config(
+                trl_args, 0, 1, os.path.join(out_root, "trl"), batch_rows=batch.num_rows, group=batch.num_rows
+            ),
+            train_dataset=trl_dataset(state.prompts.problems[:8]),
+            processing_class=tokenizer,
+        )
         trainer.current_gradient_accumulation_steps = 1
         model.train()
         model.zero_grad()
-        inputs = {"prompt_ids": rollout.prompt_ids, "prompt_mask": rollout.prompt_mask,
-                  "completion_ids": rollout.completion_ids, "completion_mask": rollout.completion_mask,
-                  "advantages": advantages.float(), "num_items_in_batch": rollout.completion_mask.sum()}
+        inputs = {
+            "prompt_ids": rollout.prompt_ids,
+            "prompt_mask": rollout.prompt_mask,
+            "completion_ids": rollout.completion_ids,
+            "completion_mask": rollout.completion_mask,
+            "advantages": advantages.float(),
+            "num_items_in_batch": rollout.completion_mask.sum(),
+        }
         inputs = {k: v.clone() for k, v in inputs.items()}  # the sampler's are inference-mode tensors
         trl_loss = trainer._compute_loss(model, inputs)
         trl_loss.backward()
@@ -229,8 +285,10 @@ def check_update(args) -> None:
         cos = torch.nn.functional.cosine_similarity(lm_grad.double(), trl_grad.double(), dim=0)
         rel = (lm_grad - trl_grad).norm() / trl_grad.norm()
         print(f"[check] loss lmforge {float(loss):+.6f} trl {float(trl_loss):+.6f}")
-        print(f"[check] grad norm lmforge {float(lm_grad.norm()):.4f} trl {float(trl_grad.norm()):.4f}; "
-              f"cosine {float(cos):.6f}; |diff| / |trl| {float(rel):.2e}")
+        print(
+            f"[check] grad norm lmforge {float(lm_grad.norm()):.4f} trl {float(trl_grad.norm()):.4f}; "
+            f"cosine {float(cos):.6f}; |diff| / |trl| {float(rel):.2e}"
+        )
         # TRL's advantages from the same rewards (eps 1e-4, Bessel std) against lmforge's (eps 1e-6)
         grouped = rewards.total.view(-1, cfg.rollout.group_size)
         trl_adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
@@ -238,6 +296,7 @@ def check_update(args) -> None:
 
 
 # ----------------------------------------------------------------------------- report
+
 
 def time_to(run: dict, target: float):
     for e in run["evals"]:
@@ -257,13 +316,18 @@ def markdown(runs: list[dict], args) -> str:
         seconds, step = time_to(r, args.target)
         reached = f"{seconds:.0f} s (step {step})" if seconds is not None else "not reached"
         cells = [f"{acc[s]['accuracy']:.0%} @ {acc[s]['train_seconds']:.0f} s" if s in acc else "" for s in steps]
-        lines.append(f"| {r['framework']} | {r['settings']} | {r['seed']} | " + " | ".join(cells)
-                     + f" | {per_step:.1f} | {reached} |")
+        lines.append(
+            f"| {r['framework']} | {r['settings']} | {r['seed']} | "
+            + " | ".join(cells)
+            + f" | {per_step:.1f} | {reached} |"
+        )
     for fw in sorted({r["framework"] for r in runs}):
         times = [time_to(r, args.target)[0] for r in runs if r["framework"] == fw]
         got = [t for t in times if t is not None]
-        lines.append(f"\n{fw}: reached {args.target:.0%} in {len(got)}/{len(times)} seeds"
-                     + (f", median {statistics.median(got):.0f} s" if got else ""))
+        lines.append(
+            f"\n{fw}: reached {args.target:.0%} in {len(got)}/{len(times)} seeds"
+            + (f", median {statistics.median(got):.0f} s" if got else "")
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -275,9 +339,13 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.9, help="held-out accuracy for 'time to'")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a loaded 2-core box)")
     parser.add_argument("--trl-settings", choices=["defaults", "matched"], default="defaults")
-    parser.add_argument("--trl-updates", type=int, default=1,
-                        help="TRL optimizer updates per generation of 64 (steps_per_generation; per_device_train_batch_size "
-                             "= 64 / this); steps and evaluations still count generations")
+    parser.add_argument(
+        "--trl-updates",
+        type=int,
+        default=1,
+        help="TRL optimizer updates per generation of 64 (steps_per_generation; per_device_train_batch_size "
+        "= 64 / this); steps and evaluations still count generations",
+    )
     parser.add_argument("--lm-beta2", type=float, default=0.999, help="TRL 'matched': AdamW beta2")
     parser.add_argument("--lm-override", nargs="*", default=[], help="dotted lmforge overrides")
     parser.add_argument("--no-trl", action="store_true")

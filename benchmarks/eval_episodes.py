@@ -13,6 +13,7 @@ the limit). docs/environments.md quotes it::
 
 Success is a total reward >= 1 (the environment's parts), as in the recipe's ``accuracy``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,9 @@ from lmforge.rollout import SamplingParams, generate
 
 
 def play(runner, model, tokenizer, problems, temperature: float, max_new_tokens: int, seed: int, batch: int = 64):
-    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
-                            stop_token_ids=[tokenizer.eos_token_id], seed=seed)
+    params = SamplingParams(
+        temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=[tokenizer.eos_token_id], seed=seed
+    )
 
     def generate_fn(ids, turn_params, num_samples):
         return generate(model, ids, turn_params, num_samples=num_samples, pad_token_id=tokenizer.pad_token_id)
@@ -40,16 +42,19 @@ def play(runner, model, tokenizer, problems, temperature: float, max_new_tokens:
     episodes = []
     with torch.no_grad():
         for start in range(0, len(problems), batch):
-            episodes += runner.run(generate_fn, problems[start:start + batch], 1, params)[0]
+            episodes += runner.run(generate_fn, problems[start : start + batch], 1, params)[0]
     return episodes
 
 
 def summary(episodes) -> dict:
     solved = [e for e in episodes if sum(e.rewards.values()) >= 1.0]
     n = len(episodes)
-    return {"episodes": n, "success": round(len(solved) / n, 4),
-            "turns_to_solve": round(sum(e.state.turn for e in solved) / max(len(solved), 1), 3),
-            "turns_per_episode": round(sum(e.state.turn for e in episodes) / n, 3)}
+    return {
+        "episodes": n,
+        "success": round(len(solved) / n, 4),
+        "turns_to_solve": round(sum(e.state.turn for e in solved) / max(len(solved), 1), 3),
+        "turns_per_episode": round(sum(e.state.turn for e in episodes) / n, 3),
+    }
 
 
 def main() -> None:
@@ -73,16 +78,27 @@ def main() -> None:
     model.eval()
     task = get_task(args.task)
     env = make_environment(args.env, yaml.safe_load(args.env_args) or {})
-    runner = EpisodeRunner(env, tokenizer, EpisodeLimits(max_turns=args.max_turns,
-                                                         max_episode_tokens=args.max_episode_tokens),
-                           1, context_length(model))
+    runner = EpisodeRunner(
+        env,
+        tokenizer,
+        EpisodeLimits(max_turns=args.max_turns, max_episode_tokens=args.max_episode_tokens),
+        1,
+        context_length(model),
+    )
     out = {}
     try:
         for mode, n, temperature in (("greedy", args.greedy, 0.0), ("sampled", args.sampled, args.temperature)):
             if n:
                 start = time.perf_counter()
-                episodes = play(runner, model, tokenizer, task.make_problems(n, 0, "test"), temperature,
-                                args.max_new_tokens, args.seed)
+                episodes = play(
+                    runner,
+                    model,
+                    tokenizer,
+                    task.make_problems(n, 0, "test"),
+                    temperature,
+                    args.max_new_tokens,
+                    args.seed,
+                )
                 out[mode] = {**summary(episodes), "seconds": round(time.perf_counter() - start, 1)}
     finally:
         runner.close()

@@ -7,6 +7,7 @@ on the shipped GRPO examples, docs/rl-recipes.md):
 
     python benchmarks/time_to_target.py /tmp/bf16/sm-*-same /tmp/bf16/sm-*-bf16 --target 0.8 0.9
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,13 @@ def main() -> None:
     args = parser.parse_args()
     runs = {path: read(path) for path in args.runs}
     steps = sorted({e[0] for r in runs.values() for e in r["evals"]})
-    print("| run | " + " | ".join(f"step {s}" for s in steps) + " | s/step | sampling s/step | "
-          + " | ".join(f"time to {t:.0%}" for t in args.target) + " |")
+    print(
+        "| run | "
+        + " | ".join(f"step {s}" for s in steps)
+        + " | s/step | sampling s/step | "
+        + " | ".join(f"time to {t:.0%}" for t in args.target)
+        + " |"
+    )
     print("|" + "---|" * (len(steps) + 3 + len(args.target)))
     by_setting: dict[str, list[dict]] = {}
     for path, run in runs.items():
@@ -55,17 +61,23 @@ def main() -> None:
         for t in args.target:
             hit = reached(run, t)
             times.append(f"{hit[0]:.0f} s (step {hit[1]})" if hit else "not reached")
-        print(f"| {path.name} | " + " | ".join(cells) + f" | {run['seconds'] / max(run['steps'], 1):.2f} | "
-              f"{run['generation'] / max(run['steps'], 1):.2f} | " + " | ".join(times) + " |")
+        print(
+            f"| {path.name} | " + " | ".join(cells) + f" | {run['seconds'] / max(run['steps'], 1):.2f} | "
+            f"{run['generation'] / max(run['steps'], 1):.2f} | " + " | ".join(times) + " |"
+        )
     for setting, group in by_setting.items():
         parts = []
         for t in args.target:
             hits = [reached(r, t) for r in group]
             done = [h[0] for h in hits if h]
-            parts.append(f"{t:.0%}: {len(done)} of {len(group)} reached"
-                         + (f", median {statistics.median(done):.0f} s" if done else ""))
-        print(f"[{setting}] {len(group)} runs; " + "; ".join(parts) + "; median s/step "
-              f"{statistics.median(r['seconds'] / max(r['steps'], 1) for r in group):.2f}")
+            parts.append(
+                f"{t:.0%}: {len(done)} of {len(group)} reached"
+                + (f", median {statistics.median(done):.0f} s" if done else "")
+            )
+        print(
+            f"[{setting}] {len(group)} runs; " + "; ".join(parts) + "; median s/step "
+            f"{statistics.median(r['seconds'] / max(r['steps'], 1) for r in group):.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -6,17 +6,27 @@ The same function runs against any OpenAI-compatible endpoint:
 
     python examples/agent_calculator.py http://127.0.0.1:8000/v1 "123*456="
 """
+
 import ast
 import json
 import sys
 
 import openai
 
-TOOLS = [{"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an integer arithmetic expression with + - * and parentheses.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string",
-                                                                   "description": "the expression, e.g. 123*456"}},
-                   "required": ["expression"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an integer arithmetic expression with + - * and parentheses.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string", "description": "the expression, e.g. 123*456"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 # One HTTP client for all episodes: building one (its TLS context) took ~0.15 s of CPU on the shared 2-core
 # test machine, paid per episode otherwise (docs/benchmarks.md, "Agent path vs the built-in environment").
 HTTP = openai.DefaultHttpxClient()
@@ -24,6 +34,7 @@ HTTP = openai.DefaultHttpxClient()
 
 def calculator(expression: str) -> str:
     """+ - * and parentheses on integers, nothing else."""
+
     def value(node):
         if isinstance(node, ast.Constant) and type(node.value) is int:
             return node.value
@@ -31,6 +42,7 @@ def calculator(expression: str) -> str:
             a, b = value(node.left), value(node.right)
             return a + b if isinstance(node.op, ast.Add) else a - b if isinstance(node.op, ast.Sub) else a * b
         raise ValueError(f"unsupported: {ast.unparse(node)}")
+
     try:
         return str(value(ast.parse(expression.strip(), mode="eval").body))
     except (SyntaxError, ValueError) as exc:
@@ -49,8 +61,14 @@ def run(base_url: str, problem: dict, max_turns: int = 3) -> str:
             return reply.content or ""
         for call in reply.tool_calls:
             arguments = json.loads(call.function.arguments)
-            messages.append({"role": "tool", "tool_call_id": call.id, "name": call.function.name,
-                             "content": calculator(str(arguments.get("expression", "")))})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call.id,
+                    "name": call.function.name,
+                    "content": calculator(str(arguments.get("expression", ""))),
+                }
+            )
     return ""
 
 

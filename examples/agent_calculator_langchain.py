@@ -6,6 +6,7 @@ docs/agents.md). Needs ``pip install langchain-openai``. Against any OpenAI-comp
 
     python examples/agent_calculator_langchain.py http://127.0.0.1:8000/v1 "123*456="
 """
+
 import os
 import sys
 

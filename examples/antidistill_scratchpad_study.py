@@ -15,11 +15,11 @@ Steps, each skipped when its output exists (so an interrupted study resumes):
      the student's difference to the temperature-sampling student at the same teacher accuracy
      (interpolated along the lam = 0 points of the same seed).
 """
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import shutil
 import statistics
@@ -28,10 +28,10 @@ from pathlib import Path
 from lmforge.antidistill import pipeline as pipe
 from lmforge.core.config import load_config
 from lmforge.data.tasks import get_task
-from lmforge.rollout.evaluation import task_accuracy
 from lmforge.model.load import load_model
 from lmforge.recipes.antidistill import AntidistillConfig, run_distill, run_eval, run_grad, run_sample, run_traces
 from lmforge.recipes.sft import SFTConfig, run_sft
+from lmforge.rollout.evaluation import task_accuracy
 
 HERE = Path(__file__).resolve().parent
 TASK = "addition_trace:digits=3"
@@ -39,27 +39,97 @@ _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8
 
 # scale -> (teacher sft overrides, proxy sft overrides, study overrides)
 SCALES = {
-    "full": (["model.hidden_size=128", "model.num_layers=4", "model.num_heads=4", "train.max_steps=3000",
-              "train.batch_size=64", "train.micro_batch_size=64", "optim.lr=3e-3", "optim.warmup_steps=100"],
-             ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=2", "model.init_seed=1",
-              "train.max_steps=1000", "train.batch_size=64", "train.micro_batch_size=64", "optim.lr=3e-3",
-              "optim.warmup_steps=100"],
-             []),
-    "reduced": (["model.hidden_size=128", "model.num_layers=4", "model.num_heads=4", "train.max_steps=1500",
-                 "train.batch_size=64", "train.micro_batch_size=64", "optim.lr=3e-3", "optim.warmup_steps=100"],
-                ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=2", "model.init_seed=1",
-                 "train.max_steps=400", "train.batch_size=64", "train.micro_batch_size=64", "optim.lr=3e-3",
-                 "optim.warmup_steps=50"],
-                ["data.num_heldout=128", "data.num_prompts=512", "data.num_test=200", "sample.temperatures=[1.0,2.0,3.0]",
-                 "sample.lams=[0.0,0.05]", "distill.max_steps=600", "distill.optim.warmup_steps=50"]),
-    "smoke": (["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "train.max_steps=30",
-               "train.batch_size=16", "train.micro_batch_size=16", "optim.lr=3e-3"],
-              ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.init_seed=1",
-               "train.max_steps=10", "train.batch_size=16", "train.micro_batch_size=16", "optim.lr=3e-3"],
-              ["data.num_heldout=16", "data.num_prompts=16", "data.num_test=16", "sample.batch_size=16",
-               "sample.temperatures=[1.0,2.0]", "sample.lams=[0.0,0.03]", "distill.max_steps=5",
-               "distill.batch_size=8", "distill.micro_batch_size=8", "student.hidden_size=32",
-               "student.num_layers=1", "student.num_heads=2"]),
+    "full": (
+        [
+            "model.hidden_size=128",
+            "model.num_layers=4",
+            "model.num_heads=4",
+            "train.max_steps=3000",
+            "train.batch_size=64",
+            "train.micro_batch_size=64",
+            "optim.lr=3e-3",
+            "optim.warmup_steps=100",
+        ],
+        [
+            "model.hidden_size=64",
+            "model.num_layers=2",
+            "model.num_heads=2",
+            "model.init_seed=1",
+            "train.max_steps=1000",
+            "train.batch_size=64",
+            "train.micro_batch_size=64",
+            "optim.lr=3e-3",
+            "optim.warmup_steps=100",
+        ],
+        [],
+    ),
+    "reduced": (
+        [
+            "model.hidden_size=128",
+            "model.num_layers=4",
+            "model.num_heads=4",
+            "train.max_steps=1500",
+            "train.batch_size=64",
+            "train.micro_batch_size=64",
+            "optim.lr=3e-3",
+            "optim.warmup_steps=100",
+        ],
+        [
+            "model.hidden_size=64",
+            "model.num_layers=2",
+            "model.num_heads=2",
+            "model.init_seed=1",
+            "train.max_steps=400",
+            "train.batch_size=64",
+            "train.micro_batch_size=64",
+            "optim.lr=3e-3",
+            "optim.warmup_steps=50",
+        ],
+        [
+            "data.num_heldout=128",
+            "data.num_prompts=512",
+            "data.num_test=200",
+            "sample.temperatures=[1.0,2.0,3.0]",
+            "sample.lams=[0.0,0.05]",
+            "distill.max_steps=600",
+            "distill.optim.warmup_steps=50",
+        ],
+    ),
+    "smoke": (
+        [
+            "model.hidden_size=32",
+            "model.num_layers=2",
+            "model.num_heads=2",
+            "train.max_steps=30",
+            "train.batch_size=16",
+            "train.micro_batch_size=16",
+            "optim.lr=3e-3",
+        ],
+        [
+            "model.hidden_size=32",
+            "model.num_layers=1",
+            "model.num_heads=2",
+            "model.init_seed=1",
+            "train.max_steps=10",
+            "train.batch_size=16",
+            "train.micro_batch_size=16",
+            "optim.lr=3e-3",
+        ],
+        [
+            "data.num_heldout=16",
+            "data.num_prompts=16",
+            "data.num_test=16",
+            "sample.batch_size=16",
+            "sample.temperatures=[1.0,2.0]",
+            "sample.lams=[0.0,0.03]",
+            "distill.max_steps=5",
+            "distill.batch_size=8",
+            "distill.micro_batch_size=8",
+            "student.hidden_size=32",
+            "student.num_layers=1",
+            "student.num_heads=2",
+        ],
+    ),
 }
 
 
@@ -68,11 +138,25 @@ def train_model(out: Path, task: str, overrides: list[str], threads: int) -> Pat
     if not (out / "final").is_dir():
         if out.exists():
             shutil.rmtree(out)  # a partial run: the SFT recipe refuses a used directory
-        cfg = load_config(SFTConfig, None, [
-            "model.name=tiny:llama", "model.tokenizer=char", "model.max_position_embeddings=64",
-            f"data.task={task}", "data.max_len=48", "data.num_eval=200", "train.max_new_tokens=32",
-            "train.save_every=0", "train.eval_every=0", f"train.threads={threads}", "logging.progress=false",
-            f"train.output_dir={out}", *overrides])
+        cfg = load_config(
+            SFTConfig,
+            None,
+            [
+                "model.name=tiny:llama",
+                "model.tokenizer=char",
+                "model.max_position_embeddings=64",
+                f"data.task={task}",
+                "data.max_len=48",
+                "data.num_eval=200",
+                "train.max_new_tokens=32",
+                "train.save_every=0",
+                "train.eval_every=0",
+                f"train.threads={threads}",
+                "logging.progress=false",
+                f"train.output_dir={out}",
+                *overrides,
+            ],
+        )
         run_sft(cfg, name=out.name)
     return out / "final"
 
@@ -95,9 +179,17 @@ def seed_results(cfg: AntidistillConfig, direction: str) -> list[dict]:
         for lam in cfg.sample.lams:
             name = pipe.setting_name(temperature, lam, direction)
             sampled = pipe.read_json(pipe.sample_dir(workdir, temperature, lam, direction) / "summary.json")
-            rows.append({"name": name, "temperature": temperature, "lam": lam,
-                         "kind": "temperature" if lam == 0 else direction, "teacher_accuracy": sampled["teacher_accuracy"],
-                         "kl_per_token": sampled["kl_per_token"], "student_accuracy": by_name[name]["student_accuracy"]})
+            rows.append(
+                {
+                    "name": name,
+                    "temperature": temperature,
+                    "lam": lam,
+                    "kind": "temperature" if lam == 0 else direction,
+                    "teacher_accuracy": sampled["teacher_accuracy"],
+                    "kl_per_token": sampled["kl_per_token"],
+                    "student_accuracy": by_name[name]["student_accuracy"],
+                }
+            )
     return rows
 
 
@@ -106,14 +198,26 @@ def run_seed(base: list[str], out: Path, seed: int, eps: float, lams: list[float
     for part in ("traces", "grad"):
         if not (workdir / part).exists():
             shutil.copytree(out / "shared" / part, workdir / part)
-    common = base + [f"run.workdir={workdir}", f"sample.seed={seed}", f"distill.seed={seed}",
-                     f"student.init_seed={seed + 100}", f"sample.eps={eps}"]
+    common = base + [
+        f"run.workdir={workdir}",
+        f"sample.seed={seed}",
+        f"distill.seed={seed}",
+        f"student.init_seed={seed + 100}",
+        f"sample.eps={eps}",
+    ]
     rows = []
     random_lams = [lam * random_scale for lam in lams if lam != 0]
     for direction, direction_lams in (("proxy", lams), ("random", random_lams)):
-        cfg = load_config(AntidistillConfig, HERE / "antidistill_scratchpad.yaml",
-                          common + [f"sample.direction={direction}", f"sample.direction_seed={seed}",
-                                    "sample.lams=[" + ",".join(map(str, direction_lams)) + "]"])
+        cfg = load_config(
+            AntidistillConfig,
+            HERE / "antidistill_scratchpad.yaml",
+            common
+            + [
+                f"sample.direction={direction}",
+                f"sample.direction_seed={seed}",
+                "sample.lams=[" + ",".join(map(str, direction_lams)) + "]",
+            ],
+        )
         marker = workdir / "eval" / f"results-{direction}.json"
         if not marker.exists():
             run_sample(cfg)
@@ -130,12 +234,24 @@ def answers_only(base: list[str], out: Path, seed: int, threads: int) -> float:
     result = out / f"answers_only_seed{seed}.json"
     if not result.exists():
         d, s = cfg.distill, cfg.student
-        model_dir = train_model(out / f"answers_only_seed{seed}", f"{TASK},trace=0", [
-            f"model.hidden_size={s.hidden_size}", f"model.num_layers={s.num_layers}", f"model.num_heads={s.num_heads}",
-            f"model.init_seed={seed + 100}", f"train.seed={seed}", f"train.max_steps={d.max_steps}",
-            f"train.batch_size={d.batch_size}", f"train.micro_batch_size={d.micro_batch_size}",
-            f"optim.lr={d.optim.lr}", f"optim.warmup_steps={d.optim.warmup_steps}",
-            f"data.num_train={cfg.data.num_prompts * cfg.data.samples_per_prompt}"], threads)
+        model_dir = train_model(
+            out / f"answers_only_seed{seed}",
+            f"{TASK},trace=0",
+            [
+                f"model.hidden_size={s.hidden_size}",
+                f"model.num_layers={s.num_layers}",
+                f"model.num_heads={s.num_heads}",
+                f"model.init_seed={seed + 100}",
+                f"train.seed={seed}",
+                f"train.max_steps={d.max_steps}",
+                f"train.batch_size={d.batch_size}",
+                f"train.micro_batch_size={d.micro_batch_size}",
+                f"optim.lr={d.optim.lr}",
+                f"optim.warmup_steps={d.optim.warmup_steps}",
+                f"data.num_train={cfg.data.num_prompts * cfg.data.samples_per_prompt}",
+            ],
+            threads,
+        )
         model, tokenizer = load_model(dataclasses.replace(s, name=str(model_dir), tokenizer=""))
         task = get_task(cfg.data.task)
         problems = task.make_problems(cfg.data.num_test, cfg.data.seed, cfg.data.test_split)
@@ -164,8 +280,13 @@ def summarise(per_seed: dict[int, list[dict]], baseline: list[float], greedy: li
         settings.append(entry)
     mean_base, ci_base = ci95(baseline)
     mean_greedy, _ = ci95(greedy)
-    return {"seeds": sorted(per_seed), "answers_only_student": mean_base, "answers_only_student_ci95": ci_base,
-            "teacher_greedy": mean_greedy, "settings": settings}
+    return {
+        "seeds": sorted(per_seed),
+        "answers_only_student": mean_base,
+        "answers_only_student_ci95": ci_base,
+        "teacher_greedy": mean_greedy,
+        "settings": settings,
+    }
 
 
 def _pct(x) -> str:
@@ -173,15 +294,24 @@ def _pct(x) -> str:
 
 
 def markdown(study: dict) -> str:
-    lines = [f"Seeds {study['seeds']}. Teacher greedy test accuracy {_pct(study['teacher_greedy'])}%. "
-             f"Answers-only student {_pct(study['answers_only_student'])} ± {_pct(study['answers_only_student_ci95'])}%.",
-             "", "| setting | kind | teacher acc. (%) | KL/token (nats) | student acc. (%) | student − temperature student "
-             "at same teacher acc. (points; seeds matched) |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"Seeds {study['seeds']}. Teacher greedy test accuracy {_pct(study['teacher_greedy'])}%. "
+        f"Answers-only student {_pct(study['answers_only_student'])} ± {_pct(study['answers_only_student_ci95'])}%.",
+        "",
+        "| setting | kind | teacher acc. (%) | KL/token (nats) | student acc. (%) | student − temperature student "
+        "at same teacher acc. (points; seeds matched) |",
+        "|---|---|---|---|---|---|",
+    ]
     for s in study["settings"]:
-        gap = "" if s["lam"] == 0 else (f"{_pct(s['gap_to_temperature'])} ± {_pct(s['gap_to_temperature_ci95'])} "
-                                        f"({s['num_seeds_matched']})")
-        lines.append(f"| {s['name']} | {s['kind']} | {_pct(s['teacher_accuracy'])} ± {_pct(s['teacher_accuracy_ci95'])} "
-                     f"| {s['kl_per_token']:.4f} | {_pct(s['student_accuracy'])} ± {_pct(s['student_accuracy_ci95'])} | {gap} |")
+        gap = (
+            ""
+            if s["lam"] == 0
+            else (f"{_pct(s['gap_to_temperature'])} ± {_pct(s['gap_to_temperature_ci95'])} ({s['num_seeds_matched']})")
+        )
+        lines.append(
+            f"| {s['name']} | {s['kind']} | {_pct(s['teacher_accuracy'])} ± {_pct(s['teacher_accuracy_ci95'])} "
+            f"| {s['kl_per_token']:.4f} | {_pct(s['student_accuracy'])} ± {_pct(s['student_accuracy_ci95'])} | {gap} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -192,16 +322,27 @@ def plot(study: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    styles = {"temperature": ("o-", "tab:blue", "temperature sampling"), "proxy": ("s", "tab:red", "ADS"),
-              "random": ("^", "tab:green", "random direction (control)")}
+    styles = {
+        "temperature": ("o-", "tab:blue", "temperature sampling"),
+        "proxy": ("s", "tab:red", "ADS"),
+        "random": ("^", "tab:green", "random direction (control)"),
+    }
     for kind, (marker, color, label) in styles.items():
         points = sorted((s for s in study["settings"] if s["kind"] == kind), key=lambda s: s["teacher_accuracy"])
         if not points:
             continue
         xerr = [0 if math.isnan(s["teacher_accuracy_ci95"]) else 100 * s["teacher_accuracy_ci95"] for s in points]
         yerr = [0 if math.isnan(s["student_accuracy_ci95"]) else 100 * s["student_accuracy_ci95"] for s in points]
-        ax.errorbar([100 * s["teacher_accuracy"] for s in points], [100 * s["student_accuracy"] for s in points],
-                    xerr=xerr, yerr=yerr, fmt=marker, color=color, label=label, capsize=2)
+        ax.errorbar(
+            [100 * s["teacher_accuracy"] for s in points],
+            [100 * s["student_accuracy"] for s in points],
+            xerr=xerr,
+            yerr=yerr,
+            fmt=marker,
+            color=color,
+            label=label,
+            capsize=2,
+        )
     ax.axhline(100 * study["answers_only_student"], color="gray", linestyle="--", label="answers-only student")
     ax.set_xlabel("teacher accuracy on its sampled traces (%)")
     ax.set_ylabel("distilled student test accuracy (%)")
@@ -220,17 +361,23 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--eps", type=float, default=0.0, help="0 = 1e-2 / |g| from the grad stage")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--random-lam-scale", type=float, default=30.0,
-                        help="the random-direction control runs at lam x this: at equal lam a norm-matched random "
-                             "direction tilts the teacher ~1000x less in KL (measured in the smoke run), so the "
-                             "control needs larger lam to reach the ADS settings' KL and teacher accuracy")
+    parser.add_argument(
+        "--random-lam-scale",
+        type=float,
+        default=30.0,
+        help="the random-direction control runs at lam x this: at equal lam a norm-matched random "
+        "direction tilts the teacher ~1000x less in KL (measured in the smoke run), so the "
+        "control needs larger lam to reach the ADS settings' KL and teacher accuracy",
+    )
     args = parser.parse_args()
     teacher_args, proxy_args, study_args = SCALES[args.scale]
     out = args.out.resolve()
     teacher = train_model(out / "teacher", TASK, teacher_args, args.threads)
     proxy = train_model(out / "proxy", TASK, proxy_args, args.threads)
     base = [f"teacher.name={teacher}", f"proxy.name={proxy}", f"run.threads={args.threads}", *study_args]
-    shared = load_config(AntidistillConfig, HERE / "antidistill_scratchpad.yaml", base + [f"run.workdir={out / 'shared'}"])
+    shared = load_config(
+        AntidistillConfig, HERE / "antidistill_scratchpad.yaml", base + [f"run.workdir={out / 'shared'}"]
+    )
     if not pipe.grad_path(out / "shared").exists():
         run_traces(shared)
         run_grad(shared)

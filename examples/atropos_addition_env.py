@@ -16,6 +16,7 @@ template only when the tokenizer has its own), so a model SFT'd by lmforge sees 
 The server's extra response fields are used as they are: ``prompt_token_ids`` / ``token_ids`` (no
 re-tokenising of text), ``logprobs.token_logprobs`` and ``weight_version``.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -35,8 +36,11 @@ class AdditionEnvConfig(BaseEnvConfig):
     temperature: float = Field(default=1.0, description="sampling temperature (the trainer's rollout.temperature)")
     max_new_tokens: int = Field(default=6, description="longest completion (the trainer's rollout.max_new_tokens)")
     use_chat_template: str = Field(default="auto", description="auto | on | off, as data.use_chat_template")
-    vllm: bool = Field(default=False, description="the server is vLLM's OpenAI server: ask for token ids with "
-                       "return_token_ids and send no weight_version (vLLM reports none; unverified here, no GPU)")
+    vllm: bool = Field(
+        default=False,
+        description="the server is vLLM's OpenAI server: ask for token ids with "
+        "return_token_ids and send no weight_version (vLLM reports none; unverified here, no GPU)",
+    )
 
 
 class AdditionEnv(BaseEnv):
@@ -45,11 +49,23 @@ class AdditionEnv(BaseEnv):
 
     @classmethod
     def config_init(cls) -> tuple[AdditionEnvConfig, list[APIServerConfig]]:
-        env = AdditionEnvConfig(group_size=8, use_wandb=False, steps_per_eval=0, max_num_workers_per_node=4,
-                                max_batches_offpolicy=2, ensure_scores_are_not_same=False,
-                                tokenizer_name="runs/sft_addition/final/model", wandb_name="lmforge_addition")
-        server = APIServerConfig(base_url="http://127.0.0.1:9001/v1", api_key="none", model_name="lmforge",
-                                 health_check=False, num_requests_for_eval=4)
+        env = AdditionEnvConfig(
+            group_size=8,
+            use_wandb=False,
+            steps_per_eval=0,
+            max_num_workers_per_node=4,
+            max_batches_offpolicy=2,
+            ensure_scores_are_not_same=False,
+            tokenizer_name="runs/sft_addition/final/model",
+            wandb_name="lmforge_addition",
+        )
+        server = APIServerConfig(
+            base_url="http://127.0.0.1:9001/v1",
+            api_key="none",
+            model_name="lmforge",
+            health_check=False,
+            num_requests_for_eval=4,
+        )
         return env, [server]
 
     async def setup(self) -> None:
@@ -67,16 +83,23 @@ class AdditionEnv(BaseEnv):
         prompt_ids = encode_prompt(self.tokenizer, item.prompt, self.chat)
         # lmforge serve refuses fields it does not know; vLLM needs return_token_ids for the sampled ids
         options = {"extra_body": {"return_token_ids": True}} if self.config.vllm else {}
-        reply = await self.server.completion(prompt=prompt_ids, n=self.config.group_size, logprobs=1,
-                                             max_tokens=self.config.max_new_tokens,
-                                             temperature=self.config.temperature, **options)
+        reply = await self.server.completion(
+            prompt=prompt_ids,
+            n=self.config.group_size,
+            logprobs=1,
+            max_tokens=self.config.max_new_tokens,
+            temperature=self.config.temperature,
+            **options,
+        )
         extra = reply.model_extra or {}
         params: dict[str, Any] = {"temperature": self.config.temperature}
         if "weight_version" in extra:  # lmforge serve: staleness = trainer step - this
             params["weight_version"] = int(extra["weight_version"])
         elif not self.config.vllm:
-            raise RuntimeError("the inference server sent no weight_version: is it lmforge serve? (for vLLM set "
-                               "--env.vllm=True; docs/atropos.md)")
+            raise RuntimeError(
+                "the inference server sent no weight_version: is it lmforge serve? (for vLLM set "
+                "--env.vllm=True; docs/atropos.md)"
+            )
         # ScoredDataGroup is a TypedDict: the keys left out (advantages, ref_logprobs, overrides, ...) are
         # filled in by BaseEnv.handle_send_to_api (advantages must stay unset: lmforge computes them)
         group = ScoredDataGroup(tokens=[], masks=[], scores=[], inference_logprobs=[], generation_params=params)

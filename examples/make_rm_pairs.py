@@ -6,6 +6,7 @@ carry, a digit off by one -- where every sample was right). One pair per prompt.
     python examples/make_rm_pairs.py --model runs/sft_addition_brief/final --out runs/rm_pairs.jsonl
     lmforge rm examples/rm_addition.yaml data.task= data.rejected=rule data.path=runs/rm_pairs.jsonl
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,14 +43,24 @@ def main() -> None:
     with torch.no_grad():
         for indices in by_length.values():
             for k in range(0, len(indices), 256):
-                chunk = indices[k:k + 256]
-                ids = torch.tensor([tokenizer(problems[i].prompt, add_special_tokens=False)["input_ids"] for i in chunk])
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
-                                     max_new_tokens=6, num_return_sequences=args.samples,
-                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-                texts = tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+                chunk = indices[k : k + 256]
+                ids = torch.tensor(
+                    [tokenizer(problems[i].prompt, add_special_tokens=False)["input_ids"] for i in chunk]
+                )
+                out = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    max_new_tokens=6,
+                    num_return_sequences=args.samples,
+                    eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+                texts = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
                 for j, i in enumerate(chunk):
-                    samples[i] = [t.strip() for t in texts[j * args.samples:(j + 1) * args.samples]]
+                    samples[i] = [t.strip() for t in texts[j * args.samples : (j + 1) * args.samples]]
     rng, num_sampled = random.Random(args.seed), 0
     with open(args.out, "w") as f:
         for index, problem in enumerate(problems):

@@ -8,6 +8,7 @@ The prompts are the task's training problems (split "train", seeded like `lmforg
 the completions are sampled at --temperature (1.0: the teacher's own distribution, as the on-policy
 student sees it), kept whether right or wrong; the count of correct ones is printed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,9 +19,9 @@ import torch
 from lmforge.core.config import ModelConfig
 from lmforge.data.sft import encode_prompt, uses_chat_format
 from lmforge.data.tasks import get_task
-from lmforge.rollout.evaluation import completion_texts
 from lmforge.model.load import load_model
 from lmforge.rollout import SamplingParams, generate
+from lmforge.rollout.evaluation import completion_texts
 
 
 def main() -> None:
@@ -40,19 +41,30 @@ def main() -> None:
     chat = uses_chat_format(tokenizer, "auto")
     rows, correct = [], 0
     for start in range(0, len(problems), 256):
-        chunk = problems[start:start + 256]
-        params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                                stop_token_ids=[tokenizer.eos_token_id], seed=args.seed + start)
+        chunk = problems[start : start + 256]
+        params = SamplingParams(
+            temperature=args.temperature,
+            max_new_tokens=args.max_new_tokens,
+            stop_token_ids=[tokenizer.eos_token_id],
+            seed=args.seed + start,
+        )
         with torch.no_grad():
-            batch = generate(model, [encode_prompt(tokenizer, p.prompt, chat) for p in chunk], params,
-                             num_samples=1, pad_token_id=tokenizer.pad_token_id)
+            batch = generate(
+                model,
+                [encode_prompt(tokenizer, p.prompt, chat) for p in chunk],
+                params,
+                num_samples=1,
+                pad_token_id=tokenizer.pad_token_id,
+            )
         for problem, text in zip(chunk, completion_texts(tokenizer, batch)):
             correct += task.is_correct(text, problem)
             rows.append({"prompt": problem.prompt, "completion": text})
     with open(args.out, "w") as handle:
         handle.writelines(json.dumps(row) + "\n" for row in rows)
-    print(f"{len(rows)} traces of {args.teacher} at temperature {args.temperature}: {correct} correct "
-          f"({correct / len(rows):.1%}) -> {args.out}")
+    print(
+        f"{len(rows)} traces of {args.teacher} at temperature {args.temperature}: {correct} correct "
+        f"({correct / len(rows):.1%}) -> {args.out}"
+    )
 
 
 if __name__ == "__main__":

@@ -87,23 +87,32 @@ class CalculateConfig(vf.TasksetConfig):
 
 # Small models call a tool more often when shown a call; the Hermes format shown is the common one (lmforge
 # serve's default, Qwen's and Hermes' templates).
-SYSTEM_PROMPT = ("You can call the tool `calculate` to do arithmetic, like this:\n"
-                 '<tool_call>{"name": "calculate", "arguments": {"expression": "12 * 34"}}</tool_call>\n'
-                 "When you know the result, reply with it as <answer>N</answer>.")
+SYSTEM_PROMPT = (
+    "You can call the tool `calculate` to do arithmetic, like this:\n"
+    '<tool_call>{"name": "calculate", "arguments": {"expression": "12 * 34"}}</tool_call>\n'
+    "When you know the result, reply with it as <answer>N</answer>."
+)
 
 
 class CalculateTaskset(vf.Taskset[CalculateTask, CalculateConfig]):
     def load(self) -> list[CalculateTask]:
         rng = random.Random(self.config.seed)
-        low, high = 10 ** (self.config.digits - 1), 10 ** self.config.digits - 1
+        low, high = 10 ** (self.config.digits - 1), 10**self.config.digits - 1
         tasks = []
         for i in range(self.config.num_tasks):
             a, b = rng.randint(low, high), rng.randint(low, high)
             op = "*" if i % 2 == 0 else "+"
-            tasks.append(CalculateTask(
-                CalculateData(id=f"calc-{i}", prompt=f"Use the calculate tool: what is {a} {op} {b}?", system_prompt=SYSTEM_PROMPT,
-                              answer=evaluate(f"{a} {op} {b}")),
-                self.config.task))
+            tasks.append(
+                CalculateTask(
+                    CalculateData(
+                        id=f"calc-{i}",
+                        prompt=f"Use the calculate tool: what is {a} {op} {b}?",
+                        system_prompt=SYSTEM_PROMPT,
+                        answer=evaluate(f"{a} {op} {b}"),
+                    ),
+                    self.config.task,
+                )
+            )
         return tasks
 
 

@@ -1,5 +1,6 @@
 """Session-wide test settings: thread count, cache locations, stubs for work no test asks about,
 the ``gpu`` marker's skip, and the SmolLM2 model loaded once per session (docs/testing.md)."""
+
 import importlib
 import importlib.util
 import os
@@ -11,8 +12,7 @@ import pytest
 import torch
 
 import lmforge
-from lmforge.runtime import hardware
-from lmforge.runtime import metrics
+from lmforge.runtime import hardware, metrics
 
 # Tests run on 2 CPU cores next to each other; keep torch from oversubscribing them.
 torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -9,6 +9,7 @@ A section (``cfg.rollout``) is not the config: passing one is what the rule asks
 
     python tools/config_trace.py [--start=rl/loop.py:prepare:cfg] [-v]
 """
+
 from __future__ import annotations
 
 import ast

@@ -15,6 +15,7 @@ hub-id path can be tried offline: HF_DATASETS_CACHE=CACHE_DIR lmforge grpo ... d
 (It builds the cache with datasets' Parquet builder and the cache layout of datasets 5.x; a real
 hub dataset gets there by being loaded once with network access.)
 """
+
 import argparse
 import csv
 import shutil
@@ -62,8 +63,9 @@ def write_hub_cache(cache: Path, repo: str, splits: dict) -> None:
         for name, part in splits.items():
             files[name] = str(Path(scratch) / f"{name}.parquet")
             part.to_parquet(files[name])
-        Parquet(cache_dir=str(cache), dataset_name=short, data_files=files, hash="local",
-                config_name="default").download_and_prepare()
+        Parquet(
+            cache_dir=str(cache), dataset_name=short, data_files=files, hash="local", config_name="default"
+        ).download_and_prepare()
     built = next(p for p in (cache / short).iterdir() if p.is_dir())
     target = cache / repo.replace("/", "___") / "default"
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
 """``python -m lmforge`` (and ``torchrun ... -m lmforge``): the same as the ``lmforge`` command."""
+
 import sys
 
 from .cli import main

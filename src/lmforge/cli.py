@@ -1,21 +1,22 @@
 """lmforge COMMAND: each command is a thin call into a recipe.
 
-    lmforge quickstart                         the embedded default: tiny model, SFT then GRPO, no network
-    lmforge pretrain CONFIG [key=value ...]    train on packed text
-    lmforge sft CONFIG [key=value ...]         supervised fine-tuning
-    lmforge grpo CONFIG [key=value ...]        RL: GRPO / Dr. GRPO / DAPO / GSPO / RLOO
-    lmforge ppo CONFIG [key=value ...]         RL: PPO with a value head and GAE
-    lmforge dpo CONFIG [key=value ...]         preference pairs: DPO / IPO / SimPO
-    lmforge rm CONFIG [key=value ...]          a reward model (Bradley-Terry) on preference pairs
-    lmforge distill CONFIG [key=value ...]     distillation: on-policy (reverse KL on the student's samples) or logit
-    lmforge antidistill STAGE CONFIG [...]     antidistillation pipeline (traces, grad, sample, distill, eval, report, all)
-    lmforge export RUN_DIR --out DIR           a checkpoint as an HF directory (gathers FSDP2 shards, merges LoRA)
-    lmforge serve MODEL [--port N ...]         OpenAI-compatible HTTP server with batching and weight updates
-    lmforge hardware                           what was detected and what would be chosen
-    lmforge plot RUN_DIR                       PNG of the run's curves
-    lmforge quantize MODEL --format F --out DIR   quantized checkpoint (compressed-tensors, GGUF, ternary)
-    lmforge dequantize DIR --out HF_DIR        a quantized checkpoint back to a plain HF directory
+lmforge quickstart                         the embedded default: tiny model, SFT then GRPO, no network
+lmforge pretrain CONFIG [key=value ...]    train on packed text
+lmforge sft CONFIG [key=value ...]         supervised fine-tuning
+lmforge grpo CONFIG [key=value ...]        RL: GRPO / Dr. GRPO / DAPO / GSPO / RLOO
+lmforge ppo CONFIG [key=value ...]         RL: PPO with a value head and GAE
+lmforge dpo CONFIG [key=value ...]         preference pairs: DPO / IPO / SimPO
+lmforge rm CONFIG [key=value ...]          a reward model (Bradley-Terry) on preference pairs
+lmforge distill CONFIG [key=value ...]     distillation: on-policy (reverse KL on the student's samples) or logit
+lmforge antidistill STAGE CONFIG [...]     antidistillation pipeline (traces, grad, sample, distill, eval, report, all)
+lmforge export RUN_DIR --out DIR           a checkpoint as an HF directory (gathers FSDP2 shards, merges LoRA)
+lmforge serve MODEL [--port N ...]         OpenAI-compatible HTTP server with batching and weight updates
+lmforge hardware                           what was detected and what would be chosen
+lmforge plot RUN_DIR                       PNG of the run's curves
+lmforge quantize MODEL --format F --out DIR   quantized checkpoint (compressed-tensors, GGUF, ternary)
+lmforge dequantize DIR --out HF_DIR        a quantized checkpoint back to a plain HF directory
 """
+
 from __future__ import annotations
 
 import argparse
@@ -90,8 +91,9 @@ def _options_epilog(module: str, config: str) -> str:
 def _config_command(sub, name: str, help_text: str, module: str, config: str, runner: Callable) -> None:
     """``lmforge NAME [CONFIG] [key=value ...]``: the config class ``config`` of ``lmforge.recipes.<module>``
     loaded and given to ``runner(recipe module)(cfg)``; the module (and torch) is imported only to run."""
-    parser = sub.add_parser(name, help=help_text, description=help_text,
-                            epilog_of=lambda: _options_epilog(module, config))
+    parser = sub.add_parser(
+        name, help=help_text, description=help_text, epilog_of=lambda: _options_epilog(module, config)
+    )
     parser.add_argument("config", nargs="?", help="YAML config file (optional: every key has a default)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 train.max_steps=100")
 
@@ -110,26 +112,55 @@ def _config_command(sub, name: str, help_text: str, module: str, config: str, ru
 
 # command: (help text, its module under lmforge.recipes, the config class and the run function there)
 RECIPES = {
-    "quickstart": ("train a tiny model on synthetic addition (SFT, then GRPO), offline, in minutes",
-                   "quickstart", "QuickstartConfig", "run_quickstart"),
-    "pretrain": ("train a model on packed raw text (optionally its own BPE tokenizer)",
-                 "pretrain", "PretrainConfig", "run_pretrain"),
+    "quickstart": (
+        "train a tiny model on synthetic addition (SFT, then GRPO), offline, in minutes",
+        "quickstart",
+        "QuickstartConfig",
+        "run_quickstart",
+    ),
+    "pretrain": (
+        "train a model on packed raw text (optionally its own BPE tokenizer)",
+        "pretrain",
+        "PretrainConfig",
+        "run_pretrain",
+    ),
     "sft": ("supervised fine-tuning with a completion-only loss", "sft", "SFTConfig", "run_sft"),
-    "grpo": ("RL from verifiable rewards: GRPO and its variants (Dr. GRPO, DAPO, GSPO, RLOO)",
-             "grpo", "GRPOConfig", "run_grpo"),
+    "grpo": (
+        "RL from verifiable rewards: GRPO and its variants (Dr. GRPO, DAPO, GSPO, RLOO)",
+        "grpo",
+        "GRPOConfig",
+        "run_grpo",
+    ),
     "ppo": ("RL from verifiable rewards: PPO with a value head and GAE", "ppo", "PPOConfig", "run_ppo"),
-    "dpo": ("preference optimisation on prompt / chosen / rejected pairs: DPO, IPO, SimPO",
-            "dpo", "DPOConfig", "run_dpo"),
-    "rm": (("a reward model (Bradley-Terry) on prompt / chosen / rejected pairs, saved for "
-            "AutoModelForSequenceClassification"), "rm", "RMConfig", "run_rm"),
-    "distill": (("distillation from a teacher: on-policy (per-token reverse KL on the student's samples) or "
-                 "logit (forward KL at a temperature on fixed data)"), "distill", "DistillConfig", "run_distill"),
+    "dpo": (
+        "preference optimisation on prompt / chosen / rejected pairs: DPO, IPO, SimPO",
+        "dpo",
+        "DPOConfig",
+        "run_dpo",
+    ),
+    "rm": (
+        (
+            "a reward model (Bradley-Terry) on prompt / chosen / rejected pairs, saved for "
+            "AutoModelForSequenceClassification"
+        ),
+        "rm",
+        "RMConfig",
+        "run_rm",
+    ),
+    "distill": (
+        (
+            "distillation from a teacher: on-policy (per-token reverse KL on the student's samples) or "
+            "logit (forward KL at a temperature on fixed data)"
+        ),
+        "distill",
+        "DistillConfig",
+        "run_distill",
+    ),
 }
 # the listed help of the commands whose parser is built by a function of its own (tests/recipes/test_cli.py
 # checks it against the built command's)
 ANTIDISTILL_HELP = "antidistillation sampling pipeline: traces, grad, sample, distill, eval, report (or all)"
-SERVE_HELP = ("OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) with batching and weight "
-              "updates")
+SERVE_HELP = "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) with batching and weight updates"
 QUANTIZE_HELP = "write a quantized checkpoint (compressed-tensors, GGUF, ternary)"
 
 
@@ -180,8 +211,14 @@ def _antidistill(sub) -> None:
     parser = sub.add_parser("antidistill", help=ANTIDISTILL_HELP, description="antidistillation sampling pipeline")
     stages = parser.add_subparsers(dest="stage", metavar="STAGE", required=True)
     for name, help_text in stage_help.items():
-        _config_command(stages, name, help_text, "antidistill", "AntidistillConfig",
-                        lambda recipe, name=name: recipe.STAGES[name][1])
+        _config_command(
+            stages,
+            name,
+            help_text,
+            "antidistill",
+            "AntidistillConfig",
+            lambda recipe, name=name: recipe.STAGES[name][1],
+        )
 
 
 def _hardware(args) -> None:
@@ -220,8 +257,10 @@ def _quantize(sub) -> None:
         from .quantize import quantize
 
         result = quantize(args.model, args.format, args.out)
-        print(f"wrote {args.format} to {args.out}: {result.num_bytes / 2**20:.2f} MiB in "
-              f"{result.seconds:.1f} s ({', '.join(f.name for f in result.files)})")
+        print(
+            f"wrote {args.format} to {args.out}: {result.num_bytes / 2**20:.2f} MiB in "
+            f"{result.seconds:.1f} s ({', '.join(f.name for f in result.files)})"
+        )
 
     try:  # quantize.catalog's table, read without importing the package (its writers import torch)
         descriptions = confighelp.constant("quantize.catalog", "DESCRIPTIONS")
@@ -252,8 +291,9 @@ def build_parser(complete: bool = False) -> argparse.ArgumentParser:
     from . import __version__
 
     parser = Parser(prog="lmforge", description=textwrap.dedent(__doc__ or ""))
-    parser.add_argument("--version", action="version", version=f"lmforge {__version__}",
-                        help="print lmforge's version and exit")
+    parser.add_argument(
+        "--version", action="version", version=f"lmforge {__version__}", help="print lmforge's version and exit"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", action=Commands)
     for name, (help_text, *_) in RECIPES.items():
         sub.add_command(name, help_text, lambda sub, name=name: _recipe(sub, name))
@@ -262,11 +302,15 @@ def build_parser(complete: bool = False) -> argparse.ArgumentParser:
     hw = sub.add_parser("hardware", help="print detected hardware and the automatic choices")
     hw.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | mps")
     hw.set_defaults(func=_hardware)
-    export = sub.add_parser("export", help="write a checkpoint (the newest of RUN_DIR, or CHECKPOINT) as an HF "
-                            "model directory; gathers FSDP2 shards", description="consolidate a checkpoint into a "
-                            "Hugging Face model directory (safetensors + config + tokenizer)")
+    export = sub.add_parser(
+        "export",
+        help="write a checkpoint (the newest of RUN_DIR, or CHECKPOINT) as an HF model directory; gathers FSDP2 shards",
+        description="consolidate a checkpoint into a Hugging Face model directory (safetensors + config + tokenizer)",
+    )
     export.add_argument("run_dir", help="run directory (its newest checkpoint) or a checkpoints/step-N directory")
-    export.add_argument("--out", required=True, help="output directory: new, empty, or an earlier export (replaced atomically)")
+    export.add_argument(
+        "--out", required=True, help="output directory: new, empty, or an earlier export (replaced atomically)"
+    )
     export.set_defaults(func=_export)
     plot = sub.add_parser("plot", help="write a PNG of loss / lr / accuracy curves of a run")
     plot.add_argument("run_dir", help="run directory holding metrics.jsonl")
@@ -291,8 +335,14 @@ def main(argv: list[str] | None = None) -> int:
     from .runtime import hardware
 
     hardware.prepare_process()  # the load at start, and the OpenMP wait policy before torch loads OpenMP
-    from .parallel.context import (disarm_signals, end_process_group, ignore_signals, install_signal_handlers,
-                                   restore_signal_handlers, torchrun_world)
+    from .parallel.context import (
+        disarm_signals,
+        end_process_group,
+        ignore_signals,
+        install_signal_handlers,
+        restore_signal_handlers,
+        torchrun_world,
+    )
 
     # SIGTERM stops a command like SIGINT, in one process and under torchrun; serve's server (uvicorn)
     # shuts down gracefully on both by itself and exits 0
@@ -326,15 +376,27 @@ def report(args, argv: list[str] | None, exc: BaseException) -> int:
         gone = peers_note()
         if should_report(exc):
             why = f"; {gone} (torchrun stops every rank when one fails)" if gone else ""
-            print(f"{name}: {rank_prefix()}stopped by {signal.Signals(signum).name}{why}; completed checkpoints are intact "
-                  "and nothing half-written is left (resume with train.resume=auto)", file=sys.stderr)
+            print(
+                f"{name}: {rank_prefix()}stopped by {signal.Signals(signum).name}{why}; completed checkpoints "
+                f"are intact "
+                "and nothing half-written is left (resume with train.resume=auto)",
+                file=sys.stderr,
+            )
         return Interrupted(signum).exit_code
     if not isinstance(exc, LmforgeError) and is_peer_loss(exc):
-        who = stall_note(exc) or peers_note(wait_s=2.0) or (  # a rank that never came, one that is gone
-            "another rank stopped or lost contact (torchrun's summary names it and its exit code or signal)")
+        who = (
+            stall_note(exc)
+            or peers_note(wait_s=2.0)
+            or (  # a rank that never came, one that is gone
+                "another rank stopped or lost contact (torchrun's summary names it and its exit code or signal)"
+            )
+        )
         if should_report(exc):  # after peers_note: a rank 0 that is gone is known to be gone
-            print(f"{name}: {rank_prefix()}stopping: {who}. Completed checkpoints are intact (resume with "
-                  "train.resume=auto)", file=sys.stderr)
+            print(
+                f"{name}: {rank_prefix()}stopping: {who}. Completed checkpoints are intact (resume with "
+                "train.resume=auto)",
+                file=sys.stderr,
+            )
         return EXIT_USER_ERROR
     if isinstance(exc, (LmforgeError, FileNotFoundError, ImportError)):
         if should_report(exc):  # under torchrun: once, not once per rank
@@ -345,8 +407,7 @@ def report(args, argv: list[str] | None, exc: BaseException) -> int:
     code = environment_errno(exc)  # disk full, permissions, read-only: the machine, not lmforge
     if code is not None:
         if should_report(exc):
-            print(f"{name}: error: {rank_prefix()}{describe_errno(code)}: {type(exc).__name__}: {exc}",
-                  file=sys.stderr)
+            print(f"{name}: error: {rank_prefix()}{describe_errno(code)}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     return _internal_error(args, argv, exc)
 
@@ -359,9 +420,12 @@ def _internal_error(args, argv: list[str] | None, exc: Exception) -> int:
     if should_report(exc):
         summary = (str(exc).strip().splitlines() or [""])[0]
         notes = "".join(f"\n  {note}" for note in getattr(exc, "__notes__", ()))
-        print(f"lmforge {args.command}: internal error: {rank_prefix()}{type(exc).__name__}: {summary}{notes}\n"
-              f"  full traceback: {log}\n  this is a bug in lmforge: please report it to the maintainers, "
-              "with that file attached", file=sys.stderr)
+        print(
+            f"lmforge {args.command}: internal error: {rank_prefix()}{type(exc).__name__}: {summary}{notes}\n"
+            f"  full traceback: {log}\n  this is a bug in lmforge: please report it to the maintainers, "
+            "with that file attached",
+            file=sys.stderr,
+        )
     return EXIT_INTERNAL_ERROR
 
 

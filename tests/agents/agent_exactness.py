@@ -4,6 +4,7 @@ the packed batch, checked against each other. Written independently of the gatew
 building: the reference prompt of a call is the tokenizer's chat template applied to the messages the
 client sent, with each assistant turn's text replaced by the ids the server sampled for it.
 """
+
 from __future__ import annotations
 
 import re
@@ -12,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
-from agent_calculator import TOOLS, calculator  # noqa: F401  the example agent's own tool and schema
+from agent_calculator import TOOLS, calculator  # noqa: E402, F401 - the example agent's own tool and schema
 
 _MARK = "@@REPLY{}@@"
 _MARK_RE = re.compile(r"@@REPLY(\d+)@@")
@@ -24,8 +25,7 @@ def _text(content) -> str:
     return content or ""
 
 
-def reference_prompt(tokenizer, messages: list[dict], tools: list[dict] | None,
-                     replies: list[list[int]]) -> list[int]:
+def reference_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, replies: list[list[int]]) -> list[int]:
     """The prompt ids a token-exact server builds for ``messages``: the chat template's text (with the
     generation prompt) encoded piece by piece, the k-th assistant message standing for ``replies[k]``
     (the ids sampled for it, its stop id left out: the template writes the end of turn)."""
@@ -37,8 +37,9 @@ def reference_prompt(tokenizer, messages: list[dict], tools: list[dict] | None,
         else:
             marked.append({**message, "content": _text(message.get("content"))})
     if k > len(replies):
-        raise AssertionError(f"the conversation holds {k} assistant messages but only {len(replies)} replies "
-                             "were sampled before it")
+        raise AssertionError(
+            f"the conversation holds {k} assistant messages but only {len(replies)} replies were sampled before it"
+        )
     text = tokenizer.apply_chat_template(marked, tools=tools or None, tokenize=False, add_generation_prompt=True)
     ids, pieces = [], _MARK_RE.split(text)
     for i, piece in enumerate(pieces):
@@ -71,14 +72,17 @@ def check_prompts(episode, requests: list[dict], tokenizer, stop_ids) -> list[st
         problems.append(f"{where}: call indices {[c.index for c in calls]}")
     for k, (call, request) in enumerate(zip(calls, requests)):
         body = request["body"]
-        expected = reference_prompt(tokenizer, body["messages"], body.get("tools"),
-                                    [_sampled(c, stop_ids) for c in calls[:k]])
+        expected = reference_prompt(
+            tokenizer, body["messages"], body.get("tools"), [_sampled(c, stop_ids) for c in calls[:k]]
+        )
         if call.prompt_ids != expected:
             at = _first_difference(call.prompt_ids, expected)
-            problems.append(f"{where}, call {k}: the prompt differs from the conversation with its replies' sampled "
-                            f"ids at token {at} of {len(expected)}: server "
-                            f"{tokenizer.decode(call.prompt_ids[at - 10:at + 10])!r} vs "
-                            f"{tokenizer.decode(expected[at - 10:at + 10])!r}")
+            problems.append(
+                f"{where}, call {k}: the prompt differs from the conversation with its replies' sampled "
+                f"ids at token {at} of {len(expected)}: server "
+                f"{tokenizer.decode(call.prompt_ids[at - 10 : at + 10])!r} vs "
+                f"{tokenizer.decode(expected[at - 10 : at + 10])!r}"
+            )
     return problems
 
 
@@ -92,20 +96,28 @@ def check_samples(episode, samples) -> list[str]:
         found = None
         for s, sample in enumerate(samples):
             span = range(start - sample.prompt_len, end - sample.prompt_len)
-            if (sample.ids[:start] == call.prompt_ids and sample.ids[start:end] == call.token_ids and span.start >= 0
-                    and all(sample.trained[i] == 1 for i in span) and not used[s] & set(span)
-                    and [sample.logprobs[i] for i in span] == list(call.logprobs)):
+            if (
+                sample.ids[:start] == call.prompt_ids
+                and sample.ids[start:end] == call.token_ids
+                and span.start >= 0
+                and all(sample.trained[i] == 1 for i in span)
+                and not used[s] & set(span)
+                and [sample.logprobs[i] for i in span] == list(call.logprobs)
+            ):
                 found = s
                 used[s] |= set(span)
                 break
         if found is None:
-            problems.append(f"{where}, call {call.index}: its {len(call.token_ids)} sampled ids are not a trained span "
-                            "of any sample after its own prompt, with its logprobs")
+            problems.append(
+                f"{where}, call {call.index}: its {len(call.token_ids)} sampled ids are not a trained span "
+                "of any sample after its own prompt, with its logprobs"
+            )
     for s, sample in enumerate(samples):
         extra = [i for i, t in enumerate(sample.trained) if t and i not in used[s]]
         if extra:
-            problems.append(f"{where}, sample {s}: {len(extra)} trained tokens that no call sampled (from column "
-                            f"{extra[0]})")
+            problems.append(
+                f"{where}, sample {s}: {len(extra)} trained tokens that no call sampled (from column {extra[0]})"
+            )
     if len(samples) != 1:
         problems.append(f"{where}: {len(samples)} samples, not 1 (its calls do not extend each other)")
     return problems
@@ -145,5 +157,9 @@ def check_exact(gateway, episodes, tolerance: float = 1e-5) -> dict:
         problems.append(f"trainer logprobs differ from the recorded ones by up to {gap:.3g} (> {tolerance:g})")
     counts = report(episodes, samples, gateway.recorder.drain())
     assert not problems, "\n".join(problems)
-    return {"max_abs_diff": gap, "calls": [len(e.calls) for e in episodes],
-            "samples_per_episode": counts["samples_per_episode"], "counts": counts}
+    return {
+        "max_abs_diff": gap,
+        "calls": [len(e.calls) for e in episodes],
+        "samples_per_episode": counts["samples_per_episode"],
+        "counts": counts,
+    }

@@ -12,6 +12,7 @@ carry real uncertainty (logprobs down to about -3) while the call's frame is nea
 is then scaled by 2 (its logits doubled): at temperature 1, 45 of 46 replies of 16 example-agent episodes
 parsed as calls here, at every turn (unscaled, only 4 of 16 episodes reached their third call).
 """
+
 from __future__ import annotations
 
 import collections
@@ -39,8 +40,9 @@ def _expression(rng: random.Random) -> str:
 
 def call_text(expression: str) -> str:
     """A calculator call as lmforge's tool parser reads it (serve/tools.py)."""
-    return "<tool_call>\n" + json.dumps({"name": "calculator", "arguments": {"expression": expression}}) + \
-        "\n</tool_call>"
+    return (
+        "<tool_call>\n" + json.dumps({"name": "calculator", "arguments": {"expression": expression}}) + "\n</tool_call>"
+    )
 
 
 def question(rng: random.Random) -> str:
@@ -59,17 +61,34 @@ def _conversation(tokenizer, rng: random.Random) -> tuple[list[int], list[int]]:
         trained += [0] * (len(prompt) - len(ids)) + [1] * (len(reply) + 1)
         ids = prompt + reply + [tokenizer.eos_token_id]
         replies.append(reply)
-        messages += [{"role": "assistant", "content": None, "tool_calls": [{
-            "id": "c", "type": "function",
-            "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})}}]},
-                     {"role": "tool", "tool_call_id": "c", "content": calculator(expression)}]
+        messages += [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c",
+                        "type": "function",
+                        "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c", "content": calculator(expression)},
+        ]
     return ids, trained
 
 
 def train_calculator_caller(seed: int = 0):
     """(model, tokenizer, seconds of CPU time the training took): the module doc's model."""
-    cfg = ModelConfig(name="tiny:llama", tokenizer="char:ascii", hidden_size=32, num_layers=2, num_heads=2,
-                      max_position_embeddings=2048, init_seed=seed)
+    cfg = ModelConfig(
+        name="tiny:llama",
+        tokenizer="char:ascii",
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        max_position_embeddings=2048,
+        init_seed=seed,
+    )
     model, tokenizer = load_model(cfg)
     rng = random.Random(seed)
     data = [_conversation(tokenizer, rng) for _ in range(128)]
@@ -85,7 +104,7 @@ def train_calculator_caller(seed: int = 0):
                 for _ in range(BATCH):
                     ids, trained = data[rng.randrange(len(data))]
                     at = rng.randrange(len(ids) - WINDOW + 1)
-                    rows.append((ids[at:at + WINDOW], trained[at:at + WINDOW]))
+                    rows.append((ids[at : at + WINDOW], trained[at : at + WINDOW]))
             else:  # whole conversations: the later turns' long contexts
                 rows = [data[rng.randrange(len(data))] for _ in range(LONG_BATCH)]
             width = max(len(r[0]) for r in rows)
@@ -129,7 +148,7 @@ class RequestLog:
         async def recording(middleware, scope, receive, send):
             if scope["type"] != "http" or not scope["path"].startswith(PREFIX):
                 return await original(middleware, scope, receive, send)
-            session, _, route = scope["path"][len(PREFIX):].partition("/")
+            session, _, route = scope["path"][len(PREFIX) :].partition("/")
             entry = {"route": route, "status": None, "raw": b""}
             log.by_session[session].append(entry)
 
@@ -150,8 +169,11 @@ class RequestLog:
 
     def model_calls(self, session_id: str) -> list[dict]:
         """The session's answered chat / completions requests, each with its parsed ``body``."""
-        return [{**e, "body": json.loads(e["raw"])} for e in self.by_session.get(session_id, [])
-                if e["status"] == 200 and e["route"].endswith(("chat/completions", "v1/completions"))]
+        return [
+            {**e, "body": json.loads(e["raw"])}
+            for e in self.by_session.get(session_id, [])
+            if e["status"] == 200 and e["route"].endswith(("chat/completions", "v1/completions"))
+        ]
 
 
 class Gateway:
@@ -177,8 +199,14 @@ class Gateway:
         from lmforge.serve.sessions import RunSampling
 
         runner = AgentRunner(function, args or {}, self.server.url, self.recorder, concurrency=0, timeout_s=120.0)
-        run = RunSampling(self.TEMPERATURE, 1.0, 0, self.MAX_TOKENS, seed=0,
-                          seed_of=lambda number, call: episode_seed(seed, number, call))
+        run = RunSampling(
+            self.TEMPERATURE,
+            1.0,
+            0,
+            self.MAX_TOKENS,
+            seed=0,
+            seed_of=lambda number, call: episode_seed(seed, number, call),
+        )
         episodes = runner.run(problems, group_size, lambda number: dataclasses.replace(run, seed=number))
         for episode in episodes:
             assert episode.end == "ok", f"episode {episode.number} ended as {episode.end}: {episode.error}"
@@ -204,4 +232,3 @@ def recording_gateway(calculator_model):
             served.server.stop()
     finally:
         torch.set_num_threads(threads)
-

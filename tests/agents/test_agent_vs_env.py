@@ -6,6 +6,7 @@ the two runs take the same steps (docs/benchmarks.md, "Agent path vs the built-i
 over a whole run). The model (conftest.py) calls the calculator on every turn: each episode is three calls
 and two tool results, ended by the turn limit on both paths.
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,9 +18,21 @@ from agent_exactness import ROOT
 pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-COMMON = ["data.task=multiplication:digits=2", "data.num_train=16", "data.num_eval=2", "rollout.num_prompts=2",
-          "rollout.group_size=2", "rollout.temperature=1.0", "rollout.max_new_tokens=100", "train.max_steps=1",
-          "train.eval_every=0", "train.save_every=0", "logging.progress=false", "train.threads=1", "train.seed=3"]
+COMMON = [
+    "data.task=multiplication:digits=2",
+    "data.num_train=16",
+    "data.num_eval=2",
+    "rollout.num_prompts=2",
+    "rollout.group_size=2",
+    "rollout.temperature=1.0",
+    "rollout.max_new_tokens=100",
+    "train.max_steps=1",
+    "train.eval_every=0",
+    "train.save_every=0",
+    "logging.progress=false",
+    "train.threads=1",
+    "train.seed=3",
+]
 
 
 def _batch(model, tokenizer, overrides: list[str], out_dir) -> tuple[list[tuple], list[float]]:
@@ -38,8 +51,14 @@ def _batch(model, tokenizer, overrides: list[str], out_dir) -> tuple[list[tuple]
     rows = []
     for b in range(r.prompt_ids.shape[0]):
         n = int(r.completion_lens[b])
-        rows.append((r.prompt_ids[b][r.prompt_mask[b].bool()].tolist(), r.completion_ids[b, :n].tolist(),
-                     r.trained_mask[b, :n].tolist(), r.logprobs[b, :n]))
+        rows.append(
+            (
+                r.prompt_ids[b][r.prompt_mask[b].bool()].tolist(),
+                r.completion_ids[b, :n].tolist(),
+                r.trained_mask[b, :n].tolist(),
+                r.logprobs[b, :n],
+            )
+        )
     return rows, scored.rewards.total.tolist()
 
 
@@ -48,12 +67,24 @@ def test_example_agent_plays_the_calculator_environments_episodes_token_for_toke
     if agent.endswith("langchain.py"):
         pytest.importorskip("langchain_openai")
     model, tokenizer = calculator_model
-    env_rows, env_rewards = _batch(model, tokenizer, [
-        "env.name=calculator", "env.max_turns=3", "env.max_episode_tokens=1000", "env.max_invalid_calls=0",
-        "rewards.functions=[]"], tmp_path / "env")
-    agent_rows, agent_rewards = _batch(model, tokenizer, [
-        "rollout.backend=agent", f"rollout.agent_entry={ROOT / 'examples' / agent}:run",
-        "rewards.functions=[exact]"], tmp_path / "agent")
+    env_rows, env_rewards = _batch(
+        model,
+        tokenizer,
+        [
+            "env.name=calculator",
+            "env.max_turns=3",
+            "env.max_episode_tokens=1000",
+            "env.max_invalid_calls=0",
+            "rewards.functions=[]",
+        ],
+        tmp_path / "env",
+    )
+    agent_rows, agent_rewards = _batch(
+        model,
+        tokenizer,
+        ["rollout.backend=agent", f"rollout.agent_entry={ROOT / 'examples' / agent}:run", "rewards.functions=[exact]"],
+        tmp_path / "agent",
+    )
     assert len(env_rows) == len(agent_rows) == 4  # one row (sample) per episode on both paths
     for (env_prompt, env_ids, env_trained, env_lp), (prompt, ids, trained, lp) in zip(env_rows, agent_rows):
         assert prompt == env_prompt

@@ -7,6 +7,7 @@ trained verbatim in ONE sample per episode, and the GRPO trainer's fp32 logprobs
 equal to the recorded ones within 1e-5 (``agent_exactness.check_exact``). The model (conftest.py) calls
 the calculator on every turn, so each episode runs the clients' whole loop: 3 calls, 2 tool results.
 """
+
 from __future__ import annotations
 
 import json
@@ -96,8 +97,11 @@ async def run_agents_sdk(base_url: str, problem: dict, max_turns: int = TURNS) -
         return calculator(expression)
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
-    agent = agents.Agent(name="calculator", tools=[calculator_tool],
-                         model=agents.OpenAIChatCompletionsModel(model="policy", openai_client=client))
+    agent = agents.Agent(
+        name="calculator",
+        tools=[calculator_tool],
+        model=agents.OpenAIChatCompletionsModel(model="policy", openai_client=client),
+    )
     try:
         result = await agents.Runner.run(agent, problem["prompt"], max_turns=max_turns)
     except agents.MaxTurnsExceeded:  # the model calls the tool on every turn

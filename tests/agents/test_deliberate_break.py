@@ -5,6 +5,7 @@ PR #6921) -- and the same exactness check the client proofs pass (``agent_exactn
 must fail, naming what broke. Each test also runs the unbroken gateway on the same episodes' seeds
 first, so a failure is the break's doing, not the run's.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -51,8 +52,7 @@ def test_an_assistant_turn_rendered_from_its_text_fails_the_check(recording_gate
     assert "samples, not 1 (its calls do not extend each other)" in message
 
 
-def test_a_dropped_separator_after_an_assistant_turn_fails_the_check(recording_gateway, example_agent,
-                                                                     monkeypatch):
+def test_a_dropped_separator_after_an_assistant_turn_fails_the_check(recording_gateway, example_agent, monkeypatch):
     """The continued prompt loses the first token after the sampled reply (the newline the template writes
     after the end of turn, before the tool result). The calls still extend each other and the trainer
     still scores what was sampled: only the reference prompt catches it, as it must."""
@@ -60,7 +60,7 @@ def test_a_dropped_separator_after_an_assistant_turn_fails_the_check(recording_g
 
     def dropping(tokenizer, messages, tools, prefix_ids, *args, **kwargs):
         ids = original(tokenizer, messages, tools, prefix_ids, *args, **kwargs)
-        return ids[:len(prefix_ids)] + ids[len(prefix_ids) + 1:]
+        return ids[: len(prefix_ids)] + ids[len(prefix_ids) + 1 :]
 
     monkeypatch.setattr(sessions, "continue_prompt", dropping)
     episodes = _episodes(recording_gateway, example_agent)

@@ -2,6 +2,7 @@
 through a real server on a tiny ASCII-character model, and agents that fail in every way an ``AgentRunner``
 / the agent source must survive (``rl/sources/agent.py``): each counted and logged with its episode, the
 step going on, a clear error only when the whole batch is unusable."""
+
 from __future__ import annotations
 
 import json
@@ -37,11 +38,21 @@ def gateway():
     """A server with a SessionRecorder on a tiny random Llama over the ASCII character tokenizer."""
     from lmforge.serve.app import ServedModel, ThreadedServer
 
-    model, tokenizer = load_model(ModelConfig(name="tiny:llama", tokenizer="char:ascii", hidden_size=32, num_layers=2,
-                                              num_heads=2, max_position_embeddings=2048, init_seed=0))
+    model, tokenizer = load_model(
+        ModelConfig(
+            name="tiny:llama",
+            tokenizer="char:ascii",
+            hidden_size=32,
+            num_layers=2,
+            num_heads=2,
+            max_position_embeddings=2048,
+            init_seed=0,
+        )
+    )
     recorder = SessionRecorder()
-    server = ThreadedServer(ServedModel(model.eval(), tokenizer, "gateway-test", max_batch_rows=8, gather_s=0.005,
-                                        sessions=recorder))
+    server = ThreadedServer(
+        ServedModel(model.eval(), tokenizer, "gateway-test", max_batch_rows=8, gather_s=0.005, sessions=recorder)
+    )
     yield SimpleNamespace(url=server.url, recorder=recorder, tokenizer=tokenizer)
     assert server.stop(), "the server thread did not stop"
 
@@ -67,6 +78,7 @@ def encode(gateway, text: str) -> list[int]:
 
 # ----------------------------------------------------------------------------- sessions through the server
 
+
 def test_a_chat_continuation_is_built_from_the_recorded_ids(gateway, recorder):
     session = recorder.open(RUN)
     messages = [{"role": "user", "content": "hi"}]
@@ -82,8 +94,9 @@ def test_a_chat_continuation_is_built_from_the_recorded_ids(gateway, recorder):
     # the previous prompt + its sampled ids, exactly; then the template's end of turn (what the sampled ids do
     # not already hold) and the new user turn
     closing = "\n" if a.token_ids[-1] == gateway.tokenizer.eos_token_id else "<eos>\n"
-    assert b.prompt_ids == a.prompt_ids + a.token_ids + encode(gateway, closing + "<|user|>\nmore<eos>\n"
-                                                                              "<|assistant|>\n")
+    assert b.prompt_ids == a.prompt_ids + a.token_ids + encode(
+        gateway, closing + "<|user|>\nmore<eos>\n<|assistant|>\n"
+    )
     assert session.counts["text_rendered_turns"] == 0
     assert len(merge_calls(calls)) == 1  # one multi-turn sample
 
@@ -100,8 +113,7 @@ def test_a_reply_whose_text_lacks_a_sampled_id_is_continued_from_the_ids(gateway
     a, b = recorder.close(session)
     assert a.finish_reason == "stop" and a.token_ids[-1] in stops
     assert gateway.tokenizer.decode(a.token_ids[-1:]) not in (reply["content"] or "")
-    assert b.prompt_ids == a.prompt_ids + a.token_ids + encode(gateway, "<eos>\n<|user|>\nmore<eos>\n"
-                                                                        "<|assistant|>\n")
+    assert b.prompt_ids == a.prompt_ids + a.token_ids + encode(gateway, "<eos>\n<|user|>\nmore<eos>\n<|assistant|>\n")
     assert session.counts["text_rendered_turns"] == 0 and len(merge_calls([a, b])) == 1
 
 
@@ -121,8 +133,14 @@ def test_an_edited_assistant_message_is_rendered_from_its_text_and_counted(gatew
 
 
 def test_the_runs_sampling_overrides_the_requests_and_is_counted(gateway, recorder):
-    asked = {"temperature": 0.2, "top_p": 0.5, "max_tokens": 3, "frequency_penalty": 0.5, "presence_penalty": 0.4,
-             "seed": 77}
+    asked = {
+        "temperature": 0.2,
+        "top_p": 0.5,
+        "max_tokens": 3,
+        "frequency_penalty": 0.5,
+        "presence_penalty": 0.4,
+        "seed": 77,
+    }
     plain, overridden = recorder.open(RUN), recorder.open(RUN)
     messages = [{"role": "user", "content": "hello"}]
     for session, extra in ((plain, {}), (overridden, asked)):
@@ -133,7 +151,8 @@ def test_the_runs_sampling_overrides_the_requests_and_is_counted(gateway, record
     assert len(got.token_ids) == RUN.max_tokens and got.finish_reason == "length"
     assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
     assert {k: v for k, v in overridden.counts.items() if k.startswith("override_")} == {
-        f"override_{k}": 1 for k in asked}
+        f"override_{k}": 1 for k in asked
+    }
     assert not any(k.startswith("override_") for k in plain.counts)
 
 
@@ -144,12 +163,15 @@ def test_n_above_one_is_refused(gateway, recorder):
     assert recorder.close(session) == [] and session.counts["refused_calls"] == 1
 
 
-@pytest.mark.parametrize("body", [
-    {"messages": "hi"},  # not a list of messages
-    {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},  # a field of the wrong type
-    {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "a b"}}]},
-    {},  # no messages at all
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": "hi"},  # not a list of messages
+        {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},  # a field of the wrong type
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "a b"}}]},
+        {},  # no messages at all
+    ],
+)
 def test_a_malformed_request_is_a_400_counted_on_its_session_and_logged(gateway, recorder, body, caplog):
     session = recorder.open(RUN)
     response = post(gateway, session.id, "/v1/chat/completions", body)
@@ -166,10 +188,10 @@ def test_a_malformed_request_is_a_400_counted_on_its_session_and_logged(gateway,
 def test_the_report_has_the_same_keys_whatever_was_counted(recorder):
     """Under torchrun the ranks' metrics are reduced by position (rl.batch.reduce_rollout_metrics): a count that
     one rank has and another not (an override, a text-rendered turn) must not change the keys."""
+
     def step(counts: dict, late: dict) -> dict:
         session = SimpleNamespace(id="s", counts=Counter(counts))
-        return report([SimpleNamespace(number=0, session=session, end="ok", calls=[1], error="")], [[1]],
-                      Counter(late))
+        return report([SimpleNamespace(number=0, session=session, end="ok", calls=[1], error="")], [[1]], Counter(late))
 
     quiet = step({}, {})
     busy = step({"override_temperature": 2, "text_rendered_turns": 1}, {"late_calls": 1})
@@ -220,7 +242,7 @@ def test_a_reply_from_another_session_is_not_continued_from_its_ids(gateway, rec
     assert chat(gateway, mine.id, messages + [reply, {"role": "user", "content": "more"}]).status_code == 200
     [theirs], [call] = recorder.close(other), recorder.close(mine)
     assert mine.counts["text_rendered_turns"] == 1 and other.counts["text_rendered_turns"] == 0
-    assert call.prompt_ids[:len(theirs.prompt_ids)] == theirs.prompt_ids  # the same conversation, but as text
+    assert call.prompt_ids[: len(theirs.prompt_ids)] == theirs.prompt_ids  # the same conversation, but as text
 
 
 def test_a_streamed_call_is_recorded_and_continued_like_any_other(gateway, recorder):
@@ -236,7 +258,7 @@ def test_a_streamed_call_is_recorded_and_continued_like_any_other(gateway, recor
     assert chat(gateway, session.id, messages).status_code == 200
     a, b = recorder.close(session)
     assert a.endpoint == "chat" and len(a.token_ids) == len(a.logprobs) > 0
-    assert b.prompt_ids[:len(a.prompt_ids) + len(a.token_ids)] == a.prompt_ids + a.token_ids
+    assert b.prompt_ids[: len(a.prompt_ids) + len(a.token_ids)] == a.prompt_ids + a.token_ids
     assert session.counts["text_rendered_turns"] == 0 and len(merge_calls([a, b])) == 1
 
 
@@ -282,8 +304,12 @@ def test_responses_and_token_in_generate_under_a_session_are_recorded(gateway, r
 
 def test_a_plain_call_on_a_gateway_works_and_is_not_recorded(gateway, recorder):
     session = recorder.open(RUN)
-    response = post(gateway, None, "/v1/chat/completions", {"model": "gateway-test", "max_tokens": 4,
-                                                           "messages": [{"role": "user", "content": "hi"}]})
+    response = post(
+        gateway,
+        None,
+        "/v1/chat/completions",
+        {"model": "gateway-test", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert response.status_code == 200, response.text
     assert recorder.close(session) == [] and recorder.drain() == {}
 
@@ -298,9 +324,9 @@ def runner(gateway, function, timeout_s: float = 30.0, concurrency: int = 0) -> 
 
 
 def one_call(base_url: str, problem: dict) -> str:
-    response = httpx.post(f"{base_url}/chat/completions", json={"messages": [{"role": "user",
-                                                                              "content": problem["prompt"]}]},
-                          timeout=60)
+    response = httpx.post(
+        f"{base_url}/chat/completions", json={"messages": [{"role": "user", "content": problem["prompt"]}]}, timeout=60
+    )
     response.raise_for_status()
     return response.json()["choices"][0]["message"]["content"] or ""
 
@@ -338,8 +364,9 @@ def test_an_agent_that_hangs_ends_at_its_timeout_and_its_later_calls_are_refused
         if episode == 0:
             return 1.0  # never calls: the other's hang decides the run's time
         time.sleep(1.5)
-        later["status"] = httpx.post(f"{base_url}/chat/completions", json={"messages": [
-            {"role": "user", "content": "late"}]}, timeout=60).status_code
+        later["status"] = httpx.post(
+            f"{base_url}/chat/completions", json={"messages": [{"role": "user", "content": "late"}]}, timeout=60
+        ).status_code
         done.set()
         return 1.0
 
@@ -359,8 +386,11 @@ def test_a_call_still_decoding_at_the_timeout_is_cancelled_not_recorded(gateway,
 
     def agent(base_url, problem):
         try:  # a 1500-token reply: far longer than the episode's wall clock
-            response = httpx.post(f"{base_url}/chat/completions", json={
-                "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}, timeout=60)
+            response = httpx.post(
+                f"{base_url}/chat/completions",
+                json={"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True},
+                timeout=60,
+            )
             status["code"], status["body"] = response.status_code, response.text
         except httpx.HTTPError as exc:
             status["code"] = type(exc).__name__
@@ -410,8 +440,20 @@ def test_rewards_numbers_parts_and_text(gateway, recorder):
     assert episode_reward({"a": np.int64(1), "b": torch.tensor([0.5])}) == (1.5, {"a": 1.0, "b": 0.5}, None)
     assert episode_reward({"correct": 1, "format": 0.5}) == (1.5, {"correct": 1.0, "format": 0.5}, None)
     assert episode_reward("42") == (None, {}, "42")
-    for bad in (None, math.inf, math.nan, [1.0], {}, {"a": math.nan}, {"a": "1"}, {1: 1.0}, object(),
-                np.float32("nan"), torch.tensor([1.0, 2.0]), b"1"):
+    for bad in (
+        None,
+        math.inf,
+        math.nan,
+        [1.0],
+        {},
+        {"a": math.nan},
+        {"a": "1"},
+        {1: 1.0},
+        object(),
+        np.float32("nan"),
+        torch.tensor([1.0, 2.0]),
+        b"1",
+    ):
         assert episode_reward(bad) == (None, {}, None), bad
 
     def agent(base_url, problem, episode):
@@ -465,8 +507,9 @@ class OneRank:
 
 def sampler_run(gateway, function, timeout_s: float = 30.0, ctx: OneRank | None = None):
     """The agent source's ``sample`` (``agent_sampler``) over PROBLEMS, 2 episodes each."""
-    engine = SimpleNamespace(runner=runner(gateway, function, timeout_s), recorder=gateway.recorder, samples=[],
-                             ctx=ctx or OneRank())
+    engine = SimpleNamespace(
+        runner=runner(gateway, function, timeout_s), recorder=gateway.recorder, samples=[], ctx=ctx or OneRank()
+    )
     cfg = RolloutConfig(backend="agent", agent_entry="x:y", num_prompts=2, group_size=2, max_new_tokens=8)
     prompts = SimpleNamespace(problems=PROBLEMS, task=None)
     return agent_sampler(engine)(engine, gateway.tokenizer, prompts, [0, 1], cfg, None, 5)
@@ -494,8 +537,9 @@ def test_a_batch_where_every_episode_fails_stops_with_the_first_error(gateway, r
             return 1.0  # never calls the model: not usable either
         raise RuntimeError(f"tool server down for episode {episode}")
 
-    with pytest.raises(TrainingError, match="no agent episode of this step is usable.*"
-                                            "RuntimeError: tool server down for episode 0"):
+    with pytest.raises(
+        TrainingError, match="no agent episode of this step is usable.*RuntimeError: tool server down for episode 0"
+    ):
         sampler_run(gateway, agent)
     with pytest.raises(TrainingError, match="no agent episode of this step is usable"):
         sampler_run(gateway, agent, ctx=OneRank(others=0))  # under torchrun, no rank had one either
@@ -507,6 +551,7 @@ def test_a_batch_where_every_episode_fails_stops_with_the_first_error(gateway, r
 
 
 # ----------------------------------------------------------------------------- load_agent
+
 
 def test_load_agent_by_file_and_by_module(tmp_path, monkeypatch):
     (tmp_path / "my_agent.py").write_text("def run(base_url, problem):\n    return 1.0\n")
@@ -535,8 +580,9 @@ def test_load_agent_errors_name_the_key_and_what_is_wrong(tmp_path):
 
 def test_a_missing_dependency_of_an_agent_file_is_named_as_one(tmp_path):
     """The file was found: the module it imports is missing, not the file's directory from PYTHONPATH."""
-    (tmp_path / "needs.py").write_text("import lmforge_no_such_dependency_xyz\n\ndef run(base_url, problem):\n"
-                                       "    return 1.0\n")
+    (tmp_path / "needs.py").write_text(
+        "import lmforge_no_such_dependency_xyz\n\ndef run(base_url, problem):\n    return 1.0\n"
+    )
     with pytest.raises(ConfigError) as raised:
         load_agent(f"{tmp_path / 'needs.py'}:run")
     text = str(raised.value)
@@ -545,10 +591,14 @@ def test_a_missing_dependency_of_an_agent_file_is_named_as_one(tmp_path):
 
 
 def test_a_signature_that_does_not_take_base_url_problem_and_args_is_refused_when_loaded(tmp_path):
-    (tmp_path / "sig.py").write_text("def one(problem):\n    return 1.0\n\n"
-                                     "def two(base_url, problem, *, turns=3):\n    return 1.0\n")
-    with pytest.raises(ConfigError, match=r"one\(problem\) \(.*sig.py:1\) cannot be called as function\(base_url, "
-                                          r"problem, \*\*rollout.agent_args\)"):
+    (tmp_path / "sig.py").write_text(
+        "def one(problem):\n    return 1.0\n\ndef two(base_url, problem, *, turns=3):\n    return 1.0\n"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"one\(problem\) \(.*sig.py:1\) cannot be called as function\(base_url, "
+        r"problem, \*\*rollout.agent_args\)",
+    ):
         load_agent(f"{tmp_path / 'sig.py'}:one")
     assert load_agent(f"{tmp_path / 'sig.py'}:two", {"turns": 2})("u", {}, turns=2) == 1.0
     with pytest.raises(ConfigError, match="unexpected keyword argument 'extra'"):
@@ -566,12 +616,16 @@ def test_a_step_with_no_usable_episode_says_why_when_nothing_raised(gateway, rec
     """Every episode returned a number without calling the model (it kept a client of another URL): the error
     says so, instead of 'the first error: none'."""
     runner = AgentRunner(lambda base_url, problem: 1.0, {}, gateway.url, recorder, 0, 30.0)
-    engine = SimpleNamespace(runner=runner, recorder=recorder,
-                             ctx=SimpleNamespace(distributed=False, sum_counts=lambda *v: list(v)))
+    engine = SimpleNamespace(
+        runner=runner, recorder=recorder, ctx=SimpleNamespace(distributed=False, sum_counts=lambda *v: list(v))
+    )
     prompts = SimpleNamespace(problems=[{"prompt": "1+1="}], task=None)
     cfg = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, group_size=2)
-    with pytest.raises(TrainingError, match=r"2 episode\(s\) returned without a call recorded in their session "
-                                            r"\(does the agent build its client from the base_url"):
+    with pytest.raises(
+        TrainingError,
+        match=r"2 episode\(s\) returned without a call recorded in their session "
+        r"\(does the agent build its client from the base_url",
+    ):
         agent_sampler(engine)(None, gateway.tokenizer, prompts, [0], cfg, None, 1)
 
 
@@ -582,8 +636,9 @@ def test_a_reward_part_named_like_a_metric_lmforge_logs_is_refused(gateway, reco
         return {"std": 1.0, "format": 0.5}
 
     runner = AgentRunner(agent, {}, gateway.url, recorder, 0, 30.0)
-    engine = SimpleNamespace(runner=runner, recorder=recorder,
-                             ctx=SimpleNamespace(distributed=False, sum_counts=lambda *v: list(v)))
+    engine = SimpleNamespace(
+        runner=runner, recorder=recorder, ctx=SimpleNamespace(distributed=False, sum_counts=lambda *v: list(v))
+    )
     prompts = SimpleNamespace(problems=[{"prompt": "1+1="}], task=None)
     cfg = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, group_size=2)
     with pytest.raises(ConfigError, match="reward parts std would be logged as reward_std, a metric lmforge logs"):

@@ -1,6 +1,7 @@
 """The agent merge rule (``rl/sources/agent_samples.py``) and the per-episode advantages (``grpo.advantages_of``)
 on hand-made ``Call``s: which calls merge into one sample, what is trained, where each logprob lands, the rows
 of a step (empty episodes, padding) and the advantages they carry."""
+
 from __future__ import annotations
 
 import random
@@ -15,8 +16,9 @@ from lmforge.serve.sessions import Call
 PAD, EMPTY = 0, 2
 
 
-def call(index: int, prompt: list[int], tokens: list[int], logprobs: list[float] | None = None,
-         finish: str = "stop") -> Call:
+def call(
+    index: int, prompt: list[int], tokens: list[int], logprobs: list[float] | None = None, finish: str = "stop"
+) -> Call:
     logprobs = [-0.1 * (t + 1) for t in range(len(tokens))] if logprobs is None else logprobs
     return Call(index, "chat", list(prompt), list(tokens), list(logprobs), finish, 0)
 
@@ -42,11 +44,14 @@ def test_a_call_whose_prompt_is_exactly_the_sample_so_far_adds_no_input_ids():
     assert sample.truncated is True  # its last call hit the token budget
 
 
-@pytest.mark.parametrize("prompt", [
-    [5, 6, 7, 10, 99, 2, 40],  # one sampled id differs (the reply re-tokenized differently from its text)
-    [5, 6, 7, 10, 11],  # shorter than the first sample: a summarised history
-    [8, 6, 7, 10, 11, 2, 40],  # the first prompt edited
-])
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        [5, 6, 7, 10, 99, 2, 40],  # one sampled id differs (the reply re-tokenized differently from its text)
+        [5, 6, 7, 10, 11],  # shorter than the first sample: a summarised history
+        [8, 6, 7, 10, 11, 2, 40],  # the first prompt edited
+    ],
+)
 def test_a_call_that_does_not_extend_starts_a_second_sample_of_the_episode(prompt):
     first = call(0, [5, 6, 7], [10, 11, 2])
     second = call(1, prompt, [12, 2], [-1.0, -2.0])
@@ -107,8 +112,13 @@ def test_every_sampled_id_is_trained_exactly_once_with_its_logprob(seed):
     trained_calls = []
     for row in range(batch.completion_ids.shape[0]):
         mask = batch.trained_mask[row].bool()
-        trained_calls.append((int(batch.episode_index[row]), batch.completion_ids[row][mask].tolist(),
-                              batch.logprobs[row][mask].tolist()))
+        trained_calls.append(
+            (
+                int(batch.episode_index[row]),
+                batch.completion_ids[row][mask].tolist(),
+                batch.logprobs[row][mask].tolist(),
+            )
+        )
     for e, calls in enumerate(episodes):
         rows = [(ids, lps) for episode, ids, lps in trained_calls if episode == e]
         ids = sorted(sum((r[0] for r in rows), []))
@@ -117,8 +127,8 @@ def test_every_sampled_id_is_trained_exactly_once_with_its_logprob(seed):
         for c in calls:
             r_ids, r_lps = next(r for r in rows if c.token_ids[0] in r[0])
             i = r_ids.index(c.token_ids[0])
-            assert r_ids[i:i + len(c.token_ids)] == c.token_ids
-            assert r_lps[i:i + len(c.token_ids)] == pytest.approx(c.logprobs, abs=1e-7)
+            assert r_ids[i : i + len(c.token_ids)] == c.token_ids
+            assert r_lps[i : i + len(c.token_ids)] == pytest.approx(c.logprobs, abs=1e-7)
     assert bool((batch.logprobs[batch.trained_mask == 0] == 0).all())
 
 
@@ -128,20 +138,50 @@ def test_rollout_rows_episodes_placeholder_and_padding():
     batch = agent_rollout([a, [], b], PAD, EMPTY, num_rows=6)
     assert batch.episode_index.tolist() == [0, 1, 2, 2, -1, -1]
     # prompts left-padded, completions right-padded
-    assert batch.prompt_ids.tolist() == [[5, 6, 7], [PAD, PAD, EMPTY], [PAD, PAD, 8], [PAD, 9, 9],
-                                         [PAD, PAD, EMPTY], [PAD, PAD, EMPTY]]
+    assert batch.prompt_ids.tolist() == [
+        [5, 6, 7],
+        [PAD, PAD, EMPTY],
+        [PAD, PAD, 8],
+        [PAD, 9, 9],
+        [PAD, PAD, EMPTY],
+        [PAD, PAD, EMPTY],
+    ]
     assert batch.prompt_mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 0, 1], [0, 1, 1], [0, 0, 1], [0, 0, 1]]
     assert batch.prompt_lens.tolist() == [3, 1, 1, 2, 1, 1]
-    assert batch.completion_ids.tolist() == [[10, 2, 40, 11], [EMPTY, PAD, PAD, PAD], [12, 13, PAD, PAD],
-                                             [14, PAD, PAD, PAD], [EMPTY, PAD, PAD, PAD], [EMPTY, PAD, PAD, PAD]]
-    assert batch.completion_mask.tolist() == [[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 0, 0],
-                                              [1, 0, 0, 0], [1, 0, 0, 0]]
+    assert batch.completion_ids.tolist() == [
+        [10, 2, 40, 11],
+        [EMPTY, PAD, PAD, PAD],
+        [12, 13, PAD, PAD],
+        [14, PAD, PAD, PAD],
+        [EMPTY, PAD, PAD, PAD],
+        [EMPTY, PAD, PAD, PAD],
+    ]
+    assert batch.completion_mask.tolist() == [
+        [1, 1, 1, 1],
+        [1, 0, 0, 0],
+        [1, 1, 0, 0],
+        [1, 0, 0, 0],
+        [1, 0, 0, 0],
+        [1, 0, 0, 0],
+    ]
     assert batch.completion_lens.tolist() == [4, 1, 2, 1, 1, 1]
     # the empty episode's row and the padding rows train nothing
-    assert batch.trained_mask.tolist() == [[1, 1, 0, 1], [0, 0, 0, 0], [1, 1, 0, 0], [1, 0, 0, 0],
-                                           [0, 0, 0, 0], [0, 0, 0, 0]]
-    assert batch.logprobs.tolist() == [[-0.5, -0.25, 0.0, -2.0], [0.0] * 4, [-1.0, -1.0, 0.0, 0.0],
-                                       [-3.0, 0.0, 0.0, 0.0], [0.0] * 4, [0.0] * 4]
+    assert batch.trained_mask.tolist() == [
+        [1, 1, 0, 1],
+        [0, 0, 0, 0],
+        [1, 1, 0, 0],
+        [1, 0, 0, 0],
+        [0, 0, 0, 0],
+        [0, 0, 0, 0],
+    ]
+    assert batch.logprobs.tolist() == [
+        [-0.5, -0.25, 0.0, -2.0],
+        [0.0] * 4,
+        [-1.0, -1.0, 0.0, 0.0],
+        [-3.0, 0.0, 0.0, 0.0],
+        [0.0] * 4,
+        [0.0] * 4,
+    ]
     assert batch.truncated.tolist() == [False, False, False, True, False, False]
     # group_index numbers distinct first prompts (the trainer runs a shared prompt once)
     assert batch.group_index.tolist() == [0, 1, 2, 3, 1, 1]

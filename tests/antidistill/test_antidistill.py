@@ -3,6 +3,7 @@
 Two kinds of tiny model: ``TinyLM`` (pure torch, exact in fp64; also used by the spawned gloo ranks,
 which therefore never import transformers) and a 2-layer ``LlamaForCausalLM`` built in-process.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,10 +23,10 @@ from lmforge.antidistill.ads import (
     clean_param_name,
     eps_from_reference,
     lam_from_reference,
-    random_direction,
     load_gradient,
     perturbed_copies,
     proxy_gradient,
+    random_direction,
     save_gradient,
     sequence_mean_nll,
 )
@@ -94,7 +95,7 @@ def make_traces(num: int, seed: int = 1, vocab: int = VOCAB):
         length = 6 + (3 * i) % 7
         ids = torch.randint(0, vocab, (length,), generator=gen)
         loss_mask = torch.zeros(length, dtype=torch.long)
-        loss_mask[2 + i % 3:] = 1
+        loss_mask[2 + i % 3 :] = 1
         traces.append((ids, loss_mask))
     return traces
 
@@ -109,15 +110,25 @@ def collate(traces, left: bool = False):
     return {"input_ids": out[0], "attention_mask": out[1], "loss_mask": out[2]}
 
 
-def tiny_llama(seed: int = 0, vocab: int = 64, dtype=torch.float32, init: float = 0.02, tie: bool = False,
-               dropout: float = 0.0):
+def tiny_llama(
+    seed: int = 0, vocab: int = 64, dtype=torch.float32, init: float = 0.02, tie: bool = False, dropout: float = 0.0
+):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      initializer_range=init, tie_word_embeddings=tie, attn_implementation="eager",
-                      attention_dropout=dropout)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=init,
+        tie_word_embeddings=tie,
+        attn_implementation="eager",
+        attention_dropout=dropout,
+    )
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
@@ -131,6 +142,7 @@ def angle_deg(a, b) -> float:
 
 
 # ----------------------------------------------------------------------------- proxy gradient
+
 
 def test_proxy_gradient_matches_slow_per_sequence_loop():
     """The objective is the mean over sequences of per-sequence mean NLL (not a token mean)."""
@@ -162,8 +174,9 @@ def test_unequal_batches_equal_one_batch():
     model = TinyLM().double()
     traces = make_traces(7)
     one, meta_one = proxy_gradient(model, [collate(traces)])
-    split, meta_split = proxy_gradient(model, [collate(traces[:1]), collate(traces[1:5], left=True),
-                                               collate(traces[5:])])
+    split, meta_split = proxy_gradient(
+        model, [collate(traces[:1]), collate(traces[1:5], left=True), collate(traces[5:])]
+    )
     assert one.keys() == split.keys()
     for name in one:
         torch.testing.assert_close(split[name], one[name], rtol=1e-12, atol=1e-15)
@@ -175,8 +188,9 @@ def test_unequal_batches_equal_one_batch():
 def test_proxy_gradient_fp32_accumulators_for_bf16_model_and_progress():
     model = TinyLM().to(torch.bfloat16)
     calls = []
-    grads, _ = proxy_gradient(model, [collate(make_traces(2)), collate(make_traces(3, seed=2))],
-                              progress=lambda b, s: calls.append((b, s)))
+    grads, _ = proxy_gradient(
+        model, [collate(make_traces(2)), collate(make_traces(3, seed=2))], progress=lambda b, s: calls.append((b, s))
+    )
     assert all(g.dtype == torch.float32 for g in grads.values())
     assert calls == [(1, 2), (2, 5)]
     assert all(p.grad is None for p in model.parameters()) and model.training
@@ -201,8 +215,10 @@ def test_proxy_gradient_rejects_bad_input():
 def test_clean_param_name_hand_values():
     assert clean_param_name("module._orig_mod.head.weight") == "head.weight"
     assert clean_param_name("_orig_mod.module.head.weight") == "head.weight"
-    assert clean_param_name("_fsdp_wrapped_module.model.layers.0._fsdp_wrapped_module.mlp.weight") \
+    assert (
+        clean_param_name("_fsdp_wrapped_module.model.layers.0._fsdp_wrapped_module.mlp.weight")
         == "model.layers.0.mlp.weight"
+    )
     assert clean_param_name("model.layers.0._checkpoint_wrapped_module.mlp.weight") == "model.layers.0.mlp.weight"
     assert clean_param_name("model.module_list.0.weight") == "model.module_list.0.weight"
 
@@ -222,8 +238,9 @@ def test_wrapped_model_saves_clean_names(wrap, tmp_path):
         assert torch.equal(loaded[name], bare[name])
     plus, _ = perturbed_copies(wrapped, loaded, eps=1e-2)  # a wrapped proxy perturbs too
     plus_params = {clean_param_name(n): p for n, p in plus.named_parameters()}
-    torch.testing.assert_close(plus_params["head.weight"], inner.head.weight + 1e-2 * bare["head.weight"],
-                               rtol=0, atol=1e-15)
+    torch.testing.assert_close(
+        plus_params["head.weight"], inner.head.weight + 1e-2 * bare["head.weight"], rtol=0, atol=1e-15
+    )
 
 
 def test_save_load_roundtrip_metadata(tmp_path):
@@ -245,12 +262,18 @@ def test_save_load_roundtrip_metadata(tmp_path):
 
 # ----------------------------------------------------------------------------- cross-rank reduction
 
+
 def _gloo_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )
     try:
         model = nn.parallel.DistributedDataParallel(TinyLM().double())  # names get a module. prefix
         traces = make_traces(8)
@@ -268,8 +291,7 @@ def test_two_gloo_ranks_equal_one_rank_on_all_data(tmp_path):
 
     # spawn, not fork: a child forked after the parent's OpenMP thread pool has started (any earlier
     # test that ran a matmul) can deadlock on its first parallel region.
-    mp.start_processes(_gloo_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True,
-                       start_method="spawn")
+    mp.start_processes(_gloo_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
     expected, expected_meta = proxy_gradient(TinyLM().double(), [collate(make_traces(8))])
     for rank in range(2):
         grads, meta = load_gradient(tmp_path / f"rank{rank}.safetensors")
@@ -281,6 +303,7 @@ def test_two_gloo_ranks_equal_one_rank_on_all_data(tmp_path):
 
 
 # ----------------------------------------------------------------------------- perturbed copies
+
 
 def test_perturbed_copies_fp64_exact_and_original_untouched():
     model = TinyLM().double()
@@ -311,8 +334,9 @@ def test_perturbed_copies_tied_embedding_perturbed_once():
     assert "lm_head.weight" not in grads  # tied: named_parameters yields it once
     plus, _ = perturbed_copies(model, grads, eps=1e-2)
     assert plus.lm_head.weight is plus.model.embed_tokens.weight
-    torch.testing.assert_close(plus.lm_head.weight, model.lm_head.weight + 1e-2 * grads["model.embed_tokens.weight"],
-                               rtol=0, atol=1e-15)
+    torch.testing.assert_close(
+        plus.lm_head.weight, model.lm_head.weight + 1e-2 * grads["model.embed_tokens.weight"], rtol=0, atol=1e-15
+    )
 
 
 def test_perturbed_copies_rejects_mismatched_gradients():
@@ -348,8 +372,10 @@ def _fd_and_jvp(model, grads, inputs, eps_values):
     for eps in eps_values:
         plus, minus = perturbed_copies(model, grads, eps)
         with torch.no_grad():
-            fds.append((logits_of(dict(plus.named_parameters())).double()
-                        - logits_of(dict(minus.named_parameters())).double()) / (2 * eps))
+            fds.append(
+                (logits_of(dict(plus.named_parameters())).double() - logits_of(dict(minus.named_parameters())).double())
+                / (2 * eps)
+            )
     return fds, exact.double()
 
 
@@ -397,7 +423,7 @@ def test_finite_difference_angle_tiny_llama_fp32_eps_1e2():
     with torch.no_grad():
         logits_norm = float(model64(inputs).logits.norm())
     truncation = 1.5 * rel_error(fd64_coarse, exact) / 4
-    rounding = 100 * 2.0 ** -24 * logits_norm / (1e-2 * float(exact.norm()))
+    rounding = 100 * 2.0**-24 * logits_norm / (1e-2 * float(exact.norm()))
     bound = truncation + rounding
     err = rel_error(fd32, exact)
     assert err < bound, (err, truncation, rounding)
@@ -436,6 +462,7 @@ def test_ads_term_predicts_heldout_loss_change_of_one_sgd_step():
 
 
 # ----------------------------------------------------------------------------- ADS logits
+
 
 def test_ads_logits_hand_value_and_lam_zero():
     teacher = torch.tensor([[1.0, 2.0, 3.0]], dtype=torch.float64)
@@ -476,8 +503,13 @@ def _reference_ddp_worker(rank: int, world_size: int, port: int, out_dir: str) -
     from lmforge.antidistill.ads import sequence_mean_nll
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )
     try:
         model = nn.parallel.DistributedDataParallel(TinyLM().double())
         traces = make_traces(8)[rank::world_size]  # 4 each: DDP needs the same number of backwards per rank
@@ -503,8 +535,9 @@ def test_reference_conversion_against_two_rank_ddp_averaged_gradient(tmp_path):
     import torch.multiprocessing as mp
 
     world = 2
-    mp.start_processes(_reference_ddp_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True,
-                       start_method="spawn")
+    mp.start_processes(
+        _reference_ddp_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True, start_method="spawn"
+    )
     reference_grads = torch.load(tmp_path / "reference.pt")
     proxy = TinyLM().double()
     true_grads, _ = proxy_gradient(proxy, [collate(make_traces(8))])
@@ -522,13 +555,13 @@ def test_reference_conversion_against_two_rank_ddp_averaged_gradient(tmp_path):
         ours_plus, ours_minus = (m(inputs)[0] for m in perturbed_copies(proxy, true_grads, eps))
         ours = ads_logits(z, ours_plus, ours_minus, temperature, lam_from_reference(lam_ref, temperature, world), eps)
         unscaled = ads_logits(z, ours_plus, ours_minus, temperature, lam_from_reference(lam_ref, temperature, 1), eps)
-    torch.testing.assert_close(torch.log_softmax(ours, -1), torch.log_softmax(reference_logits, -1),
-                               rtol=0, atol=1e-9)
+    torch.testing.assert_close(torch.log_softmax(ours, -1), torch.log_softmax(reference_logits, -1), rtol=0, atol=1e-9)
     # Without the world-size factor the ADS term is twice the reference's: a visible difference.
     term = (reference_logits - z / temperature).abs().max()
     assert float(term) > 1e-3
-    torch.testing.assert_close(unscaled - z / temperature, 2 * (reference_logits - z / temperature),
-                               rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(
+        unscaled - z / temperature, 2 * (reference_logits - z / temperature), rtol=1e-6, atol=1e-9
+    )
 
 
 def test_logits_and_logprobs_give_same_sampling_distribution():
@@ -587,8 +620,10 @@ def test_lockstep_caches_match_full_recompute(llamas, num_samples):
     for _ in range(6):
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         with torch.no_grad():
-            zt, zp, zm = (m(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits[:, -1].double()
-                          for m in (teacher, plus, minus))
+            zt, zp, zm = (
+                m(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits[:, -1].double()
+                for m in (teacher, plus, minus)
+            )
         adjusted = zt / temperature + lam * (zp - zm) / (2 * eps)
         tokens, _ = sample_token(adjusted.float(), dataclasses.replace(params, temperature=1.0), gen)
         p_ads, p_plain = torch.softmax(adjusted, -1), torch.softmax(zt / temperature, -1)
@@ -608,8 +643,10 @@ def test_lockstep_caches_match_full_recompute(llamas, num_samples):
 def test_kl_is_zero_at_lam_zero_and_grows_with_lam(llamas):
     teacher, plus, minus = llamas
     params = SamplingParams(temperature=1.0, max_new_tokens=5, seed=3)
-    kl = [float(ads_generate(teacher, plus, minus, PROMPTS, params, lam=lam, eps=1e-2).kl.mean())
-          for lam in (0.0, 0.1, 0.5)]
+    kl = [
+        float(ads_generate(teacher, plus, minus, PROMPTS, params, lam=lam, eps=1e-2).kl.mean())
+        for lam in (0.0, 0.1, 0.5)
+    ]
     assert kl[0] == 0.0
     assert 0 < kl[1] < kl[2]
 
@@ -669,13 +706,18 @@ def test_ads_generate_vocab_size_and_argument_checks(llamas):
 
 # ----------------------------------------------------------------------------- tokenizers
 
+
 def _tokenizer(vocab: dict[str, int], eos: str = "</s>"):
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
 
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="[UNK]")),
-                                   unk_token="[UNK]", pad_token="[PAD]", eos_token=eos)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="[UNK]")),
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        eos_token=eos,
+    )
 
 
 def test_check_same_tokenizer():

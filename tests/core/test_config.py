@@ -31,13 +31,16 @@ def test_unknown_key_suggests_closest():
         load_config(SFTConfig, None, ["optimizer.lr=1"])
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("train.max_steps=ten", "expected int"),
-    ("train.max_steps=1.5", "expected int"),
-    ("optim.lr=fast", "expected float"),
-    ("logging.progress=maybe", "expected bool"),
-    ("optim.schedule=exponential", "one of 'cosine', 'linear', 'constant'"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.max_steps=ten", "expected int"),
+        ("train.max_steps=1.5", "expected int"),
+        ("optim.lr=fast", "expected float"),
+        ("logging.progress=maybe", "expected bool"),
+        ("optim.schedule=exponential", "one of 'cosine', 'linear', 'constant'"),
+    ],
+)
 def test_wrong_type_names_key_and_type(override, expected):
     with pytest.raises(ConfigError) as err:
         load_config(SFTConfig, None, ["data.task=addition", override])
@@ -68,8 +71,10 @@ def test_describe_lists_every_leaf_with_help():
     cfg = SFTConfig()  # direct construction does not validate
 
     def leaves(obj) -> int:  # nested sections (model.lora) count their own fields
-        return sum(leaves(getattr(obj, f.name)) if dataclasses.is_dataclass(getattr(obj, f.name)) else 1
-                   for f in dataclasses.fields(obj))
+        return sum(
+            leaves(getattr(obj, f.name)) if dataclasses.is_dataclass(getattr(obj, f.name)) else 1
+            for f in dataclasses.fields(obj)
+        )
 
     assert len(rows) == sum(leaves(getattr(cfg, f.name)) for f in dataclasses.fields(cfg))
     assert "model.lora.r" in keys
@@ -100,8 +105,15 @@ def test_every_example_loads_with_its_command(path):
     from lmforge.recipes.rm import RMConfig
 
     command = example_command(path)
-    config_cls = {"sft": SFTConfig, "grpo": GRPOConfig, "ppo": PPOConfig, "pretrain": PretrainConfig,
-                  "dpo": DPOConfig, "distill": DistillConfig, "rm": RMConfig}.get(command.split()[0], AntidistillConfig)
+    config_cls = {
+        "sft": SFTConfig,
+        "grpo": GRPOConfig,
+        "ppo": PPOConfig,
+        "pretrain": PretrainConfig,
+        "dpo": DPOConfig,
+        "distill": DistillConfig,
+        "rm": RMConfig,
+    }.get(command.split()[0], AntidistillConfig)
     cfg = load_config(config_cls, str(path), [])  # unknown keys, wrong types and bad values are errors
     algo = getattr(cfg, "algo", None)
     if hasattr(algo, "resolved"):  # RL: presets and the algorithm's own checks (dpo checks its algo on load)
@@ -109,14 +121,21 @@ def test_every_example_loads_with_its_command(path):
     assert dataclasses.asdict(cfg)  # a complete, resolved config
 
 
-@pytest.mark.parametrize("recipe, overrides, named", [
-    ("grpo", ["data.task=addition", "data.columns={prompt: question}"], "data.columns"),
-    ("grpo", ["data.task=addition", "data.split=test", "data.eval_fraction=0.2"], "data.split, data.eval_fraction"),
-    ("sft", ["data.task=addition", "data.subset=main"], "data.subset"),
-    ("sft", ["data.task=addition", "data.val_fraction=0.5"], "data.val_fraction"),
-    ("antidistill", ["data.reward=math"], "data.reward"),
-    ("antidistill", ["data.source_split=test", "data.columns={answer: solution}"], "data.source_split, data.columns"),
-])
+@pytest.mark.parametrize(
+    "recipe, overrides, named",
+    [
+        ("grpo", ["data.task=addition", "data.columns={prompt: question}"], "data.columns"),
+        ("grpo", ["data.task=addition", "data.split=test", "data.eval_fraction=0.2"], "data.split, data.eval_fraction"),
+        ("sft", ["data.task=addition", "data.subset=main"], "data.subset"),
+        ("sft", ["data.task=addition", "data.val_fraction=0.5"], "data.val_fraction"),
+        ("antidistill", ["data.reward=math"], "data.reward"),
+        (
+            "antidistill",
+            ["data.source_split=test", "data.columns={answer: solution}"],
+            "data.source_split, data.columns",
+        ),
+    ],
+)
 def test_keys_a_task_would_ignore_are_refused(recipe, overrides, named):
     """Keys that only select or score the rows of data.path are an error next to a task, not a no-op."""
     from lmforge.recipes.antidistill import AntidistillConfig

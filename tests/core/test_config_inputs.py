@@ -1,5 +1,6 @@
 """Careless config inputs (issue 22): each is an error with exit code 2 and a message naming the
 key / file and the fix, or is read as the user meant it; never a setting silently dropped or changed."""
+
 import re
 
 import pytest
@@ -14,31 +15,61 @@ from lmforge.recipes.sft import SFTConfig
 
 # (what the user wrote: YAML file text or None, command-line overrides) -> message fragment; exit 2
 REFUSED = {
-    "duplicate key at the top": ("optim:\n  lr: 1e-3\ntrain:\n  max_steps: 2\noptim:\n  weight_decay: 0.0\n", [],
-                                 r"dup.yaml: key 'optim' is given twice \(lines 1 and 5\)"),
-    "duplicate key in a section": ("data:\n  task: addition\n  num_train: 10\n  num_train: 20\n", [],
-                                   r"dup.yaml: key 'data.num_train' is given twice \(lines 3 and 4\)"),
-    "duplicate key in an override": (None, ["data.task=addition", "data.columns={prompt: a, prompt: b}"],
-                                     r"override 'data.columns=.*': key 'prompt' is given twice"),
+    "duplicate key at the top": (
+        "optim:\n  lr: 1e-3\ntrain:\n  max_steps: 2\noptim:\n  weight_decay: 0.0\n",
+        [],
+        r"dup.yaml: key 'optim' is given twice \(lines 1 and 5\)",
+    ),
+    "duplicate key in a section": (
+        "data:\n  task: addition\n  num_train: 10\n  num_train: 20\n",
+        [],
+        r"dup.yaml: key 'data.num_train' is given twice \(lines 3 and 4\)",
+    ),
+    "duplicate key in an override": (
+        None,
+        ["data.task=addition", "data.columns={prompt: a, prompt: b}"],
+        r"override 'data.columns=.*': key 'prompt' is given twice",
+    ),
     "empty file": ("", [], r"dup.yaml is empty \(or only comments\): it sets no key"),
     "comments only": ("# optim:\n#   lr: 1e-3\n", [], r"is empty \(or only comments\)"),
     "a list at the top": ("- optim\n- train\n", [], r"must hold a mapping .* not a list"),
-    "a list for a section": ("optim: [1e-3, 2]\n", ["data.task=addition"],
-                             r"config section 'optim' must be a mapping of its keys, e.g. 'optim: \{lr: \.\.\.\}'"),
+    "a list for a section": (
+        "optim: [1e-3, 2]\n",
+        ["data.task=addition"],
+        r"config section 'optim' must be a mapping of its keys, e.g. 'optim: \{lr: \.\.\.\}'",
+    ),
     "a word for a section": (None, ["data.task=addition", "optim=adamw"], r"config section 'optim' must be a mapping"),
-    "an empty value": ("optim:\n  lr:\n", ["data.task=addition"],
-                       r"config key 'optim.lr': expected float, got an empty value \(null\)"),
-    "a list for the column map": (None, ["data.path=x.jsonl", "data.columns=[prompt, question]"],
-                                  r"'data.columns': expected mapping .* got a list"),
-    "a misspelt column name": (None, ["data.path=x.jsonl", "data.columns={promt: question}"],
-                               r"unknown config key 'data.columns.promt'. Did you mean: data.columns.prompt\? "
-                               r"Valid keys here: completion, messages, prompt"),
-    "a misspelt column name, dotted": (None, ["data.path=x.jsonl", "data.columns.complettion=a"],
-                                       r"Did you mean: data.columns.completion\?"),
-    "no space after a colon in a mapping": (None, ["data.path=x.jsonl", "data.columns={prompt:question}"],
-                                            r"YAML needs a space after the colon, 'prompt: question'"),
-    "no space after a colon in a file": ("data:\n  task: addition\noptim:\n  lr:1e-4\n", [],
-                                         r"got 'lr:1e-4' \(YAML needs a space after the colon: 'lr: 1e-4'\)"),
+    "an empty value": (
+        "optim:\n  lr:\n",
+        ["data.task=addition"],
+        r"config key 'optim.lr': expected float, got an empty value \(null\)",
+    ),
+    "a list for the column map": (
+        None,
+        ["data.path=x.jsonl", "data.columns=[prompt, question]"],
+        r"'data.columns': expected mapping .* got a list",
+    ),
+    "a misspelt column name": (
+        None,
+        ["data.path=x.jsonl", "data.columns={promt: question}"],
+        r"unknown config key 'data.columns.promt'. Did you mean: data.columns.prompt\? "
+        r"Valid keys here: completion, messages, prompt",
+    ),
+    "a misspelt column name, dotted": (
+        None,
+        ["data.path=x.jsonl", "data.columns.complettion=a"],
+        r"Did you mean: data.columns.completion\?",
+    ),
+    "no space after a colon in a mapping": (
+        None,
+        ["data.path=x.jsonl", "data.columns={prompt:question}"],
+        r"YAML needs a space after the colon, 'prompt: question'",
+    ),
+    "no space after a colon in a file": (
+        "data:\n  task: addition\noptim:\n  lr:1e-4\n",
+        [],
+        r"got 'lr:1e-4' \(YAML needs a space after the colon: 'lr: 1e-4'\)",
+    ),
 }
 
 
@@ -56,12 +87,15 @@ def test_careless_config_is_exit_2_with_a_message_naming_it(case, tmp_path, caps
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
-@pytest.mark.parametrize("config_cls, overrides, fragment", [
-    (SFTConfig, ["data.path=x.jsonl", "data.columns={prompt: q, completions: a}"], "data.columns.completion?"),
-    (GRPOConfig, ["data.path=x.jsonl", "data.columns={prompt: q, anwser: a}"], "data.columns.answer?"),
-    (PretrainConfig, ["data.path=x.jsonl", "data.columns={txt: body}"], "data.columns.text?"),
-    (AntidistillConfig, ["data.path=x.jsonl", "data.columns={promt: q}"], "data.columns.prompt?"),
-])
+@pytest.mark.parametrize(
+    "config_cls, overrides, fragment",
+    [
+        (SFTConfig, ["data.path=x.jsonl", "data.columns={prompt: q, completions: a}"], "data.columns.completion?"),
+        (GRPOConfig, ["data.path=x.jsonl", "data.columns={prompt: q, anwser: a}"], "data.columns.answer?"),
+        (PretrainConfig, ["data.path=x.jsonl", "data.columns={txt: body}"], "data.columns.text?"),
+        (AntidistillConfig, ["data.path=x.jsonl", "data.columns={promt: q}"], "data.columns.prompt?"),
+    ],
+)
 def test_every_recipe_refuses_a_column_name_it_does_not_read(config_cls, overrides, fragment):
     """Before, the misspelt name was carried into the rows and the real column silently went unused."""
     with pytest.raises(ConfigError, match="unknown config key") as err:
@@ -109,15 +143,23 @@ def test_a_json_file_holding_one_object_says_so_instead_of_blaming_line_1(tmp_pa
 # (command line) -> message fragment, exit 2; before: "no SFT rows to tokenize", an internal error
 # (exit 1, "a bug in lmforge"), and JSON syntax pretrained on as text
 DATA_SETTINGS = {
-    "sft: a percentage for a fraction": (["sft", "data.path=x.jsonl", "data.val_fraction=5"],
-                                         r"data.val_fraction must be in \[0, 1\) .*got 5.0"),
-    "pretrain: a percentage for a fraction": (["pretrain", "data.files=[x.txt]", "data.val_fraction=5"],
-                                              r"data.val_fraction must be in \[0, 1\)"),
-    "antidistill: a percentage for a fraction": (["antidistill", "distill", "distill.val_fraction=2"],
-                                                 r"distill.val_fraction must be in \[0, 1\)"),
-    "pretrain: a dataset file among the text files": (["pretrain", "data.files=[{tmp}/rows.jsonl]"],
-                                                      r"rows.jsonl: data.files takes plain text files, and this is a "
-                                                      r"dataset file; read its text column with data.path="),
+    "sft: a percentage for a fraction": (
+        ["sft", "data.path=x.jsonl", "data.val_fraction=5"],
+        r"data.val_fraction must be in \[0, 1\) .*got 5.0",
+    ),
+    "pretrain: a percentage for a fraction": (
+        ["pretrain", "data.files=[x.txt]", "data.val_fraction=5"],
+        r"data.val_fraction must be in \[0, 1\)",
+    ),
+    "antidistill: a percentage for a fraction": (
+        ["antidistill", "distill", "distill.val_fraction=2"],
+        r"distill.val_fraction must be in \[0, 1\)",
+    ),
+    "pretrain: a dataset file among the text files": (
+        ["pretrain", "data.files=[{tmp}/rows.jsonl]"],
+        r"rows.jsonl: data.files takes plain text files, and this is a "
+        r"dataset file; read its text column with data.path=",
+    ),
 }
 
 
@@ -130,21 +172,30 @@ def test_careless_data_settings_are_exit_2_with_the_fix(case, tmp_path, capsys, 
     if args[0] == "antidistill":
         args += [f"run.workdir={tmp_path / 'work'}", "distill.max_steps=1"]
     else:
-        args += ["model.tokenizer=char:ascii", "train.max_steps=1", "logging.progress=false",
-                 f"train.output_dir={tmp_path / 'run'}"]
+        args += [
+            "model.tokenizer=char:ascii",
+            "train.max_steps=1",
+            "logging.progress=false",
+            f"train.output_dir={tmp_path / 'run'}",
+        ]
     assert main(args) == EXIT_USER_ERROR
     assert re.search(fragment, capsys.readouterr().err)
 
 
-@pytest.mark.parametrize("line, key", [
-    ('{"prompt": "1+1=", "completion": "2", "prompt": "3+3="}', "prompt"),
-    ('{"messages": [{"role": "user", "content": "a", "content": "b"}, {"role": "assistant", "content": "c"}]}',
-     "content"),
-])
+@pytest.mark.parametrize(
+    "line, key",
+    [
+        ('{"prompt": "1+1=", "completion": "2", "prompt": "3+3="}', "prompt"),
+        (
+            '{"messages": [{"role": "user", "content": "a", "content": "b"}, {"role": "assistant", "content": "c"}]}',
+            "content",
+        ),
+    ],
+)
 def test_a_key_given_twice_in_a_jsonl_row_names_the_line(line, key, tmp_path):
     """The data-file side of the duplicate-key class: json kept the last value silently."""
-    from lmforge.data.sft import load_sft_rows
     from lmforge.core.errors import DataError
+    from lmforge.data.sft import load_sft_rows
 
     path = tmp_path / "rows.jsonl"
     path.write_text('{"prompt": "1+1=", "completion": "2"}\n' + line + "\n")

@@ -1,5 +1,6 @@
 """lmforge.core.confighelp reads a config's options from source as describe() gives them from the class, and
 refuses (Unreadable) what it does not evaluate rather than guessing."""
+
 import dataclasses
 import importlib.util
 import sys
@@ -9,7 +10,7 @@ import pytest
 from lmforge.core import confighelp
 from lmforge.core.config import describe
 
-CONFIG = '''
+CONFIG = """
 import dataclasses
 from typing import ClassVar, Literal
 
@@ -36,7 +37,7 @@ class Inner(Base):
 class Top:
     inner: Inner = section(Inner, "the inner section")
     name: str | None = opt(None, help="keyword help")
-'''
+"""
 CONSTS = 'NAMES = {"x": len, "y": abs}\nWIDTH = 3\n'
 OPT = """import dataclasses
 
@@ -85,8 +86,14 @@ def test_rows_equal_describe_of_the_imported_class(package):
     assert rows == describe(imported("conf", "Top"))
     assert rows[0] == ("inner.lr", "0.002", "peak rate, redefined: keeps its place")
     assert rows[1] == ("inner.mode", "'a'", "one of x, y (width    6)")
-    assert [key for key, _, _ in rows] == ["inner.lr", "inner.mode", "inner.steps", "inner.layers", "inner.plain",
-                                           "name"]
+    assert [key for key, _, _ in rows] == [
+        "inner.lr",
+        "inner.mode",
+        "inner.steps",
+        "inner.layers",
+        "inner.plain",
+        "name",
+    ]
 
 
 @pytest.mark.parametrize("default", ["len(WIDTH)", "dataclasses.field(default=1)", "WIDTH + 'x'", "UNKNOWN"])
@@ -97,8 +104,10 @@ def test_what_it_cannot_evaluate_is_unreadable(package, default):
 
 
 def test_constant_and_mapping_heads(package):
-    (package / "conf.py").write_text(CONFIG + '\nSTAGES = {"one": ("first", len), "two": ("second " + "stage", abs)}\n'
-                                     'TABLE = {"a": (1, -2.5), "b": NAMES.__class__}\n')
+    (package / "conf.py").write_text(
+        CONFIG + '\nSTAGES = {"one": ("first", len), "two": ("second " + "stage", abs)}\n'
+        'TABLE = {"a": (1, -2.5), "b": NAMES.__class__}\n'
+    )
     assert confighelp.mapping_heads("conf", "STAGES") == {"one": "first", "two": "second stage"}
     assert confighelp.constant("consts", "WIDTH") == 3
     with pytest.raises(confighelp.Unreadable):

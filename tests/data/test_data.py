@@ -1,4 +1,5 @@
 """Data pipeline: text loading and packing with a disk cache; SFT rows, loss masks, truncation, collation."""
+
 import importlib.util
 import json
 import sys
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmforge.core.errors import DataError
 from lmforge.data.sft import (
     CHAT_SMALL,
     SFTExample,
@@ -19,7 +21,6 @@ from lmforge.data.sft import (
 )
 from lmforge.data.tasks import get_task
 from lmforge.data.text import load_text_files, pack_documents
-from lmforge.core.errors import DataError
 from lmforge.model.tokenizer import char_tokenizer, train_bpe_tokenizer
 
 
@@ -171,11 +172,14 @@ def test_pack_cache_hit_and_invalidation(tmp_path, char_tok):
 
 
 def test_load_sft_rows_both_formats(tmp_path):
-    path = write_jsonl(tmp_path / "rows.jsonl", [
-        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
-        "",
-        {"prompt": "1+1=", "completion": "2", "source": "extra keys are kept"},
-    ])
+    path = write_jsonl(
+        tmp_path / "rows.jsonl",
+        [
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+            "",
+            {"prompt": "1+1=", "completion": "2", "source": "extra keys are kept"},
+        ],
+    )
     rows = load_sft_rows(path)
     assert len(rows) == 2 and rows[1]["completion"] == "2"
 
@@ -186,11 +190,13 @@ def test_load_sft_rows_both_formats(tmp_path):
         ('{"prompt": "1+1=", "completion": "2"', r"rows\.jsonl:3: invalid JSON"),
         ('{"prompt": "1+1="}', r"rows\.jsonl:3: row has no 'completion' key"),
         ('{"text": "hello"}', r"rows\.jsonl:3: row has keys \['text'\]; each row needs either 'messages'"),
-        ('[1, 2]', r"rows\.jsonl:3: expected a JSON object, got list"),
+        ("[1, 2]", r"rows\.jsonl:3: expected a JSON object, got list"),
         ('{"prompt": "a", "completion": 5}', r"rows\.jsonl:3: 'completion' must be a string, got int"),
         ('{"messages": []}', r"rows\.jsonl:3: 'messages' must be a non-empty list"),
-        ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}]}',
-         r"rows\.jsonl:3: messages\[1\]\.content is missing"),
+        (
+            '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}]}',
+            r"rows\.jsonl:3: messages\[1\]\.content is missing",
+        ),
         ('{"messages": [{"role": "user", "content": 3}]}', r"rows\.jsonl:3: messages\[0\]\.content must be a string"),
         ('{"messages": ["hi"]}', r"rows\.jsonl:3: messages\[0\] must be an object"),
         ('{"messages": [{"role": "user", "content": "a"}]}', r"rows\.jsonl:3: 'messages' has no assistant message"),
@@ -225,7 +231,9 @@ def test_load_sft_rows_parquet(tmp_path):
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
     pq.write_table(pa.Table.from_pylist([good, good]), tmp_path / "ok.parquet")
     assert load_sft_rows(tmp_path / "ok.parquet") == [good, good]
-    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "completion": "b"}, {"prompt": "a"}]), tmp_path / "bad.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([{"prompt": "a", "completion": "b"}, {"prompt": "a"}]), tmp_path / "bad.parquet"
+    )
     with pytest.raises(DataError, match=r"bad\.parquet:row 2: row has no 'completion' key"):
         load_sft_rows(tmp_path / "bad.parquet")
 
@@ -274,7 +282,10 @@ def test_chat_mask_is_exactly_completion_char_tokenizer(char_tok):
     rows = sft_rows_from_task(get_task("addition"), 20, seed=0, split="train")
     data = tokenize_sft(rows, char_tok, max_len=64, use_chat_template="on")
     for row, ex in zip(rows, data.examples):
-        assert char_tok.decode(ex.input_ids) == f"<|user|>\n{row['prompt']}<eos>\n<|assistant|>\n{row['completion']}<eos>\n"
+        assert (
+            char_tok.decode(ex.input_ids)
+            == f"<|user|>\n{row['prompt']}<eos>\n<|assistant|>\n{row['completion']}<eos>\n"
+        )
         runs = masked_runs(ex)
         assert len(runs) == 1 and char_tok.decode(runs[0]) == row["completion"] + "<eos>"
         prompt_ids = encode_prompt(char_tok, row["prompt"], chat=True)
@@ -378,9 +389,11 @@ def test_chatml_mask_is_exactly_the_assistant_turns(chatml_tok):
     for ex, replies in zip(data.examples, [["7 x 8 = 56.", " r-i-v-e-r"], ["7"]]):
         assert [tok.decode(run) for run in masked_runs(ex)] == [r + "<|im_end|>" for r in replies]
     second = data.examples[1]
-    want = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-            "<|im_start|>user\nWhat is 3 + 4? Answer with just the number.<|im_end|>\n"
-            "<|im_start|>assistant\n7<|im_end|>\n")
+    want = (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 3 + 4? Answer with just the number.<|im_end|>\n"
+        "<|im_start|>assistant\n7<|im_end|>\n"
+    )
     assert tok.decode(second.input_ids) == want
     masked = [i for i, m in enumerate(second.loss_mask) if m]
     assert masked == [len(second.input_ids) - 3, len(second.input_ids) - 2]  # "7", "<|im_end|>"; not "\n"

@@ -1,5 +1,6 @@
 """Every data source of docs/data.md (built in tmp_path), column mapping, held-out splits, streaming
 packing, and the errors that name the source, row and column (issue 11, item 1)."""
+
 import json
 
 import pytest
@@ -8,14 +9,14 @@ import torch
 datasets = pytest.importorskip("datasets")
 pa = pytest.importorskip("pyarrow")
 
+from lmforge.core.errors import DataError  # noqa: E402
 from lmforge.data.prompts import held_out_split, load_prompt_rows  # noqa: E402
 from lmforge.data.sft import load_sft_rows  # noqa: E402
-from lmforge.data.source import read_rows, read_text_column, source_kind, split_by_fraction  # noqa: E402
+from lmforge.data.source import read_text_column, source_kind, split_by_fraction  # noqa: E402
 from lmforge.data.stream import StreamingBlocks, held_out, pack_stream  # noqa: E402
 from lmforge.data.text import pack_documents  # noqa: E402
-from lmforge.core.errors import DataError  # noqa: E402
-from lmforge.rl.config import RLDataConfig  # noqa: E402
 from lmforge.model.tokenizer import char_tokenizer  # noqa: E402
+from lmforge.rl.config import RLDataConfig  # noqa: E402
 
 QUESTIONS = {"question": ["1+1=", "2+2=", "3+4="], "answer": ["2", "4", "7"]}
 EXPECTED = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}, {"prompt": "3+4=", "answer": "7"}]
@@ -35,8 +36,9 @@ def _write(kind: str, tmp_path):
         ds.to_csv(str(tmp_path / "q.csv"), index=False)
         return str(tmp_path / "q.csv")
     if kind == "tsv":
-        (tmp_path / "q.tsv").write_text("question\tanswer\n" + "".join(
-            f"{q}\t{a}\n" for q, a in zip(QUESTIONS["question"], QUESTIONS["answer"])))
+        (tmp_path / "q.tsv").write_text(
+            "question\tanswer\n" + "".join(f"{q}\t{a}\n" for q, a in zip(QUESTIONS["question"], QUESTIONS["answer"]))
+        )
         return str(tmp_path / "q.tsv")
     if kind == "arrow":
         table = pa.table(QUESTIONS)
@@ -69,8 +71,12 @@ def test_a_directory_of_split_files_and_a_saved_dataset_dict_have_named_splits(t
     assert [r["answer"] for r in load_prompt_rows(str(data_dir), "train", columns=MAP)] == ["2", "4"]
     (tmp_path / "decimals.csv").write_text("prompt,answer\nhalf of 3,1.50\nseven,007\n")
     assert [r["answer"] for r in load_prompt_rows(str(tmp_path / "decimals.csv"))] == ["1.50", "007"]
-    dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict(QUESTIONS),
-                               "test": datasets.Dataset.from_dict({"question": ["9+9="], "answer": ["18"]})})
+    dd = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict(QUESTIONS),
+            "test": datasets.Dataset.from_dict({"question": ["9+9="], "answer": ["18"]}),
+        }
+    )
     dd.save_to_disk(str(tmp_path / "dd"))
     assert load_prompt_rows(str(tmp_path / "dd"), "test", columns=MAP) == [{"prompt": "9+9=", "answer": "18"}]
     with pytest.raises(DataError, match=r"dd: no split 'validation'; it has test, train"):
@@ -78,7 +84,7 @@ def test_a_directory_of_split_files_and_a_saved_dataset_dict_have_named_splits(t
 
 
 def test_sft_rows_from_csv_and_a_saved_dataset_with_mapped_columns(tmp_path):
-    (tmp_path / "chat.csv").write_text("q,a\nHi,Hello!\n\"Name, please\",lmforge\n")
+    (tmp_path / "chat.csv").write_text('q,a\nHi,Hello!\n"Name, please",lmforge\n')
     expected = [{"prompt": "Hi", "completion": "Hello!"}, {"prompt": "Name, please", "completion": "lmforge"}]
     assert load_sft_rows(str(tmp_path / "chat.csv"), columns={"prompt": "q", "completion": "a"}) == expected
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
@@ -95,8 +101,9 @@ def _fake_hub_cache(root, repo: str, splits: dict):
         files[split] = str(root / f"{split}.parquet")
         datasets.Dataset.from_dict(table).to_parquet(files[split])
     name = repo.split("/")[-1]
-    builder = Parquet(cache_dir=str(root / "cache"), dataset_name=name, data_files=files, hash="0123abcd",
-                      config_name="default")
+    builder = Parquet(
+        cache_dir=str(root / "cache"), dataset_name=name, data_files=files, hash="0123abcd", config_name="default"
+    )
     builder.download_and_prepare()
     config_dir = next(p for p in (root / "cache" / name).iterdir() if p.is_dir())
     target = root / "cache" / repo.replace("/", "___") / "default"
@@ -107,8 +114,9 @@ def _fake_hub_cache(root, repo: str, splits: dict):
 def test_a_hub_id_is_read_from_the_local_cache_with_the_hub_switched_off(tmp_path, monkeypatch):
     import huggingface_hub.constants as hub_constants
 
-    _fake_hub_cache(tmp_path, "someone/tiny-math", {"train": QUESTIONS,
-                                                    "test": {"question": ["5+5="], "answer": ["10"]}})
+    _fake_hub_cache(
+        tmp_path, "someone/tiny-math", {"train": QUESTIONS, "test": {"question": ["5+5="], "answer": ["10"]}}
+    )
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
     offline_before = datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE
     assert source_kind("someone/tiny-math") == "hub"
@@ -122,7 +130,9 @@ def test_a_hub_id_missing_from_the_cache_is_an_error_that_says_so_and_how_to_fil
     with pytest.raises(DataError) as err:
         load_prompt_rows("nobody/not-cached")
     message = str(err.value)
-    assert "nobody/not-cached: not a local file or directory, and not in the local Hugging Face datasets cache" in message
+    assert (
+        "nobody/not-cached: not a local file or directory, and not in the local Hugging Face datasets cache" in message
+    )
     assert "never downloads" in message and "datasets.load_dataset('nobody/not-cached')" in message
 
 
@@ -136,14 +146,21 @@ def test_missing_file_and_unsupported_type(tmp_path):
 
 # ----------------------------------------------------------------------------- errors naming file, row and column
 
+
 def test_a_mapped_column_the_table_lacks_names_the_file_the_column_and_what_it_has(tmp_path):
     path = _write("parquet", tmp_path)
-    with pytest.raises(DataError, match=r"q\.parquet:row 1: no column 'problem' \(data\.columns maps 'prompt' to it\); "
-                                        r"the row has answer, question"):
+    with pytest.raises(
+        DataError,
+        match=r"q\.parquet:row 1: no column 'problem' \(data\.columns maps 'prompt' to it\); "
+        r"the row has answer, question",
+    ):
         load_prompt_rows(path, columns={"prompt": "problem"})
     path = _write("csv", tmp_path)
-    with pytest.raises(DataError, match=r"q\.csv: data\.columns maps 'prompt' to column 'problem', which the data does "
-                                        r"not have \(columns: question, answer\)"):
+    with pytest.raises(
+        DataError,
+        match=r"q\.csv: data\.columns maps 'prompt' to column 'problem', which the data does "
+        r"not have \(columns: question, answer\)",
+    ):
         load_prompt_rows(path, columns={"prompt": "problem"})
 
 
@@ -179,6 +196,7 @@ def test_an_empty_split_and_an_empty_file_are_errors_naming_them(tmp_path):
 
 
 # ----------------------------------------------------------------------------- held-out split
+
 
 def test_the_held_out_fraction_is_deterministic_in_the_seed_and_disjoint():
     items = list(range(100))
@@ -223,7 +241,7 @@ def test_streaming_blocks_wrap_around_and_resume_where_they_stopped():
     blocks = StreamingBlocks(lambda: iter(DOCS), tok, seq_len=15, batch_rows=4)
     seen = [torch.stack([blocks[i] for i in blocks.next()]) for _ in range(len(whole) // 4 + 2)]
     flat = torch.cat(seen)
-    assert torch.equal(flat[:len(whole) // 4 * 4], whole[:len(whole) // 4 * 4])
+    assert torch.equal(flat[: len(whole) // 4 * 4], whole[: len(whole) // 4 * 4])
     assert blocks.epoch == 1 and torch.equal(seen[-1][-1], whole[blocks.pos - 1])
     # resume after 3 batches: the 4th batch is the same as without the interruption
     first = StreamingBlocks(lambda: iter(DOCS), tok, seq_len=15, batch_rows=4)
@@ -265,8 +283,11 @@ def test_datasets_missing_gives_the_install_hint(tmp_path, monkeypatch):
 
     path, jsonl = _write("csv", tmp_path), _write("jsonl", tmp_path)
     monkeypatch.setitem(sys.modules, "datasets", None)
-    with pytest.raises(DataError, match=r"q\.csv: reading this source needs Hugging Face datasets: pip install "
-                                        r"'lmforge\[data\]'"):
+    with pytest.raises(
+        DataError,
+        match=r"q\.csv: reading this source needs Hugging Face datasets: pip install "
+        r"'lmforge\[data\]'",
+    ):
         load_prompt_rows(path)
     # JSONL needs no datasets
     assert load_prompt_rows(jsonl, columns=MAP) == EXPECTED
@@ -286,7 +307,9 @@ def test_the_columns_setting_takes_a_mapping_and_rejects_anything_else():
     from lmforge.core.errors import ConfigError
     from lmforge.recipes.grpo import GRPOConfig
 
-    cfg = load_config(GRPOConfig, None, ["data.path=q.csv", "data.columns={prompt: question}", "data.columns.answer=sol"])
+    cfg = load_config(
+        GRPOConfig, None, ["data.path=q.csv", "data.columns={prompt: question}", "data.columns.answer=sol"]
+    )
     assert cfg.data.columns == {"prompt": "question", "answer": "sol"}
     with pytest.raises(ConfigError, match=r"config key 'data.columns': expected mapping of str to str"):
         load_config(GRPOConfig, None, ["data.path=q.csv", "data.columns=[question]"])
@@ -297,8 +320,7 @@ def test_the_columns_setting_takes_a_mapping_and_rejects_anything_else():
 def test_held_out_evaluator_scores_rows_with_the_first_reward_and_pass_at_k(monkeypatch):
     """accuracy = first reward at full marks on the greedy texts; eval_reward = weighted sum;
     pass_at_k = any of the k sampled texts at full marks (scripted completions, no model)."""
-    from lmforge.rollout import evaluation
-    from lmforge.rollout import BUILTIN_REWARDS
+    from lmforge.rollout import BUILTIN_REWARDS, evaluation
 
     rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}, {"prompt": "3+3=", "answer": "6"}]
     greedy = ["2", "5", "6"]  # right, wrong, right
@@ -313,9 +335,16 @@ def test_held_out_evaluator_scores_rows_with_the_first_reward_and_pass_at_k(monk
 
     monkeypatch.setattr(evaluation, "complete_ids", scripted)
     monkeypatch.setitem(BUILTIN_REWARDS, "half", lambda completion, problem: 0.5)
-    evaluate = evaluation.held_out_evaluator(char_tokenizer(), rows, chat=False, max_new_tokens=4,
-                                             reward_specs=[("exact", 1.0), ("half", 2.0)], pass_k=2,
-                                             temperature=0.7, seed=5)
+    evaluate = evaluation.held_out_evaluator(
+        char_tokenizer(),
+        rows,
+        chat=False,
+        max_new_tokens=4,
+        reward_specs=[("exact", 1.0), ("half", 2.0)],
+        pass_k=2,
+        temperature=0.7,
+        seed=5,
+    )
     metrics, prompts, texts = evaluate(None, step=3)
     assert prompts == ["1+1=", "2+2=", "3+3="] and texts == greedy
     assert metrics["accuracy"] == pytest.approx(2 / 3)
@@ -336,9 +365,14 @@ def test_held_out_evaluator_gives_the_rewards_the_completion_lengths(monkeypatch
         return ["2", "4444"]
 
     monkeypatch.setattr(evaluation, "complete_ids", scripted)
-    evaluate = evaluation.held_out_evaluator(char_tokenizer(), rows, chat=False, max_new_tokens=5,
-                                             reward_specs=[("exact", 1.0), ("overlong", 1.0, {"cache": 2})],
-                                             reward_kwargs={"max_new_tokens": 5})
+    evaluate = evaluation.held_out_evaluator(
+        char_tokenizer(),
+        rows,
+        chat=False,
+        max_new_tokens=5,
+        reward_specs=[("exact", 1.0), ("overlong", 1.0, {"cache": 2})],
+        reward_kwargs={"max_new_tokens": 5},
+    )
     metrics, _, _ = evaluate(None, step=0)
     assert metrics["accuracy"] == pytest.approx(1 / 2)
     assert metrics["eval_reward"] == pytest.approx(((1.0 + 0.0) + (0.0 - 1.0)) / 2)
@@ -348,6 +382,10 @@ def test_column_mapping_handles_swaps_and_shared_columns():
     from lmforge.data.source import rename_row
 
     row = {"prompt": "P", "answer": "A", "other": 1}
-    assert rename_row(row, {"prompt": "answer", "answer": "prompt"}, "f:1") == {"prompt": "A", "answer": "P", "other": 1}
+    assert rename_row(row, {"prompt": "answer", "answer": "prompt"}, "f:1") == {
+        "prompt": "A",
+        "answer": "P",
+        "other": 1,
+    }
     assert rename_row({"q": "Q"}, {"prompt": "q", "answer": "q"}, "f:1") == {"prompt": "Q", "answer": "Q"}
     assert rename_row(row, {"question": "prompt"}, "f:1") == {"answer": "A", "other": 1, "question": "P"}

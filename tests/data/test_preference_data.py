@@ -1,5 +1,6 @@
 """Preference data: row formats, completion-only masks, skips and truncation counts, bad rows,
 pairs made from the addition task."""
+
 from __future__ import annotations
 
 import json
@@ -7,10 +8,17 @@ import random
 
 import pytest
 
-from lmforge.data.preference import (check_pair_row, collate_pairs, load_preference_rows, no_carry_completion,
-                                     off_by_one_completions, pairs_from_task, tokenize_pairs)
-from lmforge.data.tasks import get_task
 from lmforge.core.errors import DataError
+from lmforge.data.preference import (
+    check_pair_row,
+    collate_pairs,
+    load_preference_rows,
+    no_carry_completion,
+    off_by_one_completions,
+    pairs_from_task,
+    tokenize_pairs,
+)
+from lmforge.data.tasks import get_task
 from lmforge.model.tokenizer import char_tokenizer
 
 
@@ -38,8 +46,11 @@ def test_plain_text_pair_masks_the_completion_and_eos(tok):
 
 def test_conversational_history_is_not_trained(tok):
     # the prompt's history holds an assistant turn: in SFT it would be trained, in a pair it is the prompt
-    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"},
-               {"role": "user", "content": "ok?"}]
+    history = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yes"},
+        {"role": "user", "content": "ok?"},
+    ]
     row = {"prompt": history, "chosen": [{"role": "assistant", "content": "sure"}], "rejected": "no"}
     pair = tokenize_pairs([row], tok, 256).pairs[0]
     assert "yes" not in trained_text(tok, pair.chosen)
@@ -51,18 +62,21 @@ def test_conversational_history_is_not_trained(tok):
 
 
 def test_text_pairs_through_the_chat_template(tok):
-    pair = tokenize_pairs([{"prompt": "1+1=", "chosen": "2", "rejected": "3"}], tok, 256,
-                          use_chat_template="on").pairs[0]
+    pair = tokenize_pairs([{"prompt": "1+1=", "chosen": "2", "rejected": "3"}], tok, 256, use_chat_template="on").pairs[
+        0
+    ]
     assert trained_text(tok, pair.chosen).startswith("2") and trained_text(tok, pair.rejected).startswith("3")
     assert "user" in tok.decode(pair.chosen.input_ids)  # the template's rendering, not the raw text
 
 
 def test_skips_and_truncation_are_counted(tok):
-    rows = [{"prompt": "1+1=", "chosen": "2", "rejected": "2"},  # identical
-            {"prompt": "1+1=", "chosen": " ", "rejected": "3"},  # empty completion
-            {"prompt": "1+1=", "chosen": "2", "rejected": "3"},  # kept: 4 + 1 + eos = 6 tokens
-            {"prompt": "12345+1=", "chosen": "2", "rejected": "3"},  # prompt 8 > max_len 6: nothing left
-            {"prompt": "1+1=", "chosen": "2222", "rejected": "2223"}]  # cut to 6: both "22": identical tokens
+    rows = [
+        {"prompt": "1+1=", "chosen": "2", "rejected": "2"},  # identical
+        {"prompt": "1+1=", "chosen": " ", "rejected": "3"},  # empty completion
+        {"prompt": "1+1=", "chosen": "2", "rejected": "3"},  # kept: 4 + 1 + eos = 6 tokens
+        {"prompt": "12345+1=", "chosen": "2", "rejected": "3"},  # prompt 8 > max_len 6: nothing left
+        {"prompt": "1+1=", "chosen": "2222", "rejected": "2223"},
+    ]  # cut to 6: both "22": identical tokens
     data = tokenize_pairs(rows, tok, 6)
     assert (len(data), data.num_identical, data.num_empty, data.num_dropped, data.num_truncated) == (1, 2, 1, 1, 0)
     data = tokenize_pairs(rows[2:3] + [{"prompt": "1+1=", "chosen": "22", "rejected": "3"}], tok, 6)
@@ -74,17 +88,28 @@ def test_skips_and_truncation_are_counted(tok):
         tokenize_pairs(rows[:2], tok, 6)
 
 
-@pytest.mark.parametrize("row, match", [
-    ({"prompt": "a", "chosen": "b"}, r"row 1: row has no 'rejected' \(its keys: chosen, prompt\).*data.columns"),
-    ({"question": "a", "good": "b", "bad": "c"}, r"no 'chosen' or 'rejected'"),
-    ({"prompt": "a", "chosen": ["b"], "rejected": "c"}, r"with a string 'prompt', 'chosen' must be a string"),
-    ({"prompt": [{"role": "user"}], "chosen": "b", "rejected": "c"}, r"prompt\[0\] must be an object with string"),
-    ({"prompt": [{"role": "user", "content": "a"}], "chosen": [{"role": "user", "content": "b"}], "rejected": "c"},
-     "'chosen' must start with an assistant message"),
-    ({"chosen": [{"role": "user", "content": "a"}], "rejected": [{"role": "user", "content": "b"}]},
-     "start with the same messages"),
-    ([1, 2], "expected an object, got list"),
-])
+@pytest.mark.parametrize(
+    "row, match",
+    [
+        ({"prompt": "a", "chosen": "b"}, r"row 1: row has no 'rejected' \(its keys: chosen, prompt\).*data.columns"),
+        ({"question": "a", "good": "b", "bad": "c"}, r"no 'chosen' or 'rejected'"),
+        ({"prompt": "a", "chosen": ["b"], "rejected": "c"}, r"with a string 'prompt', 'chosen' must be a string"),
+        ({"prompt": [{"role": "user"}], "chosen": "b", "rejected": "c"}, r"prompt\[0\] must be an object with string"),
+        (
+            {
+                "prompt": [{"role": "user", "content": "a"}],
+                "chosen": [{"role": "user", "content": "b"}],
+                "rejected": "c",
+            },
+            "'chosen' must start with an assistant message",
+        ),
+        (
+            {"chosen": [{"role": "user", "content": "a"}], "rejected": [{"role": "user", "content": "b"}]},
+            "start with the same messages",
+        ),
+        ([1, 2], "expected an object, got list"),
+    ],
+)
 def test_bad_rows_name_the_problem(row, match):
     with pytest.raises(DataError, match=match):
         check_pair_row(row, "row 1")
@@ -92,8 +117,12 @@ def test_bad_rows_name_the_problem(row, match):
 
 def test_file_rows_with_a_column_map(tmp_path):
     path = tmp_path / "pairs.jsonl"
-    path.write_text("\n".join(json.dumps({"q": f"{i}+1=", "good": str(i + 1), "bad": str(i)}) for i in range(3)) + "\n"
-                    + json.dumps({"q": "x"}) + "\n")
+    path.write_text(
+        "\n".join(json.dumps({"q": f"{i}+1=", "good": str(i + 1), "bad": str(i)}) for i in range(3))
+        + "\n"
+        + json.dumps({"q": "x"})
+        + "\n"
+    )
     with pytest.raises(DataError, match=r"pairs.jsonl:4: no column 'good'"):
         load_preference_rows(str(path), columns={"prompt": "q", "chosen": "good", "rejected": "bad"})
     path.write_text("\n".join(path.read_text().splitlines()[:3]) + "\n")
@@ -115,7 +144,9 @@ def test_task_pairs_chosen_correct_rejected_wrong():
     rows = pairs_from_task(task, 200, 0, "train")
     problems = task.make_problems(200, 0, "train")
     assert [r["prompt"] for r in rows] == [p.prompt for p in problems]
-    assert all(task.is_correct(r["chosen"], p) and not task.is_correct(r["rejected"], p) for r, p in zip(rows, problems))
+    assert all(
+        task.is_correct(r["chosen"], p) and not task.is_correct(r["rejected"], p) for r, p in zip(rows, problems)
+    )
     no_carry = sum(r["rejected"] == no_carry_completion(r["prompt"], r["chosen"]) for r in rows)
     assert 40 < no_carry < 160  # both kinds of mistake are made
     random.seed(1)  # seeded by its arguments, not by the global RNG
@@ -129,7 +160,9 @@ def test_task_pairs_take_a_models_wrong_answers_as_rejected():
     rows = pairs_from_task(task, 3, 0, "val", answers)
     assert rows[0]["rejected"] == "123" and rows[0]["chosen"] == problems[0].completion
     for row, problem in zip(rows[1:], problems[1:]):  # right or blank: a rule-made wrong answer
-        rule_made = off_by_one_completions(problem.completion) + [no_carry_completion(problem.prompt, problem.completion)]
+        rule_made = off_by_one_completions(problem.completion) + [
+            no_carry_completion(problem.prompt, problem.completion)
+        ]
         assert row["rejected"] in rule_made
     assert all(not task.is_correct(r["rejected"], p) for r, p in zip(rows, problems))
     with pytest.raises(ValueError, match="2 completions for 3 problems"):

@@ -1,5 +1,6 @@
 """reasoning-gym datasets as tasks (``data.task=rg:<name>``): spec parsing, determinism, disjoint
 splits, the dataset's own scorer on known answers, prompts through the chat template, SFT rows."""
+
 import pickle
 import sys
 
@@ -7,9 +8,9 @@ import pytest
 
 pytest.importorskip("reasoning_gym")
 
-from lmforge.data.rg import RGTask, list_tasks, rg_task, task_parameters  # noqa: E402
-from lmforge.data.sft import encode_prompt, sft_rows_from_task  # noqa: E402
-from lmforge.data.tasks import SPLITS, get_task, split_of  # noqa: E402
+from lmforge.data.rg import RGTask, list_tasks, rg_task, task_parameters
+from lmforge.data.sft import encode_prompt, sft_rows_from_task
+from lmforge.data.tasks import SPLITS, get_task, split_of
 
 SMALL_ARITH = "rg:basic_arithmetic:min_terms=2,max_terms=2,min_digits=1,max_digits=1,operators=[+,-]"
 
@@ -31,8 +32,7 @@ def test_same_seed_same_problems_other_seed_other_problems(spec):
 def test_splits_are_disjoint_whatever_the_seeds(spec):
     # SMALL_ARITH has only a few hundred distinct questions, so seeds alone would collide
     task = get_task(spec)
-    by_split = {split: set(questions(task.make_problems(60, seed, split)))
-                for split, seed in zip(SPLITS, (0, 1, 2))}
+    by_split = {split: set(questions(task.make_problems(60, seed, split))) for split, seed in zip(SPLITS, (0, 1, 2))}
     assert not by_split["train"] & by_split["val"]
     assert not by_split["train"] & by_split["test"]
     assert not by_split["val"] & by_split["test"]
@@ -61,14 +61,18 @@ def test_leg_counting_plain_format():
     assert task.answer_format == "plain" and task.params == {"min_animals": 2, "max_animals": 3}
     for p in task.make_problems(10, 0, "train"):
         assert p.completion == p.answer == str(p.entry["metadata"]["total_legs"])
-        assert p.prompt.startswith(p.entry["question"].rstrip()) and p.prompt.endswith("Reply with only the final answer.")
+        assert p.prompt.startswith(p.entry["question"].rstrip()) and p.prompt.endswith(
+            "Reply with only the final answer."
+        )
         assert task.score(f"  {p.answer}\n", p) == 1.0
         assert task.score(f"{int(p.answer) + 2}", p) == 0.0
 
 
 def test_last_number_format_scores_the_last_number_of_the_completion():
-    task = get_task("rg:basic_arithmetic:max_terms=2,max_digits=2,operators=[+],allow_parentheses=false,"
-                    "allow_negation=false,answer_format=last_number")
+    task = get_task(
+        "rg:basic_arithmetic:max_terms=2,max_digits=2,operators=[+],allow_parentheses=false,"
+        "allow_negation=false,answer_format=last_number"
+    )
     problems = task.make_problems(5, 0, "test")
     for p in problems:
         a, b = (int(x) for x in p.entry["question"].split("Calculate ")[1].split(".")[0].split(" + "))
@@ -110,14 +114,17 @@ def test_spec_round_trip_and_pickle():
     assert clone.spec == task.spec and clone.score(p.completion, p) == 1.0
 
 
-@pytest.mark.parametrize("spec,message", [
-    ("rg:leg_countin", "Did you mean: leg_counting"),
-    ("rg:leg_counting:legs=4", r"bad parameter 'legs=4'.*min_animals=3"),
-    ("rg:leg_counting:min_animals=0", "min_animals must be positive"),
-    ("rg:leg_counting:seed=1", "bad parameter 'seed=1'"),
-    ("rg:leg_counting:answer_format=json", "answer_format must be one of tags, plain"),
-    ("rg:", "name a reasoning-gym dataset"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("rg:leg_countin", "Did you mean: leg_counting"),
+        ("rg:leg_counting:legs=4", r"bad parameter 'legs=4'.*min_animals=3"),
+        ("rg:leg_counting:min_animals=0", "min_animals must be positive"),
+        ("rg:leg_counting:seed=1", "bad parameter 'seed=1'"),
+        ("rg:leg_counting:answer_format=json", "answer_format must be one of tags, plain"),
+        ("rg:", "name a reasoning-gym dataset"),
+    ],
+)
 def test_bad_specs_are_clear(spec, message):
     with pytest.raises(ValueError, match=message):
         get_task(spec)
@@ -125,8 +132,8 @@ def test_bad_specs_are_clear(spec, message):
 
 def test_bad_spec_is_a_config_error_naming_data_task():
     from lmforge.core.errors import ConfigError
-    from lmforge.supervised.sft_data import SFTDataConfig
     from lmforge.rl.config import RLDataConfig
+    from lmforge.supervised.sft_data import SFTDataConfig
 
     with pytest.raises(ConfigError, match="data.task: rg: unknown reasoning-gym dataset"):
         RLDataConfig(task="rg:no_such_dataset").validate()
@@ -143,14 +150,18 @@ def test_missing_package_gives_install_hint(monkeypatch):
 def test_listing():
     names = list_tasks()
     assert len(names) > 50 and {"leg_counting", "countdown", "basic_arithmetic"} <= set(names)
-    assert task_parameters("leg_counting") == {"min_animals": 3, "max_animals": 10, "min_instances": 1,
-                                               "max_instances": 15}
+    assert task_parameters("leg_counting") == {
+        "min_animals": 3,
+        "max_animals": 10,
+        "min_instances": 1,
+        "max_instances": 15,
+    }
 
 
 def test_prompts_go_through_the_chat_template_and_sft_rows():
+    from lmforge.model.tokenizer import char_tokenizer
     from lmforge.rl import build_prompts
     from lmforge.rl.config import RLDataConfig
-    from lmforge.model.tokenizer import char_tokenizer
 
     tokenizer = char_tokenizer(get_task("rg:leg_counting").alphabet)
     data = RLDataConfig(task="rg:leg_counting", num_train=5, num_eval=3, use_chat_template="on")

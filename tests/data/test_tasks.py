@@ -1,9 +1,9 @@
 """Synthetic tasks: problem format, determinism, disjoint splits, exact scoring, spec parsing."""
+
 import pytest
 
 from lmforge.data.tasks import Addition, ArithChat, Problem, get_task, split_of
 from lmforge.model.tokenizer import DEFAULT_ALPHABET
-
 
 # ----------------------------------------------------------------------------- addition
 
@@ -64,15 +64,26 @@ def test_problems_are_distinct_until_the_split_is_exhausted():
     pool = [p for p in map(task._problem_at, range(100)) if split_of(p.prompt) == "test"]
     problems = task.make_problems(3 * len(pool), seed=0, split="test")
     assert len({p.prompt for p in problems[: len(pool)]}) == len(pool)
-    assert problems[len(pool):] == problems[: len(pool)] * 2  # then cycles in the same order
+    assert problems[len(pool) :] == problems[: len(pool)] * 2  # then cycles in the same order
     large = get_task("addition:digits=5").make_problems(500, seed=0, split="train")
     assert len({p.prompt for p in large}) == 500
 
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("58", 1.0), ("58<eos>", 1.0), ("58\n12+3", 1.0), (" 58", 1.0), ("58 is it", 1.0),
-     ("580", 0.0), ("5", 0.0), ("85", 0.0), ("", 0.0), ("x58", 0.0), ("-58", 0.0)],
+    [
+        ("58", 1.0),
+        ("58<eos>", 1.0),
+        ("58\n12+3", 1.0),
+        (" 58", 1.0),
+        ("58 is it", 1.0),
+        ("580", 0.0),
+        ("5", 0.0),
+        ("85", 0.0),
+        ("", 0.0),
+        ("x58", 0.0),
+        ("-58", 0.0),
+    ],
 )
 def test_addition_score(text, expected):
     task = get_task("addition")
@@ -114,8 +125,18 @@ def test_arith_chat_problem_space_is_complete_and_unique():
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("7", 1.0), ("7.", 1.0), ("The answer is 7", 1.0), (" 7<|im_end|>", 1.0), ("07", 1.0),
-     ("3 + 4 = 7", 0.0), ("seven", 0.0), ("", 0.0), ("-7", 0.0), ("17", 0.0)],
+    [
+        ("7", 1.0),
+        ("7.", 1.0),
+        ("The answer is 7", 1.0),
+        (" 7<|im_end|>", 1.0),
+        ("07", 1.0),
+        ("3 + 4 = 7", 0.0),
+        ("seven", 0.0),
+        ("", 0.0),
+        ("-7", 0.0),
+        ("17", 0.0),
+    ],
 )
 def test_arith_chat_score_first_integer(text, expected):
     problem = Problem(prompt="What is 3 + 4? Answer with just the number.", completion="7", answer="7")
@@ -161,9 +182,13 @@ def test_unknown_param_lists_valid_ones():
 
 @pytest.mark.parametrize(
     "spec, message",
-    [("addition:digits=three", "digits must be an integer"), ("addition:digits=0", "between 1 and 9"),
-     ("arith_chat:ops=*", "ops must be"), ("arith_chat:max_operand=0", "max_operand must be >= 1"),
-     ("seeds:count=5", "count must be between 10")],
+    [
+        ("addition:digits=three", "digits must be an integer"),
+        ("addition:digits=0", "between 1 and 9"),
+        ("arith_chat:ops=*", "ops must be"),
+        ("arith_chat:max_operand=0", "max_operand must be >= 1"),
+        ("seeds:count=5", "count must be between 10"),
+    ],
 )
 def test_bad_param_values(spec, message):
     with pytest.raises(ValueError, match=message):
@@ -180,6 +205,7 @@ def test_unknown_split_and_negative_n():
 
 # ----------------------------------------------------------------------------- addition_trace
 
+
 def test_addition_trace_hand_values():
     task = get_task("addition_trace:digits=3")
     # 372 + 459: 2+9+0 = 11 (carry 1), 7+5+1 = 13 (carry 1), 3+4+1 = 08 -> 831
@@ -194,7 +220,7 @@ def test_addition_trace_answers_only_shares_prompts_and_splits():
     traced = get_task("addition_trace:digits=3,trace=1").make_problems(20, 4, "val")
     plain = get_task("addition_trace:digits=3,trace=0").make_problems(20, 4, "val")
     assert [p.prompt for p in traced] == [p.prompt for p in plain]
-    assert all(p.completion == p.answer == str(eval(p.prompt[:-1])) for p in plain)
+    assert all(p.completion == p.answer == str(eval(p.prompt[:-1])) for p in plain)  # noqa: S307 - digits, + and - only
     assert all(t.completion.endswith("\n" + t.answer) for t in traced)
 
 

@@ -1,9 +1,11 @@
 """The built-in environments (calculator, guess_number), their tasks and their SFT demonstrations:
 hand-written episodes -- a correct tool call, a wrong answer, invalid calls, the limits."""
+
 import random
 
 import pytest
 
+from lmforge.core.errors import ConfigError
 from lmforge.data.problem import Problem
 from lmforge.data.sft import tokenize_sft
 from lmforge.data.tasks import GuessNumber as GuessNumberTask
@@ -14,7 +16,6 @@ from lmforge.envs.demos import demonstration_rows, play
 from lmforge.envs.guess_number import GuessNumber
 from lmforge.envs.registry import make_environment
 from lmforge.envs.toolcalls import render_messages
-from lmforge.core.errors import ConfigError
 from lmforge.model.tokenizer import ASCII_ALPHABET, char_tokenizer, load_tokenizer
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123*456"}}\n</tool_call>'
@@ -47,8 +48,10 @@ def test_multiplication_problems_and_exact_score():
 
 def test_guess_number_splits_are_disjoint_secrets_behind_one_prompt():
     task = get_task("guess_number:high=100")
-    secrets = {split: {int(p.answer) for seed in (0, 1) for p in task.make_problems(300, seed, split)}
-               for split in ("train", "val", "test")}
+    secrets = {
+        split: {int(p.answer) for seed in (0, 1) for p in task.make_problems(300, seed, split)}
+        for split in ("train", "val", "test")
+    }
     assert secrets["train"] | secrets["val"] | secrets["test"] == set(range(1, 101))  # 300 cycles every split
     assert not secrets["train"] & secrets["test"] and not secrets["val"] & secrets["test"]
     assert all(split_of(f"secret {s}") == "test" for s in secrets["test"])
@@ -90,8 +93,18 @@ def test_guess_number_plays_a_random_opening_inside_its_range():
     assert env.step(state, assistant("40")).reward == {"solved": 1.0, "speed": 0.4}
     halving = GuessNumber(max_guesses=8, show_range=True, demo_mix={"halving": 1.0})
     messages, reward = play(halving, Problem("guess 23-87", "40", "40"), random.Random(0))
-    assert [m["content"] for m in messages] == ["guess 23-87", "55", "lower 23-54", "38", "higher 39-54", "46",
-                                                "lower 39-45", "42", "lower 39-41", "40"]
+    assert [m["content"] for m in messages] == [
+        "guess 23-87",
+        "55",
+        "lower 23-54",
+        "38",
+        "higher 39-54",
+        "46",
+        "lower 39-45",
+        "42",
+        "lower 39-41",
+        "40",
+    ]
     assert reward == {"solved": 1.0, "speed": pytest.approx(0.3)}  # five guesses of eight: 0.1 x 3 unused
 
 
@@ -100,9 +113,15 @@ def test_guess_number_plays_a_random_opening_inside_its_range():
 
 def test_calculator_tool_evaluates_integer_arithmetic_only():
     assert calculator("123*456") == "56088" and calculator(" (2+3)*-4 ") == "-20"
-    for bad, match in [("2**10", "unsupported"), ("1/2", "unsupported"), ("abs(3)", "unsupported"),
-                       ("1.5*2", "unsupported"), ("12*", "cannot parse"), ("9" * 40 + "*" + "9" * 40, "more than 60"),
-                       ("1+" * 150 + "1", "at most 200")]:
+    for bad, match in [
+        ("2**10", "unsupported"),
+        ("1/2", "unsupported"),
+        ("abs(3)", "unsupported"),
+        ("1.5*2", "unsupported"),
+        ("12*", "cannot parse"),
+        ("9" * 40 + "*" + "9" * 40, "more than 60"),
+        ("1+" * 150 + "1", "at most 200"),
+    ]:
         with pytest.raises(ValueError, match=match):
             calculator(bad)
 
@@ -127,18 +146,36 @@ def test_calculator_wrong_final_answer_scores_zero(answer):
     assert result.done and result.reward == {"correct": 0.0}
 
 
-@pytest.mark.parametrize("reply, count, error", [
-    ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "123*"}}\n</tool_call>', "tool_errors",
-     "cannot parse"),
-    ('<tool_call>\n{"name": "calc", "arguments": {"expression": "1*2"}}\n</tool_call>', "invalid_tool_calls",
-     "no tool named 'calc'"),
-    ('<tool_call>\n{"name": "calculator", "arguments": {"expr": "1*2"}}\n</tool_call>', "invalid_tool_calls",
-     "unexpected keyword argument 'expr'"),
-    ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "1*2"\n</tool_call>', "invalid_tool_calls",
-     "invalid JSON"),
-    ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "1*2"}}', "invalid_tool_calls",
-     "never closed"),
-])
+@pytest.mark.parametrize(
+    "reply, count, error",
+    [
+        (
+            '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123*"}}\n</tool_call>',
+            "tool_errors",
+            "cannot parse",
+        ),
+        (
+            '<tool_call>\n{"name": "calc", "arguments": {"expression": "1*2"}}\n</tool_call>',
+            "invalid_tool_calls",
+            "no tool named 'calc'",
+        ),
+        (
+            '<tool_call>\n{"name": "calculator", "arguments": {"expr": "1*2"}}\n</tool_call>',
+            "invalid_tool_calls",
+            "unexpected keyword argument 'expr'",
+        ),
+        (
+            '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1*2"\n</tool_call>',
+            "invalid_tool_calls",
+            "invalid JSON",
+        ),
+        (
+            '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1*2"}}',
+            "invalid_tool_calls",
+            "never closed",
+        ),
+    ],
+)
 def test_calculator_invalid_calls_are_answered_with_a_readable_error_and_counted(reply, count, error):
     env = Calculator()
     state = started(env, Problem("123*456=", "56088", "56088"))
@@ -271,10 +308,12 @@ def test_guess_number_demonstrations_play_valid_games_with_random_consistent_gue
 
 
 def test_guess_number_demo_mix_plays_halving_and_stride_games():
-    env = make_environment("guess_number", {"max_guesses": 100, "show_range": True,
-                                            "demo_mix": {"halving": 0.3, "stride": 0.7}})
-    rows = demonstration_rows(env, get_task("guess_number").make_problems(400, 0, "train"), 2,
-                              load_tokenizer("char:ascii"))
+    env = make_environment(
+        "guess_number", {"max_guesses": 100, "show_range": True, "demo_mix": {"halving": 0.3, "stride": 0.7}}
+    )
+    rows = demonstration_rows(
+        env, get_task("guess_number").make_problems(400, 0, "train"), 2, load_tokenizer("char:ascii")
+    )
     halving = stride = 0
     for row in rows:
         messages = row["messages"]
@@ -289,10 +328,16 @@ def test_guess_number_demo_mix_plays_halving_and_stride_games():
         stride += first == "stride"
         assert len(guesses) <= (7 if first == "halving" else 19)
     assert 90 <= halving <= 150 and halving + stride == 400  # 120 expected, binomial sd 9.2
-    for bad, match in [({"bisect": 1.0}, "unknown strategy"), ({"halving": -1.0}, "weights must be"),
-                       ({"halving": 0}, "weights must be"), ({"halving": float("inf")}, "weights must be"),
-                       ({"halving": "1"}, "weights must be"), ({}, "must be a mapping"), ("halving", "must be a mapping"),
-                       (["halving"], "must be a mapping")]:
+    for bad, match in [
+        ({"bisect": 1.0}, "unknown strategy"),
+        ({"halving": -1.0}, "weights must be"),
+        ({"halving": 0}, "weights must be"),
+        ({"halving": float("inf")}, "weights must be"),
+        ({"halving": "1"}, "weights must be"),
+        ({}, "must be a mapping"),
+        ("halving", "must be a mapping"),
+        (["halving"], "must be a mapping"),
+    ]:
         with pytest.raises(ConfigError, match=match):
             make_environment("guess_number", {"demo_mix": bad})
 

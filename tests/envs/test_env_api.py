@@ -1,13 +1,14 @@
 """The environment API (lmforge.envs.base) and resolving environments by name (lmforge.envs.registry)."""
+
 import sys
 import types
 
 import numpy as np
 import pytest
 
+from lmforge.core.errors import ConfigError
 from lmforge.envs.base import EpisodeState, MalformedReply, StepResult, check_messages, check_step_result
 from lmforge.envs.registry import make_environment, resolve_environment
-from lmforge.core.errors import ConfigError
 
 
 class Echo:
@@ -44,14 +45,17 @@ def test_spec_resolves_a_user_class_and_passes_args(user_module):
     assert env.step(state, {"role": "assistant", "content": "4"}).reward == {"correct": 1.0}
 
 
-@pytest.mark.parametrize("name, match", [
-    ("no_such_env", "not a built-in environment"),
-    ("my_envs:Missing", "has no class 'Missing'"),
-    ("my_envs:not_a_class", "has no class"),
-    ("my_envs:NoStep", "has no step method"),
-    ("no_such_module_xyz:Env", "cannot import module"),
-    (":Env", "both parts non-empty"),
-])
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("no_such_env", "not a built-in environment"),
+        ("my_envs:Missing", "has no class 'Missing'"),
+        ("my_envs:not_a_class", "has no class"),
+        ("my_envs:NoStep", "has no step method"),
+        ("no_such_module_xyz:Env", "cannot import module"),
+        (":Env", "both parts non-empty"),
+    ],
+)
 def test_bad_names_are_config_errors(user_module, name, match):
     with pytest.raises(ConfigError, match=match):
         resolve_environment(name)
@@ -62,13 +66,16 @@ def test_unknown_constructor_argument_is_named(user_module):
         make_environment("my_envs:Echo", {"colour": "red"})
 
 
-@pytest.mark.parametrize("messages, match", [
-    ("hello", "expected a list"),
-    ([{"role": "robot", "content": "x"}], "role 'robot'"),
-    ([{"role": "assistant", "content": "x"}], "only the policy"),
-    ([{"role": "user", "content": None}], "content NoneType"),
-    (["x"], "expected a dict"),
-])
+@pytest.mark.parametrize(
+    "messages, match",
+    [
+        ("hello", "expected a list"),
+        ([{"role": "robot", "content": "x"}], "role 'robot'"),
+        ([{"role": "assistant", "content": "x"}], "only the policy"),
+        ([{"role": "user", "content": None}], "content NoneType"),
+        (["x"], "expected a dict"),
+    ],
+)
 def test_malformed_messages_are_named(messages, match):
     with pytest.raises(MalformedReply, match=match):
         check_messages(messages, "step")

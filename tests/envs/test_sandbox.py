@@ -1,5 +1,6 @@
 """The sandboxed Python tool: each guard is tried by code that breaks it, with the kernel namespaces
 (where this machine allows them) and with the audit-hook fallback (``namespaces=False``)."""
+
 from __future__ import annotations
 
 import json
@@ -9,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from lmforge.core.errors import ConfigError
 from lmforge.envs.sandbox import SandboxLimits, SandboxResult, describe, python, python_tool, run_python
 from lmforge.envs.toolcalls import function_schema
-from lmforge.core.errors import ConfigError
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the sandbox needs fork (Linux, macOS)")
 
@@ -39,8 +40,10 @@ def test_an_exception_is_shown_like_python_c(limits):
 
 def test_fresh_directory_is_cwd_and_home_env_cleared_and_removed_after(limits, monkeypatch):
     monkeypatch.setenv("LMFORGE_SECRET_FOR_TEST", "s3cret")
-    code = ("import os, json\nopen('note.txt', 'w').write('kept inside')\n"
-            "print(json.dumps({'cwd': os.getcwd(), 'env': dict(os.environ), 'files': os.listdir('.')}))")
+    code = (
+        "import os, json\nopen('note.txt', 'w').write('kept inside')\n"
+        "print(json.dumps({'cwd': os.getcwd(), 'env': dict(os.environ), 'files': os.listdir('.')}))"
+    )
     result = run_python(code, limits)
     seen = json.loads(result.output)
     work = Path(seen["cwd"])
@@ -55,8 +58,9 @@ def test_writing_outside_the_directory_is_refused(limits, tmp_path):
     target = tmp_path / "escaped.txt"
     result = run_python(f"open({str(target)!r}, 'w').write('x')", limits)
     assert result.exit_code == 1
-    assert ("Read-only file system" in result.output) or ("writing outside the working directory is refused"
-                                                          in result.output)
+    assert ("Read-only file system" in result.output) or (
+        "writing outside the working directory is refused" in result.output
+    )
     assert not target.exists()
 
 
@@ -112,12 +116,14 @@ def test_file_size_is_limited(limits):
 
 
 def test_namespace_mode_cannot_undo_its_mounts_or_see_host_processes():
-    result = run_python("import os, ctypes\n"
-                        "libc = ctypes.CDLL(None, use_errno=True)\n"
-                        "print(libc.mount(None, b'/', None, 32 | 4096, None), ctypes.get_errno())\n"  # rw remount
-                        "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
-                        "print([l for l in open('/proc/self/status') if l.startswith('CapEff')][0].split()[1])",
-                        FAST)
+    result = run_python(
+        "import os, ctypes\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.mount(None, b'/', None, 32 | 4096, None), ctypes.get_errno())\n"  # rw remount
+        "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+        "print([l for l in open('/proc/self/status') if l.startswith('CapEff')][0].split()[1])",
+        FAST,
+    )
     if not result.isolation.get("files", "").startswith("read-only"):
         pytest.skip(f"namespaces are not available here: {result.isolation}")
     assert result.output.splitlines() == ["-1 1", "[1]", "0000000000000000"]  # EPERM, only itself, no caps
@@ -157,17 +163,18 @@ def test_a_non_root_user_gets_namespaces_through_a_user_namespace(tmp_path):
     import sys
 
     target = tmp_path / "escaped.txt"
-    done = subprocess.run([sys.executable, "-c", AS_NON_ROOT, str(target)], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run([sys.executable, "-c", AS_NON_ROOT, str(target)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.splitlines()[-1])
     if "skip" in seen:
         pytest.skip(f"cannot make a user namespace here to act as a non-root user: {seen['skip']}")
     assert seen["euid"] == 1000
     assert seen["isolation"].pop("private").startswith("empty read-only tmpfs over ")
-    assert seen["isolation"] == {"network": "new network namespace (no interfaces up)",
-                                 "processes": "new PID namespace, fresh /proc, no capabilities",
-                                 "files": "read-only, nodev mounts except the temporary directory"}
+    assert seen["isolation"] == {
+        "network": "new network namespace (no interfaces up)",
+        "processes": "new PID namespace, fresh /proc, no capabilities",
+        "files": "read-only, nodev mounts except the temporary directory",
+    }
     assert "Read-only file system" in seen["write"] and not target.exists()
     assert "Network is unreachable" in seen["network"]
     assert seen["inside"].splitlines() == ["-1 1", "[1] 1000", "['kept.txt']"]  # EPERM: the mounts stay
@@ -191,11 +198,13 @@ def test_fallback_refuses_changing_attributes_outside(tmp_path):
 def test_fallback_refuses_signals_to_other_processes():
     """Without a PID namespace a signal reaches any process of the same user (kill(-1) as root: all of
     them); signal 0 only checks that it would, so this test cannot hurt anything if the guard breaks."""
-    code = ("import os\n"
-            f"for pid in ({os.getpid()}, -1):\n"
-            "    try:\n        os.kill(pid, 0)\n        print('reached', pid)\n"
-            "    except PermissionError as exc:\n        print(exc)\n"
-            "os.kill(os.getpid(), 0)\nprint('self ok')")
+    code = (
+        "import os\n"
+        f"for pid in ({os.getpid()}, -1):\n"
+        "    try:\n        os.kill(pid, 0)\n        print('reached', pid)\n"
+        "    except PermissionError as exc:\n        print(exc)\n"
+        "os.kill(os.getpid(), 0)\nprint('self ok')"
+    )
     result = run_python(code, MODES["audit-hook"])
     refused = "sandbox: signalling another process is refused"
     assert [line.split(" (")[0] for line in result.output.splitlines()] == [refused, refused, "self ok"]
@@ -204,15 +213,26 @@ def test_fallback_refuses_signals_to_other_processes():
 def test_code_cannot_stop_its_supervisor(limits):
     """kill(0) signals the caller's process group; the supervisor must not be in it (with namespaces) or
     the call must be refused (fallback), so that the result still says how the code ended."""
-    result = run_python("import os, signal\ntry:\n    os.kill(0, signal.SIGKILL)\n"
-                        "except PermissionError as exc:\n    print(exc)\nprint('still here')", limits)
+    result = run_python(
+        "import os, signal\ntry:\n    os.kill(0, signal.SIGKILL)\n"
+        "except PermissionError as exc:\n    print(exc)\nprint('still here')",
+        limits,
+    )
     assert result.output.endswith("still here\n")
     assert (result.exit_code, result.signal) == (0, None) and result.cpu_s is not None
 
 
 def test_a_result_without_status_says_so():
-    result = SandboxResult(output="", truncated_bytes=0, exit_code=None, signal=None, timed_out=False,
-                           cpu_limit=False, cpu_s=None, wall_s=0.1)
+    result = SandboxResult(
+        output="",
+        truncated_bytes=0,
+        exit_code=None,
+        signal=None,
+        timed_out=False,
+        cpu_limit=False,
+        cpu_s=None,
+        wall_s=0.1,
+    )
     assert describe(result, FAST) == "[ended without an exit status: the sandbox's supervisor was stopped]"
 
 
@@ -228,8 +248,9 @@ def test_the_python_tool_function():
     assert python("input()").endswith("EOFError: EOF when reading a line\n[exit code 1]")
 
 
-@pytest.mark.parametrize("key, value", [("wall_s", 0), ("cpu_s", -1), ("cpu_s", 1.5), ("memory_mb", "512"),
-                                        ("max_output_bytes", True)])
+@pytest.mark.parametrize(
+    "key, value", [("wall_s", 0), ("cpu_s", -1), ("cpu_s", 1.5), ("memory_mb", "512"), ("max_output_bytes", True)]
+)
 def test_bad_limits_are_config_errors(key, value):
     with pytest.raises(ConfigError, match=f"sandbox limit {key} must be a positive"):
         SandboxLimits(**{key: value})

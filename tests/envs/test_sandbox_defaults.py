@@ -2,6 +2,7 @@
 before the environment call that runs it times out, so the model reads the sandbox's message; and the
 code cannot read the host's private files (every home directory, the runtime and secrets directories),
 with namespaces (empty mounts) and with the audit-hook fallback."""
+
 from __future__ import annotations
 
 import os
@@ -39,8 +40,11 @@ def test_a_sleeping_tool_call_reads_the_wall_clock_message_not_an_environment_ti
     (env_calls, the default env.tool_timeout_s): the step answers, and the model reads why its code stopped."""
     env = ToolEnv([sb.python])
     state = EpisodeState(problem={"prompt": "wait"})
-    reply = {"role": "assistant", "content": f'{CALL_OPEN}\n{{"name": "python", "arguments": '
-                                             f'{{"code": "import time\\ntime.sleep(600)"}}}}\n{CALL_CLOSE}'}
+    reply = {
+        "role": "assistant",
+        "content": f'{CALL_OPEN}\n{{"name": "python", "arguments": '
+        f'{{"code": "import time\\ntime.sleep(600)"}}}}\n{CALL_CLOSE}',
+    }
     calls = env_calls(1, EnvConfig().tool_timeout_s)
     try:
         calls.submit("step", lambda: env.step(state, reply))
@@ -67,13 +71,15 @@ def secret():
 
 
 def _read(path: Path) -> str:
-    return (f"import os\n"
-            f"try:\n    print(open({str(path)!r}).read())\n"
-            f"except OSError as exc:\n    print('refused', type(exc).__name__)\n"
-            f"try:\n    print(sorted(os.listdir({str(path.parent)!r})))\n"
-            f"except OSError as exc:\n    print('refused', type(exc).__name__)\n"
-            f"import decimal, json\nopen('mine.txt', 'w').write(json.dumps(str(decimal.Decimal(1) / 4)))\n"
-            f"print(open('mine.txt').read())")
+    return (
+        f"import os\n"
+        f"try:\n    print(open({str(path)!r}).read())\n"
+        f"except OSError as exc:\n    print('refused', type(exc).__name__)\n"
+        f"try:\n    print(sorted(os.listdir({str(path.parent)!r})))\n"
+        f"except OSError as exc:\n    print('refused', type(exc).__name__)\n"
+        f"import decimal, json\nopen('mine.txt', 'w').write(json.dumps(str(decimal.Decimal(1) / 4)))\n"
+        f"print(open('mine.txt').read())"
+    )
 
 
 def test_the_code_cannot_read_the_hosts_private_files(limits, secret):
@@ -83,7 +89,7 @@ def test_the_code_cannot_read_the_hosts_private_files(limits, secret):
     assert lines[-1] == '"0.25"', result.output  # the standard library and its own directory still work
     if limits.namespaces and result.isolation["private"].startswith("empty"):
         assert lines[0] == "refused FileNotFoundError"  # an empty mount: the file is not there
-        assert not any(name.startswith(".lmforge-sandbox-secret") for name in eval(lines[1]))
+        assert not any(name.startswith(".lmforge-sandbox-secret") for name in eval(lines[1]))  # noqa: S307 - the listing the sandbox printed
         if Path("/home").is_dir() and os.listdir("/home"):
             assert sb.run_python("import os\nprint(os.listdir('/home'))", limits).output == "[]\n"
     else:

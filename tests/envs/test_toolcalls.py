@@ -1,5 +1,6 @@
 """Tool calls: schemas from typed functions, Hermes-style parsing and formatting, rendering a
 conversation with tools through a template that supports them and through the default format."""
+
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ from typing import Literal, Optional
 
 import pytest
 
+from lmforge.core.errors import ConfigError
 from lmforge.envs.toolcalls import (
     ParsedReply,
     ToolCall,
@@ -18,11 +20,10 @@ from lmforge.envs.toolcalls import (
     supports_tools,
     tools_system_block,
 )
-from lmforge.core.errors import ConfigError
 from lmforge.model.tokenizer import char_tokenizer
 
-
 # ----------------------------------------------------------------------------- function_schema
+
 
 def multiply(a: int, b: int) -> int:
     """Multiply two whole numbers exactly.
@@ -35,22 +36,37 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
-def search(query: str, limit: int = 5, exact: bool = False, scale: float = 1.0,
-           tags: list[str] | None = None, mode: Literal["fast", "full"] = "fast",
-           filters: dict[str, int] = None, extra: Optional[dict] = None, ids: list = None) -> str:
+def search(
+    query: str,
+    limit: int = 5,
+    exact: bool = False,
+    scale: float = 1.0,
+    tags: list[str] | None = None,
+    mode: Literal["fast", "full"] = "fast",
+    filters: dict[str, int] = None,
+    extra: Optional[dict] = None,
+    ids: list = None,
+) -> str:
     """Search the notes."""
     return query
 
 
 def test_schema_of_a_documented_function():
-    assert function_schema(multiply) == {"type": "function", "function": {
-        "name": "multiply",
-        "description": "Multiply two whole numbers exactly.",
-        "parameters": {"type": "object", "properties": {
-            "a": {"type": "integer", "description": "the first factor"},
-            "b": {"type": "integer", "description": "the second factor, which may span two lines"},
-        }, "required": ["a", "b"]},
-    }}
+    assert function_schema(multiply) == {
+        "type": "function",
+        "function": {
+            "name": "multiply",
+            "description": "Multiply two whole numbers exactly.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer", "description": "the first factor"},
+                    "b": {"type": "integer", "description": "the second factor, which may span two lines"},
+                },
+                "required": ["a", "b"],
+            },
+        },
+    }
 
 
 def test_schema_types_defaults_literal_optional():
@@ -82,9 +98,14 @@ def test_schema_of_a_method_leaves_out_self():
             return x
 
     params = function_schema(Calc().add)["function"]["parameters"]
-    assert params == {"type": "object", "required": ["x"], "properties": {
-        "x": {"type": "number", "description": "a number"},
-        "y": {"type": ["integer", "null"], "enum": [1, 2, None], "default": None}}}
+    assert params == {
+        "type": "object",
+        "required": ["x"],
+        "properties": {
+            "x": {"type": "number", "description": "a number"},
+            "y": {"type": ["integer", "null"], "enum": [1, 2, None], "default": None},
+        },
+    }
 
 
 def _unannotated(a, b: int):
@@ -123,16 +144,19 @@ def _int_keys(d: dict[int, str]):
     """Doc."""
 
 
-@pytest.mark.parametrize("fn, pattern", [
-    (_unannotated, r"tool '_unannotated', parameter 'a': no type annotation"),
-    (_set_param, r"tool '_set_param', parameter 'items': unsupported annotation"),
-    (_union, r"tool '_union', parameter 'x': unsupported annotation"),
-    (_varargs, r"tool '_varargs', parameter 'numbers': \*args"),
-    (_undocumented, r"tool '_undocumented': no docstring"),
-    (_stale_doc, r"tool '_stale_doc': the docstring describes \['y'\]"),
-    (_bad_default, r"tool '_bad_default', parameter 'x': default .* is not JSON"),
-    (_int_keys, r"tool '_int_keys', parameter 'd': dict keys must be str"),
-])
+@pytest.mark.parametrize(
+    "fn, pattern",
+    [
+        (_unannotated, r"tool '_unannotated', parameter 'a': no type annotation"),
+        (_set_param, r"tool '_set_param', parameter 'items': unsupported annotation"),
+        (_union, r"tool '_union', parameter 'x': unsupported annotation"),
+        (_varargs, r"tool '_varargs', parameter 'numbers': \*args"),
+        (_undocumented, r"tool '_undocumented': no docstring"),
+        (_stale_doc, r"tool '_stale_doc': the docstring describes \['y'\]"),
+        (_bad_default, r"tool '_bad_default', parameter 'x': default .* is not JSON"),
+        (_int_keys, r"tool '_int_keys', parameter 'd': dict keys must be str"),
+    ],
+)
 def test_unsupported_functions_are_config_errors(fn, pattern):
     with pytest.raises(ConfigError, match=pattern):
         function_schema(fn)
@@ -140,9 +164,12 @@ def test_unsupported_functions_are_config_errors(fn, pattern):
 
 # ----------------------------------------------------------------------------- parsing and formatting
 
+
 def test_parse_two_calls_and_the_text_around_them():
-    text = ('Let me compute.\n<tool_call>\n{"name": "multiply", "arguments": {"a": 12, "b": 34}}\n</tool_call>\n'
-            '<tool_call>{"name": "now"}</tool_call> done')
+    text = (
+        'Let me compute.\n<tool_call>\n{"name": "multiply", "arguments": {"a": 12, "b": 34}}\n</tool_call>\n'
+        '<tool_call>{"name": "now"}</tool_call> done'
+    )
     reply = parse_tool_calls(text)
     assert reply.content == "Let me compute.\n\n done"
     assert [(c.name, c.arguments) for c in reply.calls] == [("multiply", {"a": 12, "b": 34}), ("now", {})]
@@ -152,8 +179,10 @@ def test_parse_two_calls_and_the_text_around_them():
 
 
 def test_arguments_as_a_json_string_are_read_as_openai_sends_them():
-    reply = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
-                             '<tool_call>{"name": "g", "arguments": "a=1"}</tool_call>')
+    reply = parse_tool_calls(
+        '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
+        '<tool_call>{"name": "g", "arguments": "a=1"}</tool_call>'
+    )
     assert [(c.name, c.arguments) for c in reply.calls] == [("f", {"a": 1})]
     assert reply.errors == ['tool call 2 (g): "arguments" must be a JSON object, got "a=1"']
 
@@ -163,13 +192,15 @@ def test_parse_plain_text_has_no_calls():
 
 
 def test_malformed_calls_are_errors_not_exceptions():
-    text = ('<tool_call>{"name": "f", "arguments": {"a": 1</tool_call>'   # 1: invalid JSON
-            '<tool_call>["f", 1]</tool_call>'                              # 2: not an object
-            '<tool_call>{"arguments": {}}</tool_call>'                     # 3: no name
-            '<tool_call>{"name": "", "arguments": {}}</tool_call>'         # 4: empty name
-            '<tool_call>{"name": "g", "arguments": [1, 2]}</tool_call>'    # 5: arguments a list
-            '<tool_call>{"name": "ok", "arguments": {"x": "y"}}</tool_call>'
-            'tail <tool_call>{"name": "h"')                                # 7: never closed
+    text = (
+        '<tool_call>{"name": "f", "arguments": {"a": 1</tool_call>'  # 1: invalid JSON
+        '<tool_call>["f", 1]</tool_call>'  # 2: not an object
+        '<tool_call>{"arguments": {}}</tool_call>'  # 3: no name
+        '<tool_call>{"name": "", "arguments": {}}</tool_call>'  # 4: empty name
+        '<tool_call>{"name": "g", "arguments": [1, 2]}</tool_call>'  # 5: arguments a list
+        '<tool_call>{"name": "ok", "arguments": {"x": "y"}}</tool_call>'
+        'tail <tool_call>{"name": "h"'
+    )  # 7: never closed
     reply = parse_tool_calls(text)
     assert [(c.name, c.arguments) for c in reply.calls] == [("ok", {"x": "y"})]
     assert reply.content == "tail"
@@ -185,8 +216,10 @@ def test_malformed_calls_are_errors_not_exceptions():
 def test_format_then_parse_round_trips():
     calls = [ToolCall("multiply", {"a": 12, "b": 34}, "x"), ToolCall("say", {"text": "héllo"}, "y")]
     text = format_tool_calls(calls)
-    assert text == ('<tool_call>\n{"name": "multiply", "arguments": {"a": 12, "b": 34}}\n</tool_call>\n'
-                    '<tool_call>\n{"name": "say", "arguments": {"text": "héllo"}}\n</tool_call>')
+    assert text == (
+        '<tool_call>\n{"name": "multiply", "arguments": {"a": 12, "b": 34}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "say", "arguments": {"text": "héllo"}}\n</tool_call>'
+    )
     assert [(c.name, c.arguments) for c in parse_tool_calls(text).calls] == [(c.name, c.arguments) for c in calls]
 
 
@@ -205,8 +238,13 @@ TOOLS_TEMPLATE = (
 TOOLS = [function_schema(multiply)]
 CONVERSATION = [
     {"role": "user", "content": "12*34?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "multiply", "arguments": '{"a": 12, "b": 34}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "multiply", "arguments": '{"a": 12, "b": 34}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "c1", "content": "408"},
 ]
 
@@ -230,25 +268,28 @@ def test_supports_tools(default_tok, tools_tok):
 
 def test_native_template_gets_tools_and_object_arguments(tools_tok):
     text = render_messages(tools_tok, CONVERSATION, TOOLS, add_generation_prompt=True)
-    assert text == ('<|system|>\nTools: multiply<eos>\n'
-                    '<|user|>\n12*34?<eos>\n'
-                    '<|assistant|>\n[multiply {"a": 12, "b": 34}]<eos>\n'
-                    '<|tool|>\n408<eos>\n'
-                    '<|assistant|>\n')
+    assert text == (
+        "<|system|>\nTools: multiply<eos>\n"
+        "<|user|>\n12*34?<eos>\n"
+        '<|assistant|>\n[multiply {"a": 12, "b": 34}]<eos>\n'
+        "<|tool|>\n408<eos>\n"
+        "<|assistant|>\n"
+    )
 
 
 def test_default_format_for_lmforge_default_template(default_tok):
     text = render_messages(default_tok, CONVERSATION, TOOLS, add_generation_prompt=True)
     schema = json.dumps(TOOLS[0], ensure_ascii=False)
     assert text == (
-        '<|system|>\nYou can call these tools (JSON schemas, one per line):\n<tools>\n' + schema + '\n</tools>\n'
-        'To call a tool, reply with one block per call:\n'
+        "<|system|>\nYou can call these tools (JSON schemas, one per line):\n<tools>\n" + schema + "\n</tools>\n"
+        "To call a tool, reply with one block per call:\n"
         '<tool_call>\n{"name": "<tool name>", "arguments": {<arguments as JSON>}}\n</tool_call>\n'
-        'Each result comes back in a message from the tool. Reply without a tool call to give your answer.<eos>\n'
-        '<|user|>\n12*34?<eos>\n'
+        "Each result comes back in a message from the tool. Reply without a tool call to give your answer.<eos>\n"
+        "<|user|>\n12*34?<eos>\n"
         '<|assistant|>\n<tool_call>\n{"name": "multiply", "arguments": {"a": 12, "b": 34}}\n</tool_call><eos>\n'
-        '<|tool|>\n408<eos>\n'
-        '<|assistant|>\n')
+        "<|tool|>\n408<eos>\n"
+        "<|assistant|>\n"
+    )
 
 
 def test_default_format_appends_to_an_existing_system_message(default_tok):
@@ -259,17 +300,24 @@ def test_default_format_appends_to_an_existing_system_message(default_tok):
 
 def test_calls_already_in_the_text_are_not_rendered_twice(default_tok, tools_tok):
     sampled = '<tool_call>\n{"name": "multiply", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-    msg = {"role": "assistant", "content": sampled, "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "multiply", "arguments": {"a": 1, "b": 2}}}]}
+    msg = {
+        "role": "assistant",
+        "content": sampled,
+        "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "multiply", "arguments": {"a": 1, "b": 2}}}
+        ],
+    }
     for tok in (default_tok, tools_tok):
         assert render_messages(tok, [msg], TOOLS, add_generation_prompt=False).count('"a": 1') == 1
 
 
 def test_calls_in_the_history_without_tools(default_tok, tools_tok):
     assert render_messages(tools_tok, CONVERSATION[1:2], [], add_generation_prompt=False) == (
-        '<|assistant|>\n[multiply {"a": 12, "b": 34}]<eos>\n')
+        '<|assistant|>\n[multiply {"a": 12, "b": 34}]<eos>\n'
+    )
     assert render_messages(default_tok, CONVERSATION[1:2], None, add_generation_prompt=False) == (
-        '<|assistant|>\n<tool_call>\n{"name": "multiply", "arguments": {"a": 12, "b": 34}}\n</tool_call><eos>\n')
+        '<|assistant|>\n<tool_call>\n{"name": "multiply", "arguments": {"a": 12, "b": 34}}\n</tool_call><eos>\n'
+    )
 
 
 def test_no_tools_is_the_plain_template(default_tok, tools_tok):
@@ -282,7 +330,8 @@ def test_template_refusing_role_tool_gets_wrapped_user_messages(default_tok):
     default_tok.chat_template = (
         "{% for m in messages %}{% if m.role not in ['system', 'user', 'assistant'] %}"
         "{{ raise_exception('unknown role ' + m.role) }}{% endif %}"
-        "{{ m.role + ': ' + m.content + '\n' }}{% endfor %}")
+        "{{ m.role + ': ' + m.content + '\n' }}{% endfor %}"
+    )
     text = render_messages(default_tok, CONVERSATION[2:], TOOLS, add_generation_prompt=False)
     assert text.endswith("user: <tool_response>\n408\n</tool_response>\n")
 
@@ -341,8 +390,10 @@ def test_smollm2_template_has_no_tool_support_and_gets_the_default_format(defaul
     text = render_messages(default_tok, CONVERSATION, TOOLS, add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\nYou can call these tools")
     assert "SmolLM" not in text  # our system message replaces the template's default one
-    assert text.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "multiply", "arguments": {"a": 12, "b": 34}}'
-                         '\n</tool_call><|im_end|>\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n')
+    assert text.endswith(
+        '<|im_start|>assistant\n<tool_call>\n{"name": "multiply", "arguments": {"a": 12, "b": 34}}'
+        "\n</tool_call><|im_end|>\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_qwen2_5_template_renders_tools_natively(default_tok):
@@ -360,7 +411,6 @@ def test_qwen2_5_template_renders_tools_natively(default_tok):
     assert f"<tools>\n{json.dumps(TOOLS[0])}\n</tools>" in text
     call = ToolCall("multiply", {"a": 12, "b": 34}, "c1")
     assert f"<|im_start|>assistant\n{format_tool_calls([call])}<|im_end|>\n" in text
-    assert text.endswith("<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n"
-                         "<|im_start|>assistant\n")
+    assert text.endswith("<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
     turn = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
     assert [(c.name, c.arguments) for c in parse_tool_calls(turn).calls] == [("multiply", {"a": 12, "b": 34})]

@@ -1,4 +1,5 @@
 """Advantage estimators: hand-derived values, plain-loop references, zero-variance groups, GAE."""
+
 from __future__ import annotations
 
 import inspect

@@ -1,5 +1,6 @@
 """Distillation losses: hand-derived values and gradients, and independent fp64 formulations
 (exact KL sums written out with exp / sum, and the expected policy gradient over every token)."""
+
 from __future__ import annotations
 
 import math
@@ -7,8 +8,13 @@ import math
 import pytest
 import torch
 
-from lmforge.losses.distill import (DISTILL_LOSSES, forward_kl_loss, full_reverse_kl_loss, reverse_kl_advantages,
-                                    reverse_kl_loss)
+from lmforge.losses.distill import (
+    DISTILL_LOSSES,
+    forward_kl_loss,
+    full_reverse_kl_loss,
+    reverse_kl_advantages,
+    reverse_kl_loss,
+)
 from lmforge.losses.policy import Counts, PolicyLossSpec
 
 F64 = torch.float64
@@ -91,7 +97,7 @@ def test_forward_kl_zero_when_equal_and_splits_over_micro_batches():
     close(forward_kl_loss(logits, logits.clone(), 6, temperature=2.0)[0], 0.0)
     student, teacher = torch.randn(6, 9, dtype=F64), torch.randn(6, 9, dtype=F64)
     whole = forward_kl_loss(student, teacher, 6, temperature=2.0)[0]
-    parts = sum(forward_kl_loss(student[i:i + 2], teacher[i:i + 2], 6, temperature=2.0)[0] for i in (0, 2, 4))
+    parts = sum(forward_kl_loss(student[i : i + 2], teacher[i : i + 2], 6, temperature=2.0)[0] for i in (0, 2, 4))
     close(parts, whole)
 
 
@@ -116,8 +122,9 @@ def test_reverse_kl_hand_values_and_gradient():
     advantages, metrics = reverse_kl_advantages(old, teacher, mask)
     close(advantages, [[-LN2, 0.0]])
     close(metrics["reverse_kl"], LN2 / 2)
-    loss, metrics = reverse_kl_loss(logprobs, logprobs.detach(), teacher, mask, ON_POLICY,
-                                    Counts(num_loss_tokens_global=2))
+    loss, metrics = reverse_kl_loss(
+        logprobs, logprobs.detach(), teacher, mask, ON_POLICY, Counts(num_loss_tokens_global=2)
+    )
     close(loss, LN2 / 2)
     loss.backward()
     close(logprobs.grad, [[LN2 / 2, 0.0]])
@@ -128,8 +135,16 @@ def test_reverse_kl_with_task_reward():
     old = t([[math.log(0.5), math.log(0.25)]])
     teacher = t([[math.log(0.25), math.log(0.25)]])
     logprobs = old.clone().requires_grad_()
-    loss, _ = reverse_kl_loss(logprobs, old, teacher, torch.ones(1, 2), reward_advantages=t([1.0]),
-                              reward_weight=0.5, spec=ON_POLICY, counts=Counts(num_loss_tokens_global=2))
+    loss, _ = reverse_kl_loss(
+        logprobs,
+        old,
+        teacher,
+        torch.ones(1, 2),
+        reward_advantages=t([1.0]),
+        reward_weight=0.5,
+        spec=ON_POLICY,
+        counts=Counts(num_loss_tokens_global=2),
+    )
     close(loss, (LN2 - 1.0) / 2)
     loss.backward()
     close(logprobs.grad, [[(LN2 - 0.5) / 2, -0.25]])
@@ -161,8 +176,14 @@ def test_expected_gradient_is_the_exact_reverse_kl_gradient():
     expected_grad = torch.zeros(V, dtype=F64)
     for y in range(V):
         logprobs = torch.log_softmax(logits, -1)[y].reshape(1, 1)
-        loss, _ = reverse_kl_loss(logprobs, logprobs.detach(), teacher_logprobs[y].reshape(1, 1), torch.ones(1, 1),
-                                  ON_POLICY, Counts(num_loss_tokens_global=1))
+        loss, _ = reverse_kl_loss(
+            logprobs,
+            logprobs.detach(),
+            teacher_logprobs[y].reshape(1, 1),
+            torch.ones(1, 1),
+            ON_POLICY,
+            Counts(num_loss_tokens_global=1),
+        )
         (grad,) = torch.autograd.grad(loss, logits)
         expected_grad += q[y] * grad
     exact = logits.detach().clone().requires_grad_()
@@ -179,8 +200,9 @@ def test_reverse_kl_off_policy_ratio_is_clipped():
     old = t([[-1.0, -1.0]])
     teacher = t([[-2.0, 0.0]])  # advantages (-1, +1)
     logprobs = t([[-1.0 - 0.5, -1.0 + 0.5]]).requires_grad_()  # ratios e^-0.5 (A < 0), e^0.5 (A > 0): both clipped
-    loss, metrics = reverse_kl_loss(logprobs, old, teacher, torch.ones(1, 2), ON_POLICY,
-                                    Counts(num_loss_tokens_global=2))
+    loss, metrics = reverse_kl_loss(
+        logprobs, old, teacher, torch.ones(1, 2), ON_POLICY, Counts(num_loss_tokens_global=2)
+    )
     loss.backward()
     close(logprobs.grad, [[0.0, 0.0]])
     close(metrics["clip_frac_low"], 0.5)
@@ -193,8 +215,9 @@ def test_reverse_kl_bad_input():
     with pytest.raises(ValueError, match="reward_advantages"):
         reverse_kl_advantages(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), reward_weight=1.0)
     with pytest.raises(ValueError, match=r"\(B,\)"):
-        reverse_kl_advantages(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3),
-                              reward_advantages=torch.zeros(3), reward_weight=1.0)
+        reverse_kl_advantages(
+            torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), reward_advantages=torch.zeros(3), reward_weight=1.0
+        )
 
 
 # ---- full-vocabulary reverse KL at the student's sampled prefixes ---------------------------
@@ -223,20 +246,30 @@ def test_full_reverse_kl_matches_independent_fp64_and_the_sampled_expectation(te
     close(metrics["kl_sum"], expected)
     close(loss, expected / 9)
     logits = student[0].clone().requires_grad_()
-    (full_grad,) = torch.autograd.grad(full_reverse_kl_loss(logits[None], teacher[:1], 1,
-                                                            temperature=temperature)[0], logits)
+    (full_grad,) = torch.autograd.grad(
+        full_reverse_kl_loss(logits[None], teacher[:1], 1, temperature=temperature)[0], logits
+    )
     q = torch.softmax(student[0] / temperature, -1)
     teacher_logprobs = torch.log_softmax(teacher[0] / temperature, -1)
     sampled_grad = torch.zeros(7, dtype=F64)
     for y in range(7):
         logprobs = torch.log_softmax(logits / temperature, -1)[y].reshape(1, 1)
-        sampled, _ = reverse_kl_loss(logprobs, logprobs.detach(), teacher_logprobs[y].reshape(1, 1),
-                                     torch.ones(1, 1), ON_POLICY, Counts(num_loss_tokens_global=1))
+        sampled, _ = reverse_kl_loss(
+            logprobs,
+            logprobs.detach(),
+            teacher_logprobs[y].reshape(1, 1),
+            torch.ones(1, 1),
+            ON_POLICY,
+            Counts(num_loss_tokens_global=1),
+        )
         sampled_grad += q[y] * torch.autograd.grad(sampled, logits)[0]
     close(sampled_grad, full_grad)
     assert full_grad.abs().max() > 1e-2
 
 
 def test_registry_names_each_kind():
-    assert DISTILL_LOSSES == {"on_policy": reverse_kl_loss, "on_policy_full": full_reverse_kl_loss,
-                              "logit": forward_kl_loss}
+    assert DISTILL_LOSSES == {
+        "on_policy": reverse_kl_loss,
+        "on_policy_full": full_reverse_kl_loss,
+        "logit": forward_kl_loss,
+    }

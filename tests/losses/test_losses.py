@@ -1,4 +1,5 @@
 """RL losses: hand-derived values and gradients, finite differences, identities, invariances."""
+
 from __future__ import annotations
 
 import math
@@ -6,14 +7,15 @@ import math
 import pytest
 import torch
 
+from lmforge.core.ops import selective_log_softmax
 from lmforge.losses.policy import (
     AGGREGATIONS,
-    Counts,
     GSPO_EPS_HIGH,
     GSPO_EPS_LOW,
     IS_LEVELS,
     KL_ESTIMATORS,
     POLICY_LOSSES,
+    Counts,
     PolicyLossSpec,
     aggregate,
     entropy_bonus,
@@ -26,7 +28,6 @@ from lmforge.losses.policy import (
     truncated_is_weights,
     value_loss,
 )
-from lmforge.core.ops import selective_log_softmax
 
 F64 = torch.float64
 
@@ -137,8 +138,7 @@ def test_padding_is_ignored_and_never_nan():
     logprobs = leaf([[-1.0, -2.0, 0.0]])
     old_logprobs = t([[-1.0, -2.5, -math.inf]])  # padded position holds -inf
     mask = torch.tensor([[True, True, False]])
-    advantages = {"token_clip": t([[1.0, -1.0, math.nan]]), "gspo": t([1.0]),
-                  "gspo_token": t([[1.0, 1.0, math.nan]])}
+    advantages = {"token_clip": t([[1.0, -1.0, math.nan]]), "gspo": t([1.0]), "gspo_token": t([[1.0, 1.0, math.nan]])}
     for name, fn in POLICY_LOSSES.items():
         token_losses, metrics = fn(logprobs, old_logprobs, advantages[name], mask, eps_low=0.2, eps_high=0.2)
         assert token_losses[0, 2].item() == 0.0, name
@@ -183,8 +183,9 @@ def test_gspo_hand_values_and_gradient():
     close(metrics["clip_frac_high"], 0.5)
     # d loss_0 / d logp_t = -A s0 / |y_0| per valid token (loss counted once per sequence)
     logprobs = logprobs.clone().requires_grad_()
-    loss = aggregate(gspo_loss(logprobs, old_logprobs, advantages, mask, eps_low=0.2, eps_high=0.2)[0],
-                     mask, "seq_mean_token_mean")
+    loss = aggregate(
+        gspo_loss(logprobs, old_logprobs, advantages, mask, eps_low=0.2, eps_high=0.2)[0], mask, "seq_mean_token_mean"
+    )
     close(loss, (-2 * s0 - 1.2) / 2)
     loss.backward()
     close(logprobs.grad, [[-s0 / 2, -s0 / 2, 0.0], [0.0, 0.0, 0.0]])
@@ -244,8 +245,7 @@ def test_gspo_token_equals_gspo_for_sequence_constant_advantages(eps):
     kwargs = dict(eps_low=eps[0], eps_high=eps[1], dual_clip=None)
     seq = loss_and_grad(gspo_loss, logprobs, old_logprobs, advantages, mask, "seq_mean_token_mean", **kwargs)
     per_token_adv = advantages[:, None].expand_as(logprobs)
-    tok = loss_and_grad(gspo_token_loss, logprobs, old_logprobs, per_token_adv, mask,
-                        "seq_mean_token_mean", **kwargs)
+    tok = loss_and_grad(gspo_token_loss, logprobs, old_logprobs, per_token_adv, mask, "seq_mean_token_mean", **kwargs)
     close(tok[0], seq[0])
     close(tok[1], seq[1])
     # both clipped and unclipped sequences occur with the wide range: the check covers both branches
@@ -254,10 +254,12 @@ def test_gspo_token_equals_gspo_for_sequence_constant_advantages(eps):
         assert 0 < nonzero_rows < len(advantages)
     # with advantages varying within a sequence the two differ
     varying = per_token_adv + torch.linspace(-1, 1, logprobs.shape[1], dtype=F64)
-    tok_var = loss_and_grad(gspo_token_loss, logprobs, old_logprobs, varying, mask,
-                            "seq_mean_token_mean", eps_low=0.5, eps_high=5.0)
-    seq_wide = loss_and_grad(gspo_loss, logprobs, old_logprobs, advantages, mask,
-                             "seq_mean_token_mean", eps_low=0.5, eps_high=5.0)
+    tok_var = loss_and_grad(
+        gspo_token_loss, logprobs, old_logprobs, varying, mask, "seq_mean_token_mean", eps_low=0.5, eps_high=5.0
+    )
+    seq_wide = loss_and_grad(
+        gspo_loss, logprobs, old_logprobs, advantages, mask, "seq_mean_token_mean", eps_low=0.5, eps_high=5.0
+    )
     assert (tok_var[1] - seq_wide[1]).abs().max() > 1e-3
 
 
@@ -311,10 +313,23 @@ def run_step(inputs, rows, aggregation, counts, loss_type="token_clip"):
     num_positions = int(inputs["mask"][rows].sum(-1).max())
     part = {k: v[rows] if v.dim() == 1 else v[rows, :num_positions] for k, v in inputs.items()}
     logprobs = part.pop("logprobs").clone().requires_grad_()
-    spec = PolicyLossSpec(loss_type=loss_type, aggregation=aggregation, eps_low=0.2, eps_high=0.28,
-                          is_level="token", kl_coef=0.1, entropy_coef=0.01)
+    spec = PolicyLossSpec(
+        loss_type=loss_type,
+        aggregation=aggregation,
+        eps_low=0.2,
+        eps_high=0.28,
+        is_level="token",
+        kl_coef=0.1,
+        entropy_coef=0.01,
+    )
     loss, _ = policy_loss(
-        logprobs, part.pop("old_logprobs"), part.pop("advantages"), part.pop("mask"), spec, Counts(**counts), **part,
+        logprobs,
+        part.pop("old_logprobs"),
+        part.pop("advantages"),
+        part.pop("mask"),
+        spec,
+        Counts(**counts),
+        **part,
     )
     loss.backward()
     grad = torch.zeros_like(inputs["logprobs"])
@@ -326,9 +341,7 @@ def run_step(inputs, rows, aggregation, counts, loss_type="token_clip"):
 @pytest.mark.parametrize("aggregation", ["seq_mean_token_mean", "global_token_mean", "seq_sum_max_len"])
 def test_micro_batches_reproduce_full_batch(aggregation, loss_type):
     inputs = step_inputs(12)
-    counts = dict(
-        num_seqs_global=5, num_loss_tokens_global=inputs["mask"].sum(), max_completion_len=8
-    )
+    counts = dict(num_seqs_global=5, num_loss_tokens_global=inputs["mask"].sum(), max_completion_len=8)
     full_loss, full_grad = run_step(inputs, [0, 1, 2, 3, 4], aggregation, counts, loss_type)
     micro = [run_step(inputs, rows, aggregation, counts, loss_type) for rows in ([1, 4], [0, 2, 3])]
     close(sum(loss for loss, _ in micro), full_loss)
@@ -350,8 +363,7 @@ def test_kl_hand_values_and_gradients():
     # p = 2 p_ref: d = log 2. k1 = log 2, k2 = 0.5 log^2 2, k3 = 1/2 + log 2 - 1; k3' = 1 - 1/2
     ref_logprobs = t([[-2.0]])
     logprobs = ref_logprobs + math.log(2.0)
-    expected = {"k1": (math.log(2), 1.0), "k2": (0.5 * math.log(2) ** 2, math.log(2)),
-                "k3": (math.log(2) - 0.5, 0.5)}
+    expected = {"k1": (math.log(2), 1.0), "k2": (0.5 * math.log(2) ** 2, math.log(2)), "k3": (math.log(2) - 0.5, 0.5)}
     for name, (value, grad) in expected.items():
         lp = logprobs.clone().requires_grad_()
         kl = kl_per_token(lp, ref_logprobs, torch.ones(1, 1), estimator=name)
@@ -409,9 +421,15 @@ def test_value_loss_clipping_hand_values():
     values = leaf([[1.5, 1.5, 9.0]])
     returns = t([[2.0, 1.0, math.nan]])  # NaN on padding must not leak
     mask = torch.tensor([[1, 1, 0]])
-    loss, metrics = value_loss(values, returns, mask, aggregation="global_token_mean",
-                               old_values=t([[1.0, 1.0, 0.0]]), clip_eps=0.2,
-                               counts=Counts(num_loss_tokens_global=2))
+    loss, metrics = value_loss(
+        values,
+        returns,
+        mask,
+        aggregation="global_token_mean",
+        old_values=t([[1.0, 1.0, 0.0]]),
+        clip_eps=0.2,
+        counts=Counts(num_loss_tokens_global=2),
+    )
     close(loss, (0.32 + 0.125) / 2)
     loss.backward()
     close(values.grad, [[0.0, 0.25, 0.0]])
@@ -444,18 +462,25 @@ def test_missing_rollout_logprobs_is_a_clear_error():
     with pytest.raises(ValueError, match="rollout_logprobs"):
         truncated_is_weights(old_logprobs, None, mask)
     with pytest.raises(ValueError, match="rollout_logprobs"):
-        policy_loss(logprobs, old_logprobs, t([1.0] * 4), mask, PolicyLossSpec(
-            loss_type="token_clip", aggregation="token_mean", eps_low=0.2, eps_high=0.2, is_level="token"))
+        policy_loss(
+            logprobs,
+            old_logprobs,
+            t([1.0] * 4),
+            mask,
+            PolicyLossSpec(
+                loss_type="token_clip", aggregation="token_mean", eps_low=0.2, eps_high=0.2, is_level="token"
+            ),
+        )
 
 
 def test_is_weights_multiply_the_policy_term():
     inputs = step_inputs(16)
     common = dict(loss_type="token_clip", aggregation="token_mean", eps_low=0.2, eps_high=0.2)
     args = (inputs["logprobs"], inputs["old_logprobs"], inputs["advantages"], inputs["mask"])
-    loss, metrics = policy_loss(*args, PolicyLossSpec(**common, is_level="token", is_cap=1.2),
-                                rollout_logprobs=inputs["rollout_logprobs"])
-    weights = truncated_is_weights(inputs["old_logprobs"], inputs["rollout_logprobs"], inputs["mask"],
-                                   cap=1.2)
+    loss, metrics = policy_loss(
+        *args, PolicyLossSpec(**common, is_level="token", is_cap=1.2), rollout_logprobs=inputs["rollout_logprobs"]
+    )
+    weights = truncated_is_weights(inputs["old_logprobs"], inputs["rollout_logprobs"], inputs["mask"], cap=1.2)
     token_losses, _ = token_clip_loss(*args)
     close(loss, aggregate(token_losses * weights, inputs["mask"], "token_mean"))
     valid_weights = weights[inputs["mask"]]
@@ -484,12 +509,10 @@ def test_alignment_metrics_detect_a_temperature_mismatch():
     g = torch.Generator().manual_seed(22)
     logits = torch.randn(3, 5, 11, generator=g, dtype=F64) * 3
     temperature = 0.7
-    tokens = torch.multinomial(torch.softmax(logits / temperature, -1).view(-1, 11), 1,
-                               generator=g).view(3, 5)
+    tokens = torch.multinomial(torch.softmax(logits / temperature, -1).view(-1, 11), 1, generator=g).view(3, 5)
     rollout_logprobs = selective_log_softmax(logits / temperature, tokens)
     mask = torch.ones(3, 5)
-    same = logprob_alignment_metrics(selective_log_softmax(logits / temperature, tokens),
-                                     rollout_logprobs, mask)
+    same = logprob_alignment_metrics(selective_log_softmax(logits / temperature, tokens), rollout_logprobs, mask)
     wrong = logprob_alignment_metrics(selective_log_softmax(logits, tokens), rollout_logprobs, mask)
     assert same["rollout_diff_abs_max"].item() == 0.0
     assert wrong["rollout_diff_abs_mean"].item() > 0.05
@@ -503,12 +526,20 @@ def test_policy_loss_is_the_sum_of_its_parts():
     inputs = step_inputs(17)
     mask = inputs["mask"]
     args = (inputs["logprobs"], inputs["old_logprobs"], inputs["advantages"], mask)
-    spec = PolicyLossSpec(loss_type="gspo_token", aggregation="seq_mean_token_mean", eps_low=0.1, eps_high=0.2,
-                          kl_coef=0.05, kl_estimator="k2", entropy_coef=0.01)
+    spec = PolicyLossSpec(
+        loss_type="gspo_token",
+        aggregation="seq_mean_token_mean",
+        eps_low=0.1,
+        eps_high=0.2,
+        kl_coef=0.05,
+        kl_estimator="k2",
+        entropy_coef=0.01,
+    )
     loss, metrics = policy_loss(*args, spec, ref_logprobs=inputs["ref_logprobs"], entropy=inputs["entropy"])
     pg = aggregate(gspo_token_loss(*args, eps_low=0.1, eps_high=0.2)[0], mask, "seq_mean_token_mean")
-    kl = aggregate(kl_per_token(inputs["logprobs"], inputs["ref_logprobs"], mask, estimator="k2"),
-                   mask, "seq_mean_token_mean")
+    kl = aggregate(
+        kl_per_token(inputs["logprobs"], inputs["ref_logprobs"], mask, estimator="k2"), mask, "seq_mean_token_mean"
+    )
     ent = aggregate(inputs["entropy"], mask, "seq_mean_token_mean")
     close(loss, pg + 0.05 * kl - 0.01 * ent)
     close(metrics["pg_loss"], pg)
@@ -525,8 +556,15 @@ def test_policy_loss_gradcheck_all_terms():
     old_logprobs, advantages, mask = inputs.pop("old_logprobs"), inputs.pop("advantages"), inputs.pop("mask")
 
     def objective(lp):
-        spec = PolicyLossSpec(loss_type="token_clip", aggregation="global_token_mean", eps_low=0.2, eps_high=0.28,
-                              dual_clip=3.0, is_level="sequence", kl_coef=0.3)
+        spec = PolicyLossSpec(
+            loss_type="token_clip",
+            aggregation="global_token_mean",
+            eps_low=0.2,
+            eps_high=0.28,
+            dual_clip=3.0,
+            is_level="sequence",
+            kl_coef=0.3,
+        )
         return policy_loss(lp, old_logprobs, advantages, mask, spec, Counts(num_loss_tokens_global=40), **inputs)[0]
 
     assert torch.autograd.gradcheck(objective, (logprobs,), atol=1e-8)
@@ -557,8 +595,16 @@ def test_shape_and_range_errors():
 @pytest.mark.parametrize(
     "call, registry",
     [
-        (lambda lp, m: policy_loss(lp, lp, t([1.0] * 4), m, PolicyLossSpec(
-            loss_type="ppo_max", aggregation="token_mean", eps_low=0.2, eps_high=0.2)), POLICY_LOSSES),
+        (
+            lambda lp, m: policy_loss(
+                lp,
+                lp,
+                t([1.0] * 4),
+                m,
+                PolicyLossSpec(loss_type="ppo_max", aggregation="token_mean", eps_low=0.2, eps_high=0.2),
+            ),
+            POLICY_LOSSES,
+        ),
         (lambda lp, m: aggregate(lp, m, "sum"), AGGREGATIONS),
         (lambda lp, m: kl_per_token(lp, lp, m, estimator="k4"), KL_ESTIMATORS),
         (lambda lp, m: truncated_is_weights(lp, lp, m, level="seq"), IS_LEVELS),

@@ -7,6 +7,7 @@ such rows against an independent full forward.
     row 0: trained [1, 1, 0, 0, 1, 0, 0]   two spans (tokens 0-1 and 4)
     row 1: trained [1, 0, 1, 0, 1, 1, 0]   three spans (0, 2, 4-5)
 """
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,8 @@ import pytest
 import torch
 
 from lmforge import rl
-from lmforge.losses.advantages import gae, whiten_advantages
 from lmforge.core.config import ModelConfig
+from lmforge.losses.advantages import gae, whiten_advantages
 from lmforge.losses.policy import Counts, PolicyLossSpec, aggregate, kl_per_token, policy_loss, truncated_is_weights
 from lmforge.model.load import load_model
 from lmforge.recipes.ppo import terminal_rewards
@@ -44,12 +45,15 @@ def test_spans_are_numbered_per_row():
     assert rl.trained_spans(MASK).tolist() == [[1, 1, 0, 0, 2, 0, 0], [1, 0, 2, 0, 3, 3, 0]]
 
 
-@pytest.mark.parametrize("mode, counts, expected", [
-    ("seq_mean_token_mean", {}, ((1 + 2 + 3) / 3 + (4 + 5 + 6 + 7) / 4) / 2),  # 3.75
-    ("token_mean", {}, 28 / 7),  # the 7 trained tokens, not the 14 positions
-    ("global_token_mean", {"num_loss_tokens_global": 14}, 28 / 14),  # e.g. two ranks of 7
-    ("seq_sum_max_len", {"max_completion_len": 8}, 28 / (2 * 8)),
-])
+@pytest.mark.parametrize(
+    "mode, counts, expected",
+    [
+        ("seq_mean_token_mean", {}, ((1 + 2 + 3) / 3 + (4 + 5 + 6 + 7) / 4) / 2),  # 3.75
+        ("token_mean", {}, 28 / 7),  # the 7 trained tokens, not the 14 positions
+        ("global_token_mean", {"num_loss_tokens_global": 14}, 28 / 14),  # e.g. two ranks of 7
+        ("seq_sum_max_len", {"max_completion_len": 8}, 28 / (2 * 8)),
+    ],
+)
 def test_aggregations_count_trained_tokens_only(mode, counts, expected):
     losses = spread([1, 2, 3], [4, 5, 6, 7])
     close(aggregate(losses, MASK, mode, Counts(**counts)), expected)
@@ -58,12 +62,18 @@ def test_aggregations_count_trained_tokens_only(mode, counts, expected):
 def test_token_clip_with_sequence_advantages_broadcast_over_every_span():
     """Per-sequence advantages A = (1, -2) on every trained token of the row; ratios r per token;
     junk ratios e^5 at untrained positions. Clip 0.2 / 0.2, seq-mean-token-mean."""
-    log_ratios = spread([math.log(1.1), math.log(0.7), math.log(1.5)],
-                        [math.log(0.5), 0.0, math.log(1.3), math.log(0.9)], junk=5.0)
+    log_ratios = spread(
+        [math.log(1.1), math.log(0.7), math.log(1.5)], [math.log(0.5), 0.0, math.log(1.3), math.log(0.9)], junk=5.0
+    )
     old = torch.zeros(MASK.shape, dtype=F64)
     logprobs = log_ratios.clone().requires_grad_()
-    loss, metrics = policy_loss(logprobs, old, torch.tensor([1.0, -2.0], dtype=F64), MASK, PolicyLossSpec(
-        loss_type="token_clip", aggregation="seq_mean_token_mean", eps_low=0.2, eps_high=0.2))
+    loss, metrics = policy_loss(
+        logprobs,
+        old,
+        torch.tensor([1.0, -2.0], dtype=F64),
+        MASK,
+        PolicyLossSpec(loss_type="token_clip", aggregation="seq_mean_token_mean", eps_low=0.2, eps_high=0.2),
+    )
     # row 0, A = 1: -min(rA, clip(r) A) = -1.1, -0.7, -1.2; row 1, A = -2: max(2r, 2 clip(r)) = 1.6, 2.0, 2.6, 1.8
     close(loss, ((-1.1 - 0.7 - 1.2) / 3 + (1.6 + 2.0 + 2.6 + 1.8) / 4) / 2)
     close(metrics["ratio_mean"], (1.1 + 0.7 + 1.5 + 0.5 + 1.0 + 1.3 + 0.9) / 7)
@@ -80,12 +90,18 @@ def test_token_clip_with_sequence_advantages_broadcast_over_every_span():
 
 
 def test_gspo_sequence_ratio_is_the_mean_over_all_spans():
-    log_ratios = spread([math.log(1.1), math.log(0.7), math.log(1.5)],
-                        [math.log(0.5), 0.0, math.log(1.3), math.log(0.9)], junk=5.0)
+    log_ratios = spread(
+        [math.log(1.1), math.log(0.7), math.log(1.5)], [math.log(0.5), 0.0, math.log(1.3), math.log(0.9)], junk=5.0
+    )
     old = torch.zeros(MASK.shape, dtype=F64)
     eps_low, eps_high = 3e-4, 4e-4
-    loss, _ = policy_loss(log_ratios, old, torch.tensor([1.0, -2.0], dtype=F64), MASK, PolicyLossSpec(
-        loss_type="gspo", aggregation="seq_mean_token_mean", eps_low=eps_low, eps_high=eps_high))
+    loss, _ = policy_loss(
+        log_ratios,
+        old,
+        torch.tensor([1.0, -2.0], dtype=F64),
+        MASK,
+        PolicyLossSpec(loss_type="gspo", aggregation="seq_mean_token_mean", eps_low=eps_low, eps_high=eps_high),
+    )
     s0 = (1.1 * 0.7 * 1.5) ** (1 / 3)  # 1.049: clipped to 1 + eps_high with A > 0
     s1 = (0.5 * 1.0 * 1.3 * 0.9) ** (1 / 4)  # 0.875: A < 0, the clipped 1 - eps_low gives the larger loss
     assert s0 > 1 + eps_high and s1 < 1 - eps_low
@@ -132,13 +148,21 @@ def test_gae_steps_over_trained_tokens_only():
 
 
 def tiny():
-    return load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2, num_heads=2,
-                                  max_position_embeddings=32, init_seed=0))
+    return load_model(
+        ModelConfig(
+            name="tiny:llama",
+            tokenizer="char",
+            hidden_size=32,
+            num_layers=2,
+            num_heads=2,
+            max_position_embeddings=32,
+            init_seed=0,
+        )
+    )
 
 
 def multi_span_rollout(pad: int) -> RolloutBatch:
     """2 prompts x 2 rows (shared prompts, as a group's); completions mix trained and environment tokens."""
-    prompts = [[3, 4, 5], [6, 7]]
     completions = [[8, 9, 20, 21, 10], [11, 22, 12, 13], [14, 19, 18, 15, 16, 17], [12, 21]]  # ids < 23
     trained = [[1, 1, 0, 0, 1], [1, 0, 1, 1], [1, 0, 0, 1, 1, 0], [1, 0]]
     width = max(map(len, completions))
@@ -146,11 +170,21 @@ def multi_span_rollout(pad: int) -> RolloutBatch:
     real = torch.zeros(4, width, dtype=torch.long)
     mask = torch.zeros(4, width, dtype=torch.long)
     for b, (c, t) in enumerate(zip(completions, trained)):
-        ids[b, :len(c)], real[b, :len(c)], mask[b, :len(t)] = torch.tensor(c), 1, torch.tensor(t)
+        ids[b, : len(c)], real[b, : len(c)], mask[b, : len(t)] = torch.tensor(c), 1, torch.tensor(t)
     prompt_ids = torch.tensor([[3, 4, 5], [3, 4, 5], [pad, 6, 7], [pad, 6, 7]])
     prompt_mask = (torch.arange(3)[None, :] >= torch.tensor([0, 0, 1, 1])[:, None]).long()
-    return RolloutBatch(prompt_ids, prompt_mask, ids, real, torch.zeros(4, width), torch.tensor([0, 0, 1, 1]),
-                        prompt_mask.sum(1), real.sum(1), torch.zeros(4, dtype=torch.bool), trained_mask=mask)
+    return RolloutBatch(
+        prompt_ids,
+        prompt_mask,
+        ids,
+        real,
+        torch.zeros(4, width),
+        torch.tensor([0, 0, 1, 1]),
+        prompt_mask.sum(1),
+        real.sum(1),
+        torch.zeros(4, dtype=torch.bool),
+        trained_mask=mask,
+    )
 
 
 def test_packed_logprobs_are_those_of_a_full_forward_at_the_trained_tokens():

@@ -1,5 +1,6 @@
 """Reward-model loss (Bradley-Terry): hand-derived values and gradients, and an independent fp64
 formulation with Python floats (math, not torch)."""
+
 from __future__ import annotations
 
 import math
@@ -48,8 +49,8 @@ def test_margin_hand_value():
 def reference_fp64(chosen: list[float], rejected: list[float], margin: float) -> float:
     """-log sigmoid(d) = log(1 + exp(-d)) written out, stably, in Python floats."""
     total = 0.0
-    for w, l in zip(chosen, rejected):
-        d = w - l - margin
+    for win, lose in zip(chosen, rejected):
+        d = win - lose - margin
         total += math.log1p(math.exp(-d)) if d >= 0 else -d + math.log1p(math.exp(d))
     return total / len(chosen)
 
@@ -68,7 +69,7 @@ def test_micro_batches_sum_to_the_full_batch():
     gen = torch.Generator().manual_seed(1)
     chosen, rejected = torch.randn(8, generator=gen, dtype=F64), torch.randn(8, generator=gen, dtype=F64)
     full, full_metrics = reward_loss(chosen, rejected)
-    parts = [reward_loss(chosen[k:k + 3], rejected[k:k + 3], num_pairs_global=8) for k in range(0, 8, 3)]
+    parts = [reward_loss(chosen[k : k + 3], rejected[k : k + 3], num_pairs_global=8) for k in range(0, 8, 3)]
     close(sum(p[0] for p in parts), full)
     for key in full_metrics:
         close(sum(p[1][key] for p in parts), full_metrics[key])

@@ -13,7 +13,7 @@ from lmforge.model.load import load_model, resolve_alias, save_model
 
 def greedy(model, ids, n=12):
     out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, ids.shape[1]:].tolist()
+    return out[0, ids.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -53,8 +53,11 @@ def test_bad_specs_are_clear(tmp_path, monkeypatch):
     # a relative path of a run that was never made: the missing directory, not a hub id; and for a shipped
     # example's run directory, which example writes it (examples/grpo_calculator.yaml starts from this one)
     monkeypatch.chdir(tmp_path)  # whatever runs/ the checkout holds
-    with pytest.raises(ModelLoadError, match=r"runs/sft_calculator3/final: no such directory \(the run directory "
-                       r"runs/sft_calculator3 is written by a command in examples/sft_calculator\.yaml"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"runs/sft_calculator3/final: no such directory \(the run directory "
+        r"runs/sft_calculator3 is written by a command in examples/sft_calculator\.yaml",
+    ):
         load_model(ModelConfig(name="runs/sft_calculator3/final", tokenizer="char"))
     with pytest.raises(ModelLoadError, match=r"runs/never_made/final: no such directory$"):
         load_model(ModelConfig(name="runs/never_made/final", tokenizer="char"))
@@ -80,8 +83,9 @@ def test_smollm2_gguf_save_reload_same_greedy_tokens(smollm2, tmp_path):
     # the session fixture loaded the GGUF once through lmforge (dequantized into the model cache)
     model, tok = smollm2
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
-    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                   tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
+    )
     ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
     before = greedy(model, ids, n=16)
     save_model(model, tok, tmp_path / "smol")
@@ -111,8 +115,9 @@ def test_saved_weights_have_their_neighbours_mode_and_a_loaded_model_names_its_s
 
     from lmforge.model.load import ALIAS_HUB_IDS, save_model
 
-    model, tokenizer = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=1,
-                                              num_heads=2))
+    model, tokenizer = load_model(
+        ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=1, num_heads=2)
+    )
     out = save_model(model, tokenizer, tmp_path / "saved")
     mode = lambda name: stat.S_IMODE((out / name).stat().st_mode)  # noqa: E731
     assert mode("model.safetensors") == mode("config.json")

@@ -1,4 +1,5 @@
 """Tokenizers: char-level ids and round trips, BPE training, chat templates, save/reload, specs."""
+
 import pytest
 from transformers import AutoTokenizer
 

@@ -1,5 +1,6 @@
 """Episodes under torchrun (gloo, 2 ranks): each rank plays its share of a step's problems with every
 group whole on one rank, and together the ranks play exactly the problems one process plays (``e2e``)."""
+
 from __future__ import annotations
 
 import collections
@@ -13,11 +14,24 @@ import pytest
 from lmforge.parallel.context import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-ARGS = ["model.name=tiny:llama", "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2",
-        "model.num_heads=2", "model.max_position_embeddings=128", "data.task=addition", "data.num_train=64",
-        "data.num_eval=0", "rollout.num_prompts=4", "rollout.group_size=2", "rollout.max_new_tokens=4",
-        "rewards.functions=[exact]", "train.max_steps=2", "logging.progress=false",
-        "env.max_episode_tokens=40"]
+ARGS = [
+    "model.name=tiny:llama",
+    "model.tokenizer=char",
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.max_position_embeddings=128",
+    "data.task=addition",
+    "data.num_train=64",
+    "data.num_eval=0",
+    "rollout.num_prompts=4",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=4",
+    "rewards.functions=[exact]",
+    "train.max_steps=2",
+    "logging.progress=false",
+    "env.max_episode_tokens=40",
+]
 
 
 def played(log: Path) -> list[collections.Counter]:
@@ -27,13 +41,29 @@ def played(log: Path) -> list[collections.Counter]:
 
 def run(args: list[str], nproc: int, out: Path, log: Path) -> None:
     log.parent.mkdir()
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                f"--master_port={free_port()}"] if nproc > 1 else [sys.executable]
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
+        if nproc > 1
+        else [sys.executable]
+    )
     path = f"{ROOT / 'tests' / 'recipes'}:{os.environ.get('PYTHONPATH', '')}"  # episode_envs
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    proc = subprocess.run([*launcher, "-m", "lmforge", "grpo", *args, f"train.output_dir={out}",
-                           "env.name=episode_envs:Recorder", f"env.args={{path: {log}}}"],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [
+            *launcher,
+            "-m",
+            "lmforge",
+            "grpo",
+            *args,
+            f"train.output_dir={out}",
+            "env.name=episode_envs:Recorder",
+            f"env.args={{path: {log}}}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -1,6 +1,7 @@
 """A rank killed under torchrun (issue 22): the survivor says which rank stopped and how, once,
 without 'internal error / a bug in lmforge' and without tracebacks from exit handlers; every
 checkpoint stays complete."""
+
 from __future__ import annotations
 
 import os
@@ -12,14 +13,29 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.runtime.checkpoint import checkpoint_problem, list_checkpoints
 from lmforge.parallel.context import free_port
+from lmforge.runtime.checkpoint import checkpoint_problem, list_checkpoints
 
-SFT = ["model.name=tiny:llama", "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2",
-       "model.num_heads=2", "model.max_position_embeddings=32", "data.task=addition", "data.num_train=256",
-       "data.num_eval=8", "data.max_len=32", "train.batch_size=8", "train.micro_batch_size=2", "train.eval_every=0",
-       "train.save_every=1", "train.keep_last=3", "train.max_new_tokens=4", "logging.progress=false",
-       "train.max_steps=100000"]
+SFT = [
+    "model.name=tiny:llama",
+    "model.tokenizer=char",
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.max_position_embeddings=32",
+    "data.task=addition",
+    "data.num_train=256",
+    "data.num_eval=8",
+    "data.max_len=32",
+    "train.batch_size=8",
+    "train.micro_batch_size=2",
+    "train.eval_every=0",
+    "train.save_every=1",
+    "train.keep_last=3",
+    "train.max_new_tokens=4",
+    "logging.progress=false",
+    "train.max_steps=100000",
+]
 
 
 def ranks_of(launcher: int) -> dict[int, int]:
@@ -41,10 +57,21 @@ def ranks_of(launcher: int) -> dict[int, int]:
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_rank_killed_is_named_by_the_survivor_never_called_a_bug(tmp_path, victim):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "lmforge", "sft", *SFT, f"train.output_dir={out}"]
-    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "-m",
+        "lmforge",
+        "sft",
+        *SFT,
+        f"train.output_dir={out}",
+    ]
+    proc = subprocess.Popen(
+        cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 180
     while not list_checkpoints(out) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.1)

@@ -13,6 +13,7 @@ different orders, so they may differ by up to 2 gamma_{W-1} S. At W = 2 both com
 a + b (addition commutes), so there they must agree bit for bit, as must every integer-valued input.
 A bug that drops or doubles one rank's chunk is off by about |x_r|, far outside these bounds.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -56,12 +57,15 @@ def _model() -> nn.Module:
 def _global_batch(world: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     rows = world * DDP_ROWS_PER_RANK
-    return (torch.randn(rows, 5, generator=g, dtype=torch.float64),
-            torch.randn(rows, 3, generator=g, dtype=torch.float64))
+    return (
+        torch.randn(rows, 5, generator=g, dtype=torch.float64),
+        torch.randn(rows, 3, generator=g, dtype=torch.float64),
+    )
 
 
-def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_values_global: int,
-           reduce_loss=None) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _train(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_values_global: int, reduce_loss=None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """3 steps of SGD with momentum on the loss sum((f(x) - y)^2) / num_values_global; returns the
     global loss before each step and the final weights. SGD, not Adam: its update is linear in the
     gradient, so a gradient off by a factor W shows (Adam's update is nearly scale-invariant)."""
@@ -82,7 +86,7 @@ def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_values_global
 
 def _gamma(k: int, element_size: int) -> float:
     """gamma_k = k u / (1 - k u): the relative error bound of a sum of k + 1 terms."""
-    u = 2.0 ** -24 if element_size == 4 else 2.0 ** -53
+    u = 2.0**-24 if element_size == 4 else 2.0**-53
     return k * u / (1 - k * u)
 
 
@@ -99,8 +103,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
     from lmforge.parallel.ring import RingStats, ring_all_reduce, ring_hook, sum_hook
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     seen: dict = {"cases": []}
     try:
         for kind in KINDS:
@@ -118,12 +127,19 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 # Elementwise: |ring - reference| <= (gamma_{W-1} + gamma64_{W-1}) S, the reference
                 # being the fp64 sum (exact to gamma64_{W-1} S), and |ring - native| <= 2 gamma_{W-1} S.
                 # Saved as the worst ratio error / bound (<= 1 passes; 0 / 0 counts as 0).
-                seen["cases"].append(dict(
-                    kind=kind, n=n, element_size=x.element_size(), bytes_sent=stats.bytes_sent,
-                    same_object=returned is ring, equal_native=torch.equal(ring, native),
-                    equal_exact=torch.equal(ring.to(exact.dtype), exact),
-                    worst_vs_reference=_worst_ratio(ring, exact, (gamma + _gamma(world - 1, 8)) * abs_sum),
-                    worst_vs_native=_worst_ratio(ring, native, 2 * gamma * abs_sum)))
+                seen["cases"].append(
+                    dict(
+                        kind=kind,
+                        n=n,
+                        element_size=x.element_size(),
+                        bytes_sent=stats.bytes_sent,
+                        same_object=returned is ring,
+                        equal_native=torch.equal(ring, native),
+                        equal_exact=torch.equal(ring.to(exact.dtype), exact),
+                        worst_vs_reference=_worst_ratio(ring, exact, (gamma + _gamma(world - 1, 8)) * abs_sum),
+                        worst_vs_native=_worst_ratio(ring, native, 2 * gamma * abs_sum),
+                    )
+                )
 
         # Pipelined segments of 3 fp32 elements: the same messages in smaller pieces, so the same bits.
         seen["segmented"] = []
@@ -175,8 +191,7 @@ def spawned(request, tmp_path_factory) -> tuple[int, list[dict]]:
     import torch.multiprocessing as mp
 
     world, out = request.param, tmp_path_factory.mktemp(f"ring{request.param}")
-    mp.start_processes(_worker, args=(world, _free_port(), str(out)), nprocs=world, join=True,
-                       start_method="spawn")
+    mp.start_processes(_worker, args=(world, _free_port(), str(out)), nprocs=world, join=True, start_method="spawn")
     return world, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

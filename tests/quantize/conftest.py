@@ -1,6 +1,6 @@
 """Fixtures: tiny Llama models with a real byte-level BPE tokenizer, built in-process (no downloads)."""
-import pytest
 
+import pytest
 from quant_helpers import TEXT, make_model_dir
 
 
@@ -22,5 +22,6 @@ def tiny_dir(tmp_path_factory, bpe_tokenizer):
 @pytest.fixture(scope="session")
 def wide_dir(tmp_path_factory, bpe_tokenizer):
     """hidden 256, so that every matrix row is one TQ1_0 / TQ2_0 block of 256."""
-    return make_model_dir(tmp_path_factory.mktemp("wide") / "model", bpe_tokenizer, 256, 256, layers=1,
-                          heads=4, kv_heads=4, vocab=512)
+    return make_model_dir(
+        tmp_path_factory.mktemp("wide") / "model", bpe_tokenizer, 256, 256, layers=1, heads=4, kv_heads=4, vocab=512
+    )

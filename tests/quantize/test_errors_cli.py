@@ -1,14 +1,13 @@
 """Bad input gets an error that names the problem; the CLI commands; the char tokenizer in GGUF."""
+
 import json
 
 import pytest
-import torch
+from quant_helpers import load_plain, logits_of, make_model_dir, needs_ct, needs_gguf
 from transformers import AutoTokenizer
 
 from lmforge.cli import main
 from lmforge.quantize import QuantizeError, dequantize, quantize
-
-from quant_helpers import load_plain, logits_of, make_model_dir, needs_ct, needs_gguf
 
 
 def test_unknown_format_lists_the_valid_ones(tiny_dir, tmp_path):
@@ -17,7 +16,12 @@ def test_unknown_format_lists_the_valid_ones(tiny_dir, tmp_path):
     from lmforge.quantize import canonical_format
 
     assert [canonical_format(n) for n in ("q4_0", "Q8_0", "tq2_0", "int8", "gguf-f16")] == [
-        "gguf-q4_0", "gguf-q8_0", "gguf-tq2_0", "int8", "gguf-f16"]
+        "gguf-q4_0",
+        "gguf-q8_0",
+        "gguf-tq2_0",
+        "int8",
+        "gguf-f16",
+    ]
     with pytest.raises(QuantizeError, match="unknown format 'q4_k'"):
         canonical_format("q4_k")  # not implemented in the gguf package's Python quantizers
 
@@ -68,8 +72,8 @@ def test_truncated_compressed_tensors_file_names_the_file(tiny_dir, tmp_path):
 
 
 def test_corrupt_trits_name_the_file_and_tensor(tiny_dir, tmp_path):
-    from safetensors.torch import load_file, save_file
     from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
 
     quantize(str(tiny_dir), "ternary", tmp_path / "t")
     path = tmp_path / "t" / "ternary.safetensors"
@@ -110,8 +114,7 @@ def test_char_tokenizer_cannot_go_to_gguf(tmp_path):
     from lmforge.core.config import ModelConfig
     from lmforge.model.load import load_model, save_model
 
-    model, tok = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=1,
-                                        num_heads=4))
+    model, tok = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=1, num_heads=4))
     save_model(model, tok, tmp_path / "m")
     with pytest.raises(QuantizeError, match="no BPE merges .*use a safetensors format"):
         quantize(str(tmp_path / "m"), "gguf-q8_0", tmp_path / "g")

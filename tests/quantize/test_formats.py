@@ -1,17 +1,17 @@
 """Every format: written, read back by the runtime it is for (plain transformers, gguf's reader,
 transformers' GGUF loader), compared with the original's logits, and dequantized back to HF."""
+
 import json
 
 import numpy as np
 import pytest
 import torch
+from quant_helpers import PROMPT, load_plain, logits_of, needs_ct, needs_gguf
 from safetensors import safe_open
 from transformers import AutoTokenizer
 
 from lmforge.quantize import FORMATS, dequantize, quantize
 from lmforge.quantize.ternary import absmean_ternary, stored_scale, unpack_2bit
-
-from quant_helpers import PROMPT, load_plain, logits_of, needs_ct, needs_gguf
 
 
 def test_every_format_is_listed_in_the_catalog_in_order():
@@ -53,8 +53,7 @@ def test_compressed_tensors_reload_with_plain_transformers(tiny_dir, reference, 
     assert 1e-4 < err < tol, err
     dequantize(tmp_path / fmt, tmp_path / "hf")
     assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
-    torch.testing.assert_close(logits_of(load_plain(tmp_path / "hf"), tok), logits_of(reloaded, tok),
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits_of(load_plain(tmp_path / "hf"), tok), logits_of(reloaded, tok), rtol=0, atol=1e-5)
 
 
 @needs_ct
@@ -78,7 +77,7 @@ def test_fp8_file_holds_e4m3(tiny_dir, tmp_path):
         scale = f.get_tensor("model.layers.1.self_attn.o_proj.weight_scale")
     assert stored.dtype == torch.float8_e4m3fn
     torch.testing.assert_close(scale, weight.abs().amax(dim=1, keepdim=True) / 448, rtol=1e-6, atol=0)
-    torch.testing.assert_close(stored.float() * scale, weight, rtol=2 ** -3, atol=scale.max().item() * 2 ** -6)
+    torch.testing.assert_close(stored.float() * scale, weight, rtol=2**-3, atol=scale.max().item() * 2**-6)
 
 
 def _gguf(path):
@@ -88,22 +87,35 @@ def _gguf(path):
 
 
 @needs_gguf
-@pytest.mark.parametrize("fmt,qtype", [("gguf-f16", "F16"), ("gguf-bf16", "BF16"), ("gguf-q8_0", "Q8_0"),
-                                       ("gguf-q4_0", "Q4_0")])
+@pytest.mark.parametrize(
+    "fmt,qtype", [("gguf-f16", "F16"), ("gguf-bf16", "BF16"), ("gguf-q8_0", "Q8_0"), ("gguf-q4_0", "Q4_0")]
+)
 def test_gguf_metadata_and_every_tensor(tiny_dir, bpe_tokenizer, tmp_path, fmt, qtype):
     gguf, reader = _gguf(quantize(str(tiny_dir), fmt, tmp_path / fmt).files[0])
     fields = {k: f.contents() for k, f in reader.fields.items()}
     assert fields["general.architecture"] == "llama"
-    expected = {"llama.block_count": 2, "llama.embedding_length": 64, "llama.feed_forward_length": 128,
-                "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2, "llama.vocab_size": 320,
-                "llama.rope.dimension_count": 16, "llama.context_length": 128,
-                "general.file_type": int(gguf.LlamaFileType[f"MOSTLY_{qtype}"]),
-                "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.bos_token_id": 1,
-                "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.padding_token_id": 0}
+    expected = {
+        "llama.block_count": 2,
+        "llama.embedding_length": 64,
+        "llama.feed_forward_length": 128,
+        "llama.attention.head_count": 4,
+        "llama.attention.head_count_kv": 2,
+        "llama.vocab_size": 320,
+        "llama.rope.dimension_count": 16,
+        "llama.context_length": 128,
+        "general.file_type": int(gguf.LlamaFileType[f"MOSTLY_{qtype}"]),
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt-2",
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.padding_token_id": 0,
+    }
     assert {k: fields[k] for k in expected} == expected
     tokens = fields["tokenizer.ggml.tokens"]
     assert len(tokens) == 320 and tokens[:3] == ["<pad>", "<bos>", "<eos>"] and tokens[-1] == "[PAD319]"
-    assert len(fields["tokenizer.ggml.merges"]) == len(json.loads(bpe_tokenizer.backend_tokenizer.to_str())["model"]["merges"])
+    assert len(fields["tokenizer.ggml.merges"]) == len(
+        json.loads(bpe_tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    )
     assert fields["tokenizer.chat_template"] == bpe_tokenizer.chat_template
     model = load_plain(tiny_dir)
     names = {t.name: t for t in reader.tensors}
@@ -119,8 +131,7 @@ def test_gguf_metadata_and_every_tensor(tiny_dir, bpe_tokenizer, tmp_path, fmt, 
 
 
 @needs_gguf
-@pytest.mark.parametrize("fmt,tol", [("gguf-f16", 1e-3), ("gguf-bf16", 1e-2), ("gguf-q8_0", 0.03),
-                                     ("gguf-q4_0", 0.35)])
+@pytest.mark.parametrize("fmt,tol", [("gguf-f16", 1e-3), ("gguf-bf16", 1e-2), ("gguf-q8_0", 0.03), ("gguf-q4_0", 0.35)])
 def test_gguf_loads_in_transformers_with_same_tokens_and_close_logits(tiny_dir, reference, tmp_path, fmt, tol):
     tok, ref = reference
     path = quantize(str(tiny_dir), fmt, tmp_path / fmt).files[0]
@@ -131,8 +142,7 @@ def test_gguf_loads_in_transformers_with_same_tokens_and_close_logits(tiny_dir, 
     err = rel_err(logits_of(model, tok), ref)
     assert 1e-6 < err < tol, err
     dequantize(path, tmp_path / "hf")  # our own reader gives the same model as transformers'
-    torch.testing.assert_close(logits_of(load_plain(tmp_path / "hf"), tok), logits_of(model, tok),
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits_of(load_plain(tmp_path / "hf"), tok), logits_of(model, tok), rtol=0, atol=1e-5)
 
 
 @needs_gguf
@@ -179,19 +189,29 @@ def test_packed_ternary_file_and_roundtrip(tiny_dir, reference, tmp_path, fmt, p
     dequantize(tmp_path / fmt, tmp_path / "hf")
     deq = load_plain(tmp_path / "hf")
     q, _ = absmean_ternary(weight)
-    torch.testing.assert_close(deq.model.layers[0].self_attn.q_proj.weight, q.float() * stored_scale(weight, q),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        deq.model.layers[0].self_attn.q_proj.weight, q.float() * stored_scale(weight, q), rtol=0, atol=0
+    )
     if per_byte == 4:
         assert torch.equal(unpack_2bit(packed, 64 * 64).reshape(64, 64), q)
-    torch.testing.assert_close(deq.model.embed_tokens.weight, load_plain(tiny_dir).model.embed_tokens.weight,
-                               rtol=0, atol=0)  # only the decoder matrices are ternary
+    torch.testing.assert_close(
+        deq.model.embed_tokens.weight, load_plain(tiny_dir).model.embed_tokens.weight, rtol=0, atol=0
+    )  # only the decoder matrices are ternary
     with pytest.raises(OSError, match="model.safetensors"):
         load_plain(tmp_path / fmt)  # plain transformers refuses it instead of loading random matrices
 
 
 def test_every_registered_format_is_tested():
-    tested = {f for f, _ in CT_CASES} | {"gguf-f16", "gguf-bf16", "gguf-q8_0", "gguf-q4_0", "gguf-tq1_0",
-                                         "gguf-tq2_0", "ternary", "ternary-5trit"}
+    tested = {f for f, _ in CT_CASES} | {
+        "gguf-f16",
+        "gguf-bf16",
+        "gguf-q8_0",
+        "gguf-q4_0",
+        "gguf-tq1_0",
+        "gguf-tq2_0",
+        "ternary",
+        "ternary-5trit",
+    }
     assert set(FORMATS) - tested == {"int4-g128"}  # g128 needs rows of >= 128: covered in test_errors
 
 
@@ -200,9 +220,18 @@ def test_qwen2_gguf_with_biases_loads_in_transformers(bpe_tokenizer, tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                                         max_position_embeddings=128)).eval()
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=320,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            max_position_embeddings=128,
+        )
+    ).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
@@ -218,5 +247,6 @@ def test_qwen2_gguf_with_biases_loads_in_transformers(bpe_tokenizer, tmp_path):
     assert loaded.config.model_type == "qwen2"
     assert rel_err(logits_of(loaded, bpe_tokenizer), ref) < 2e-3
     dequantize(path, tmp_path / "hf")
-    torch.testing.assert_close(logits_of(load_plain(tmp_path / "hf"), bpe_tokenizer), logits_of(loaded, bpe_tokenizer),
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        logits_of(load_plain(tmp_path / "hf"), bpe_tokenizer), logits_of(loaded, bpe_tokenizer), rtol=0, atol=1e-5
+    )

@@ -4,19 +4,23 @@ The binding is ``llama-cpp-python`` (only an sdist on PyPI: it compiles llama.cp
 On a CPU that reports AMX, build it with ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON
 -DGGML_F16C=ON"``: a native build used AMX tile instructions that this VM does not allow (SIGILL).
 """
+
 import importlib.util
 
 import numpy as np
 import pytest
 import torch
+from quant_helpers import PROMPT, load_plain, needs_gguf
 from transformers import AutoTokenizer
 
 from lmforge.quantize import dequantize, quantize
 
-from quant_helpers import PROMPT, load_plain, needs_gguf
-
-pytestmark = [needs_gguf, pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
-                                             reason="needs llama-cpp-python (pip install llama-cpp-python)")]
+pytestmark = [
+    needs_gguf,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llama_cpp") is None, reason="needs llama-cpp-python (pip install llama-cpp-python)"
+    ),
+]
 
 
 def _llama_logits(path, ids):
@@ -28,8 +32,9 @@ def _llama_logits(path, ids):
 
 
 # measured with llama-cpp-python 0.3.36 (CPU, AVX2): 0.0014, 0.0128, 0.0171, 0.0239
-@pytest.mark.parametrize("fmt,tol", [("gguf-f16", 0.005), ("gguf-q8_0", 0.03), ("gguf-q4_0", 0.04),
-                                     ("gguf-tq2_0", 0.05)])
+@pytest.mark.parametrize(
+    "fmt,tol", [("gguf-f16", 0.005), ("gguf-q8_0", 0.03), ("gguf-q4_0", 0.04), ("gguf-tq2_0", 0.05)]
+)
 def test_llama_cpp_tokenizes_and_computes_like_the_dequantized_model(wide_dir, tmp_path, fmt, tol):
     tok = AutoTokenizer.from_pretrained(wide_dir)
     path = quantize(str(wide_dir), fmt, tmp_path / "g").files[0]
@@ -48,9 +53,18 @@ def test_llama_cpp_runs_a_qwen2_export_with_biases(bpe_tokenizer, tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                                         max_position_embeddings=128)).eval()
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=320,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            max_position_embeddings=128,
+        )
+    ).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):

@@ -1,11 +1,11 @@
 """Quantizing lmforge's own outputs (issue 22): a GGUF it wrote quantizes again, and a group size
 that does not fit is answered with the ones that do, never with itself."""
+
 import pytest
+from quant_helpers import make_model_dir, needs_ct, needs_gguf
 
 from lmforge.cli import main
 from lmforge.quantize import QuantizeError, quantize
-
-from quant_helpers import make_model_dir, needs_ct, needs_gguf
 
 
 @needs_gguf
@@ -40,7 +40,10 @@ def test_a_group_size_that_does_not_divide_suggests_the_ones_that_do(tiny_dir, t
 def test_no_int4_group_size_fits_says_what_to_use_instead(bpe_tokenizer, tmp_path):
     """hidden 48: int4-g32 failed and its hint suggested int4-g32."""
     odd = make_model_dir(tmp_path / "odd", bpe_tokenizer, 48, 80, layers=1, heads=4, kv_heads=4)
-    with pytest.raises(QuantizeError, match=r"no int4 group size lmforge offers divides the widths \[48, 80\]: "
-                                            "use int8 or fp8") as info:
+    with pytest.raises(
+        QuantizeError,
+        match=r"no int4 group size lmforge offers divides the widths \[48, 80\]: "
+        "use int8 or fp8",
+    ) as info:
         quantize(str(odd), "int4-g32", tmp_path / "x")
     assert "int4-g32" not in str(info.value).split(";", 1)[1]

@@ -1,15 +1,15 @@
 """QAT module swap: forward equals the ternarized model, the backward is straight-through, export matches."""
+
 import copy
 
 import pytest
 import torch
+from quant_helpers import PROMPT, load_plain, logits_of
 from torch import nn
 
 from lmforge.quantize import QuantizeError, apply_qat, apply_ternary_qat, bake_qat, dequantize, quantize_model
 from lmforge.quantize.qat import QATLinear, int4_fake_quant
 from lmforge.quantize.ternary import absmean_ternary
-
-from quant_helpers import PROMPT, load_plain, logits_of
 
 
 @pytest.fixture
@@ -56,8 +56,9 @@ def test_forward_equals_ternarized_model_and_gradient_is_straight_through(model_
     ref_out.loss.backward()
     # STE: the master weight gets exactly the gradient taken w.r.t. the ternary weight
     for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
-        torch.testing.assert_close(model.get_submodule(name).weight.grad, ref.get_submodule(name).weight.grad,
-                                   rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(
+            model.get_submodule(name).weight.grad, ref.get_submodule(name).weight.grad, rtol=1e-4, atol=1e-7
+        )
     assert model.get_submodule("model.layers.0.self_attn.q_proj").weight.grad.abs().sum() > 0
 
 
@@ -120,7 +121,7 @@ def test_saved_qat_checkpoint_exports_what_training_computed(model_and_tok, tmp_
 
 
 def test_quantized_copies_next_to_a_checkpoint_leave_the_live_model_alone(model_and_tok, tmp_path):
-    from lmforge.quantize import QuantizeError, save_quantized_copies
+    from lmforge.quantize import save_quantized_copies
 
     model, tok = model_and_tok
     apply_ternary_qat(model)

@@ -1,9 +1,16 @@
 """Absmean ternary, the packings and the fake-quant STE, against hand-derived values."""
+
 import pytest
 import torch
 
-from lmforge.quantize.ternary import (absmean_ternary, pack_2bit, pack_5trit, ternary_fake_quant, unpack_2bit,
-                                      unpack_5trit)
+from lmforge.quantize.ternary import (
+    absmean_ternary,
+    pack_2bit,
+    pack_5trit,
+    ternary_fake_quant,
+    unpack_2bit,
+    unpack_5trit,
+)
 
 
 def test_absmean_hand_values():

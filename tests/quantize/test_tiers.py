@@ -1,7 +1,6 @@
 """`lmforge hardware`'s tier table: the rows, and the arithmetic on a known memory size."""
-import re
 
-import pytest
+import re
 
 from lmforge.quantize.tiers import TRAINING_BYTES_PER_PARAM, largest_model, tier_report
 
@@ -48,8 +47,9 @@ def test_lmforge_hardware_prints_the_tiers_for_the_detected_memory(monkeypatch, 
     fake = hardware.Hardware("cuda:0", "Test GPU", 8, 64.0, 16.0, True)
     monkeypatch.setattr(hardware, "detect", lambda device="auto": fake)
     monkeypatch.setattr(hardware, "matmul_peak_gflops", lambda *a, **k: 1.0)
-    monkeypatch.setattr(hardware, "choose", lambda hw, **k: hardware.Choices(torch.device("cpu"), torch.float32,
-                                                                            1, 1, False, {}))
+    monkeypatch.setattr(
+        hardware, "choose", lambda hw, **k: hardware.Choices(torch.device("cpu"), torch.float32, 1, 1, False, {})
+    )
     assert cli.main(["hardware"]) == 0
     out = capsys.readouterr().out
     assert "memory for models: 16.0 GiB (Test GPU memory)" in out  # the accelerator's memory, not the 64 GiB RAM

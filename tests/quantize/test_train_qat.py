@@ -1,27 +1,43 @@
 """train.qat and train.save_quantized in a real (tiny) SFT run through the one training loop."""
+
 import copy
 import json
 import math
 
 import pytest
 import torch
+from quant_helpers import HAS_CT, load_plain, needs_ct
 
 from lmforge.core.config import load_config
-from lmforge.data.tasks import get_task
 from lmforge.core.errors import ConfigError
-from lmforge.rollout.evaluation import task_accuracy
+from lmforge.data.tasks import get_task
 from lmforge.model.load import load_model
 from lmforge.quantize import bake_qat, dequantize, quantize
 from lmforge.quantize.qat import QATLinear
 from lmforge.recipes.sft import SFTConfig, run_sft
+from lmforge.rollout.evaluation import task_accuracy
 
-from quant_helpers import HAS_CT, load_plain, needs_ct
-
-ARGS = ["data.task=addition", "data.num_train=64", "data.num_val=16", "data.num_eval=16", "data.max_len=16",
-        "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
-        "model.max_position_embeddings=32", "train.max_steps=6", "train.micro_batch_size=16",
-        "train.batch_size=16", "train.save_every=0", "train.eval_every=3", "train.max_new_tokens=4",
-        "train.threads=1", "optim.lr=1e-2", "logging.progress=false"]
+ARGS = [
+    "data.task=addition",
+    "data.num_train=64",
+    "data.num_val=16",
+    "data.num_eval=16",
+    "data.max_len=16",
+    "model.tokenizer=char",
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.max_position_embeddings=32",
+    "train.max_steps=6",
+    "train.micro_batch_size=16",
+    "train.batch_size=16",
+    "train.save_every=0",
+    "train.eval_every=3",
+    "train.max_new_tokens=4",
+    "train.threads=1",
+    "optim.lr=1e-2",
+    "logging.progress=false",
+]
 MAX_NEW = 4
 
 
@@ -75,8 +91,11 @@ def test_ternary_qat_sft_run_exports_exactly_what_it_trained(tmp_path):
     # the export (the copy written by the run, and `lmforge quantize final --format ternary`) computes
     # the training forward: same logits up to fp32 rounding of the stored scale, same greedy completions
     quantize(str(out / "final"), "ternary", tmp_path / "exported")
-    for packed in (out / "final" / "quantized-ternary", out / "final" / "quantized-ternary-5trit",
-                   tmp_path / "exported"):
+    for packed in (
+        out / "final" / "quantized-ternary",
+        out / "final" / "quantized-ternary-5trit",
+        tmp_path / "exported",
+    ):
         hf = dequantize(packed, tmp_path / f"hf-{packed.name}")
         exported = load_plain(hf)
         torch.testing.assert_close(batch_logits(exported, tok), qat_logits, rtol=0, atol=1e-5)
@@ -87,8 +106,9 @@ def test_ternary_qat_sft_run_exports_exactly_what_it_trained(tmp_path):
 def test_int4_qat_run_and_a_failed_quantized_copy_keeps_the_checkpoint(tmp_path, capsys):
     out = tmp_path / "run"
     # GGUF needs a byte-level BPE tokenizer: the char tokenizer's copy fails; the int4-g32 one is written
-    cfg, model, tok, result = sft(out, "train.qat=int4", "train.max_steps=2", "train.eval_every=0",
-                                  "train.save_quantized=[q4_0,int4-g32]")
+    cfg, model, tok, result = sft(
+        out, "train.qat=int4", "train.max_steps=2", "train.eval_every=0", "train.save_quantized=[q4_0,int4-g32]"
+    )
     assert {m.scheme for m in model.modules() if isinstance(m, QATLinear)} == {"int4"}
     printed = capsys.readouterr().out
     assert "could not write the gguf-q4_0 copy" in printed and "the checkpoint itself is complete" in printed
@@ -136,8 +156,9 @@ def test_bad_quant_settings_are_config_errors_before_training(tmp_path):
         run_sft(cfg)
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
     # hidden 48: int4 groups of 32 do not divide the linear layers' input width
-    cfg = load_config(SFTConfig, None, ARGS + [f"train.output_dir={tmp_path / 'g'}", "train.qat=int4",
-                                               "model.hidden_size=48"])
+    cfg = load_config(
+        SFTConfig, None, ARGS + [f"train.output_dir={tmp_path / 'g'}", "train.qat=int4", "model.hidden_size=48"]
+    )
     with pytest.raises(ConfigError, match="train.qat=int4: .*group size 32 does not divide in_features 48"):
         run_sft(cfg)
 
@@ -145,8 +166,18 @@ def test_bad_quant_settings_are_config_errors_before_training(tmp_path):
 def test_training_a_qat_checkpoint_without_qat_drops_the_marker(tmp_path):
     out = tmp_path / "qat"
     sft(out, "train.qat=ternary", "train.max_steps=1", "train.eval_every=0")
-    cfg = load_config(SFTConfig, None, ARGS + [f"train.output_dir={tmp_path / 'plain'}", f"model.name={out / 'final'}",
-                                               "model.tokenizer=", "train.max_steps=1", "train.eval_every=0"])
+    cfg = load_config(
+        SFTConfig,
+        None,
+        ARGS
+        + [
+            f"train.output_dir={tmp_path / 'plain'}",
+            f"model.name={out / 'final'}",
+            "model.tokenizer=",
+            "train.max_steps=1",
+            "train.eval_every=0",
+        ],
+    )
     model, tok = load_model(cfg.model)
     assert model.config.lmforge_qat == "ternary"
     run_sft(cfg, model, tok)
@@ -157,13 +188,19 @@ def test_training_a_qat_checkpoint_without_qat_drops_the_marker(tmp_path):
 def test_qat_resume_reproduces_the_uninterrupted_run(tmp_path):
     """A QAT run resumed from its step-2 checkpoint logs the uninterrupted run's losses (QAT is
     re-applied before the optimizer state is loaded; the state-dict keys are unchanged)."""
+
     def losses(out):
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
 
     # a constant LR: the schedule of a 2-step run would otherwise differ from a 4-step one
-    common = ["train.qat=ternary", "train.eval_every=0", "train.save_every=2", "train.keep_last=5",
-              "optim.schedule=constant"]
+    common = [
+        "train.qat=ternary",
+        "train.eval_every=0",
+        "train.save_every=2",
+        "train.keep_last=5",
+        "optim.schedule=constant",
+    ]
     sft(tmp_path / "full", *common, "train.max_steps=4")
     sft(tmp_path / "part", *common, "train.max_steps=2")
     sft(tmp_path / "part", *common, "train.max_steps=4", "train.resume=auto")
@@ -177,8 +214,8 @@ def test_grpo_with_ternary_qat_samples_from_the_fake_quantized_model(tmp_path, m
     That copy computes with the fake-quantized (ternary) weights: its logits match the QAT policy's up
     to bf16 rounding and are far from those of the same weights used unquantized (the master weights),
     which is what a copy without QAT would compute."""
-    from lmforge.rl.sources import inprocess
     from lmforge.recipes.grpo import GRPOConfig, run_grpo
+    from lmforge.rl.sources import inprocess
     from lmforge.rollout.rewards import BUILTIN_REWARDS
 
     engines, calls = [], []
@@ -193,12 +230,31 @@ def test_grpo_with_ternary_qat_samples_from_the_fake_quantized_model(tmp_path, m
     real_cast_engine = inprocess.cast_engine
     monkeypatch.setattr(inprocess, "cast_engine", capture)
     monkeypatch.setitem(BUILTIN_REWARDS, "parity", lambda completion, problem: float(len(completion) % 2 == 0))
-    args = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
-            "model.max_position_embeddings=32", "data.task=addition", "data.num_train=32", "data.num_eval=4",
-            "rollout.num_prompts=2", "rollout.group_size=4", "rollout.max_new_tokens=4", "rollout.dtype=bf16",
-            "rewards.functions=[parity]", "train.max_steps=2", "train.micro_batch_size=4", "train.save_every=0",
-            "train.eval_every=0", "train.max_new_tokens=4", "train.threads=1", "optim.lr=1e-2",
-            "logging.progress=false", "train.qat=ternary", f"train.output_dir={tmp_path / 'grpo'}"]
+    args = [
+        "model.tokenizer=char",
+        "model.hidden_size=32",
+        "model.num_layers=2",
+        "model.num_heads=2",
+        "model.max_position_embeddings=32",
+        "data.task=addition",
+        "data.num_train=32",
+        "data.num_eval=4",
+        "rollout.num_prompts=2",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=4",
+        "rollout.dtype=bf16",
+        "rewards.functions=[parity]",
+        "train.max_steps=2",
+        "train.micro_batch_size=4",
+        "train.save_every=0",
+        "train.eval_every=0",
+        "train.max_new_tokens=4",
+        "train.threads=1",
+        "optim.lr=1e-2",
+        "logging.progress=false",
+        "train.qat=ternary",
+        f"train.output_dir={tmp_path / 'grpo'}",
+    ]
     cfg = load_config(GRPOConfig, None, args)
     model, tok = load_model(cfg.model)
     run_grpo(cfg, model, tok)
@@ -226,8 +282,13 @@ def test_grpo_with_ternary_qat_samples_from_the_fake_quantized_model(tmp_path, m
     assert to_qat < 0.25 * to_master, (to_qat, to_master)
     assert json.loads((tmp_path / "grpo" / "final" / "config.json").read_text())["lmforge_qat"] == "ternary"
     with pytest.raises(ConfigError, match="train.qat needs rollout.backend=inprocess"):
-        run_grpo(load_config(GRPOConfig, None, args[:-1] + [f"train.output_dir={tmp_path / 'v'}",
-                                                             "rollout.dtype=same", "rollout.backend=vllm"]))
+        run_grpo(
+            load_config(
+                GRPOConfig,
+                None,
+                args[:-1] + [f"train.output_dir={tmp_path / 'v'}", "rollout.dtype=same", "rollout.backend=vllm"],
+            )
+        )
 
 
 def test_train_qat_is_the_same_run_as_apply_qat_before_the_recipe(tmp_path):
@@ -240,8 +301,9 @@ def test_train_qat_is_the_same_run_as_apply_qat_before_the_recipe(tmp_path):
         return [r["loss"] for r in rows if r["kind"] == "train"]
 
     _, by_key, tok, _ = sft(tmp_path / "key", "train.qat=ternary", "train.max_steps=3", "train.eval_every=0")
-    cfg = load_config(SFTConfig, None, ARGS + [f"train.output_dir={tmp_path / 'pre'}", "train.max_steps=3",
-                                               "train.eval_every=0"])
+    cfg = load_config(
+        SFTConfig, None, ARGS + [f"train.output_dir={tmp_path / 'pre'}", "train.max_steps=3", "train.eval_every=0"]
+    )
     by_hand, tok = load_model(cfg.model)
     apply_ternary_qat(by_hand)
     run_sft(cfg, by_hand, tok)
@@ -252,19 +314,38 @@ def test_train_qat_is_the_same_run_as_apply_qat_before_the_recipe(tmp_path):
 
 @needs_ct
 def test_pretrain_with_int4_qat_writes_a_readable_int8_copy(tmp_path):
-    from lmforge.recipes.pretrain import PretrainConfig, run_pretrain
     from lmforge.quantize.qat import int4_fake_quant
+    from lmforge.recipes.pretrain import PretrainConfig, run_pretrain
 
     text = tmp_path / "a.txt"
     text.write_text("12+34=46\n7+5=12\n" * 100)
     fmt = "int8"
     out = tmp_path / "run"
-    run_pretrain(load_config(PretrainConfig, None, [
-        "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
-        "model.max_position_embeddings=32", f"data.files=[{text}]", "data.seq_len=16", "data.cache=false",
-        "train.max_steps=2", "train.batch_size=4", "train.micro_batch_size=4", "train.eval_every=0",
-        "train.threads=1", "logging.progress=false", "train.qat=int4", f"train.save_quantized=[{fmt}]",
-        f"train.output_dir={out}"]))
+    run_pretrain(
+        load_config(
+            PretrainConfig,
+            None,
+            [
+                "model.tokenizer=char",
+                "model.hidden_size=32",
+                "model.num_layers=1",
+                "model.num_heads=2",
+                "model.max_position_embeddings=32",
+                f"data.files=[{text}]",
+                "data.seq_len=16",
+                "data.cache=false",
+                "train.max_steps=2",
+                "train.batch_size=4",
+                "train.micro_batch_size=4",
+                "train.eval_every=0",
+                "train.threads=1",
+                "logging.progress=false",
+                "train.qat=int4",
+                f"train.save_quantized=[{fmt}]",
+                f"train.output_dir={out}",
+            ],
+        )
+    )
     assert json.loads((out / "final" / "config.json").read_text())["lmforge_qat"] == "int4"
     hf = dequantize(out / "final" / f"quantized-{fmt}", tmp_path / "hf")
     plain = load_plain(hf)

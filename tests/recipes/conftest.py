@@ -1,4 +1,5 @@
 """Shared by the RL recipe tests: a reward with variance for an untrained model."""
+
 import pytest
 
 from lmforge.rollout import BUILTIN_REWARDS

@@ -1,5 +1,6 @@
 """Environments for the episode tests, loaded by name as ``episode_envs:<Class>`` (tests/recipes is on
 sys.path): one that ends after the first reply, a multi-turn one, a tool-using one and broken ones."""
+
 import time
 
 from lmforge.envs.base import StepResult
@@ -8,6 +9,7 @@ from lmforge.envs.tool_env import ToolEnv
 
 class OneTurn:
     """The single-turn case as an environment: the prompt as one user message, done after one reply."""
+
     tools: list = []
 
     def reset(self, problem, state):
@@ -20,6 +22,7 @@ class OneTurn:
 class Again:
     """Asks "again" until the ``turns``-th reply: the part ``turn`` is 0.25 after each earlier reply, and
     ``said`` is 1 when the last reply is non-empty."""
+
     tools: list = []
 
     def __init__(self, turns: int = 2):

@@ -1,6 +1,7 @@
 """``lmforge antidistill``: the six stages run end to end from one config on tiny random models (CPU,
 in-process, through the CLI), a teacher/proxy tokenizer mismatch fails clearly, and a stage whose
 input is missing names the command to run first."""
+
 from __future__ import annotations
 
 import json
@@ -16,22 +17,44 @@ from lmforge.antidistill.ads import load_gradient
 from lmforge.antidistill.pipeline import StageInputMissing, interpolate, read_jsonl
 from lmforge.cli import main
 from lmforge.core.config import load_config
-from lmforge.data.tasks import get_task
 from lmforge.core.errors import ConfigError
+from lmforge.data.tasks import get_task
 from lmforge.model.load import load_model
+from lmforge.model.tokenizer import char_tokenizer
 from lmforge.parallel.context import free_port as _free_port
 from lmforge.recipes.antidistill import AntidistillConfig, run_grad, run_traces
-from lmforge.model.tokenizer import char_tokenizer
 
-TINY = ["name=tiny:llama", "tokenizer=char", "hidden_size=32", "num_layers=2", "num_heads=2",
-        "max_position_embeddings=32"]
-ARGS = ([f"{role}.{kv}" for role in ("teacher", "proxy", "student") for kv in TINY]
-        + ["proxy.init_seed=1", "student.init_seed=2", "student.num_layers=1",
-           "data.num_heldout=8", "data.num_prompts=8", "data.samples_per_prompt=2", "data.num_test=8",
-           "data.max_new_tokens=4", "data.max_len=16", "traces.batch_size=4", "grad.batch_size=3",
-           "sample.temperatures=[1.0,2.0]", "sample.lams=[0.0,0.5]", "sample.batch_size=4",
-           "distill.max_steps=2", "distill.batch_size=4", "distill.micro_batch_size=4", "distill.optim.lr=1e-2", "distill.val_fraction=0.2",
-           "run.threads=1", "run.progress=false"])
+TINY = [
+    "name=tiny:llama",
+    "tokenizer=char",
+    "hidden_size=32",
+    "num_layers=2",
+    "num_heads=2",
+    "max_position_embeddings=32",
+]
+ARGS = [f"{role}.{kv}" for role in ("teacher", "proxy", "student") for kv in TINY] + [
+    "proxy.init_seed=1",
+    "student.init_seed=2",
+    "student.num_layers=1",
+    "data.num_heldout=8",
+    "data.num_prompts=8",
+    "data.samples_per_prompt=2",
+    "data.num_test=8",
+    "data.max_new_tokens=4",
+    "data.max_len=16",
+    "traces.batch_size=4",
+    "grad.batch_size=3",
+    "sample.temperatures=[1.0,2.0]",
+    "sample.lams=[0.0,0.5]",
+    "sample.batch_size=4",
+    "distill.max_steps=2",
+    "distill.batch_size=4",
+    "distill.micro_batch_size=4",
+    "distill.optim.lr=1e-2",
+    "distill.val_fraction=0.2",
+    "run.threads=1",
+    "run.progress=false",
+]
 SETTINGS = ["T1-lam0", "T1-lam0.5", "T2-lam0", "T2-lam0.5"]
 
 
@@ -54,7 +77,10 @@ def test_traces_stage_writes_scored_heldout_traces(workdir):
     assert len(rows) == 8 and all({"prompt", "completion", "correct"} <= set(r) for r in rows)
     # scored against each row's own problem: the addition answer, written least-significant digit first
     cfg = load_config(AntidistillConfig, None, ARGS)
-    problems = {p.prompt: p for p in get_task(cfg.data.task).make_problems(cfg.data.num_heldout, cfg.data.seed, cfg.data.heldout_split)}
+    problems = {
+        p.prompt: p
+        for p in get_task(cfg.data.task).make_problems(cfg.data.num_heldout, cfg.data.seed, cfg.data.heldout_split)
+    }
     for row in rows:
         assert row["correct"] == (row["completion"].strip() == problems[row["prompt"]].completion), row
     assert summary["temperature"] == 0.0 and summary["config"]["data"]["num_heldout"] == 8
@@ -122,8 +148,10 @@ def test_tokenizer_mismatch_between_teacher_and_proxy_fails_clearly(tmp_path, ca
     assert "tokenizers differ" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("stage,first", [("grad", "traces"), ("sample", "grad"), ("distill", "sample"),
-                                         ("eval", "distill"), ("report", "eval")])
+@pytest.mark.parametrize(
+    "stage,first",
+    [("grad", "traces"), ("sample", "grad"), ("distill", "sample"), ("eval", "distill"), ("report", "eval")],
+)
 def test_missing_input_names_the_command_to_run_first(tmp_path, capsys, stage, first):
     assert cli(stage, tmp_path) == 2
     assert f"run `lmforge antidistill {first}`" in capsys.readouterr().err
@@ -150,8 +178,9 @@ def test_random_direction_control_writes_its_own_settings(workdir, tmp_path):
         assert summary["direction"] == ("none" if summary["lam"] == 0 else "random")
         assert (summary["kl_per_token"] > 0) == (summary["lam"] != 0)
     # lam = 0 does not depend on the direction: same seeds, same traces as the proxy run
-    assert (read_jsonl(root / "samples" / "T1-lam0" / "traces.jsonl")
-            == read_jsonl(workdir / "samples" / "T1-lam0" / "traces.jsonl"))
+    assert read_jsonl(root / "samples" / "T1-lam0" / "traces.jsonl") == read_jsonl(
+        workdir / "samples" / "T1-lam0" / "traces.jsonl"
+    )
     proxy_kl = json.loads((workdir / "samples" / "T1-lam0.5" / "summary.json").read_text())["kl_per_token"]
     random_kl = json.loads((root / "samples" / "T1-lam0.5-random" / "summary.json").read_text())["kl_per_token"]
     assert random_kl != proxy_kl  # another direction, another tilt
@@ -195,8 +224,19 @@ def test_grad_under_torchrun_equals_one_process(workdir, tmp_path):
     """`torchrun --nproc_per_node=2 -m lmforge antidistill grad`: the traces are sharded over two gloo
     ranks, the sums all-reduced, rank 0 writes; the file equals the one-process gradient."""
     shutil.copytree(workdir / "traces", tmp_path / "traces")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           "-m", "lmforge", "antidistill", "grad", *ARGS, f"run.workdir={tmp_path}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={_free_port()}",
+        "-m",
+        "lmforge",
+        "antidistill",
+        "grad",
+        *ARGS,
+        f"run.workdir={tmp_path}",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -224,8 +264,19 @@ def test_a_reasoning_gym_task_is_a_prompt_source(tmp_path):
     pytest.importorskip("reasoning_gym")
     long_ctx = [a for a in ARGS if not a.startswith("data.max_len") and "max_position" not in a]
     long_ctx += [f"{role}.max_position_embeddings=256" for role in ("teacher", "proxy", "student")]
-    assert main(["antidistill", "traces", *long_ctx, "data.max_len=256", "data.task=rg:leg_counting:answer_format=plain",
-                 f"run.workdir={tmp_path}"]) == 0
+    assert (
+        main(
+            [
+                "antidistill",
+                "traces",
+                *long_ctx,
+                "data.max_len=256",
+                "data.task=rg:leg_counting:answer_format=plain",
+                f"run.workdir={tmp_path}",
+            ]
+        )
+        == 0
+    )
     rows = read_jsonl(tmp_path / "traces" / "heldout.jsonl")
     task = get_task("rg:leg_counting:answer_format=plain")
     problems = task.make_problems(8, 0, "val")
@@ -244,11 +295,24 @@ def test_a_data_file_of_prompts_and_answers_is_a_prompt_source(tmp_path):
 
     pytest.importorskip("datasets")
     addition = get_task("addition")  # its own splits use the same hash: take rows of all three
-    problems = [p for split, n in (("train", 240), ("val", 30), ("test", 30)) for p in addition.make_problems(n, 0, split)]
+    problems = [
+        p for split, n in (("train", 240), ("val", 30), ("test", 30)) for p in addition.make_problems(n, 0, split)
+    ]
     csv = tmp_path / "sums.csv"
     csv.write_text("question,solution\n" + "".join(f"{p.prompt},{p.completion}\n" for p in problems))
-    assert main(["antidistill", "traces", *ARGS, f"data.path={csv}", "data.columns={prompt: question, answer: solution}",
-                 f"run.workdir={tmp_path / 'work'}"]) == 0
+    assert (
+        main(
+            [
+                "antidistill",
+                "traces",
+                *ARGS,
+                f"data.path={csv}",
+                "data.columns={prompt: question, answer: solution}",
+                f"run.workdir={tmp_path / 'work'}",
+            ]
+        )
+        == 0
+    )
     rows = read_jsonl(tmp_path / "work" / "traces" / "heldout.jsonl")
     assert len(rows) == 8
     wanted = {p.prompt: p.completion for p in problems}
@@ -259,12 +323,13 @@ def test_a_data_file_of_prompts_and_answers_is_a_prompt_source(tmp_path):
     assert sum(task.sizes().values()) == 300
     assert task.make_problems(5, 1, "test") == task.make_problems(5, 1, "test") != task.make_problems(5, 2, "test")
     assert {p.prompt for p in task.make_problems(1000, 0, "train")}.isdisjoint(
-        p.prompt for p in task.make_problems(1000, 0, "test"))
+        p.prompt for p in task.make_problems(1000, 0, "test")
+    )
 
 
 def test_rows_task_errors_name_the_file_and_row(tmp_path):
-    from lmforge.data.rows_task import RowsTask
     from lmforge.core.errors import DataError
+    from lmforge.data.rows_task import RowsTask
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')

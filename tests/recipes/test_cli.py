@@ -1,4 +1,5 @@
 """The command line: help texts, clear errors, and tiny pretrain / plot runs end to end."""
+
 import argparse
 import json
 import re
@@ -7,8 +8,8 @@ import sys
 
 import pytest
 
-from lmforge.core import confighelp
 from lmforge.cli import RECIPES, build_parser, main
+from lmforge.core import confighelp
 
 
 def help_text(capsys, *args) -> str:
@@ -23,8 +24,14 @@ def test_help_lists_commands_and_options(capsys):
     top = help_text(capsys)
     for command in ("quickstart", "pretrain", "sft", "grpo", "ppo", "antidistill", "hardware", "plot"):
         assert re.search(rf"^    {command}\b", top, re.MULTILINE), command  # listed as a subcommand
-    for command, option in (("quickstart", "sft_steps"), ("pretrain", "tokenizer.vocab_size"), ("sft", "optim.lr"),
-                            ("grpo", "algo.preset"), ("ppo", "algo.value_coef"), (("antidistill", "sample"), "sample.lams")):
+    for command, option in (
+        ("quickstart", "sft_steps"),
+        ("pretrain", "tokenizer.vocab_size"),
+        ("sft", "optim.lr"),
+        ("grpo", "algo.preset"),
+        ("ppo", "algo.value_coef"),
+        (("antidistill", "sample"), "sample.lams"),
+    ):
         text = help_text(capsys, *([command] if isinstance(command, str) else command))
         assert f"  {option} " in text and "[default:" in text, (command, option)
     assert main([]) == 0 and "usage: lmforge" in capsys.readouterr().out  # no command: the help, exit 0
@@ -38,12 +45,14 @@ def test_console_script_entry_point_runs():
 
 def every_help_argv() -> list[list[str]]:
     """``[..., "--help"]`` of lmforge and of every command and subcommand it has, and ``--version``."""
+
     def walk(parser, path):
         yield [*path, "--help"]
         for action in parser._actions:
             if isinstance(action, argparse._SubParsersAction):
                 for name, child in action.choices.items():
                     yield from walk(child, [*path, name])
+
     return [["--version"], *walk(build_parser(complete=True), [])]
 
 
@@ -68,8 +77,9 @@ def test_version_and_every_help_import_no_torch():
     # the recipe, and torch shows up here. CPU time, not wall time: other processes do not inflate it.
     argvs = every_help_argv()
     assert ["antidistill", "sample", "--help"] in argvs and ["quantize", "--help"] in argvs and len(argvs) > 20
-    proc = subprocess.run([sys.executable, "-c", HELP_SCRIPT, json.dumps(argvs)], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", HELP_SCRIPT, json.dumps(argvs)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["heavy"] == [], report
@@ -117,11 +127,27 @@ def test_pretrain_with_own_bpe_then_plot(tmp_path):
         text = " ".join(words[(i + j) % len(words)] for j in range(300))
         (corpus / ("sub" if i % 2 else "") / f"doc{i}.txt").write_text(text)
     out = tmp_path / "run"
-    code = main(["pretrain", f"data.files=[{corpus}]", "tokenizer.train=true", "tokenizer.vocab_size=300",
-                 "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "data.seq_len=32",
-                 "train.max_steps=30", "train.micro_batch_size=8", "train.eval_every=15", "train.save_every=15",
-                 "optim.lr=3e-3", "train.num_samples=1", "train.max_new_tokens=8",
-                 "logging.progress=false", f"train.output_dir={out}"])
+    code = main(
+        [
+            "pretrain",
+            f"data.files=[{corpus}]",
+            "tokenizer.train=true",
+            "tokenizer.vocab_size=300",
+            "model.hidden_size=32",
+            "model.num_layers=2",
+            "model.num_heads=2",
+            "data.seq_len=32",
+            "train.max_steps=30",
+            "train.micro_batch_size=8",
+            "train.eval_every=15",
+            "train.save_every=15",
+            "optim.lr=3e-3",
+            "train.num_samples=1",
+            "train.max_new_tokens=8",
+            "logging.progress=false",
+            f"train.output_dir={out}",
+        ]
+    )
     assert code == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
@@ -138,10 +164,25 @@ def test_pretrain_with_own_bpe_then_plot(tmp_path):
     # A second run into the finished directory is refused before it writes anything: its tokenizer (another
     # vocab_size) used to be saved over the run's own before the refusal.
     saved = (out / "tokenizer" / "tokenizer.json").read_bytes()
-    assert main(["pretrain", f"data.files=[{corpus}]", "tokenizer.train=true", "tokenizer.vocab_size=280",
-                 "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "data.seq_len=32",
-                 "train.max_steps=30", "train.micro_batch_size=8", "logging.progress=false",
-                 f"train.output_dir={out}"]) == 2
+    assert (
+        main(
+            [
+                "pretrain",
+                f"data.files=[{corpus}]",
+                "tokenizer.train=true",
+                "tokenizer.vocab_size=280",
+                "model.hidden_size=32",
+                "model.num_layers=2",
+                "model.num_heads=2",
+                "data.seq_len=32",
+                "train.max_steps=30",
+                "train.micro_batch_size=8",
+                "logging.progress=false",
+                f"train.output_dir={out}",
+            ]
+        )
+        == 2
+    )
     assert (out / "tokenizer" / "tokenizer.json").read_bytes() == saved
 
 

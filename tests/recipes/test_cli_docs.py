@@ -2,6 +2,7 @@
 text (with its default), ``lmforge --version`` works, and every ``lmforge ...`` command line quoted
 in a code block of README.md or docs/ parses (argparse, then the config keys for the commands that take
 a config)."""
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,14 @@ def _config_classes() -> dict[str, type]:
     from lmforge.recipes.quickstart import QuickstartConfig
     from lmforge.recipes.sft import SFTConfig
 
-    return {"quickstart": QuickstartConfig, "pretrain": PretrainConfig, "sft": SFTConfig, "grpo": GRPOConfig,
-            "ppo": PPOConfig, "antidistill": AntidistillConfig}
+    return {
+        "quickstart": QuickstartConfig,
+        "pretrain": PretrainConfig,
+        "sft": SFTConfig,
+        "grpo": GRPOConfig,
+        "ppo": PPOConfig,
+        "antidistill": AntidistillConfig,
+    }
 
 
 def quoted_command_lines() -> list[tuple[str, str]]:
@@ -93,8 +100,14 @@ def test_the_docs_quote_commands():
 
 
 # what a placeholder in a quoted command stands for: a config file of that command, a shell variable's value
-PLACEHOLDER_CONFIGS = {"sft": "examples/sft_addition.yaml", "grpo": "examples/grpo_addition.yaml",
-                       "ppo": "examples/ppo_addition.yaml", "pretrain": None, "quickstart": None, "antidistill": None}
+PLACEHOLDER_CONFIGS = {
+    "sft": "examples/sft_addition.yaml",
+    "grpo": "examples/grpo_addition.yaml",
+    "ppo": "examples/ppo_addition.yaml",
+    "pretrain": None,
+    "quickstart": None,
+    "antidistill": None,
+}
 SHELL_VALUES = {"d": "fp32", "s": "0", "MODEL": "tiny:llama"}
 
 

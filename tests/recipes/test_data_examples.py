@@ -1,5 +1,6 @@
 """The data examples of docs/data.md run as shipped (one step each), and every source that
 examples/data/make_sources.py writes reads back as the same 40 prompt rows."""
+
 import runpy
 import sys
 from pathlib import Path
@@ -10,15 +11,18 @@ datasets = pytest.importorskip("datasets")
 
 from lmforge.core.config import load_config  # noqa: E402
 from lmforge.data.prompts import load_prompt_rows  # noqa: E402
-from lmforge.runtime.metrics import read_metrics  # noqa: E402
 from lmforge.recipes.grpo import GRPOConfig, run_grpo  # noqa: E402
 from lmforge.recipes.pretrain import PretrainConfig, run_pretrain  # noqa: E402
 from lmforge.recipes.sft import SFTConfig, run_sft  # noqa: E402
+from lmforge.runtime.metrics import read_metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "data"
-RECIPES = {"grpo_csv.yaml": (GRPOConfig, run_grpo), "sft_csv.yaml": (SFTConfig, run_sft),
-           "pretrain_stream.yaml": (PretrainConfig, run_pretrain)}
+RECIPES = {
+    "grpo_csv.yaml": (GRPOConfig, run_grpo),
+    "sft_csv.yaml": (SFTConfig, run_sft),
+    "pretrain_stream.yaml": (PretrainConfig, run_pretrain),
+}
 MAP = {"prompt": "question"}
 
 
@@ -31,8 +35,13 @@ def test_the_data_examples_run_as_shipped(name, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the examples name their files relative to the repository root
     cls, run = RECIPES[name]
     out = tmp_path / "run"
-    run(load_config(cls, EXAMPLES / name, ["train.max_steps=1", "train.threads=1", "logging.progress=false",
-                                           f"train.output_dir={out}"]))
+    run(
+        load_config(
+            cls,
+            EXAMPLES / name,
+            ["train.max_steps=1", "train.threads=1", "logging.progress=false", f"train.output_dir={out}"],
+        )
+    )
     records = read_metrics(out)
     assert any(r["kind"] == "train" for r in records)
     if cls is GRPOConfig:

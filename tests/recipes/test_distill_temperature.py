@@ -2,22 +2,41 @@
 student (issue 37 item 7): the logged ``reverse_kl`` is the KL of the two models' softmax(logits / T)
 on the step's own rows, recomputed here from scratch (each row alone, the whole vocabulary, fp64), for
 both signals. At T = 1 (every other distillation test) a teacher scored without T cannot be told apart."""
+
 import pytest
 import torch
+from run_records import records
 
 from lmforge import rl
 from lmforge.core.config import ModelConfig, load_config
 from lmforge.model.load import load_model
 from lmforge.recipes.distill import DistillConfig, run_distill
-from run_records import records
 
 TEMPERATURE = 0.5
 TINY = {"tokenizer": "char", "hidden_size": 32, "num_layers": 2, "num_heads": 2, "max_position_embeddings": 32}
-ARGS = [f"model.{k}={v}" for k, v in TINY.items()] + [f"teacher.{k}={v}" for k, v in TINY.items()] + [
-    "teacher.name=tiny:llama", "teacher.init_seed=1", "teacher.dtype=fp32", "train.max_steps=1", "train.save_every=0",
-    "train.eval_every=0", "train.max_new_tokens=4", "train.threads=1", "logging.progress=false",
-    "data.task=addition", "data.num_train=64", "data.num_eval=8", "rollout.num_prompts=2", "rollout.group_size=4",
-    "rollout.max_new_tokens=6", "train.micro_batch_size=4", f"rollout.temperature={TEMPERATURE}"]
+ARGS = (
+    [f"model.{k}={v}" for k, v in TINY.items()]
+    + [f"teacher.{k}={v}" for k, v in TINY.items()]
+    + [
+        "teacher.name=tiny:llama",
+        "teacher.init_seed=1",
+        "teacher.dtype=fp32",
+        "train.max_steps=1",
+        "train.save_every=0",
+        "train.eval_every=0",
+        "train.max_new_tokens=4",
+        "train.threads=1",
+        "logging.progress=false",
+        "data.task=addition",
+        "data.num_train=64",
+        "data.num_eval=8",
+        "rollout.num_prompts=2",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=6",
+        "train.micro_batch_size=4",
+        f"rollout.temperature={TEMPERATURE}",
+    ]
+)
 
 
 def row_logprobs(model, batch: rl.TrainBatch, row: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,9 +44,9 @@ def row_logprobs(model, batch: rl.TrainBatch, row: int, temperature: float) -> t
     those tokens (n,): the row alone, prompt then completion, no padding, no packing."""
     prompt_len = int(batch.prompt_lens[row])
     completion = batch.completion_ids[row]
-    ids = batch.input_ids[row, :int(batch.attention_mask[row].sum())]
-    assert torch.equal(ids[prompt_len:], completion[:len(ids) - prompt_len])  # the layout is prompt + completion
-    trained = batch.trained_mask[row].bool()[:len(ids) - prompt_len].nonzero().squeeze(1)
+    ids = batch.input_ids[row, : int(batch.attention_mask[row].sum())]
+    assert torch.equal(ids[prompt_len:], completion[: len(ids) - prompt_len])  # the layout is prompt + completion
+    trained = batch.trained_mask[row].bool()[: len(ids) - prompt_len].nonzero().squeeze(1)
     with torch.no_grad():
         logits = model(input_ids=ids[None]).logits[0].double()
     return torch.log_softmax(logits[prompt_len + trained - 1] / temperature, -1), completion[trained]

@@ -1,6 +1,7 @@
 """``lmforge dpo`` on a tiny model: the first step's loss and rewards where policy = reference, the
 reference frozen (a copy, or the LoRA policy with its adapters off), SimPO without a reference, exact
 resume, bad settings as ConfigErrors through the CLI."""
+
 from __future__ import annotations
 
 import json
@@ -10,23 +11,39 @@ import shutil
 import pytest
 import torch
 
-from lmforge.runtime.checkpoint import list_checkpoints
 from lmforge.cli import main
 from lmforge.core.config import load_config
-from lmforge.data.sft import collate_sft
 from lmforge.core.errors import ConfigError
+from lmforge.data.sft import collate_sft
 from lmforge.model.load import load_model
 from lmforge.recipes import dpo
-from lmforge.supervised.pairs import model_answers
+from lmforge.runtime.checkpoint import list_checkpoints
 from lmforge.supervised.pair_forward import pack_pairs, pair_logits, segment_length, side_logps
+from lmforge.supervised.pairs import model_answers
 
 REAL_MAKE_REFERENCE = dpo.make_reference
 
-ARGS = ["data.task=addition", "data.num_train=64", "data.num_val=16", "data.num_eval=8", "data.max_len=16",
-        "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
-        "model.max_position_embeddings=32", "train.max_steps=4", "train.micro_batch_size=4", "train.batch_size=8",
-        "train.eval_every=0", "train.save_every=0", "train.max_new_tokens=4", "train.threads=1", "optim.lr=1e-2",
-        "logging.progress=false"]
+ARGS = [
+    "data.task=addition",
+    "data.num_train=64",
+    "data.num_val=16",
+    "data.num_eval=8",
+    "data.max_len=16",
+    "model.tokenizer=char",
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.max_position_embeddings=32",
+    "train.max_steps=4",
+    "train.micro_batch_size=4",
+    "train.batch_size=8",
+    "train.eval_every=0",
+    "train.save_every=0",
+    "train.max_new_tokens=4",
+    "train.threads=1",
+    "optim.lr=1e-2",
+    "logging.progress=false",
+]
 
 
 def records(run_dir, kind="train"):
@@ -78,17 +95,24 @@ def test_the_reference_is_the_starting_model_and_stays_frozen(tmp_path, monkeypa
     sides = collate_sft([p.chosen for p in pairs] + [p.rejected for p in pairs], tokenizer.pad_token_id)
     predicts = sides["labels"][:, 1:] != -100
     assert lens.tolist() == predicts.sum(-1).tolist()
-    torch.testing.assert_close(start_logps.double(), full_logps(start, sides["input_ids"], sides["attention_mask"],
-                                                                predicts), rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        start_logps.double(),
+        full_logps(start, sides["input_ids"], sides["attention_mask"], predicts),
+        rtol=0,
+        atol=1e-5,
+    )
     assert dpo.make_reference(start, "simpo") is None and reference is not start
     # training raised log pi(chosen) - log pi(rejected) over the training pairs (each side collated and
     # run on its own here, so a swap of the sides inside the recipe's batches shows)
     margins = []
     for net in (start, model):
-        sides = [collate_sft([getattr(p, side) for p in train_data.pairs], tokenizer.pad_token_id)
-                 for side in ("chosen", "rejected")]
-        chosen, rejected = (full_logps(net, b["input_ids"], b["attention_mask"], b["labels"][:, 1:] != -100)
-                            for b in sides)
+        sides = [
+            collate_sft([getattr(p, side) for p in train_data.pairs], tokenizer.pad_token_id)
+            for side in ("chosen", "rejected")
+        ]
+        chosen, rejected = (
+            full_logps(net, b["input_ids"], b["attention_mask"], b["labels"][:, 1:] != -100) for b in sides
+        )
         margins.append((chosen - rejected).mean().item())
     assert margins[1] > margins[0] + 0.05, margins
 
@@ -98,7 +122,7 @@ def full_logps(model, input_ids, attention_mask, predicts):
     with torch.no_grad():
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.double()
     token_logps = torch.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None])[..., 0]
-    return (token_logps * predicts[:, :token_logps.shape[1]]).sum(-1)
+    return (token_logps * predicts[:, : token_logps.shape[1]]).sum(-1)
 
 
 def test_the_hardware_choice_sees_the_longest_pair_as_it_runs(tmp_path, monkeypatch):
@@ -106,8 +130,13 @@ def test_the_hardware_choice_sees_the_longest_pair_as_it_runs(tmp_path, monkeypa
     not for two sides of data.max_len tokens; with data.rejected=policy the pairs come after the run starts."""
     seen = []
     real = dpo.start_run
-    monkeypatch.setattr(dpo, "start_run", lambda cfg, name, model, seq_len, console: seen.append(seq_len) or
-                        real(cfg, name, model, seq_len=seq_len, console=console))
+    monkeypatch.setattr(
+        dpo,
+        "start_run",
+        lambda cfg, name, model, seq_len, console: (
+            seen.append(seq_len) or real(cfg, name, model, seq_len=seq_len, console=console)
+        ),
+    )
     cfg, _ = run(tmp_path / "rule", "train.max_steps=1", "data.max_len=24")
     train_data, val_data = dpo.build_pairs(cfg.data, cfg.train, cfg.model, load_model(cfg.model)[1], lambda *_: None)
     longest = max(segment_length(pair) for data in (train_data, val_data) for pair in data.pairs)
@@ -130,8 +159,7 @@ def test_sides_longer_than_a_sliding_window_are_a_config_error(tmp_path):
 
 
 def test_lora_reference_is_the_base_model(tmp_path):
-    _, final = run(tmp_path / "lora", "model.lora.r=4", "train.max_steps=3",
-                   "optim.lr=5e-2")
+    _, final = run(tmp_path / "lora", "model.lora.r=4", "train.max_steps=3", "optim.lr=5e-2")
     steps = records(tmp_path / "lora")
     # adapters start at B = 0: the policy equals its base, the reference (adapters off): loss log 2
     assert steps[1]["loss"] == pytest.approx(math.log(2), abs=1e-6)
@@ -153,9 +181,13 @@ def test_policy_rejected_pairs_are_the_models_wrong_answers(tmp_path, capsys):
     cfg = load_config(dpo.DPOConfig, None, ARGS + [f"train.output_dir={tmp_path}", "data.rejected=policy"])
     model, tokenizer = load_model(cfg.model)
     train, _ = dpo.build_pairs(cfg.data, cfg.train, cfg.model, tokenizer, print, model)
-    answers = model_answers(model, tokenizer, dpo.get_task("addition"), 64, 0, "train", cfg.data, cfg.train.max_new_tokens)
-    rejected = [tokenizer.decode([i for i, m in zip(p.rejected.input_ids, p.rejected.loss_mask) if m],
-                                 skip_special_tokens=True) for p in train.pairs]
+    answers = model_answers(
+        model, tokenizer, dpo.get_task("addition"), 64, 0, "train", cfg.data, cfg.train.max_new_tokens
+    )
+    rejected = [
+        tokenizer.decode([i for i, m in zip(p.rejected.input_ids, p.rejected.loss_mask) if m], skip_special_tokens=True)
+        for p in train.pairs
+    ]
     assert "the starting model answers 64 of 64 training problems wrongly (and 0 blank)" in capsys.readouterr().out
     assert rejected == [a.strip() for a in answers if a.strip()]  # an untrained model: every answer wrong
 
@@ -171,14 +203,17 @@ def test_resume_reproduces_the_run(tmp_path):
     assert {k: v["loss"] for k, v in records(part).items()} == {k: v["loss"] for k, v in records(full).items()}
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["algo.label_smoothing=0.1", "algo.loss=ipo"], "algo: label_smoothing is defined for the 'sigmoid'"),
-    (["algo.beta=0"], "algo: beta must be > 0"),
-    (["data.path=x.jsonl"], "set exactly one of data.path"),
-    (["data.columns={chosen: a}"], "data.columns"),
-    (["data.columns={answer: a}", "data.task=", "data.path=x.jsonl"], "answer"),
-    (["data.rejected=policy", "data.task=", "data.path=x.jsonl"], "data.rejected chooses how pairs are made"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["algo.label_smoothing=0.1", "algo.loss=ipo"], "algo: label_smoothing is defined for the 'sigmoid'"),
+        (["algo.beta=0"], "algo: beta must be > 0"),
+        (["data.path=x.jsonl"], "set exactly one of data.path"),
+        (["data.columns={chosen: a}"], "data.columns"),
+        (["data.columns={answer: a}", "data.task=", "data.path=x.jsonl"], "answer"),
+        (["data.rejected=policy", "data.task=", "data.path=x.jsonl"], "data.rejected chooses how pairs are made"),
+    ],
+)
 def test_bad_settings_exit_2_naming_the_key(tmp_path, capsys, overrides, message):
     assert main(["dpo", *ARGS, f"train.output_dir={tmp_path}", *overrides]) == 2
     assert message in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """DPO's policy runs without the model's own dropout by default (issue 37 item 7), as TRL's
 ``disable_dropout=True`` does: the reference runs without it, so with it the log-ratios are noise from
 step 1 on. Docs: docs/preference.md."""
+
 import json
 import math
 
@@ -11,11 +12,26 @@ from lmforge.core.config import load_config
 from lmforge.model.load import load_model
 from lmforge.recipes import dpo
 
-ARGS = ["data.task=addition", "data.num_train=16", "data.num_val=8", "data.num_eval=0", "data.max_len=16",
-        "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
-        "model.max_position_embeddings=32", "train.max_steps=1", "train.micro_batch_size=8", "train.batch_size=8",
-        "train.eval_every=0", "train.save_every=0", "train.max_new_tokens=4", "train.threads=1",
-        "logging.progress=false"]
+ARGS = [
+    "data.task=addition",
+    "data.num_train=16",
+    "data.num_val=8",
+    "data.num_eval=0",
+    "data.max_len=16",
+    "model.tokenizer=char",
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.max_position_embeddings=32",
+    "train.max_steps=1",
+    "train.micro_batch_size=8",
+    "train.batch_size=8",
+    "train.eval_every=0",
+    "train.save_every=0",
+    "train.max_new_tokens=4",
+    "train.threads=1",
+    "logging.progress=false",
+]
 
 
 def first_step(tmp_path, *extra) -> dict:

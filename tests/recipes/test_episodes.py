@@ -2,6 +2,7 @@
 ids verbatim under a tokenizer whose decode -> encode is not the identity; (b) the loss trains exactly
 the policy's tokens, and the same check catches a mask with one environment token switched on;
 (c) a one-turn environment gives exactly the single-turn GRPO run."""
+
 import threading
 import time
 import types
@@ -9,22 +10,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from episode_envs import Again, Hangs, Malformed, Raises
+from run_records import records
 
 from lmforge import rl
 from lmforge.core.config import ModelConfig, load_config
+from lmforge.core.errors import ConfigError, TrainingError
 from lmforge.envs.base import StepResult
 from lmforge.envs.episode import EpisodeLimits, EpisodeRunner, episode_rollout
-from lmforge.rollout.continuous import ContinuousDecoder, FinishedRow
 from lmforge.envs.tool_env import ToolEnv
-from lmforge.core.errors import ConfigError, TrainingError
 from lmforge.losses.policy import PolicyLossSpec, policy_loss
 from lmforge.model.load import load_model
+from lmforge.model.tokenizer import ASCII_ALPHABET, DEFAULT_CHAT_TEMPLATE, char_tokenizer
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
 from lmforge.rollout import RolloutBatch, SamplingParams, generate
-from lmforge.model.tokenizer import ASCII_ALPHABET, DEFAULT_CHAT_TEMPLATE, char_tokenizer
+from lmforge.rollout.continuous import ContinuousDecoder, FinishedRow
 from lmforge.runtime.optim import Precision
-from episode_envs import Again, Hangs, Malformed, Raises
-from run_records import records
 
 # Every runner test runs in both modes: rounds (EpisodeRunner.run) and continuous (run_continuous)
 MODES = ["rounds", "continuous"]
@@ -58,9 +59,17 @@ def scripted(turns: list[list[int]], pad: int):
         ones = torch.ones(rows, n, dtype=torch.long)
         logprobs = torch.tensor([[-0.5 - i / 10 for i in range(n)]] * rows)
         prompt_ids = torch.full((rows, 1), pad)
-        return RolloutBatch(prompt_ids, torch.ones(rows, 1, dtype=torch.long), ids, ones, logprobs,
-                            torch.arange(rows), torch.ones(rows, dtype=torch.long), torch.full((rows,), n),
-                            torch.zeros(rows, dtype=torch.bool))
+        return RolloutBatch(
+            prompt_ids,
+            torch.ones(rows, 1, dtype=torch.long),
+            ids,
+            ones,
+            logprobs,
+            torch.arange(rows),
+            torch.ones(rows, dtype=torch.long),
+            torch.full((rows,), n),
+            torch.zeros(rows, dtype=torch.bool),
+        )
 
     return generate_fn, seen
 
@@ -86,8 +95,10 @@ class ScriptedDecoder:
         pass
 
     def step(self):
-        rows = [FinishedRow(key, list(sampled), [-0.5 - i / 10 for i in range(len(sampled))], False)
-                for key, sampled in self.queue]
+        rows = [
+            FinishedRow(key, list(sampled), [-0.5 - i / 10 for i in range(len(sampled))], False)
+            for key, sampled in self.queue
+        ]
         self.queue = []
         return rows
 
@@ -113,23 +124,26 @@ def test_history_holds_the_sampled_ids_verbatim_under_a_non_identity_tokenizer(m
     turns = [[a, b, eos], [b, a, b, eos], [a, b, a, eos]]  # every turn has a, b as two tokens
     runner = EpisodeRunner(Again(turns=3), tok, EpisodeLimits(max_turns=3), workers=2)
     problem = types.SimpleNamespace(prompt="1+2=", answer="3")
-    episodes, _, seen = run_scripted(runner, mode, turns, [problem], 2,
-                                     SamplingParams(max_new_tokens=8, stop_token_ids=[eos], seed=0))
+    episodes, _, seen = run_scripted(
+        runner, mode, turns, [problem], 2, SamplingParams(max_new_tokens=8, stop_token_ids=[eos], seed=0)
+    )
     for episode in episodes:
         assert episode.end == "done" and episode.state.turn == 3
         sampled = [i for i, t in zip(episode.ids, episode.trained) if t]
         assert sampled == [i for turn in turns for i in turn]  # verbatim, stop tokens included
         assert [lp for lp, t in zip(episode.logprobs, episode.trained) if t] == pytest.approx(
-            [-0.5 - i / 10 for turn in turns for i in range(len(turn))], abs=1e-7)
+            [-0.5 - i / 10 for turn in turns for i in range(len(turn))], abs=1e-7
+        )
         assert all(lp == 0.0 for lp, t in zip(episode.logprobs, episode.trained) if not t)
         history = episode.prompt_ids + episode.ids
         # the ids stand for the template's rendering of the whole conversation...
-        assert tok.decode(history) == runner.render(episode.state.messages[:-1]).text.rsplit("<|assistant|>", 1)[0] \
-            + "<|assistant|>\n" + tok.decode(turns[-1])
+        assert tok.decode(history) == runner.render(episode.state.messages[:-1]).text.rsplit("<|assistant|>", 1)[
+            0
+        ] + "<|assistant|>\n" + tok.decode(turns[-1])
         # ...yet re-encoding that text would change them: the tokenizer merges a, b into ab
         assert tok(tok.decode(history), add_special_tokens=False)["input_ids"] != history
         # each round's engine input was the previous history plus the new tokens, never re-encoded
-        assert seen[2][0] == episode.prompt_ids + episode.ids[:len(seen[2][0]) - len(episode.prompt_ids)]
+        assert seen[2][0] == episode.prompt_ids + episode.ids[: len(seen[2][0]) - len(episode.prompt_ids)]
     # rounds: turn 0 is a group's shared prompt, sampled twice; continuous: one row per episode
     assert seen[0] == [episodes[0].prompt_ids] * (1 if mode == "rounds" else 2)
 
@@ -149,8 +163,12 @@ def test_later_rounds_do_not_reuse_the_next_steps_draws():
             return inner(prompts, params, num_samples)
 
         runner = EpisodeRunner(Again(turns=3), tok, EpisodeLimits(max_turns=3), workers=1)
-        runner.run(recording, [types.SimpleNamespace(prompt="1+2=", answer="3")], 2,
-                   SamplingParams(max_new_tokens=4, stop_token_ids=[eos], seed=step_seed))
+        runner.run(
+            recording,
+            [types.SimpleNamespace(prompt="1+2=", answer="3")],
+            2,
+            SamplingParams(max_new_tokens=4, stop_token_ids=[eos], seed=step_seed),
+        )
         runner.close()
         seeds[step_seed] = used
     assert [s[0] for s in seeds.values()] == [10, 11, 12]  # round 0: the step's own seed, as single-turn
@@ -174,16 +192,30 @@ def test_a_sentencepiece_style_tokenizer_passes_the_prefix_check_with_its_ids_ve
     tok.chat_template = DEFAULT_CHAT_TEMPLATE
     reply = [vocab["\u2581The"], vocab["\u2581cat"], vocab["<eos>"]]
     runner = EpisodeRunner(Again(turns=3), tok, EpisodeLimits(max_turns=3), workers=1)
-    (episode,), _, _ = run_scripted(runner, mode, [reply] * 3, [types.SimpleNamespace(prompt="hi", answer="")], 1,
-                                    SamplingParams(max_new_tokens=8, stop_token_ids=[vocab["<eos>"]]))
+    (episode,), _, _ = run_scripted(
+        runner,
+        mode,
+        [reply] * 3,
+        [types.SimpleNamespace(prompt="hi", answer="")],
+        1,
+        SamplingParams(max_new_tokens=8, stop_token_ids=[vocab["<eos>"]]),
+    )
     assert episode.end == "done" and episode.state.turn == 3
     assert episode.state.messages[1] == {"role": "assistant", "content": "The cat"}
     assert [i for i, t in zip(episode.ids, episode.trained) if t] == reply * 3
 
 
 def tiny(max_positions=256):
-    return load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2, num_heads=2,
-                                  max_position_embeddings=max_positions))
+    return load_model(
+        ModelConfig(
+            name="tiny:llama",
+            tokenizer="char",
+            hidden_size=32,
+            num_layers=2,
+            num_heads=2,
+            max_position_embeddings=max_positions,
+        )
+    )
 
 
 class RecordingDecoder(ContinuousDecoder):
@@ -200,13 +232,28 @@ class RecordingDecoder(ContinuousDecoder):
     def step(self):
         rows = super().step()
         for row in rows:
-            self.calls.append(([self.inputs[row.key]], types.SimpleNamespace(
-                completion_ids=torch.tensor([row.token_ids]), completion_lens=torch.tensor([len(row.token_ids)]))))
+            self.calls.append(
+                (
+                    [self.inputs[row.key]],
+                    types.SimpleNamespace(
+                        completion_ids=torch.tensor([row.token_ids]), completion_lens=torch.tensor([len(row.token_ids)])
+                    ),
+                )
+            )
         return rows
 
 
-def run_tiny_episodes(env, limits=EpisodeLimits(max_turns=3, max_episode_tokens=64), group_size=2, seed=0,
-                      calls=None, mode="rounds", temperature=1.0, problems=None, workers=2):
+def run_tiny_episodes(
+    env,
+    limits=EpisodeLimits(max_turns=3, max_episode_tokens=64),
+    group_size=2,
+    seed=0,
+    calls=None,
+    mode="rounds",
+    temperature=1.0,
+    problems=None,
+    workers=2,
+):
     """Episodes of two problems with a tiny model in ``mode``; each engine call's (prompts, rollout) goes to
     ``calls`` (continuous: each finished row as a call)."""
     torch.manual_seed(0)
@@ -237,9 +284,9 @@ def sampled_positions(episode, calls) -> list[int]:
     full, positions = episode.prompt_ids + episode.ids, set()
     for inputs, rollout in calls:
         for row, history in enumerate(inputs):
-            sample = rollout.completion_ids[row, :int(rollout.completion_lens[row])].tolist()
-            kept = sample[:len(full) - len(history)]  # (a last reply may be cut to the token budget)
-            if kept and full[:len(history)] == history and full[len(history):len(history) + len(kept)] == kept:
+            sample = rollout.completion_ids[row, : int(rollout.completion_lens[row])].tolist()
+            kept = sample[: len(full) - len(history)]  # (a last reply may be cut to the token budget)
+            if kept and full[: len(history)] == history and full[len(history) : len(history) + len(kept)] == kept:
                 positions.update(range(len(history), len(history) + len(kept)))
     return sorted(positions)
 
@@ -265,8 +312,13 @@ def loss_grad(model, rollout, advantages, temperature, pad):
     model.zero_grad()
     batch = rl.pack_rollout(rollout, pad, need_rollout_logprobs=False).with_(advantages=advantages)
     logprobs, _ = rl.policy_logprobs(model, batch, temperature, Precision(torch.device("cpu"), torch.float32))
-    loss, _ = policy_loss(logprobs, logprobs.detach(), batch.advantages, batch.trained_mask, PolicyLossSpec(
-        loss_type="token_clip", aggregation="seq_mean_token_mean", eps_low=0.2, eps_high=0.2))
+    loss, _ = policy_loss(
+        logprobs,
+        logprobs.detach(),
+        batch.advantages,
+        batch.trained_mask,
+        PolicyLossSpec(loss_type="token_clip", aggregation="seq_mean_token_mean", eps_low=0.2, eps_high=0.2),
+    )
     loss.backward()
     return [p.grad.clone() for p in model.parameters()]
 
@@ -315,9 +367,14 @@ def test_a_mask_with_one_environment_token_switched_on_is_caught(multi_turn):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("env, end, metric", [(Raises(), "env_error", "env_errors"),
-                                              (Malformed(), "malformed", "num_malformed_replies"),
-                                              (Hangs(), "timeout", "tool_timeouts")])
+@pytest.mark.parametrize(
+    "env, end, metric",
+    [
+        (Raises(), "env_error", "env_errors"),
+        (Malformed(), "malformed", "num_malformed_replies"),
+        (Hangs(), "timeout", "tool_timeouts"),
+    ],
+)
 def test_a_broken_environment_ends_its_episodes_counted(env, end, metric, mode):
     from lmforge.envs.episode import episode_metrics
 
@@ -358,8 +415,14 @@ def test_a_megabyte_tool_result_is_cut_and_invalid_calls_end_the_episode_counted
     runner = EpisodeRunner(Loud(), tok, limits, workers=1)
     encoded, encode = [], runner.encode
     runner.encode = lambda text: encoded.append(len(text)) or encode(text)
-    episodes, times, seen = run_scripted(runner, mode, turns, [types.SimpleNamespace(prompt="hi", answer="")], 1,
-                                         SamplingParams(max_new_tokens=100, stop_token_ids=[eos]))
+    episodes, times, seen = run_scripted(
+        runner,
+        mode,
+        turns,
+        [types.SimpleNamespace(prompt="hi", answer="")],
+        1,
+        SamplingParams(max_new_tokens=100, stop_token_ids=[eos]),
+    )
     (episode,) = episodes
     assert max(encoded) < 10_000  # the 200,000 characters of the result were never tokenized whole
     assert episode.end == "invalid_calls" and episode.state.turn == 3 and len(seen) == 3  # the 4th turn never ran
@@ -388,8 +451,14 @@ def test_a_failed_reset_and_an_empty_reply_are_counted_and_the_others_go_on(mode
     eos = tok.eos_token_id
     runner = EpisodeRunner(BadReset(turns=2), tok, EpisodeLimits(max_turns=3), workers=2)
     problems = [types.SimpleNamespace(prompt=p, answer="") for p in ("raise", "ok", "empty")]
-    episodes, times, seen = run_scripted(runner, mode, [[eos], [tok.convert_tokens_to_ids("x"), eos]], problems, 2,
-                                         SamplingParams(max_new_tokens=8, stop_token_ids=[eos]))
+    episodes, times, seen = run_scripted(
+        runner,
+        mode,
+        [[eos], [tok.convert_tokens_to_ids("x"), eos]],
+        problems,
+        2,
+        SamplingParams(max_new_tokens=8, stop_token_ids=[eos]),
+    )
     assert [e.end for e in episodes] == ["env_error", "env_error", "done", "done", "malformed", "malformed"]
     # only the good group was sampled (in rounds its prompt shared)
     assert seen[0] == [episodes[2].prompt_ids] * (1 if mode == "rounds" else 2)
@@ -404,22 +473,42 @@ def test_a_failed_reset_and_an_empty_reply_are_counted_and_the_others_go_on(mode
 def test_limits_end_episodes_and_are_counted(mode):
     from lmforge.envs.episode import episode_metrics
 
-    _, _, episodes, times = run_tiny_episodes(Again(turns=5), EpisodeLimits(max_turns=2, max_episode_tokens=200),
-                                              mode=mode)
+    _, _, episodes, times = run_tiny_episodes(
+        Again(turns=5), EpisodeLimits(max_turns=2, max_episode_tokens=200), mode=mode
+    )
     assert [e.end for e in episodes] == ["turns"] * 4 and episode_metrics(episodes, times)["num_truncated_turns"] == 4
-    _, _, episodes, times = run_tiny_episodes(Again(turns=5), EpisodeLimits(max_turns=9, max_episode_tokens=20),
-                                              mode=mode)
+    _, _, episodes, times = run_tiny_episodes(
+        Again(turns=5), EpisodeLimits(max_turns=9, max_episode_tokens=20), mode=mode
+    )
     assert all(e.end == "episode_tokens" and len(e.ids) <= 20 for e in episodes)
     assert episode_metrics(episodes, times)["num_truncated_episode_tokens"] == 4
 
 
-TINY = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
-        "model.max_position_embeddings=64"]
+TINY = [
+    "model.tokenizer=char",
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.max_position_embeddings=64",
+]
 ARGS = TINY + [
-    "data.task=addition", "data.num_train=64", "data.num_eval=4", "data.use_chat_template=on",
-    "rollout.num_prompts=2", "rollout.group_size=4", "rollout.max_new_tokens=4", "rewards.functions=[parity]",
-    "train.max_steps=3", "train.micro_batch_size=2", "train.eval_every=0", "train.threads=1", "optim.lr=1e-2",
-    "logging.progress=false", "algo.preset=grpo", "algo.num_iterations=2", "algo.num_mini_batches=2",
+    "data.task=addition",
+    "data.num_train=64",
+    "data.num_eval=4",
+    "data.use_chat_template=on",
+    "rollout.num_prompts=2",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=4",
+    "rewards.functions=[parity]",
+    "train.max_steps=3",
+    "train.micro_batch_size=2",
+    "train.eval_every=0",
+    "train.threads=1",
+    "optim.lr=1e-2",
+    "logging.progress=false",
+    "algo.preset=grpo",
+    "algo.num_iterations=2",
+    "algo.num_mini_batches=2",
 ]
 
 
@@ -427,9 +516,19 @@ def test_a_one_turn_environment_gives_exactly_the_single_turn_run(tmp_path):
     # Rounds only: a round samples every episode from one generator, as a single-turn batch does; the
     # continuous runner gives each turn its own (greedy, the two modes agree: test below)
     plain = run_grpo(load_config(GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path / 'plain'}"]))
-    env = run_grpo(load_config(GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path / 'env'}",
-                                                         "env.name=episode_envs:OneTurn", "env.max_episode_tokens=8",
-                                                         "env.continuous=false"]))
+    env = run_grpo(
+        load_config(
+            GRPOConfig,
+            None,
+            ARGS
+            + [
+                f"train.output_dir={tmp_path / 'env'}",
+                "env.name=episode_envs:OneTurn",
+                "env.max_episode_tokens=8",
+                "env.continuous=false",
+            ],
+        )
+    )
     plain_steps, env_steps = records(plain["run_dir"]), records(env["run_dir"])
     assert sorted(plain_steps) == sorted(env_steps) == [1, 2, 3]
     for step in plain_steps:
@@ -447,27 +546,42 @@ def test_a_one_turn_environment_gives_exactly_the_single_turn_run(tmp_path):
 def test_a_batch_whose_environment_fails_on_every_episode_stops_the_run(tmp_path, env):
     # every episode has its first turn to train on, but no reward an environment gave
     with pytest.raises(TrainingError, match="no episode of this batch is usable.*they ended as"):
-        run_grpo(load_config(GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path / 'run'}",
-                                                        f"env.name=episode_envs:{env}", "env.max_episode_tokens=8"]))
+        run_grpo(
+            load_config(
+                GRPOConfig,
+                None,
+                ARGS
+                + [f"train.output_dir={tmp_path / 'run'}", f"env.name=episode_envs:{env}", "env.max_episode_tokens=8"],
+            )
+        )
 
 
-@pytest.mark.parametrize("override, match", [
-    (["env.max_turns=4"], "not used without env.name"),
-    (["env.name=episode_envs:OneTurn", "rollout.backend=vllm"], "rollout.backend=vllm is not supported"),
-    (["env.name=episode_envs:OneTurn", "data.use_chat_template=off"], "rendered through the chat template"),
-    (["env.name=no_such_env"], "not a built-in environment"),
-    (["env.name=episode_envs:Again", "env.args={rounds: 2}"], r"takes no argument\(s\) \['rounds'\]"),
-    (["env.name=episode_envs:Recorder"], r"needs argument\(s\) \['path'\]"),
-    (["rollout.backend=episodes"], "set env.name"),
-])
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        (["env.max_turns=4"], "not used without env.name"),
+        (["env.name=episode_envs:OneTurn", "rollout.backend=vllm"], "rollout.backend=vllm is not supported"),
+        (["env.name=episode_envs:OneTurn", "data.use_chat_template=off"], "rendered through the chat template"),
+        (["env.name=no_such_env"], "not a built-in environment"),
+        (["env.name=episode_envs:Again", "env.args={rounds: 2}"], r"takes no argument\(s\) \['rounds'\]"),
+        (["env.name=episode_envs:Recorder"], r"needs argument\(s\) \['path'\]"),
+        (["rollout.backend=episodes"], "set env.name"),
+    ],
+)
 def test_env_config_errors(tmp_path, override, match):
     with pytest.raises(ConfigError, match=match):
         run_grpo(load_config(GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path / 'run'}"] + override))
 
 
 MULTI = [a for a in ARGS if not a.startswith(("model.max_position_embeddings", "train.max_steps"))] + [
-    "model.max_position_embeddings=128", "train.max_steps=4", "train.save_every=2", "train.keep_last=10",
-    "env.name=episode_envs:Again", "env.args={turns: 2}", "env.max_episode_tokens=40"]
+    "model.max_position_embeddings=128",
+    "train.max_steps=4",
+    "train.save_every=2",
+    "train.keep_last=10",
+    "env.name=episode_envs:Again",
+    "env.args={turns: 2}",
+    "env.max_episode_tokens=40",
+]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -481,15 +595,23 @@ def test_episode_runs_resume_bit_for_bit(tmp_path, overlap, mode):
     steps = records(out)
     assert all(r["turns_per_episode"] > 1 for r in steps.values())
     if not (overlap and mode == "continuous"):
-        assert_resume_is_bit_exact(run_grpo, GRPOConfig, args, out, tmp_path / "resumed", 2,
-                                   ("loss", "reward", "kl", "grad_norm", "turns_per_episode"))
+        assert_resume_is_bit_exact(
+            run_grpo,
+            GRPOConfig,
+            args,
+            out,
+            tmp_path / "resumed",
+            2,
+            ("loss", "reward", "kl", "grad_norm", "turns_per_episode"),
+        )
         return
     # Overlapped + continuous: the loss uses the sampler's logprobs (algo.is_level=token), and in a
     # continuous batch a turn's batch mates depend on when environment steps return, which changes the
     # last bits of its logits (a CPU matmul's rounding depends on the batch). The tokens, so the rewards
     # and turns, resume exactly; the losses to rounding (a CI run saw 2.4e-6 relative).
-    assert_resume_is_bit_exact(run_grpo, GRPOConfig, args, out, tmp_path / "resumed", 2,
-                               ("reward", "turns_per_episode"))
+    assert_resume_is_bit_exact(
+        run_grpo, GRPOConfig, args, out, tmp_path / "resumed", 2, ("reward", "turns_per_episode")
+    )
     want, got = records(out), records(tmp_path / "resumed")
     for step in sorted(got):
         for key in ("loss", "kl", "grad_norm"):
@@ -530,9 +652,18 @@ def test_ppo_trains_on_episodes(tmp_path):
 def test_a_first_prompt_that_fills_the_context_gives_a_row_that_fits(mode):
     tok, vocab = merging_tokenizer()
     runner = EpisodeRunner(Again(turns=1), tok, EpisodeLimits(max_turns=2), workers=1, context=12)
-    problems = [types.SimpleNamespace(prompt="1+2=", answer="3"), types.SimpleNamespace(prompt="1+2=1+2=1+2=", answer="")]
-    episodes, _, seen = run_scripted(runner, mode, [[vocab["a"], vocab["<eos>"]]], problems, 1,
-                                     SamplingParams(max_new_tokens=8, stop_token_ids=[2], seed=0))
+    problems = [
+        types.SimpleNamespace(prompt="1+2=", answer="3"),
+        types.SimpleNamespace(prompt="1+2=1+2=1+2=", answer=""),
+    ]
+    episodes, _, seen = run_scripted(
+        runner,
+        mode,
+        [[vocab["a"], vocab["<eos>"]]],
+        problems,
+        1,
+        SamplingParams(max_new_tokens=8, stop_token_ids=[2], seed=0),
+    )
     assert [e.end for e in episodes] == ["done", "episode_tokens"]
     assert episodes[1].prompt_ids == [tok.eos_token_id] and episodes[1].ids == []
     assert seen == [[episodes[0].prompt_ids]]  # the long one was never sampled
@@ -547,8 +678,9 @@ def test_per_turn_rewards_sit_on_their_turns_last_policy_token(mode):
     a, eos = vocab["a"], vocab["<eos>"]
     runner = EpisodeRunner(Again(turns=2), tok, EpisodeLimits(max_turns=3), workers=1)
     problem = types.SimpleNamespace(prompt="1+2=", answer="3")
-    (episode,), _, _ = run_scripted(runner, mode, [[a, a, eos], [a, eos]], [problem], 1,
-                                    SamplingParams(max_new_tokens=8, stop_token_ids=[eos]))
+    (episode,), _, _ = run_scripted(
+        runner, mode, [[a, a, eos], [a, eos]], [problem], 1, SamplingParams(max_new_tokens=8, stop_token_ids=[eos])
+    )
     rollout = episode_rollout([episode], 1, tok.pad_token_id)
     rewards = combine_rewards([episode], None, rollout.completion_ids.shape[1])
     assert rewards.names == ["env_said", "env_turn"] and rewards.total.tolist() == [1.25]
@@ -592,8 +724,13 @@ def test_greedy_continuous_episodes_are_the_round_based_ones(max_episode_tokens)
     _, _, continuous, _ = run_tiny_episodes(Again(turns=3), limits, temperature=0.0, mode="continuous")
     assert [e.end for e in rounds] == ["done" if max_episode_tokens == 64 else "episode_tokens"] * 4
     for r, c in zip(rounds, continuous):
-        assert (c.prompt_ids, c.ids, c.trained, c.end, c.state.messages) == (r.prompt_ids, r.ids, r.trained, r.end,
-                                                                          r.state.messages)
+        assert (c.prompt_ids, c.ids, c.trained, c.end, c.state.messages) == (
+            r.prompt_ids,
+            r.ids,
+            r.trained,
+            r.end,
+            r.state.messages,
+        )
         torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(r.logprobs), rtol=0, atol=2e-5)
 
 
@@ -604,10 +741,12 @@ def test_a_sampled_episode_does_not_depend_on_its_batch_mates_or_their_environme
     # the same episodes (same indices) with two more behind them, and one problem's steps slowed
     crowd = problems + [types.SimpleNamespace(prompt=f"9{i}=", answer="") for i in (3, 4)]
     slowed = [types.SimpleNamespace(prompt="9" + p.prompt, answer="") for p in problems]
-    _, _, crowded, _ = run_tiny_episodes(SlowFor(delay_s=0.05, slow="9"), limits, problems=crowd, mode="continuous",
-                                         seed=3, workers=4)
-    _, _, late, _ = run_tiny_episodes(SlowFor(delay_s=0.05, slow="91"), limits, problems=slowed[:1] + problems[1:],
-                                      mode="continuous", seed=3)
+    _, _, crowded, _ = run_tiny_episodes(
+        SlowFor(delay_s=0.05, slow="9"), limits, problems=crowd, mode="continuous", seed=3, workers=4
+    )
+    _, _, late, _ = run_tiny_episodes(
+        SlowFor(delay_s=0.05, slow="91"), limits, problems=slowed[:1] + problems[1:], mode="continuous", seed=3
+    )
     assert len({tuple(e.ids) for e in alone}) == 4  # sampled: the episodes of a group differ
     for a, c in zip(alone, crowded):
         assert c.ids == a.ids and c.trained == a.trained
@@ -644,8 +783,9 @@ def test_a_waiting_environment_step_does_not_hold_up_the_other_episodes(mode):
     # turns; rounds: its next turn waits for them, so the waits end by their time limit
     env = WaitsForTheOthers(others=2, wait_s=20.0 if mode == "continuous" else 0.3)
     problems = [types.SimpleNamespace(prompt=p, answer="") for p in ("9+9=", "1+1=")]
-    _, _, episodes, _ = run_tiny_episodes(env, EpisodeLimits(max_turns=3, max_episode_tokens=64, timeout_s=60),
-                                          problems=problems, mode=mode, workers=4)
+    _, _, episodes, _ = run_tiny_episodes(
+        env, EpisodeLimits(max_turns=3, max_episode_tokens=64, timeout_s=60), problems=problems, mode=mode, workers=4
+    )
     assert all(e.end == "done" and e.state.turn == 3 for e in episodes)
     assert env.released == [mode == "continuous"] * 2
 
@@ -683,15 +823,20 @@ def test_episode_evaluator_reports_success_turns_and_turns_to_solve(monkeypatch)
 
     tok = char_tokenizer(ASCII_ALPHABET)
     eos = tok.eos_token_id
-    generate_fn, _ = scripted([tok.encode("3", add_special_tokens=False) + [eos],
-                               tok.encode("5", add_special_tokens=False) + [eos]], tok.pad_token_id)
-    monkeypatch.setattr(episode_source, "generate", lambda model, ids, params, num_samples, pad_token_id:
-                        generate_fn(ids, params, num_samples))
-    env_cfg = EnvConfig(name="guess_number", args={"max_guesses": 2, "speed_bonus": 0.0}, max_turns=2,
-                        continuous=False)
+    generate_fn, _ = scripted(
+        [tok.encode("3", add_special_tokens=False) + [eos], tok.encode("5", add_special_tokens=False) + [eos]],
+        tok.pad_token_id,
+    )
+    monkeypatch.setattr(
+        episode_source,
+        "generate",
+        lambda model, ids, params, num_samples, pad_token_id: generate_fn(ids, params, num_samples),
+    )
+    env_cfg = EnvConfig(name="guess_number", args={"max_guesses": 2, "speed_bonus": 0.0}, max_turns=2, continuous=False)
     problems = [Problem("guess 1-10", s, s) for s in ("3", "5", "9")]
-    evaluate = episode_source.episode_evaluator(env_cfg, tok, problems, None, [], max_new_tokens=4, context=None,
-                                                reward_timeout_s=5.0, reward_workers=1)
+    evaluate = episode_source.episode_evaluator(
+        env_cfg, tok, problems, None, [], max_new_tokens=4, context=None, reward_timeout_s=5.0, reward_workers=1
+    )
     try:
         metrics, played, totals = evaluate(None)
     finally:

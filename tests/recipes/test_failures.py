@@ -1,6 +1,7 @@
 """Failures that are not lmforge's (issue 22): a save the machine refuses, a signal, a model directory
 without weights. Each ends with one clear message and its documented exit code (docs/reliability.md),
 nothing half-written, the previous checkpoint intact and the run lock released."""
+
 from __future__ import annotations
 
 import errno
@@ -13,15 +14,15 @@ import time
 from pathlib import Path
 
 import pytest
+from run_records import SFT, TINY, sft, train_records
 from safetensors import SafetensorError
 
-from lmforge.runtime import checkpoint as ckpt
-from lmforge.core import errors
 from lmforge.cli import main
+from lmforge.core import errors
 from lmforge.core.errors import Interrupted
 from lmforge.parallel.context import install_signal_handlers, restore_signal_handlers
+from lmforge.runtime import checkpoint as ckpt
 from lmforge.runtime.run import LOCK_NAME
-from run_records import SFT, TINY, sft, train_records
 
 
 def leftovers(run: Path) -> list[str]:
@@ -31,30 +32,65 @@ def leftovers(run: Path) -> list[str]:
 
 # ----------------------------------------------------------------------------- a save the machine refuses
 
+
 def _disk_full_torch_save(*args, **kwargs):
     raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")  # torch's words
 
 
 SAVE_FAILURES = [  # (what raises, where, exception, probe says, exit code, message fragment)
-    ("save_model", "step-000004", OSError(errno.ENOSPC, "No space left on device"), None, 2,
-     r"disk full while writing \S*step-000004"),
-    ("save_model", "step-000004", SafetensorError("Error while serializing: I/O error: No space left on device "
-                                                  "(os error 28)"), None, 2, r"disk full while writing \S*step-000004"),
+    (
+        "save_model",
+        "step-000004",
+        OSError(errno.ENOSPC, "No space left on device"),
+        None,
+        2,
+        r"disk full while writing \S*step-000004",
+    ),
+    (
+        "save_model",
+        "step-000004",
+        SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+        None,
+        2,
+        r"disk full while writing \S*step-000004",
+    ),
     ("save_model", "step-000004", OSError(errno.EDQUOT, "Disk quota exceeded"), None, 2, "disk quota exceeded while"),
-    ("save_model", "step-000004", PermissionError(errno.EACCES, "Permission denied"), None, 2,
-     r"could not write \S*step-000004: permission denied \(EACCES\)"),
-    ("save_model", "final", OSError(errno.EROFS, "Read-only file system"), None, 2,
-     r"could not write \S*final: the file system is read-only \(EROFS\)"),
+    (
+        "save_model",
+        "step-000004",
+        PermissionError(errno.EACCES, "Permission denied"),
+        None,
+        2,
+        r"could not write \S*step-000004: permission denied \(EACCES\)",
+    ),
+    (
+        "save_model",
+        "final",
+        OSError(errno.EROFS, "Read-only file system"),
+        None,
+        2,
+        r"could not write \S*final: the file system is read-only \(EROFS\)",
+    ),
     ("torch.save", "step-000004", None, errno.ENOSPC, 2, r"disk full while writing \S*step-000004 \(RuntimeError"),
-    ("save_model", "step-000004", RuntimeError("a bug in a writer"), None, 1,
-     r"internal error: RuntimeError: a bug in a writer\n  while writing \S*step-000004"),
+    (
+        "save_model",
+        "step-000004",
+        RuntimeError("a bug in a writer"),
+        None,
+        1,
+        r"internal error: RuntimeError: a bug in a writer\n  while writing \S*step-000004",
+    ),
 ]
 
 
-@pytest.mark.parametrize("target,where,exc,probe,code,message", SAVE_FAILURES,
-                         ids=[f"{c[0]}-{c[1]}-{type(c[2]).__name__ if c[2] else 'probe'}" for c in SAVE_FAILURES])
+@pytest.mark.parametrize(
+    "target,where,exc,probe,code,message",
+    SAVE_FAILURES,
+    ids=[f"{c[0]}-{c[1]}-{type(c[2]).__name__ if c[2] else 'probe'}" for c in SAVE_FAILURES],
+)
 def test_a_failed_save_is_reported_with_its_cause_and_leaves_nothing_half_written(
-        tmp_path, monkeypatch, capsys, target, where, exc, probe, code, message):
+    tmp_path, monkeypatch, capsys, target, where, exc, probe, code, message
+):
     """Any exception while a checkpoint or final/ is written: the machine's (disk full, quota,
     permissions, read-only: exit 2) or not (exit 1, a bug, with the path in the note). Either way the
     temporary directory is gone, the earlier checkpoint intact and the lock released. Before: only an
@@ -124,10 +160,24 @@ def test_a_real_full_disk_stops_the_run_with_exit_2_and_the_checkpoints_resume(s
 
 # ----------------------------------------------------------------------------- signals
 
+
 def _run_until_first_checkpoint(out: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "lmforge", "sft", *SFT, "train.max_steps=100000",
-                             "train.save_every=1", "train.keep_last=2", f"train.output_dir={out}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lmforge",
+            "sft",
+            *SFT,
+            "train.max_steps=100000",
+            "train.save_every=1",
+            "train.keep_last=2",
+            f"train.output_dir={out}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 180
     while not ckpt.list_checkpoints(out) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
@@ -135,8 +185,7 @@ def _run_until_first_checkpoint(out: Path) -> subprocess.Popen:
     return proc
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143),
-                                      pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)])
 def test_a_signal_stops_a_single_process_run_cleanly_and_it_resumes(tmp_path, sig, code):
     """``python -m lmforge sft`` signalled after its first checkpoint: exit 128 + the signal, one line
     saying so, no traceback, the lock released, nothing half-written, and train.resume=auto goes on.
@@ -189,16 +238,19 @@ def test_a_signal_during_the_renames_of_a_save_waits_until_they_are_done(tmp_pat
 def test_a_second_signal_while_stopping_ends_the_process_at_once(tmp_path):
     """The first SIGTERM starts a clean stop; a second one (the user insists, e.g. while a long native
     call holds the first) exits 143 at once with a line saying so, never a traceback."""
-    script = ("import os, signal, time\nfrom lmforge.parallel.context import install_signal_handlers\n"
-              "install_signal_handlers()\ntry:\n    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(5)\n"
-              "finally:\n    os.kill(os.getpid(), signal.SIGTERM)  # during the cleanup\n    time.sleep(5)\n"
-              "    print('not reached')\n")
+    script = (
+        "import os, signal, time\nfrom lmforge.parallel.context import install_signal_handlers\n"
+        "install_signal_handlers()\ntry:\n    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(5)\n"
+        "finally:\n    os.kill(os.getpid(), signal.SIGTERM)  # during the cleanup\n    time.sleep(5)\n"
+        "    print('not reached')\n"
+    )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 143 and "not reached" not in proc.stdout
     assert "SIGTERM again: stopping now" in proc.stderr and "Traceback" not in proc.stderr
 
 
 # ----------------------------------------------------------------------------- models without their files
+
 
 def _model_dir(tmp_path: Path) -> Path:
     out = tmp_path / "run"
@@ -221,33 +273,75 @@ def test_model_directories_missing_files_are_named_not_blamed_on_lmforge(tmp_pat
     shutil.copytree(final, sharded)
     (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
     (sharded / "model.safetensors.index.json").write_text(
-        '{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}')
+        '{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}'
+    )
     weightless_run = tmp_path / "weightless_run"
     shutil.copytree(final.parent / "checkpoints", weightless_run / "checkpoints")
     (weightless_run / "checkpoints" / "step-000001" / "model" / "model.safetensors").unlink()
     cases = [  # (command, exit code, message fragments)
-        (["quantize", str(no_weights), "--format", "int8", "--out", str(tmp_path / "q1")], 2,
-         ["no_weights: not a complete model directory", "lacks its weights"]),
-        (["sft", *SFT, f"model.name={no_weights}", f"train.output_dir={tmp_path / 'r1'}"], 2,
-         ["no_weights: not a complete model directory", "lacks its weights"]),
-        (["sft", *[a for a in SFT if not a.startswith("model.tokenizer")], f"model.name={config_only}",
-          f"train.output_dir={tmp_path / 'r2'}"], 2, ["lacks its weights", "and its tokenizer", "holds config.json"]),
-        (["quantize", str(sharded), "--format", "int8", "--out", str(tmp_path / "q2")], 2,
-         ["lacks the weight file(s) model-00002-of-00002.safetensors named by model.safetensors.index.json"]),
-        (["quantize", str(final / "model.safetensors"), "--format", "int8", "--out", str(tmp_path / "q3")], 2,
-         ["model.safetensors' is a file, not a model", "(here "]),
-        (["export", str(final / "config.json"), "--out", str(tmp_path / "e")], 2,
-         ["neither a checkpoint"]),
-        (["export", str(final.parent), "--out", str(final.parent / "config.yaml")], 2,  # replaced it, before
-         ["config.yaml is a file; give a directory"]),
-        (["export", str(final.parent), "--out", str(tmp_path)], 2,  # deleted tmp_path, before
-         ["holds other things (no config.json)"]),
-        (["export", str(weightless_run), "--out", str(tmp_path / "e2")], 2,  # exported a model without weights
-         ["cannot export checkpoint", "step-000001: no model weights"]),
-        (["quantize", str(final.parent / "checkpoints" / "step-000001"), "--format", "int8", "--out",
-          str(tmp_path / "q4")], 2, ["it is a checkpoint: its model is", "step-000001/model"]),
-        (["quantize", str(final), "--format", "int8", "--out", str(final.parent / "config.yaml")], 2,
-         ["config.yaml is a file; choose a new directory"]),
+        (
+            ["quantize", str(no_weights), "--format", "int8", "--out", str(tmp_path / "q1")],
+            2,
+            ["no_weights: not a complete model directory", "lacks its weights"],
+        ),
+        (
+            ["sft", *SFT, f"model.name={no_weights}", f"train.output_dir={tmp_path / 'r1'}"],
+            2,
+            ["no_weights: not a complete model directory", "lacks its weights"],
+        ),
+        (
+            [
+                "sft",
+                *[a for a in SFT if not a.startswith("model.tokenizer")],
+                f"model.name={config_only}",
+                f"train.output_dir={tmp_path / 'r2'}",
+            ],
+            2,
+            ["lacks its weights", "and its tokenizer", "holds config.json"],
+        ),
+        (
+            ["quantize", str(sharded), "--format", "int8", "--out", str(tmp_path / "q2")],
+            2,
+            ["lacks the weight file(s) model-00002-of-00002.safetensors named by model.safetensors.index.json"],
+        ),
+        (
+            ["quantize", str(final / "model.safetensors"), "--format", "int8", "--out", str(tmp_path / "q3")],
+            2,
+            ["model.safetensors' is a file, not a model", "(here "],
+        ),
+        (["export", str(final / "config.json"), "--out", str(tmp_path / "e")], 2, ["neither a checkpoint"]),
+        (
+            ["export", str(final.parent), "--out", str(final.parent / "config.yaml")],
+            2,  # replaced it, before
+            ["config.yaml is a file; give a directory"],
+        ),
+        (
+            ["export", str(final.parent), "--out", str(tmp_path)],
+            2,  # deleted tmp_path, before
+            ["holds other things (no config.json)"],
+        ),
+        (
+            ["export", str(weightless_run), "--out", str(tmp_path / "e2")],
+            2,  # exported a model without weights
+            ["cannot export checkpoint", "step-000001: no model weights"],
+        ),
+        (
+            [
+                "quantize",
+                str(final.parent / "checkpoints" / "step-000001"),
+                "--format",
+                "int8",
+                "--out",
+                str(tmp_path / "q4"),
+            ],
+            2,
+            ["it is a checkpoint: its model is", "step-000001/model"],
+        ),
+        (
+            ["quantize", str(final), "--format", "int8", "--out", str(final.parent / "config.yaml")],
+            2,
+            ["config.yaml is a file; choose a new directory"],
+        ),
     ]
     for command, code, fragments in cases:
         assert main(command) == code, command
@@ -264,8 +358,18 @@ def test_a_machine_without_what_the_config_asks_for_is_a_user_error(tmp_path, mo
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    args = ["grpo", *TINY, "data.task=addition", "rollout.backend=vllm", "rollout.num_prompts=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
-            "train.max_steps=1", "logging.progress=false", f"train.output_dir={tmp_path / 'run'}"]
+    args = [
+        "grpo",
+        *TINY,
+        "data.task=addition",
+        "rollout.backend=vllm",
+        "rollout.num_prompts=2",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=4",
+        "train.max_steps=1",
+        "logging.progress=false",
+        f"train.output_dir={tmp_path / 'run'}",
+    ]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "rollout.backend=vllm needs a CUDA GPU" in err and "internal error" not in err

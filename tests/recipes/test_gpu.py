@@ -1,6 +1,7 @@
 """CUDA only (marker ``gpu``; skipped without a GPU): SFT in bf16 and fp16 autocast, the fp16 grad
 scaler's state in the checkpoint, and a resume that reproduces the uninterrupted run. The scaler's
 logic itself is checked on CPU in tests/runtime/test_train.py."""
+
 import json
 
 import pytest
@@ -9,10 +10,24 @@ import torch
 from lmforge.core.config import load_config
 from lmforge.recipes.sft import SFTConfig, run_sft
 
-ARGS = ["data.task=addition", "data.num_train=64", "data.num_val=16", "data.num_eval=0", "data.max_len=16",
-        "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
-        "train.device=cuda", "train.max_steps=6", "train.micro_batch_size=16", "train.save_every=3",
-        "train.eval_every=0", "optim.lr=1e-2", "logging.progress=false"]
+ARGS = [
+    "data.task=addition",
+    "data.num_train=64",
+    "data.num_val=16",
+    "data.num_eval=0",
+    "data.max_len=16",
+    "model.tokenizer=char",
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "train.device=cuda",
+    "train.max_steps=6",
+    "train.micro_batch_size=16",
+    "train.save_every=3",
+    "train.eval_every=0",
+    "optim.lr=1e-2",
+    "logging.progress=false",
+]
 
 
 def losses(run_dir):
@@ -30,8 +45,18 @@ def test_mixed_precision_sft_learns_and_resumes(tmp_path, dtype):
     state = torch.load(out / "checkpoints" / "step-000003" / "trainer_state.pt", weights_only=False)
     assert bool(state["precision"]) == (dtype == "fp16")  # the grad scaler's state, fp16 only
     resumed = tmp_path / "resumed"
-    run_sft(load_config(SFTConfig, None, ARGS + [f"train.dtype={dtype}", f"train.output_dir={resumed}",
-                                                 f"train.resume={out / 'checkpoints' / 'step-000003'}"]))
+    run_sft(
+        load_config(
+            SFTConfig,
+            None,
+            ARGS
+            + [
+                f"train.dtype={dtype}",
+                f"train.output_dir={resumed}",
+                f"train.resume={out / 'checkpoints' / 'step-000003'}",
+            ],
+        )
+    )
     got = losses(resumed)
     for step in (4, 5, 6):  # same kernels, same order: equal up to CUDA's non-determinism
         assert got[step] == pytest.approx(reference[step], rel=1e-3), step

@@ -1,42 +1,86 @@
 """GRPO recipe on a tiny in-process model: an end-to-end run, bit-exact resume, the on-policy
 shortcut, importance sampling without rollout logprobs, presets and config errors."""
+
 import copy
 import dataclasses
 
 import pytest
 import torch
+from run_records import assert_resume_is_bit_exact, records
 
 from lmforge import cli, rl
-from lmforge.rl import config as rl_config, updates as rl_update
 from lmforge.core.config import ModelConfig, OptimConfig, load_config
 from lmforge.core.errors import ConfigError, TrainingError
 from lmforge.model.load import load_model
 from lmforge.parallel.context import ParallelContext
-from lmforge.runtime.run import Run
 from lmforge.recipes.grpo import GRPOConfig, advantages_of, micro_loss, run_grpo
+from lmforge.rl import config as rl_config
+from lmforge.rl import updates as rl_update
 from lmforge.rollout import RewardSet, SamplingParams, generate
 from lmforge.runtime.optim import Precision, Updater, logits_at
-from run_records import assert_resume_is_bit_exact, records
+from lmforge.runtime.run import Run
 
-TINY = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
-        "model.max_position_embeddings=32"]
+TINY = [
+    "model.tokenizer=char",
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.max_position_embeddings=32",
+]
 ARGS = TINY + [
-    "data.task=addition", "data.num_train=64", "data.num_eval=8", "rollout.num_prompts=2",
-    "rollout.group_size=4", "rollout.max_new_tokens=4", "rewards.functions=[parity]",
-    "train.max_steps=4", "train.micro_batch_size=2", "train.save_every=2", "train.keep_last=10",
-    "train.eval_every=2", "train.max_new_tokens=4", "train.threads=1", "optim.lr=1e-2",
+    "data.task=addition",
+    "data.num_train=64",
+    "data.num_eval=8",
+    "rollout.num_prompts=2",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=4",
+    "rewards.functions=[parity]",
+    "train.max_steps=4",
+    "train.micro_batch_size=2",
+    "train.save_every=2",
+    "train.keep_last=10",
+    "train.eval_every=2",
+    "train.max_new_tokens=4",
+    "train.threads=1",
+    "optim.lr=1e-2",
     "logging.progress=false",
     # the fullest path: KL to a reference (grpo preset), two passes of two mini-batches of
     # two micro-batches each, so old logprobs are recomputed and the ratio leaves 1
-    "algo.preset=grpo", "algo.num_iterations=2", "algo.num_mini_batches=2",
+    "algo.preset=grpo",
+    "algo.num_iterations=2",
+    "algo.num_mini_batches=2",
 ]
 STEP_KEYS = {
-    "reward", "reward_std", "reward_parity", "reward_failures", "frac_zero_variance_groups",
-    "num_zero_variance_groups", "completion_len_mean", "completion_len_max", "truncated_frac", "kl",
-    "entropy", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max",
-    "rollout_diff_mean", "rollout_diff_abs_mean", "rollout_diff_abs_max", "rollout_ratio_mean",
-    "rollout_ratio_frac_low", "rollout_ratio_frac_high", "pg_loss", "loss", "grad_norm", "lr",
-    "time_generation", "time_scoring", "time_training", "step_time",
+    "reward",
+    "reward_std",
+    "reward_parity",
+    "reward_failures",
+    "frac_zero_variance_groups",
+    "num_zero_variance_groups",
+    "completion_len_mean",
+    "completion_len_max",
+    "truncated_frac",
+    "kl",
+    "entropy",
+    "clip_frac_low",
+    "clip_frac_high",
+    "ratio_mean",
+    "ratio_min",
+    "ratio_max",
+    "rollout_diff_mean",
+    "rollout_diff_abs_mean",
+    "rollout_diff_abs_max",
+    "rollout_ratio_mean",
+    "rollout_ratio_frac_low",
+    "rollout_ratio_frac_high",
+    "pg_loss",
+    "loss",
+    "grad_norm",
+    "lr",
+    "time_generation",
+    "time_scoring",
+    "time_training",
+    "step_time",
 }
 
 
@@ -66,17 +110,23 @@ def test_run_logs_every_metric_and_checkpoints(reference):
 
 def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(reference, tmp_path):
     out, _ = reference
-    assert_resume_is_bit_exact(run_grpo, GRPOConfig, ARGS, out, tmp_path / "resumed", 2,
-                               ("loss", "reward", "kl", "grad_norm"))
+    assert_resume_is_bit_exact(
+        run_grpo, GRPOConfig, ARGS, out, tmp_path / "resumed", 2, ("loss", "reward", "kl", "grad_norm")
+    )
 
 
 def tiny_batch(temperature=1.0):
     """A tiny model and a packed rollout of 2 prompts x 4 samples with fixed advantages."""
-    model, tokenizer = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2,
-                                              num_heads=2, max_position_embeddings=32))
+    model, tokenizer = load_model(
+        ModelConfig(
+            name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=32
+        )
+    )
     prompts = rl.build_prompts(rl_config.RLDataConfig(task="addition", num_train=8, num_eval=0), tokenizer, seed=0)
     rollout_cfg = rl_config.RolloutConfig(num_prompts=2, group_size=4, max_new_tokens=4, temperature=temperature)
-    rollout, _, _ = rl.sample_and_score(rl.PolicyEngine(model), tokenizer, prompts, [0, 1], rollout_cfg, RewardSet([("exact", 1.0)]), 0)
+    rollout, _, _ = rl.sample_and_score(
+        rl.PolicyEngine(model), tokenizer, prompts, [0, 1], rollout_cfg, RewardSet([("exact", 1.0)]), 0
+    )
     batch = rl.pack_rollout(rollout, tokenizer.pad_token_id, need_rollout_logprobs=False)
     batch = batch.with_(advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 0.25]))
     return model, batch
@@ -90,8 +140,13 @@ def test_on_policy_shortcut_equals_recomputed_old_logprobs():
     def loss_and_grads(old_logprobs):
         model.zero_grad()
         logprobs, entropy = rl.policy_logprobs(model, batch, 1.0, precision, entropy_grad=True)
-        loss, _ = micro_loss(logprobs, entropy, dataclasses.replace(batch, old_logprobs=old_logprobs),
-                             rl_config.policy_spec(algo), counts)
+        loss, _ = micro_loss(
+            logprobs,
+            entropy,
+            dataclasses.replace(batch, old_logprobs=old_logprobs),
+            rl_config.policy_spec(algo),
+            counts,
+        )
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
@@ -108,8 +163,14 @@ def grpo_updates(model, batch, algo, updater, micro_batch_size, rows_to_train=No
     """The update loop of ``grpo_step`` on a fixed batch: ``rl.Updates`` with the recipe's ``micro_loss``
     (``plan``: ``rl.UpdatePlan``'s options) -> the update metrics."""
     precision, spec = updater.precision, rl_config.policy_spec(algo)
-    updates = rl.Updates(batch, rl.UpdatePlan(algo.num_iterations, algo.num_mini_batches, micro_batch_size, 4, **plan),
-                         updater, 1, rows_to_train=rows_to_train, flops_of=flops_of)
+    updates = rl.Updates(
+        batch,
+        rl.UpdatePlan(algo.num_iterations, algo.num_mini_batches, micro_batch_size, 4, **plan),
+        updater,
+        1,
+        rows_to_train=rows_to_train,
+        flops_of=flops_of,
+    )
     for update in updates:
         for micro in update:
             logprobs, entropy = rl.policy_logprobs(model, micro, 1.0, precision, entropy_grad=spec.entropy_coef != 0)
@@ -135,9 +196,12 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(monkeypatch):
     them, including the second mini-batch's update on a zero gradient (AdamW momentum alone)."""
     model, batch = tiny_batch()
     batch = batch.with_(advantages=torch.tensor([1.0, 0.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0]))
-    algo = load_config(GRPOConfig, None, ["data.task=addition", "algo.preset=dapo", "algo.num_iterations=2",
-                                          "algo.num_mini_batches=2"]).algo.resolved()
-    batch = batch.with_(old_logprobs=rl.batch_logprobs(model, batch, 4, 1.0, Precision(torch.device("cpu"), torch.float32)))
+    algo = load_config(
+        GRPOConfig, None, ["data.task=addition", "algo.preset=dapo", "algo.num_iterations=2", "algo.num_mini_batches=2"]
+    ).algo.resolved()
+    batch = batch.with_(
+        old_logprobs=rl.batch_logprobs(model, batch, 4, 1.0, Precision(torch.device("cpu"), torch.float32))
+    )
     want, full = run_update(model, batch, algo)
     got, skipped = run_update(model, batch, algo, rows_to_train=rl.informative_rows(batch.advantages))
     assert skipped["frac_rows_trained"] == 2 / 8
@@ -175,8 +239,9 @@ def test_micro_batches_cut_from_length_sorted_rows_give_the_same_update(monkeypa
 
     batch = batch.with_(advantages=torch.tensor([0.0, 1.0, 0.0, -1.0, 0.0, 0.5, 0.0, -0.5]))
     informative = rl.informative_rows(batch.advantages)
-    algo = load_config(GRPOConfig, None, ["data.task=addition", "algo.preset=dapo", "algo.num_iterations=2",
-                                          "algo.num_mini_batches=1"]).algo.resolved()
+    algo = load_config(
+        GRPOConfig, None, ["data.task=addition", "algo.preset=dapo", "algo.num_iterations=2", "algo.num_mini_batches=1"]
+    ).algo.resolved()
     precision = Precision(torch.device("cpu"), torch.float32)
     batch = batch.with_(old_logprobs=rl.batch_logprobs(model, batch, 8, 1.0, precision))
     results, chosen = [], []
@@ -186,8 +251,16 @@ def test_micro_batches_cut_from_length_sorted_rows_give_the_same_update(monkeypa
     for micro_batch_size, rows, length_order in ((8, None, False), (2, informative, True), (3, None, True)):
         trained = copy.deepcopy(model)
         updater = Updater.build(trained, OptimConfig(lr=1e-2, schedule="constant", weight_decay=0.0), 8, precision)
-        grpo_updates(trained, batch, algo, updater, micro_batch_size, rows_to_train=rows, flops_of=cost,
-                     length_order=length_order)
+        grpo_updates(
+            trained,
+            batch,
+            algo,
+            updater,
+            micro_batch_size,
+            rows_to_train=rows,
+            flops_of=cost,
+            length_order=length_order,
+        )
         results.append([p.detach() for p in trained.parameters()])
     assert max(float((w - p.detach()).abs().max()) for w, p in zip(results[0], model.parameters())) > 1e-2
     for cut in results[1:]:  # AdamW turns float rounding of near-zero gradients into up to ~3e-5 here
@@ -201,8 +274,9 @@ def test_first_mini_batch_takes_pi_old_from_its_own_forward():
     """``first_on_policy``: the first update's pi_old is its own forward, so the old logprobs of
     its rows need not be computed; the result equals that of recomputed old logprobs."""
     model, batch = tiny_batch()
-    algo = load_config(GRPOConfig, None, ["data.task=addition", "algo.preset=dapo",
-                                          "algo.num_mini_batches=2"]).algo.resolved()
+    algo = load_config(
+        GRPOConfig, None, ["data.task=addition", "algo.preset=dapo", "algo.num_mini_batches=2"]
+    ).algo.resolved()
     recomputed = rl.batch_logprobs(model, batch, 4, 1.0, Precision(torch.device("cpu"), torch.float32))
     want, _ = run_update(model, dataclasses.replace(batch, old_logprobs=recomputed), algo)
     unread = recomputed.clone()
@@ -236,13 +310,21 @@ def test_step_flops_partition_the_parameters():
 
 @pytest.mark.parametrize("micro_batch_size", [8, 1], ids=["shared-prompts", "packed-rows"])
 def test_step_flops_equal_the_matmul_flops_torch_runs(micro_batch_size):
-    model, tokenizer = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2,
-                                              num_heads=2, max_position_embeddings=32))
+    model, tokenizer = load_model(
+        ModelConfig(
+            name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=32
+        )
+    )
     prompts = rl.build_prompts(rl_config.RLDataConfig(task="addition", num_train=8, num_eval=0), tokenizer, seed=0)
     cfg = rl_config.RolloutConfig(num_prompts=2, group_size=4, max_new_tokens=4)
     rollouts = []
-    sampling = measured_matmul_flops(lambda: rollouts.append(rl.sample_and_score(
-        rl.PolicyEngine(model), tokenizer, prompts, [0, 1], cfg, RewardSet([("exact", 1.0)]), 0)[0]))
+    sampling = measured_matmul_flops(
+        lambda: rollouts.append(
+            rl.sample_and_score(
+                rl.PolicyEngine(model), tokenizer, prompts, [0, 1], cfg, RewardSet([("exact", 1.0)]), 0
+            )[0]
+        )
+    )
     rollout = rollouts[0]
     batch = rl.pack_rollout(rollout, tokenizer.pad_token_id, need_rollout_logprobs=False)
     assert len(set(batch.trained_mask.sum(1).tolist())) > 1  # completions of different lengths
@@ -255,8 +337,11 @@ def test_step_flops_equal_the_matmul_flops_torch_runs(micro_batch_size):
 
     # and with each row's last token untrained (an environment's), which the shared forward does not run
     last = rollout.completion_mask.cumsum(1) == rollout.completion_mask.sum(1, keepdim=True)
-    tail = rl.pack_rollout(dataclasses.replace(rollout, trained_mask=rollout.completion_mask * ~last),
-                           tokenizer.pad_token_id, need_rollout_logprobs=False)
+    tail = rl.pack_rollout(
+        dataclasses.replace(rollout, trained_mask=rollout.completion_mask * ~last),
+        tokenizer.pad_token_id,
+        need_rollout_logprobs=False,
+    )
     for part in (batch, tail):
         training = measured_matmul_flops(lambda: train_pass(part))
         forward_only = measured_matmul_flops(lambda: rl.batch_logprobs(model, part, micro_batch_size, 1.0, precision))
@@ -268,8 +353,11 @@ def test_shared_prompt_forward_equals_the_packed_forward():
     # each prompt runs once per group (its KV cache repeated for the group's rows): the same logits and
     # gradients as the packed rows, for prompts of different lengths, completions that stop early, and
     # a micro-batch with partial groups
-    model, tokenizer = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2,
-                                              num_heads=2, max_position_embeddings=32))
+    model, tokenizer = load_model(
+        ModelConfig(
+            name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=32
+        )
+    )
     prompts = [tokenizer.encode("12+34="), tokenizer.encode("1+2="), tokenizer.encode("123+45=")]
     assert len({len(p) for p in prompts}) == 3
     params = SamplingParams(temperature=1.0, max_new_tokens=6, stop_token_ids=[tokenizer.eos_token_id, 5, 9], seed=1)
@@ -283,11 +371,15 @@ def test_shared_prompt_forward_equals_the_packed_forward():
     tail_batch = rl.pack_rollout(untrained_tail, tokenizer.pad_token_id, need_rollout_logprobs=False)
     assert rl.trained_width(tail_batch.trained_mask) == tail_batch.completion_ids.shape[1] - 1
     model.train()
-    for micro in [b.select(rows) for b in (batch, tail_batch) for rows in (torch.arange(9), torch.tensor([1, 2, 3, 4, 7]))]:
+    for micro in [
+        b.select(rows) for b in (batch, tail_batch) for rows in (torch.arange(9), torch.tensor([1, 2, 3, 4, 7]))
+    ]:
         assert rl.shares_prompts(model, micro)
         results = []
-        for forward in (lambda: rl.shared_prompt_logits(model, micro),
-                        lambda: logits_at(model, micro.input_ids, micro.attention_mask, micro.positions)):
+        for forward in (
+            lambda: rl.shared_prompt_logits(model, micro),
+            lambda: logits_at(model, micro.input_ids, micro.attention_mask, micro.positions),
+        ):
             model.zero_grad()
             logits = forward()
             (logits.logsumexp(-1).sum() + logits[:, 3].sum()).backward()
@@ -313,7 +405,9 @@ def test_importance_sampling_without_rollout_logprobs_fails_loudly(tmp_path, mon
     from lmforge.rl.sources import inprocess
 
     real_generate = inprocess.generate
-    monkeypatch.setattr(inprocess, "generate", lambda *a, **k: dataclasses.replace(real_generate(*a, **k), logprobs=None))
+    monkeypatch.setattr(
+        inprocess, "generate", lambda *a, **k: dataclasses.replace(real_generate(*a, **k), logprobs=None)
+    )
     cfg = load_config(GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path}", "algo.is_level=token"])
     with pytest.raises(TrainingError, match="is_level"):
         run_grpo(cfg)
@@ -321,8 +415,9 @@ def test_importance_sampling_without_rollout_logprobs_fails_loudly(tmp_path, mon
 
 def test_bf16_sampler_copy_follows_the_policy_and_is_corrected_by_importance_sampling(reference, tmp_path):
     out = tmp_path / "bf16"
-    run_grpo(load_config(GRPOConfig, None, ARGS + [f"train.output_dir={out}", "rollout.dtype=bf16",
-                                                   "algo.is_level=token"]))
+    run_grpo(
+        load_config(GRPOConfig, None, ARGS + [f"train.output_dir={out}", "rollout.dtype=bf16", "algo.is_level=token"])
+    )
     train, fp32 = records(out), records(reference[0])
     assert sorted(train) == [1, 2, 3, 4]
     # the samples come from the bf16 copy: the trainer's fp32 logprobs differ by rounding, far more
@@ -335,8 +430,13 @@ def test_bf16_sampler_copy_follows_the_policy_and_is_corrected_by_importance_sam
 
 
 def test_bf16_sampler_without_importance_sampling_says_so(tmp_path, capsys):
-    run_grpo(load_config(GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path}", "rollout.dtype=bf16",
-                                                   "train.max_steps=1", "train.eval_every=0"]))
+    run_grpo(
+        load_config(
+            GRPOConfig,
+            None,
+            ARGS + [f"train.output_dir={tmp_path}", "rollout.dtype=bf16", "train.max_steps=1", "train.eval_every=0"],
+        )
+    )
     assert "algo.is_level=token corrects for it" in capsys.readouterr().out
 
 
@@ -350,8 +450,11 @@ def test_nan_loss_stops_the_run_before_the_update(tmp_path, monkeypatch):
         return loss * float("nan"), metrics
 
     monkeypatch.setattr(grpo, "micro_loss", poisoned)
-    model, tokenizer = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2,
-                                              num_heads=2, max_position_embeddings=32))
+    model, tokenizer = load_model(
+        ModelConfig(
+            name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=32
+        )
+    )
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(TrainingError, match="non-finite loss .* step 1"):
         run_grpo(load_config(GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path}"]), model, tokenizer)
@@ -359,43 +462,59 @@ def test_nan_loss_stops_the_run_before_the_update(tmp_path, monkeypatch):
 
 
 def test_importance_sampling_with_truncated_sampling_is_a_config_error(tmp_path):
-    cfg = load_config(GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path}", "algo.is_level=sequence",
-                                                "rollout.top_k=5"])
+    cfg = load_config(
+        GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path}", "algo.is_level=sequence", "rollout.top_k=5"]
+    )
     with pytest.raises(ConfigError, match="top_k"):
         run_grpo(cfg)
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    ([], dict(advantage="group_norm", loss_type="token_clip", aggregation="seq_mean_token_mean",
-              eps_low=0.2, eps_high=0.2, kl_coef=0.0)),
-    (["algo.preset=dapo"], dict(aggregation="global_token_mean", eps_low=0.2, eps_high=0.28, kl_coef=0.0)),
-    (["algo.preset=dapo", "algo.eps_high=0.3"], dict(eps_high=0.3)),
-    (["algo.preset=dr_grpo"], dict(advantage="group_mean", aggregation="seq_sum_max_len")),
-    (["algo.preset=gspo"], dict(loss_type="gspo", eps_low=3e-4, eps_high=4e-4)),
-    (["algo.loss_type=gspo_token"], dict(eps_low=3e-4, eps_high=4e-4)),
-    (["algo.preset=dapo", "algo.loss_type=gspo"], dict(eps_low=3e-4, eps_high=4e-4)),
-    (["algo.loss_type=gspo", "algo.eps_low=1e-3"], dict(eps_low=1e-3, eps_high=4e-4)),
-    (["algo.preset=rloo"], dict(advantage="rloo", aggregation="seq_sum_max_len")),
-    (["algo.preset=grpo", "algo.kl_coef=0"], dict(kl_coef=0.0)),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            [],
+            dict(
+                advantage="group_norm",
+                loss_type="token_clip",
+                aggregation="seq_mean_token_mean",
+                eps_low=0.2,
+                eps_high=0.2,
+                kl_coef=0.0,
+            ),
+        ),
+        (["algo.preset=dapo"], dict(aggregation="global_token_mean", eps_low=0.2, eps_high=0.28, kl_coef=0.0)),
+        (["algo.preset=dapo", "algo.eps_high=0.3"], dict(eps_high=0.3)),
+        (["algo.preset=dr_grpo"], dict(advantage="group_mean", aggregation="seq_sum_max_len")),
+        (["algo.preset=gspo"], dict(loss_type="gspo", eps_low=3e-4, eps_high=4e-4)),
+        (["algo.loss_type=gspo_token"], dict(eps_low=3e-4, eps_high=4e-4)),
+        (["algo.preset=dapo", "algo.loss_type=gspo"], dict(eps_low=3e-4, eps_high=4e-4)),
+        (["algo.loss_type=gspo", "algo.eps_low=1e-3"], dict(eps_low=1e-3, eps_high=4e-4)),
+        (["algo.preset=rloo"], dict(advantage="rloo", aggregation="seq_sum_max_len")),
+        (["algo.preset=grpo", "algo.kl_coef=0"], dict(kl_coef=0.0)),
+    ],
+)
 def test_presets_and_explicit_keys(overrides, expected):
     algo = load_config(GRPOConfig, None, ["data.task=addition", *overrides]).algo.resolved()
     assert {key: getattr(algo, key) for key in expected} == expected
 
 
-@pytest.mark.parametrize("override, message", [
-    ("algo.preset=grpoo", "valid: grpo, dr_grpo, dapo, gspo, rloo"),
-    ("algo.loss_type=ppo", "valid: token_clip, gspo, gspo_token"),
-    ("algo.aggregation=mean", "algo.aggregation='mean' is not known"),
-    ("algo.advantage=gae", "valid: group_norm, group_mean, rloo, batch_norm"),
-    ("algo.kl_estimator=k4", "algo.kl_estimator"),
-    ("algo.is_level=tokens", "valid: none, token, sequence"),
-    ("algo.dual_clip=0.5", "dual_clip"),
-    ("rollout.temperature=0", "rollout.temperature"),
-    ("rollout.dtype=fp8", "expected one of 'same', 'bf16', 'fp16'"),
-    (["rollout.backend=vllm", "rollout.dtype=bf16"], "applies to the inprocess backend"),
-    ("rewards.functions=[{nme: exact}]", "rewards.functions\\[0\\]"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("algo.preset=grpoo", "valid: grpo, dr_grpo, dapo, gspo, rloo"),
+        ("algo.loss_type=ppo", "valid: token_clip, gspo, gspo_token"),
+        ("algo.aggregation=mean", "algo.aggregation='mean' is not known"),
+        ("algo.advantage=gae", "valid: group_norm, group_mean, rloo, batch_norm"),
+        ("algo.kl_estimator=k4", "algo.kl_estimator"),
+        ("algo.is_level=tokens", "valid: none, token, sequence"),
+        ("algo.dual_clip=0.5", "dual_clip"),
+        ("rollout.temperature=0", "rollout.temperature"),
+        ("rollout.dtype=fp8", "expected one of 'same', 'bf16', 'fp16'"),
+        (["rollout.backend=vllm", "rollout.dtype=bf16"], "applies to the inprocess backend"),
+        ("rewards.functions=[{nme: exact}]", "rewards.functions\\[0\\]"),
+    ],
+)
 def test_bad_config_is_a_clear_error(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(GRPOConfig, None, ["data.task=addition", *([override] if isinstance(override, str) else override)])
@@ -409,8 +528,9 @@ def test_cli_reports_a_bad_preset(capsys):
 @pytest.mark.parametrize("advantage", ["group_norm", "group_mean"])
 def test_advantages_of_hands_std_eps_to_std_normalising_estimators_only(advantage):
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0])
-    algo = load_config(GRPOConfig, None, ["data.task=addition", f"algo.advantage={advantage}",
-                                          "algo.std_eps=1.0"]).algo.resolved()
+    algo = load_config(
+        GRPOConfig, None, ["data.task=addition", f"algo.advantage={advantage}", "algo.std_eps=1.0"]
+    ).algo.resolved()
     got, _ = advantages_of(rewards, algo, 4)
     grouped = rewards.view(2, 4)
     centred = grouped - grouped.mean(1, keepdim=True)

@@ -4,6 +4,7 @@ for bit, resume reproduces the uninterrupted run, and the config errors."""
 
 import pytest
 import torch
+from run_records import assert_resume_is_bit_exact, records
 
 from lmforge import rl
 from lmforge.core.config import ModelConfig, load_config
@@ -12,14 +13,33 @@ from lmforge.model.load import load_model
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
 from lmforge.rl.sources.overlap import async_threads
 from lmforge.runtime.optim import Precision
-from run_records import assert_resume_is_bit_exact, records
 
-ARGS = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
-        "model.max_position_embeddings=32", "data.task=addition", "data.num_train=64", "data.num_eval=4",
-        "rollout.num_prompts=2", "rollout.group_size=4", "rollout.max_new_tokens=4", "rewards.functions=[parity]",
-        "train.max_steps=4", "train.micro_batch_size=8", "train.save_every=1", "train.keep_last=10",
-        "train.eval_every=4", "train.max_new_tokens=4", "train.threads=1", "optim.lr=3e-2",
-        "logging.progress=false", "algo.is_level=token", "algo.is_cap=1.5", "rollout.async_steps=1"]
+ARGS = [
+    "model.tokenizer=char",
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.max_position_embeddings=32",
+    "data.task=addition",
+    "data.num_train=64",
+    "data.num_eval=4",
+    "rollout.num_prompts=2",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=4",
+    "rewards.functions=[parity]",
+    "train.max_steps=4",
+    "train.micro_batch_size=8",
+    "train.save_every=1",
+    "train.keep_last=10",
+    "train.eval_every=4",
+    "train.max_new_tokens=4",
+    "train.threads=1",
+    "optim.lr=3e-2",
+    "logging.progress=false",
+    "algo.is_level=token",
+    "algo.is_cap=1.5",
+    "rollout.async_steps=1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -70,14 +90,22 @@ def test_async_seeded_run_repeats_and_resume_is_bit_exact(async_run, tmp_path):
     for step in (1, 2, 3, 4):
         for key in ("loss", "reward", "grad_norm", "is_weight_mean"):
             assert got[step][key] == want[step][key], f"repeat, step {step} {key}"
-    assert_resume_is_bit_exact(run_grpo, GRPOConfig, ARGS, async_run, tmp_path / "resumed", 2,
-                               ("rollout_version", "loss", "reward", "grad_norm", "is_weight_mean"))
+    assert_resume_is_bit_exact(
+        run_grpo,
+        GRPOConfig,
+        ARGS,
+        async_run,
+        tmp_path / "resumed",
+        2,
+        ("rollout_version", "loss", "reward", "grad_norm", "is_weight_mean"),
+    )
 
 
 def test_two_steps_ahead_trains_on_batches_two_versions_old(tmp_path):
     out = tmp_path / "two"
-    run_grpo(load_config(GRPOConfig, None, ARGS + ["rollout.async_steps=2", "train.save_every=0",
-                                                   f"train.output_dir={out}"]))
+    run_grpo(
+        load_config(GRPOConfig, None, ARGS + ["rollout.async_steps=2", "train.save_every=0", f"train.output_dir={out}"])
+    )
     train = records(out)
     assert [train[k]["rollout_version"] for k in (1, 2, 3, 4)] == [0, 0, 0, 1]
     assert [train[k]["staleness"] for k in (1, 2, 3, 4)] == [0, 1, 2, 2]
@@ -105,8 +133,13 @@ def test_ppo_runs_with_async_rollouts(tmp_path):
 
     out = tmp_path / "ppo"
     args = [a for a in ARGS if not a.startswith(("train.save_every", "train.eval_every"))]
-    run_ppo(load_config(PPOConfig, None, args + ["train.max_steps=3", "train.save_every=0", "train.eval_every=3",
-                                                 f"train.output_dir={out}"]))
+    run_ppo(
+        load_config(
+            PPOConfig,
+            None,
+            args + ["train.max_steps=3", "train.save_every=0", "train.eval_every=3", f"train.output_dir={out}"],
+        )
+    )
     train = records(out)
     assert [train[k]["staleness"] for k in (1, 2, 3)] == [0, 1, 1]
     assert all(r["value_loss"] == r["value_loss"] and "is_weight_mean" in r for r in train.values())
@@ -116,9 +149,9 @@ def test_a_failed_batch_in_flight_does_not_cost_the_checkpoint_of_the_step_that_
     """The reward fails on every row of the third batch, which is sampled in the background while step 2
     trains. Step 2's checkpoint is still written (without that batch), then the run stops with the
     reward's error at step 3, and it resumes from step 2."""
-    from lmforge.runtime.checkpoint import list_checkpoints
     from lmforge.core.errors import TrainingError
     from lmforge.rollout import BUILTIN_REWARDS
+    from lmforge.runtime.checkpoint import list_checkpoints
 
     calls = [0]
 
@@ -130,8 +163,11 @@ def test_a_failed_batch_in_flight_does_not_cost_the_checkpoint_of_the_step_that_
 
     monkeypatch.setitem(BUILTIN_REWARDS, "third_batch_fails", third_batch_fails)
     out = tmp_path / "run"
-    args = [a for a in ARGS if not a.startswith("rewards.")] + ["rewards.functions=[third_batch_fails]",
-                                                                "rewards.timeout_s=0", f"train.output_dir={out}"]
+    args = [a for a in ARGS if not a.startswith("rewards.")] + [
+        "rewards.functions=[third_batch_fails]",
+        "rewards.timeout_s=0",
+        f"train.output_dir={out}",
+    ]
     with pytest.raises(TrainingError, match="verifier down"):
         run_grpo(load_config(GRPOConfig, None, args))
     assert [p.name for p in list_checkpoints(out)] == ["step-000001", "step-000002"]

@@ -2,34 +2,50 @@
 plain http.server): the pulled batch trains exactly as the same rollout sampled in process, staleness is
 measured and bounded, weights are pushed every ``push_every`` steps, a dead API is retried with backoff
 and then stops the run with its checkpoints intact, and a malformed batch names its field."""
+
 import json
 import threading
 import time
-from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
 
-from lmforge.rl.sources import atropos as atropos_source, sampled as sampled_source
 from lmforge.core.config import ModelConfig, load_config
 from lmforge.core.errors import ConfigError
 from lmforge.model.load import load_model
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
+from lmforge.rl.sources import atropos as atropos_source
+from lmforge.rl.sources import sampled as sampled_source
 from lmforge.rl.sources.atropos_client import AtroposError
 
-TINY = dict(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2, num_heads=2,
-            max_position_embeddings=32)
+TINY = dict(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=32)
 ARGS = [f"model.{k}={v}" for k, v in TINY.items()] + [
-    "data.task=addition", "data.num_train=64", "data.num_eval=0", "rollout.num_prompts=2",
-    "rollout.group_size=4", "rollout.max_new_tokens=4", "rewards.functions=[parity]",
-    "train.max_steps=2", "train.micro_batch_size=2", "train.save_every=0", "train.threads=1",
-    "optim.lr=1e-2", "logging.progress=false",
+    "data.task=addition",
+    "data.num_train=64",
+    "data.num_eval=0",
+    "rollout.num_prompts=2",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=4",
+    "rewards.functions=[parity]",
+    "train.max_steps=2",
+    "train.micro_batch_size=2",
+    "train.save_every=0",
+    "train.threads=1",
+    "optim.lr=1e-2",
+    "logging.progress=false",
     # KL to the reference, two mini-batches (old logprobs recomputed), IS against the sampler's logprobs
-    "algo.preset=grpo", "algo.num_mini_batches=2", "algo.is_level=token",
+    "algo.preset=grpo",
+    "algo.num_mini_batches=2",
+    "algo.is_level=token",
 ]
-FAST_API = ["rollout.api_poll_s=0.01", "rollout.api_retries=2", "rollout.api_backoff_s=0.05",
-            "rollout.api_timeout_s=20"]
+FAST_API = [
+    "rollout.api_poll_s=0.01",
+    "rollout.api_retries=2",
+    "rollout.api_backoff_s=0.05",
+    "rollout.api_timeout_s=20",
+]
 
 
 class FakeServices:
@@ -109,8 +125,13 @@ def to_groups(rollout, rewards, group_size, version=None):
     """An in-process rollout as the Atropos groups an environment would post for it."""
     groups = []
     for start in range(0, rollout.prompt_ids.shape[0], group_size):
-        group = {"tokens": [], "masks": [], "scores": [], "inference_logprobs": [],
-                 "generation_params": None if version is None else {"weight_version": version}}
+        group = {
+            "tokens": [],
+            "masks": [],
+            "scores": [],
+            "inference_logprobs": [],
+            "generation_params": None if version is None else {"weight_version": version},
+        }
         for b in range(start, start + group_size):
             prompt = rollout.prompt_ids[b][rollout.prompt_mask[b].bool()].tolist()
             n = int(rollout.completion_lens[b])
@@ -129,8 +150,9 @@ def tiny():
 
 def run(tmp_path, name, extra, model=None):
     model, tokenizer = model or tiny()
-    result = run_grpo(load_config(GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path / name}"] + extra),
-                      model, tokenizer)
+    result = run_grpo(
+        load_config(GRPOConfig, None, ARGS + [f"train.output_dir={tmp_path / name}"] + extra), model, tokenizer
+    )
     return model, result
 
 
@@ -158,8 +180,11 @@ def test_pulled_batch_trains_exactly_as_the_same_rollout_in_process(tmp_path, se
     assert any(float(rewards.std()) > 0 for _, rewards in sampled)
 
     api = services([to_groups(r, rewards, 4, version=k) for k, (r, rewards) in enumerate(sampled)])
-    pulled, result_b = run(tmp_path, "atropos", ["rollout.backend=atropos", f"rollout.api_url={api.url}",
-                                                 f"rollout.server_url={api.url}"] + FAST_API)
+    pulled, result_b = run(
+        tmp_path,
+        "atropos",
+        ["rollout.backend=atropos", f"rollout.api_url={api.url}", f"rollout.server_url={api.url}"] + FAST_API,
+    )
     start, _ = tiny()
     moved = max(float((a - s).detach().abs().max()) for a, s in zip(in_process.parameters(), start.parameters()))
     assert moved > 1e-3, "the in-process run did not move the weights: nothing is compared"
@@ -170,9 +195,18 @@ def test_pulled_batch_trains_exactly_as_the_same_rollout_in_process(tmp_path, se
         for key in ("reward", "loss", "kl", "grad_norm", "rollout_diff_abs_max", "rollout_ratio_mean"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-6), (step, key)
         assert b[step]["staleness_max"] == 0 and b[step]["atropos_dropped_stale_groups"] == 0
-    assert api.registered == [{"wandb_group": "", "wandb_project": "", "batch_size": 8, "max_token_len":
-                               api.registered[0]["max_token_len"], "checkpoint_dir": "", "save_checkpoint_interval": 2,
-                               "starting_step": 0, "num_steps": 2}]
+    assert api.registered == [
+        {
+            "wandb_group": "",
+            "wandb_project": "",
+            "batch_size": 8,
+            "max_token_len": api.registered[0]["max_token_len"],
+            "checkpoint_dir": "",
+            "save_checkpoint_interval": 2,
+            "starting_step": 0,
+            "num_steps": 2,
+        }
+    ]
     assert [v for v, _ in api.pushed] == [1, 2]  # push_every=1: after each step, versioned by the step
     for name, tensor in in_process.state_dict().items():  # the last push carries the final weights
         torch.testing.assert_close(api.pushed[-1][1][name], tensor, rtol=0, atol=0)
@@ -183,8 +217,11 @@ def test_ppo_pulled_batch_trains_as_the_same_rollout_in_process(tmp_path, servic
     value head, GAE and KL penalty in the reward."""
     from lmforge.recipes.ppo import PPOConfig, run_ppo
 
-    args = [a for a in ARGS if not a.startswith("algo.")] + ["algo.is_level=token", "algo.num_mini_batches=2",
-                                                             "algo.kl_coef=0.05"]
+    args = [a for a in ARGS if not a.startswith("algo.")] + [
+        "algo.is_level=token",
+        "algo.num_mini_batches=2",
+        "algo.kl_coef=0.05",
+    ]
     sampled, real = [], sampled_source.sample_and_score
 
     def recording(*a, **k):
@@ -194,8 +231,9 @@ def test_ppo_pulled_batch_trains_as_the_same_rollout_in_process(tmp_path, servic
 
     def ppo(name, extra):
         model, tokenizer = tiny()
-        result = run_ppo(load_config(PPOConfig, None, args + [f"train.output_dir={tmp_path / name}"] + extra),
-                         model, tokenizer)
+        result = run_ppo(
+            load_config(PPOConfig, None, args + [f"train.output_dir={tmp_path / name}"] + extra), model, tokenizer
+        )
         return model, result
 
     monkeypatch.setattr(sampled_source, "sample_and_score", recording)
@@ -219,8 +257,13 @@ def synthetic_groups(tokenizer, versions, seed=0):
     digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
     groups = []
     for version in versions:
-        group = {"tokens": [], "masks": [], "scores": [], "inference_logprobs": [],
-                 "generation_params": None if version is None else {"weight_version": version}}
+        group = {
+            "tokens": [],
+            "masks": [],
+            "scores": [],
+            "inference_logprobs": [],
+            "generation_params": None if version is None else {"weight_version": version},
+        }
         prompt = [digits[int(i)] for i in torch.randint(0, 10, (5,), generator=g)]
         for r in range(4):
             completion = [digits[int(i)] for i in torch.randint(0, 10, (1 + r % 4,), generator=g)]
@@ -237,12 +280,27 @@ def test_stale_groups_are_dropped_counted_and_push_every(tmp_path, services):
     # step 1 (weights v0) gets 3 groups: uses 2, keeps 1; step 2 (v0 weights still, push_every=2) ...
     # step 3 (v2): the kept v0 group is 2 behind (> max_staleness=1), dropped; a v0 group in the next
     # batch too; v1 / v2 groups are used (staleness 1 and 0).
-    script = [synthetic_groups(tokenizer, [0, 0, 0]), synthetic_groups(tokenizer, [0, 0], 1),
-              synthetic_groups(tokenizer, [0, 2, 1], 2), synthetic_groups(tokenizer, [2, 2], 3)]
+    script = [
+        synthetic_groups(tokenizer, [0, 0, 0]),
+        synthetic_groups(tokenizer, [0, 0], 1),
+        synthetic_groups(tokenizer, [0, 2, 1], 2),
+        synthetic_groups(tokenizer, [2, 2], 3),
+    ]
     api = services(script)
-    _, result = run(tmp_path, "stale", ["rollout.backend=atropos", f"rollout.api_url={api.url}", "algo.is_level=none",
-                                        f"rollout.server_url={api.url}", "rollout.push_every=2",
-                                        "rollout.max_staleness=1", "train.max_steps=4"] + FAST_API)
+    _, result = run(
+        tmp_path,
+        "stale",
+        [
+            "rollout.backend=atropos",
+            f"rollout.api_url={api.url}",
+            "algo.is_level=none",
+            f"rollout.server_url={api.url}",
+            "rollout.push_every=2",
+            "rollout.max_staleness=1",
+            "train.max_steps=4",
+        ]
+        + FAST_API,
+    )
     m = metrics(result["run_dir"])
     assert [m[k]["atropos_dropped_stale_groups"] for k in (1, 2, 3, 4)] == [0, 0, 2, 0]
     assert [m[k]["atropos_dropped_stale_total"] for k in (1, 2, 3, 4)] == [0, 0, 2, 2]
@@ -260,10 +318,14 @@ def rl_checkpoint_weights(step_dir):
 
 def test_api_down_retries_with_backoff_then_stops_resumably(tmp_path, services):
     _, tokenizer = tiny()
-    api = services([synthetic_groups(tokenizer, [None, None]), synthetic_groups(tokenizer, [None, None], 1)],
-                   after=503)
-    extra = ["rollout.backend=atropos", f"rollout.api_url={api.url}", "algo.is_level=none",
-             "train.max_steps=3", "train.save_every=1"] + FAST_API
+    api = services([synthetic_groups(tokenizer, [None, None]), synthetic_groups(tokenizer, [None, None], 1)], after=503)
+    extra = [
+        "rollout.backend=atropos",
+        f"rollout.api_url={api.url}",
+        "algo.is_level=none",
+        "train.max_steps=3",
+        "train.save_every=1",
+    ] + FAST_API
     start = time.monotonic()
     with pytest.raises(AtroposError, match=r"GET .*/batch failed after 3 attempts \(last: status 503.*resumed"):
         run(tmp_path, "down", extra)
@@ -295,13 +357,16 @@ def test_api_down_retries_with_backoff_then_stops_resumably(tmp_path, services):
         run(tmp_path, "dead", ["rollout.backend=atropos", f"rollout.api_url={dead.url}"] + FAST_API)
 
 
-@pytest.mark.parametrize("field,breaks,needle", [
-    ("masks", lambda g: g.pop("masks"), "field 'masks' is missing"),
-    ("scores", lambda g: g["scores"].__setitem__(1, "high"), "row 1: field 'scores' holds 'high'"),
-    ("tokens", lambda g: g["tokens"].pop(), "field 'tokens' holds 3 rows, but rollout.group_size=4"),
-    ("inference_logprobs", lambda g: g["inference_logprobs"][2].pop(), "row 2: 8 inference_logprobs for 9 tokens"),
-    ("masks", lambda g: g["masks"].__setitem__(0, [-100] * len(g["tokens"][0])), "row 0: every mask entry is -100"),
-])
+@pytest.mark.parametrize(
+    "field,breaks,needle",
+    [
+        ("masks", lambda g: g.pop("masks"), "field 'masks' is missing"),
+        ("scores", lambda g: g["scores"].__setitem__(1, "high"), "row 1: field 'scores' holds 'high'"),
+        ("tokens", lambda g: g["tokens"].pop(), "field 'tokens' holds 3 rows, but rollout.group_size=4"),
+        ("inference_logprobs", lambda g: g["inference_logprobs"][2].pop(), "row 2: 8 inference_logprobs for 9 tokens"),
+        ("masks", lambda g: g["masks"].__setitem__(0, [-100] * len(g["tokens"][0])), "row 0: every mask entry is -100"),
+    ],
+)
 def test_malformed_batch_names_the_field(tmp_path, services, field, breaks, needle):
     _, tokenizer = tiny()
     groups = synthetic_groups(tokenizer, [None, None])
@@ -324,22 +389,46 @@ def test_atropos_backend_needs_an_api_url():
 def test_qat_with_the_atropos_backend_is_refused(tmp_path):
     """The inference server would sample the master weights, not the fake-quantized model trained."""
     with pytest.raises(ConfigError, match="train.qat needs rollout.backend=inprocess.*backend=atropos"):
-        run_grpo(load_config(GRPOConfig, None, ARGS + [
-            "rollout.backend=atropos", "rollout.api_url=http://127.0.0.1:9", "train.qat=ternary",
-            f"train.output_dir={tmp_path / 'run'}"]))
+        run_grpo(
+            load_config(
+                GRPOConfig,
+                None,
+                ARGS
+                + [
+                    "rollout.backend=atropos",
+                    "rollout.api_url=http://127.0.0.1:9",
+                    "train.qat=ternary",
+                    f"train.output_dir={tmp_path / 'run'}",
+                ],
+            )
+        )
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-RANKS_ARGS = ["rollout.backend=atropos", "rewards.functions=[exact]", "algo.preset=", "algo.num_mini_batches=1", "optim.eps=1e-3",
-              "optim.weight_decay=0.0", "optim.schedule=constant", "train.dtype=fp32"] + FAST_API
+RANKS_ARGS = [
+    "rollout.backend=atropos",
+    "rewards.functions=[exact]",
+    "algo.preset=",
+    "algo.num_mini_batches=1",
+    "optim.eps=1e-3",
+    "optim.weight_decay=0.0",
+    "optim.schedule=constant",
+    "train.dtype=fp32",
+] + FAST_API
 
 
 def rank_worker(rank: int, world: int, port: int, api_url: str, out: str) -> None:
     """A spawned gloo rank under torchrun's environment: the whole ``lmforge grpo`` run."""
     import os
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     converted, real = [], atropos_source.batch_to_rollout
 
@@ -348,8 +437,9 @@ def rank_worker(rank: int, world: int, port: int, api_url: str, out: str) -> Non
         return real(groups, pad_token_id)
 
     atropos_source.batch_to_rollout = recording
-    run_grpo(load_config(GRPOConfig, None, ARGS + RANKS_ARGS + [f"rollout.api_url={api_url}",
-                                                                f"train.output_dir={out}"]))
+    run_grpo(
+        load_config(GRPOConfig, None, ARGS + RANKS_ARGS + [f"rollout.api_url={api_url}", f"train.output_dir={out}"])
+    )
     (Path(out) / f"converted-{rank}.json").write_text(json.dumps(converted))
 
 
@@ -372,8 +462,9 @@ def test_two_ranks_rank_zero_pulls_and_each_trains_its_share(tmp_path, services)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.start_processes(rank_worker, args=(2, port, ranks_api.url, str(tmp_path / "ranks")), nprocs=2,
-                       start_method="spawn", join=True)
+    mp.start_processes(
+        rank_worker, args=(2, port, ranks_api.url, str(tmp_path / "ranks")), nprocs=2, start_method="spawn", join=True
+    )
     # rank 0 alone talked to the API: one registration, one GET /batch per step
     assert len(ranks_api.registered) == 1 and ranks_api.batch_calls == 2
     # rank 0 checks each step's 2 groups, then each rank converts its own 1 group to train on
@@ -406,8 +497,9 @@ def test_a_refused_weight_push_is_not_retried(monkeypatch):
 
     monkeypatch.setattr(httpx, "request", answering)
     source = object.__new__(atropos_source.AtroposSource)
-    source.rollout = SimpleNamespace(server_url="http://127.0.0.1:9", api_retries=3, api_backoff_s=0.0,
-                                 push_timeout_s=600.0)
+    source.rollout = SimpleNamespace(
+        server_url="http://127.0.0.1:9", api_retries=3, api_backoff_s=0.0, push_timeout_s=600.0
+    )
     model = torch.nn.Linear(2, 2)
     status = 400
     with pytest.raises(AtroposError, match="pushing weights version 5 .* was refused \\(400\\)"):

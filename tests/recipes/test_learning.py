@@ -1,6 +1,7 @@
 """RL learns: GRPO raises a reward it can reach within seconds (default run), and on the quickstart
 task a short GRPO run from a short SFT raises held-out accuracy (``slow``). Each margin comes from
 runs with several seeds, whose numbers the test's docstring records."""
+
 import dataclasses
 import json
 
@@ -9,11 +10,11 @@ import pytest
 from lmforge.core.config import load_config
 from lmforge.data.tasks import get_task
 from lmforge.model.load import load_model
+from lmforge.model.tokenizer import char_tokenizer
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
 from lmforge.recipes.quickstart import QuickstartConfig, grpo_config, sft_config
 from lmforge.recipes.sft import run_sft
 from lmforge.rollout import BUILTIN_REWARDS
-from lmforge.model.tokenizer import char_tokenizer
 
 
 def sevens(completion: str, problem) -> float:
@@ -27,13 +28,36 @@ def rewards_by_step(run_dir) -> list[float]:
 
 
 def grpo_on_sevens(out, lr: float, seed: int = 0) -> list[float]:
-    run_grpo(load_config(GRPOConfig, None, [
-        "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
-        "model.max_position_embeddings=32", f"model.init_seed={seed}", "data.task=addition", "data.num_train=64",
-        "data.num_eval=0", "rollout.num_prompts=4", "rollout.group_size=8", "rollout.max_new_tokens=4",
-        "rewards.functions=[sevens]", "train.max_steps=15", "train.micro_batch_size=32", "train.save_every=0",
-        "train.threads=1", f"train.seed={seed}", f"optim.lr={lr}", "optim.schedule=constant",
-        "logging.progress=false", f"train.output_dir={out}"]))
+    run_grpo(
+        load_config(
+            GRPOConfig,
+            None,
+            [
+                "model.tokenizer=char",
+                "model.hidden_size=32",
+                "model.num_layers=2",
+                "model.num_heads=2",
+                "model.max_position_embeddings=32",
+                f"model.init_seed={seed}",
+                "data.task=addition",
+                "data.num_train=64",
+                "data.num_eval=0",
+                "rollout.num_prompts=4",
+                "rollout.group_size=8",
+                "rollout.max_new_tokens=4",
+                "rewards.functions=[sevens]",
+                "train.max_steps=15",
+                "train.micro_batch_size=32",
+                "train.save_every=0",
+                "train.threads=1",
+                f"train.seed={seed}",
+                f"optim.lr={lr}",
+                "optim.schedule=constant",
+                "logging.progress=false",
+                f"train.output_dir={out}",
+            ],
+        )
+    )
     return rewards_by_step(out)
 
 

@@ -3,40 +3,73 @@ optimizer state; the reference policy is the base model with the adapters off (n
 and PPO runs train the adapters and leave the base weights bit-identical; the saved adapter reloads
 with peft and the merged directory with plain transformers, both giving the trained logits; resume
 is bit-exact; the bf16 sampler copy holds the merged weights after an update."""
+
 import copy
 import json
 
 import pytest
 import torch
+from run_records import assert_resume_is_bit_exact, records
 
 from lmforge import rl
-from lmforge.model import lora
-from lmforge.rl import loop as rl_loop
 from lmforge.core.config import LoraConfig, ModelConfig, load_config
 from lmforge.core.errors import ConfigError
+from lmforge.model import lora
 from lmforge.model.load import load_model
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
 from lmforge.recipes.ppo import PPOConfig, run_ppo
 from lmforge.recipes.sft import SFTConfig, run_sft
+from lmforge.rl import loop as rl_loop
 from lmforge.rollout import CastEngine
-from run_records import assert_resume_is_bit_exact, records
 
 peft = pytest.importorskip("peft")
 
 TINY = dict(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=32)
 TINY_ARGS = [f"model.{k}={v}" for k, v in TINY.items()]
 SFT_ARGS = TINY_ARGS + [
-    "data.task=addition", "data.num_train=64", "data.num_val=16", "data.num_eval=8", "data.max_len=16",
-    "train.max_steps=8", "train.micro_batch_size=8", "train.batch_size=16", "train.save_every=4",
-    "train.keep_last=10", "train.eval_every=4", "train.max_new_tokens=4", "train.threads=1", "optim.lr=2e-2",
-    "optim.schedule=constant", "logging.progress=false", "model.lora.r=4", "model.lora.save_merged=true"]
+    "data.task=addition",
+    "data.num_train=64",
+    "data.num_val=16",
+    "data.num_eval=8",
+    "data.max_len=16",
+    "train.max_steps=8",
+    "train.micro_batch_size=8",
+    "train.batch_size=16",
+    "train.save_every=4",
+    "train.keep_last=10",
+    "train.eval_every=4",
+    "train.max_new_tokens=4",
+    "train.threads=1",
+    "optim.lr=2e-2",
+    "optim.schedule=constant",
+    "logging.progress=false",
+    "model.lora.r=4",
+    "model.lora.save_merged=true",
+]
 GRPO_ARGS = TINY_ARGS + [
-    "data.task=addition", "data.num_train=64", "data.num_eval=8", "rollout.num_prompts=2", "rollout.group_size=4",
-    "rollout.max_new_tokens=4", "rewards.functions=[parity]", "train.max_steps=4", "train.micro_batch_size=2",
-    "train.save_every=2", "train.keep_last=10", "train.eval_every=2", "train.max_new_tokens=4", "train.threads=1",
-    "optim.lr=5e-2", "logging.progress=false", "model.lora.r=4", "model.lora.alpha=8",
+    "data.task=addition",
+    "data.num_train=64",
+    "data.num_eval=8",
+    "rollout.num_prompts=2",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=4",
+    "rewards.functions=[parity]",
+    "train.max_steps=4",
+    "train.micro_batch_size=2",
+    "train.save_every=2",
+    "train.keep_last=10",
+    "train.eval_every=2",
+    "train.max_new_tokens=4",
+    "train.threads=1",
+    "optim.lr=5e-2",
+    "logging.progress=false",
+    "model.lora.r=4",
+    "model.lora.alpha=8",
     # KL to the reference (the base with adapters off), two passes of two mini-batches: old logprobs recomputed
-    "algo.preset=grpo", "algo.num_iterations=2", "algo.num_mini_batches=2"]
+    "algo.preset=grpo",
+    "algo.num_iterations=2",
+    "algo.num_mini_batches=2",
+]
 
 
 def tiny():
@@ -110,8 +143,9 @@ def test_reference_logprobs_are_the_base_models(tmp_path):
     prompts = rl.build_prompts(cfg.data, tokenizer, seed=0)
     from lmforge.rollout import RewardSet
 
-    rollout, _, _ = rl.sample_and_score(rl.PolicyEngine(model), tokenizer, prompts, [0, 1], cfg.rollout,
-                                        RewardSet([("exact", 1.0)]), 0)
+    rollout, _, _ = rl.sample_and_score(
+        rl.PolicyEngine(model), tokenizer, prompts, [0, 1], cfg.rollout, RewardSet([("exact", 1.0)]), 0
+    )
     batch = rl.pack_rollout(rollout, tokenizer.pad_token_id, need_rollout_logprobs=False)
     precision = Precision(torch.device("cpu"), torch.float32)
     got = rl.batch_logprobs(rl.reference_model(model, 0.04), batch, 4, 1.0, precision)
@@ -147,8 +181,11 @@ def test_sampler_copy_holds_the_merged_weights_after_an_update():
 
 
 def test_config_errors_and_the_install_hint(monkeypatch):
-    for override, key in [("model.lora.r=-1", "model.lora.r"), ("model.lora.dropout=1.5", "model.lora.dropout"),
-                          ("model.lora.target_modules=[]", "target_modules")]:
+    for override, key in [
+        ("model.lora.r=-1", "model.lora.r"),
+        ("model.lora.dropout=1.5", "model.lora.dropout"),
+        ("model.lora.target_modules=[]", "target_modules"),
+    ]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(SFTConfig, None, ["data.task=addition", "model.lora.r=4", override])
     model, _ = tiny()
@@ -227,8 +264,13 @@ def test_resuming_a_lora_checkpoint_without_lora_is_an_error(sft_run, tmp_path):
     out, _, _ = sft_run
     args = [a for a in SFT_ARGS if not a.startswith("model.lora")]
     with pytest.raises(ConfigError, match="model.lora"):
-        run_sft(load_config(SFTConfig, None, args + [f"train.output_dir={tmp_path / 'r'}",
-                                                     f"train.resume={out / 'checkpoints' / 'step-000004'}"]))
+        run_sft(
+            load_config(
+                SFTConfig,
+                None,
+                args + [f"train.output_dir={tmp_path / 'r'}", f"train.resume={out / 'checkpoints' / 'step-000004'}"],
+            )
+        )
 
 
 # ----------------------------------------------------------------------------- GRPO and PPO
@@ -251,9 +293,12 @@ def grpo_run(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(copy, "deepcopy", counting_deepcopy)
-        mp.setattr(rl_loop, "reference_model", lambda m, kl: references.append(reference_model(m, kl)) or references[-1])
-        run_grpo(load_config(GRPOConfig, None, GRPO_ARGS + [f"train.output_dir={out}"]), model=model,
-                 tokenizer=tokenizer)
+        mp.setattr(
+            rl_loop, "reference_model", lambda m, kl: references.append(reference_model(m, kl)) or references[-1]
+        )
+        run_grpo(
+            load_config(GRPOConfig, None, GRPO_ARGS + [f"train.output_dir={out}"]), model=model, tokenizer=tokenizer
+        )
     return out, model, base, copies, references
 
 
@@ -292,8 +337,9 @@ def test_grpo_with_kl_trains_the_adapters_against_the_base(grpo_run):
 
 def test_grpo_resume_with_lora_is_bit_exact(grpo_run, tmp_path):
     out, _, _, _, _ = grpo_run
-    assert_resume_is_bit_exact(run_grpo, GRPOConfig, GRPO_ARGS, out, tmp_path / "resumed", 2,
-                               ("loss", "reward", "kl", "grad_norm"))
+    assert_resume_is_bit_exact(
+        run_grpo, GRPOConfig, GRPO_ARGS, out, tmp_path / "resumed", 2, ("loss", "reward", "kl", "grad_norm")
+    )
 
 
 def test_grpo_with_a_bf16_sampler_copy_samples_the_merged_policy(tmp_path, monkeypatch):
@@ -302,7 +348,11 @@ def test_grpo_with_a_bf16_sampler_copy_samples_the_merged_policy(tmp_path, monke
     out = tmp_path / "run"
     model, tokenizer = tiny()
     args = [a for a in GRPO_ARGS if not a.startswith("algo.num_")] + [
-        "rollout.dtype=bf16", "algo.is_level=token", "train.max_steps=2", f"train.output_dir={out}"]
+        "rollout.dtype=bf16",
+        "algo.is_level=token",
+        "train.max_steps=2",
+        f"train.output_dir={out}",
+    ]
     run_grpo(load_config(GRPOConfig, None, args), model=model, tokenizer=tokenizer)
     assert len(engines) == 2  # before each rollout
     engine = engines[-1]
@@ -317,13 +367,19 @@ def test_ppo_trains_adapters_and_the_value_head(tmp_path, monkeypatch):
     from lmforge.runtime.optim import Updater
 
     modules, build = [], Updater.build.__func__
-    monkeypatch.setattr(Updater, "build", classmethod(lambda cls, module, *a, **k: (modules.append(module),
-                                                                                  build(cls, module, *a, **k))[1]))
+    monkeypatch.setattr(
+        Updater,
+        "build",
+        classmethod(lambda cls, module, *a, **k: (modules.append(module), build(cls, module, *a, **k))[1]),
+    )
     out = tmp_path / "run"
     model, tokenizer = tiny()
     base = base_weights(model)
     args = [a for a in GRPO_ARGS if not a.startswith(("algo.", "rewards."))] + [
-        "rewards.functions=[parity]", "train.max_steps=2", f"train.output_dir={out}"]
+        "rewards.functions=[parity]",
+        "train.max_steps=2",
+        f"train.output_dir={out}",
+    ]
     run_ppo(load_config(PPOConfig, None, args), model=model, tokenizer=tokenizer)
     module = modules[0]
     trained = [n for n, p in module.named_parameters() if p.requires_grad]
@@ -351,8 +407,7 @@ def test_antidistillation_with_a_lora_student(tmp_path):
 
     from lmforge.cli import main
 
-    args = ADS_ARGS + ["sample.temperatures=[1.0]", "sample.lams=[0.0]", f"run.workdir={tmp_path}",
-                       "student.lora.r=4"]
+    args = ADS_ARGS + ["sample.temperatures=[1.0]", "sample.lams=[0.0]", f"run.workdir={tmp_path}", "student.lora.r=4"]
     for stage in ("traces", "grad", "sample", "distill", "eval"):
         assert main(["antidistill", stage, *args]) == 0, stage
     final = tmp_path / "students" / "T1-lam0" / "final"
@@ -366,8 +421,13 @@ def test_lora_with_gradient_checkpointing_trains(tmp_path):
     """Checkpointed blocks with a frozen embedding still give the adapters their gradients."""
     out = tmp_path / "run"
     args = [a for a in SFT_ARGS if not a.startswith(("train.max_steps", "model.lora.save_merged"))]
-    run_sft(load_config(SFTConfig, None, args + ["train.max_steps=2", "train.gradient_checkpointing='on'",
-                                                 f"train.output_dir={out}"]))
+    run_sft(
+        load_config(
+            SFTConfig,
+            None,
+            args + ["train.max_steps=2", "train.gradient_checkpointing='on'", f"train.output_dir={out}"],
+        )
+    )
     assert all(r["grad_norm"] > 0 for r in records(out).values())
 
 
@@ -411,20 +471,25 @@ def test_weights_pushed_to_a_server_are_merged_under_plain_names():
     assert set(sent) == set(plain_model.state_dict())
     check_state(plain_model, sent)
     merged = dict(lora.merged_named_parameters(model))
-    assert not torch.equal(sent["model.layers.0.self_attn.q_proj.weight"],
-                           plain_model.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        sent["model.layers.0.self_attn.q_proj.weight"],
+        plain_model.state_dict()["model.layers.0.self_attn.q_proj.weight"],
+    )
     for name, tensor in merged.items():
         assert torch.equal(sent[name], tensor), name
 
 
 def test_ppo_resume_with_lora_is_bit_exact(tmp_path):
     """Adapters and the value head both come back from the checkpoint."""
-    args = [a for a in GRPO_ARGS if not a.startswith(("algo.", "rewards."))] + ["rewards.functions=[parity]",
-                                                                                "algo.kl_coef=0.05"]
+    args = [a for a in GRPO_ARGS if not a.startswith(("algo.", "rewards."))] + [
+        "rewards.functions=[parity]",
+        "algo.kl_coef=0.05",
+    ]
     out = tmp_path / "run"
     run_ppo(load_config(PPOConfig, None, args + [f"train.output_dir={out}"]))
-    assert_resume_is_bit_exact(run_ppo, PPOConfig, args, out, tmp_path / "resumed", 2,
-                               ("loss", "value_loss", "kl", "grad_norm"))
+    assert_resume_is_bit_exact(
+        run_ppo, PPOConfig, args, out, tmp_path / "resumed", 2, ("loss", "value_loss", "kl", "grad_norm")
+    )
 
 
 def test_lora_on_the_antidistillation_teacher_is_an_error():
@@ -438,8 +503,9 @@ def test_unsupported_lora_settings_stop_before_the_run_directory_is_touched(tmp_
     from lmforge.runtime.run import start_run
 
     out = tmp_path / "run"
-    cfg = load_config(SFTConfig, None, ["data.task=addition", "model.lora.r=4", "train.qat=int4",
-                                        f"train.output_dir={out}"])
+    cfg = load_config(
+        SFTConfig, None, ["data.task=addition", "model.lora.r=4", "train.qat=int4", f"train.output_dir={out}"]
+    )
     with pytest.raises(ConfigError, match="lmforge quantize"):
         start_run(cfg, "sft")
     assert not out.exists()

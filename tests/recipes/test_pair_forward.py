@@ -8,6 +8,7 @@ rounds at ~6e-8 relative there; two fp64 runs of the same sides differ by up to 
 gradient entry of size ~7 (the side run alone with SDPA against eager attention: 3.7e-7). The
 bounds (1e-6) are far below what a wrong mask does (a rejected token that sees the chosen branch
 moves a side's log-probability by 2e-2)."""
+
 from __future__ import annotations
 
 import pytest
@@ -38,12 +39,17 @@ def test_layout_of_one_pair_by_hand():
     assert pack.side_of.tolist() == [0, 0, 1, 1, 1]
     assert (pack.num_sides, pack.num_tokens) == (2, 11)
     assert pair_forward.segment_length(pair) == 6
-    expected = torch.tensor([[1, 0, 0, 0, 0, 0],
-                             [1, 1, 0, 0, 0, 0],
-                             [1, 1, 1, 0, 0, 0],
-                             [1, 1, 1, 1, 0, 0],   # chosen: the prompt and itself
-                             [1, 1, 1, 0, 1, 0],   # rejected: the prompt and its own branch, never the chosen
-                             [1, 1, 1, 0, 1, 1]], dtype=torch.bool)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [1, 1, 1, 0, 0, 0],
+            [1, 1, 1, 1, 0, 0],  # chosen: the prompt and itself
+            [1, 1, 1, 0, 1, 0],  # rejected: the prompt and its own branch, never the chosen
+            [1, 1, 1, 0, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(pack.attend[0], expected)
 
 
@@ -67,9 +73,13 @@ def pairs_of_every_kind() -> list[PreferencePair]:
         # different prompts: the branches are the whole sides
         PreferencePair(side([1, 6, 6, 8, 2], [0, 0, 0, 1, 1]), side([1, 6, 7, 8, 9, 2], [0, 0, 0, 1, 1, 1])),
         # two trained spans around untrained tokens, and an untrained last token
-        PreferencePair(side([1, 3, 4, 5, 6, 7, 8, 9], [0, 0, 1, 1, 0, 0, 1, 0]),
-                       side([1, 3, 9, 9, 6, 7, 5, 2], [0, 0, 1, 1, 0, 0, 1, 1])),
-        PreferencePair(side([1, 2, 2, 2, 2, 2, 4, 2], [0, 0, 0, 0, 0, 0, 1, 1]), side([1, 2, 2, 2, 2, 2, 5], [0] * 6 + [1])),
+        PreferencePair(
+            side([1, 3, 4, 5, 6, 7, 8, 9], [0, 0, 1, 1, 0, 0, 1, 0]),
+            side([1, 3, 9, 9, 6, 7, 5, 2], [0, 0, 1, 1, 0, 0, 1, 1]),
+        ),
+        PreferencePair(
+            side([1, 2, 2, 2, 2, 2, 4, 2], [0, 0, 0, 0, 0, 0, 1, 1]), side([1, 2, 2, 2, 2, 2, 5], [0] * 6 + [1])
+        ),
     ]
 
 
@@ -91,8 +101,11 @@ def alone_logps(model, pairs) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_logps_and_gradients_equal_each_side_run_alone(arch, attention):
-    model, _ = load_model(ModelConfig(name=f"tiny:{arch}", tokenizer="char", hidden_size=32, num_layers=2,
-                                      num_heads=2, max_position_embeddings=32))
+    model, _ = load_model(
+        ModelConfig(
+            name=f"tiny:{arch}", tokenizer="char", hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=32
+        )
+    )
     model = model.double()
     model.config._attn_implementation = attention
     pairs = pairs_of_every_kind()
@@ -100,7 +113,7 @@ def test_logps_and_gradients_equal_each_side_run_alone(arch, attention):
     expected, counts = alone_logps(model, pairs)
     (expected * weights).sum().backward()
     expected_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    for row_tokens in (1, 12, 10 ** 6):  # a pair a row, some pairs a row, all pairs in one row
+    for row_tokens in (1, 12, 10**6):  # a pair a row, some pairs a row, all pairs in one row
         model.zero_grad()
         pack = pack_pairs(pairs, row_tokens)
         logps, lens = side_logps(pair_logits(model, pack), pack)
@@ -112,8 +125,9 @@ def test_logps_and_gradients_equal_each_side_run_alone(arch, attention):
 
 
 def test_fp32_and_full_logits_path_match_fp64(monkeypatch):
-    model, _ = load_model(ModelConfig(tokenizer="char", hidden_size=32, num_layers=2, num_heads=2,
-                                      max_position_embeddings=32))
+    model, _ = load_model(
+        ModelConfig(tokenizer="char", hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=32)
+    )
     pairs = pairs_of_every_kind()
     pack = pack_pairs(pairs)
     with torch.no_grad():
@@ -139,6 +153,7 @@ def test_pack_flops_count_the_laid_out_tokens_and_the_head_on_predicting_positio
     # the summary's MFU for lmforge dpo: 6N x the pairs' tokens overstated it (a shared prompt counted on
     # both sides, the head on every position: 118% "MFU" on SmolLM2 arith_chat pairs)
     from lmforge.recipes.dpo import pack_forward_flops
+
     model, _ = load_model(ModelConfig(tokenizer="char", hidden_size=32, num_layers=2, num_heads=2))
     pair = PreferencePair(side([5, 6, 7, 8, 9], [0, 0, 0, 1, 1]), side([5, 6, 7, 10, 11, 12], [0, 0, 0, 1, 1, 1]))
     pack = pack_pairs([pair])

@@ -14,6 +14,7 @@ select the kernels) every float must be equal. Elsewhere the matmul kernels sum 
 grown over 20 Adam steps stay near 1e-6, while any real change of the computation (a loss term, a
 normalisation, the data order, a learning-rate step) moves these curves by 1e-3 or more.
 """
+
 import json
 import math
 import platform
@@ -39,8 +40,11 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    return {"torch": torch.__version__, "arch": platform.machine(),
-            "flags": sorted(flag for flag in KERNEL_FLAGS if flag in flags)}
+    return {
+        "torch": torch.__version__,
+        "arch": platform.machine(),
+        "flags": sorted(flag for flag in KERNEL_FLAGS if flag in flags),
+    }
 
 
 def curves(out: Path) -> dict:
@@ -53,6 +57,7 @@ def curves(out: Path) -> dict:
             elif row["kind"] == "eval" and "accuracy" in row:
                 found.append({"step": row["step"], "accuracy": row["accuracy"]})
         return found
+
     return {"sft": rows("sft", SFT_KEYS), "grpo": rows("grpo", GRPO_KEYS)}
 
 

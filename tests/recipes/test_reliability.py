@@ -1,5 +1,6 @@
 """Faults that used to lose work or mislead (issue 14): a diverging run never checkpoints a broken
 model, one run per directory, lengths checked against the model's context, logs that match the run."""
+
 from __future__ import annotations
 
 import json
@@ -10,19 +11,18 @@ import time
 
 import pytest
 import torch
+from run_records import SFT, TINY, sft, train_records
 from safetensors.torch import load_file, save_file
 
-from lmforge.runtime import checkpoint as ckpt
 from lmforge.cli import main
 from lmforge.core.config import load_config
 from lmforge.core.errors import ConfigError, TrainingError
-from lmforge.supervised import step as supervised
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
 from lmforge.recipes.pretrain import PretrainConfig, run_pretrain
 from lmforge.recipes.sft import SFTConfig, run_sft
+from lmforge.runtime import checkpoint as ckpt
 from lmforge.runtime.run import LOCK_NAME
-from run_records import SFT, TINY, sft, train_records
-
+from lmforge.supervised import step as supervised
 
 # ----------------------------------------------------------------------------- non-finite state
 
@@ -68,6 +68,7 @@ def test_skip_policy_stops_after_k_bad_updates_in_a_row(tmp_path, monkeypatch):
 
 def test_stop_policy_stops_at_a_nan_gradient_before_the_update(tmp_path, monkeypatch):
     """A finite loss whose gradient is not (a nan injected into the backward) stops before the weights move."""
+
     def poison(grad):
         return grad * float("nan")
 
@@ -116,9 +117,11 @@ def test_resume_auto_with_only_broken_checkpoints_is_an_error_not_a_fresh_start(
 
 def test_a_second_run_into_a_live_directory_is_refused(tmp_path):
     out = tmp_path / "run"
-    script = ("from lmforge.cli import main\nimport sys\n"
-              f"sys.exit(main(['sft', *{SFT!r}, 'train.output_dir={out}', 'train.max_steps=100000', "
-              "'train.save_every=0']))")
+    script = (
+        "from lmforge.cli import main\nimport sys\n"
+        f"sys.exit(main(['sft', *{SFT!r}, 'train.output_dir={out}', 'train.max_steps=100000', "
+        "'train.save_every=0']))"
+    )
     first = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
@@ -156,15 +159,25 @@ def test_grpo_prompts_longer_than_the_context_are_dropped_or_truncated_and_count
     rows = [{"prompt": "1+1=" * 500, "answer": "2"}] + [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(7)]
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    base = TINY + [f"data.path={data}", "rollout.num_prompts=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
-                   "rewards.functions=[format]", "train.max_steps=1", "train.threads=1", "logging.progress=false"]
+    base = TINY + [
+        f"data.path={data}",
+        "rollout.num_prompts=2",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=4",
+        "rewards.functions=[format]",
+        "train.max_steps=1",
+        "train.threads=1",
+        "logging.progress=false",
+    ]
     for policy, key in (("drop", "prompts_dropped"), ("left", "prompts_truncated")):
         out = tmp_path / policy
         run_grpo(load_config(GRPOConfig, None, base + [f"data.prompt_truncation={policy}", f"train.output_dir={out}"]))
         assert train_records(out)[0][key] == 1
         saved = (out / "config.yaml").read_text()
         assert "max_prompt_len: 28" in saved  # 32 positions - 4 new tokens, resolved into the saved config
-    with pytest.raises(ConfigError, match="max_prompt_len=30 \\+ rollout.max_new_tokens=4 exceeds the model's context of 32"):
+    with pytest.raises(
+        ConfigError, match="max_prompt_len=30 \\+ rollout.max_new_tokens=4 exceeds the model's context of 32"
+    ):
         run_grpo(load_config(GRPOConfig, None, base + ["data.max_prompt_len=30", f"train.output_dir={tmp_path / 'x'}"]))
 
 
@@ -174,16 +187,24 @@ def test_sft_rows_longer_than_the_context_are_an_error_naming_both(tmp_path):
     args = [a for a in SFT if not a.startswith(("data.max_len", "data.task"))]
     # the longest row: "1+1=" (4) + 49 digits + eos = 54 tokens
     with pytest.raises(ConfigError, match="longest SFT row has 54 tokens but the model.s context is 32"):
-        run_sft(load_config(SFTConfig, None, args + ["data.max_len=64", f"data.path={data}",
-                                                     f"train.output_dir={tmp_path / 'run'}"]))
+        run_sft(
+            load_config(
+                SFTConfig, None, args + ["data.max_len=64", f"data.path={data}", f"train.output_dir={tmp_path / 'run'}"]
+            )
+        )
 
 
 def test_pretrain_blocks_longer_than_the_context_are_an_error(tmp_path):
     text = tmp_path / "a.txt"
     text.write_text("12+34=46\n" * 200)
     with pytest.raises(ConfigError, match="a training block of 65 tokens does not fit the model's context of 32"):
-        run_pretrain(load_config(PretrainConfig, None, TINY + [f"data.files=[{text}]", "data.seq_len=64",
-                                                               f"train.output_dir={tmp_path / 'run'}"]))
+        run_pretrain(
+            load_config(
+                PretrainConfig,
+                None,
+                TINY + [f"data.files=[{text}]", "data.seq_len=64", f"train.output_dir={tmp_path / 'run'}"],
+            )
+        )
 
 
 # ----------------------------------------------------------------------------- logs and bookkeeping
@@ -234,20 +255,28 @@ def test_disk_full_during_a_save_says_so_and_leaves_no_temporary_directory(tmp_p
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002"]
 
 
-FAULT_POINTS = ("lmforge.runtime.optim:optimizer_step", "lmforge.runtime.checkpoint:save_model", "lmforge.runtime.checkpoint:_commit",
-                "lmforge.runtime.checkpoint:remove_checkpoint", "torch:save", "shutil:rmtree")
+FAULT_POINTS = (
+    "lmforge.runtime.optim:optimizer_step",
+    "lmforge.runtime.checkpoint:save_model",
+    "lmforge.runtime.checkpoint:_commit",
+    "lmforge.runtime.checkpoint:remove_checkpoint",
+    "torch:save",
+    "shutil:rmtree",
+)
 
 
 def _killed_then_resumed(out, args, point: str, nth: int) -> tuple[bool, dict]:
     """Run SFT in a fresh interpreter that dies (os._exit) at the nth call of ``point``, resume it until
     it finishes; return whether it died and the losses it logged."""
     module, name = point.split(":")
-    script = (f"import importlib, os, sys\nfrom lmforge.cli import main\nmod = importlib.import_module({module!r})\n"
-              f"real, calls = getattr(mod, {name!r}), [0]\n"
-              "def dying(*a, **k):\n    calls[0] += 1\n"
-              f"    if calls[0] == {nth}:\n        os._exit(17)\n    return real(*a, **k)\n"
-              f"setattr(mod, {name!r}, dying)\n"
-              f"sys.exit(main(['sft', *{SFT!r}, *{args!r}, 'train.output_dir={out}']))\n")
+    script = (
+        f"import importlib, os, sys\nfrom lmforge.cli import main\nmod = importlib.import_module({module!r})\n"
+        f"real, calls = getattr(mod, {name!r}), [0]\n"
+        "def dying(*a, **k):\n    calls[0] += 1\n"
+        f"    if calls[0] == {nth}:\n        os._exit(17)\n    return real(*a, **k)\n"
+        f"setattr(mod, {name!r}, dying)\n"
+        f"sys.exit(main(['sft', *{SFT!r}, *{args!r}, 'train.output_dir={out}']))\n"
+    )
     killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert killed.returncode in (0, 17), killed.stderr[-2000:]
     resume = ["train.resume=auto"] if ckpt.list_checkpoints(out) else []

@@ -2,25 +2,52 @@
 the run's saved config.yaml is an error (exit 2) listing each change (old -> new) and naming
 train.resume_accept; nothing is written. Settings that do not change the math may change; accepted
 changes are printed. Before, the run continued under the new values without a word."""
+
 import re
 import shutil
 
 import pytest
 
 from lmforge.cli import EXIT_USER_ERROR, main
-from lmforge.core.config import resume_free_keys
-from lmforge.runtime.resume_check import flat_settings
-from lmforge.core.config import load_config
+from lmforge.core.config import load_config, resume_free_keys
 from lmforge.recipes.grpo import GRPOConfig
 from lmforge.recipes.sft import SFTConfig
+from lmforge.runtime.resume_check import flat_settings
 
-TINY = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
-        "model.max_position_embeddings=32", "train.threads=1", "train.eval_every=0", "train.save_every=2",
-        "train.num_samples=0", "train.max_new_tokens=2", "logging.progress=false", "optim.lr=1e-2"]
-SFT = ["sft", "data.task=addition", "data.num_train=32", "data.num_val=4", "data.num_eval=2", "data.max_len=16",
-       "train.batch_size=8", "train.micro_batch_size=8"] + TINY
-GRPO = ["grpo", "data.task=addition", "data.num_train=16", "data.num_eval=0", "rollout.num_prompts=2",
-        "rollout.group_size=2", "rollout.max_new_tokens=3", "rewards.functions=[format]"] + TINY
+TINY = [
+    "model.tokenizer=char",
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.max_position_embeddings=32",
+    "train.threads=1",
+    "train.eval_every=0",
+    "train.save_every=2",
+    "train.num_samples=0",
+    "train.max_new_tokens=2",
+    "logging.progress=false",
+    "optim.lr=1e-2",
+]
+SFT = [
+    "sft",
+    "data.task=addition",
+    "data.num_train=32",
+    "data.num_val=4",
+    "data.num_eval=2",
+    "data.max_len=16",
+    "train.batch_size=8",
+    "train.micro_batch_size=8",
+] + TINY
+GRPO = [
+    "grpo",
+    "data.task=addition",
+    "data.num_train=16",
+    "data.num_eval=0",
+    "rollout.num_prompts=2",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=3",
+    "rewards.functions=[format]",
+] + TINY
 
 
 @pytest.fixture(scope="module")
@@ -34,30 +61,83 @@ def runs(tmp_path_factory):
 
 # (recipe, changed settings) -> exit code, fragments of the output
 CASES = {
-    "sft: learning rate": ("sft", ["optim.lr=1e-4"], EXIT_USER_ERROR,
-                           [r"optim.lr: 0.01 -> 0.0001", r"accept the change deliberately with "
-                            r"train.resume_accept=\[optim.lr\]", r"Nothing was written"]),
-    "sft: batch size and seed, both listed": ("sft", ["train.batch_size=16", "train.seed=3"], EXIT_USER_ERROR,
-                                              [r"  train.batch_size: 8 -> 16\n  train.seed: 0 -> 3\n",
-                                               r"train.resume_accept=\[train.batch_size,train.seed\]"]),
-    "sft: schedule and model width": ("sft", ["optim.schedule=constant", "model.hidden_size=64"], EXIT_USER_ERROR,
-                                      [r"model.hidden_size: 32 -> 64", r"optim.schedule: cosine -> constant"]),
-    "grpo: group size": ("grpo", ["rollout.group_size=4"], EXIT_USER_ERROR,
-                         [r"rollout.group_size: 2 -> 4", r"train.batch_size: 4 -> 8"]),
-    "grpo: algorithm": ("grpo", ["algo.kl_coef=0.1", "rollout.temperature=0.7"], EXIT_USER_ERROR,
-                        [r"algo.kl_coef: 0.0 -> 0.1", r"rollout.temperature: 1.0 -> 0.7"]),
-    "a misspelt key in resume_accept": ("sft", ["optim.lr=1e-4", "train.resume_accept=[optim.lrr]"], EXIT_USER_ERROR,
-                                        [r"train.resume_accept names 'optim.lrr'.*Did you mean: optim.lr"]),
+    "sft: learning rate": (
+        "sft",
+        ["optim.lr=1e-4"],
+        EXIT_USER_ERROR,
+        [
+            r"optim.lr: 0.01 -> 0.0001",
+            r"accept the change deliberately with "
+            r"train.resume_accept=\[optim.lr\]",
+            r"Nothing was written",
+        ],
+    ),
+    "sft: batch size and seed, both listed": (
+        "sft",
+        ["train.batch_size=16", "train.seed=3"],
+        EXIT_USER_ERROR,
+        [
+            r"  train.batch_size: 8 -> 16\n  train.seed: 0 -> 3\n",
+            r"train.resume_accept=\[train.batch_size,train.seed\]",
+        ],
+    ),
+    "sft: schedule and model width": (
+        "sft",
+        ["optim.schedule=constant", "model.hidden_size=64"],
+        EXIT_USER_ERROR,
+        [r"model.hidden_size: 32 -> 64", r"optim.schedule: cosine -> constant"],
+    ),
+    "grpo: group size": (
+        "grpo",
+        ["rollout.group_size=4"],
+        EXIT_USER_ERROR,
+        [r"rollout.group_size: 2 -> 4", r"train.batch_size: 4 -> 8"],
+    ),
+    "grpo: algorithm": (
+        "grpo",
+        ["algo.kl_coef=0.1", "rollout.temperature=0.7"],
+        EXIT_USER_ERROR,
+        [r"algo.kl_coef: 0.0 -> 0.1", r"rollout.temperature: 1.0 -> 0.7"],
+    ),
+    "a misspelt key in resume_accept": (
+        "sft",
+        ["optim.lr=1e-4", "train.resume_accept=[optim.lrr]"],
+        EXIT_USER_ERROR,
+        [r"train.resume_accept names 'optim.lrr'.*Did you mean: optim.lr"],
+    ),
     "free: cadence, logging, threads, length": (
-        "sft", ["train.max_steps=3", "train.eval_every=1", "train.log_every=1", "train.save_every=3",
-                "train.micro_batch_size=4", "logging.progress=true"], 0,
-        [r"\[resume\] train.max_steps: 2 -> 3 \(the cosine LR schedule follows the new length",
-         r"\[resume\] train.micro_batch_size: 8 -> 4 \(does not change the computation\)"]),
-    "accepted by key": ("sft", ["train.max_steps=3", "optim.lr=1e-4", "train.resume_accept=[optim.lr]"], 0,
-                        [r"\[resume\] optim.lr: 0.01 -> 0.0001 \(accepted by train.resume_accept\)"]),
-    "accepted by section": ("grpo", ["train.max_steps=3", "rollout.group_size=4", "train.batch_size=0",
-                                     "train.resume_accept=[rollout, train.batch_size]"], 0,
-                            [r"\[resume\] rollout.group_size: 2 -> 4 \(accepted by train.resume_accept\)"]),
+        "sft",
+        [
+            "train.max_steps=3",
+            "train.eval_every=1",
+            "train.log_every=1",
+            "train.save_every=3",
+            "train.micro_batch_size=4",
+            "logging.progress=true",
+        ],
+        0,
+        [
+            r"\[resume\] train.max_steps: 2 -> 3 \(the cosine LR schedule follows the new length",
+            r"\[resume\] train.micro_batch_size: 8 -> 4 \(does not change the computation\)",
+        ],
+    ),
+    "accepted by key": (
+        "sft",
+        ["train.max_steps=3", "optim.lr=1e-4", "train.resume_accept=[optim.lr]"],
+        0,
+        [r"\[resume\] optim.lr: 0.01 -> 0.0001 \(accepted by train.resume_accept\)"],
+    ),
+    "accepted by section": (
+        "grpo",
+        [
+            "train.max_steps=3",
+            "rollout.group_size=4",
+            "train.batch_size=0",
+            "train.resume_accept=[rollout, train.batch_size]",
+        ],
+        0,
+        [r"\[resume\] rollout.group_size: 2 -> 4 \(accepted by train.resume_accept\)"],
+    ),
 }
 
 

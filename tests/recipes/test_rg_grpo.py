@@ -1,26 +1,37 @@
 """A reasoning-gym task through the RL and SFT recipes on a tiny model: GRPO with the task's
 scorer plus format and overlong rewards, held-out accuracy, the reward workers closed at the end
 and on errors; SFT on prompt -> answer rows."""
+
 import json
 
 import pytest
 
 pytest.importorskip("reasoning_gym")
 
-from lmforge.core.config import load_config  # noqa: E402
-from lmforge.core.errors import TrainingError  # noqa: E402
-from lmforge.recipes.grpo import GRPOConfig, run_grpo  # noqa: E402
-from lmforge.rollout import RewardSet  # noqa: E402
-from run_records import records  # noqa: E402
+from run_records import records
+
+from lmforge.core.config import load_config
+from lmforge.core.errors import TrainingError
+from lmforge.recipes.grpo import GRPOConfig, run_grpo
+from lmforge.rollout import RewardSet
 
 TASK = "rg:basic_arithmetic:min_terms=2,max_terms=2,max_digits=1,answer_format=plain"
-TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
-        "model.max_position_embeddings=96"]
+TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.max_position_embeddings=96"]
 ARGS = TINY + [
-    f"data.task={TASK}", "data.num_train=16", "data.num_eval=4", "rollout.num_prompts=2",
-    "rollout.group_size=4", "rollout.max_new_tokens=6", "train.max_steps=2", "train.micro_batch_size=4",
-    "train.eval_every=2", "train.max_new_tokens=6", "train.threads=1", "train.save_every=0",
-    "optim.lr=1e-2", "logging.progress=false",
+    f"data.task={TASK}",
+    "data.num_train=16",
+    "data.num_eval=4",
+    "rollout.num_prompts=2",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=6",
+    "train.max_steps=2",
+    "train.micro_batch_size=4",
+    "train.eval_every=2",
+    "train.max_new_tokens=6",
+    "train.threads=1",
+    "train.save_every=0",
+    "optim.lr=1e-2",
+    "logging.progress=false",
     "rewards.functions=[exact, {name: format, weight: 0.5, pattern: '^-?[0-9]+$', match: full},"
     " {name: overlong, weight: 1.0, cache: 2}]",
 ]
@@ -73,7 +84,9 @@ def test_grpo_on_a_reasoning_gym_task(tmp_path, closes, tok):
 
 
 def test_reward_workers_are_closed_when_the_run_fails(tmp_path, monkeypatch, closes, tok):
-    (tmp_path / "broken_rewards.py").write_text("def broken(completion, problem):\n    raise RuntimeError('verifier down')\n")
+    (tmp_path / "broken_rewards.py").write_text(
+        "def broken(completion, problem):\n    raise RuntimeError('verifier down')\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     args = ARGS[:-1] + ["rewards.functions=[exact, 'broken_rewards:broken']"]
     with pytest.raises(TrainingError, match="broken_rewards:broken.*RuntimeError: verifier down"):
@@ -100,11 +113,28 @@ def test_sft_on_a_reasoning_gym_task(tmp_path, monkeypatch, tok):
 
     monkeypatch.setattr(sft_recipe, "sft_rows_from_task", rows_of)
     out = tmp_path / "sft"
-    cfg = load_config(SFTConfig, None, tok + TINY + [
-        f"data.task={TASK}", "data.num_train=32", "data.num_val=4", "data.num_eval=4", "train.max_steps=2",
-        "train.batch_size=8", "train.micro_batch_size=8", "train.threads=1", "train.eval_every=2",
-        "train.max_new_tokens=4", "train.num_samples=4", "train.save_every=0", "logging.progress=false",
-        f"train.output_dir={out}"])
+    cfg = load_config(
+        SFTConfig,
+        None,
+        tok
+        + TINY
+        + [
+            f"data.task={TASK}",
+            "data.num_train=32",
+            "data.num_val=4",
+            "data.num_eval=4",
+            "train.max_steps=2",
+            "train.batch_size=8",
+            "train.micro_batch_size=8",
+            "train.threads=1",
+            "train.eval_every=2",
+            "train.max_new_tokens=4",
+            "train.num_samples=4",
+            "train.save_every=0",
+            "logging.progress=false",
+            f"train.output_dir={out}",
+        ],
+    )
     result = run_sft(cfg)
     assert [len(made["train"]), len(made["val"])] == [32, 4]
     question = re.compile(r"Calculate (.+)\.\n\nReply with only the final answer\.")
@@ -112,7 +142,7 @@ def test_sft_on_a_reasoning_gym_task(tmp_path, monkeypatch, tok):
         expression = question.fullmatch(row["prompt"]).group(1)
         assert re.fullmatch(r"[-+*/() 0-9]+", expression), expression
         # plain answer format: the completion is the bare answer, the value of the expression
-        assert row["completion"] == row["answer"] and float(row["answer"]) == eval(expression), row
+        assert row["completion"] == row["answer"] and float(row["answer"]) == eval(expression), row  # noqa: S307 - matched above
 
     task = get_task(TASK)
     problems = task.make_problems(4, cfg.train.seed, "test")

@@ -2,6 +2,7 @@
 pairs, the saved directory loads with transformers' AutoModelForSequenceClassification and gives the
 rewards lmforge computed (and the head at the last non-pad token, written out by hand), exact resume,
 skipped pairs counted, bad settings exit 2."""
+
 from __future__ import annotations
 
 import json
@@ -11,19 +12,34 @@ import shutil
 import pytest
 import torch
 
-from lmforge.runtime.checkpoint import list_checkpoints
 from lmforge.cli import main
 from lmforge.core.config import load_config
-from lmforge.data.preference import collate_pairs, tokenize_pairs
+from lmforge.data.preference import collate_pairs
 from lmforge.model.load import load_model
 from lmforge.recipes import rm
 from lmforge.rollout.reward_model import from_causal_lm, load_reward_model, sequence_rewards
+from lmforge.runtime.checkpoint import list_checkpoints
 
-ARGS = ["data.task=addition", "data.num_train=64", "data.num_val=16", "data.max_len=16",
-        "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
-        "model.max_position_embeddings=32", "train.max_steps=4", "train.micro_batch_size=4", "train.batch_size=8",
-        "train.eval_every=0", "train.save_every=0", "train.threads=1", "optim.lr=1e-2", "optim.schedule=constant",
-        "logging.progress=false"]
+ARGS = [
+    "data.task=addition",
+    "data.num_train=64",
+    "data.num_val=16",
+    "data.max_len=16",
+    "model.tokenizer=char",
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.max_position_embeddings=32",
+    "train.max_steps=4",
+    "train.micro_batch_size=4",
+    "train.batch_size=8",
+    "train.eval_every=0",
+    "train.save_every=0",
+    "train.threads=1",
+    "optim.lr=1e-2",
+    "optim.schedule=constant",
+    "logging.progress=false",
+]
 
 
 def records(run_dir, kind="train"):
@@ -68,8 +84,12 @@ def test_saved_directory_loads_with_transformers_and_scores_the_same(tmp_path):
     with torch.no_grad():
         lmforge_rewards = sequence_rewards(ours, batch["input_ids"], batch["attention_mask"])  # (16,)
         # transformers, one unpadded sequence at a time
-        hf_rewards = torch.stack([hf(input_ids=torch.tensor([side.input_ids])).logits[0, 0]
-                                  for side in [p.chosen for p in pairs] + [p.rejected for p in pairs]])
+        hf_rewards = torch.stack(
+            [
+                hf(input_ids=torch.tensor([side.input_ids])).logits[0, 0]
+                for side in [p.chosen for p in pairs] + [p.rejected for p in pairs]
+            ]
+        )
         # written out: the head on the body's last hidden state at the last real token
         hidden = hf.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
         last = batch["attention_mask"].sum(-1) - 1
@@ -100,7 +120,9 @@ def test_resume_reproduces_the_run(tmp_path):
 
 
 def test_identical_pairs_are_skipped_and_counted(tmp_path, capsys):
-    rows = [{"prompt": f"{a}+{a}=", "chosen": str(2 * a)[::-1], "rejected": str(2 * a + 1)[::-1]} for a in range(10, 30)]
+    rows = [
+        {"prompt": f"{a}+{a}=", "chosen": str(2 * a)[::-1], "rejected": str(2 * a + 1)[::-1]} for a in range(10, 30)
+    ]
     rows[3]["rejected"] = rows[3]["chosen"]
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -109,13 +131,16 @@ def test_identical_pairs_are_skipped_and_counted(tmp_path, capsys):
     assert "val_accuracy" in final
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["algo.margin=-1"], "algo.margin must be >= 0"),
-    (["algo.loss=hinge"], "algo.loss"),
-    (["model.lora.r=4"], "model.lora is not supported"),
-    (["data.path=x.jsonl"], "set exactly one of data.path"),
-    (["data.num_eval=5"], "data.num_eval is not used by lmforge rm"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["algo.margin=-1"], "algo.margin must be >= 0"),
+        (["algo.loss=hinge"], "algo.loss"),
+        (["model.lora.r=4"], "model.lora is not supported"),
+        (["data.path=x.jsonl"], "set exactly one of data.path"),
+        (["data.num_eval=5"], "data.num_eval is not used by lmforge rm"),
+    ],
+)
 def test_bad_settings_exit_2_naming_the_key(tmp_path, capsys, overrides, message):
     assert main(["rm", *ARGS, f"train.output_dir={tmp_path}", *overrides]) == 2
     assert message in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """A reward model as an RL reward, ``rewards.functions=[rm:DIR]``: one batched call per batch under the
 reward timeout, the scores those of the model on prompt + completion + eos (as a preference side is
 tokenized), a directory that is not a reward model a ConfigError; and GRPO runs with it."""
+
 from __future__ import annotations
 
 import json
@@ -10,17 +11,18 @@ import pytest
 import torch
 
 from lmforge.core.config import ModelConfig, load_config
+from lmforge.core.errors import ConfigError
 from lmforge.data.sft import raw_example
 from lmforge.data.tasks import get_task
-from lmforge.core.errors import ConfigError
 from lmforge.model.load import load_model, save_model
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
-from lmforge.rollout.reward_model import from_causal_lm
 from lmforge.rollout import RewardSet
 from lmforge.rollout import rewards as rewards_module
+from lmforge.rollout.reward_model import from_causal_lm
 
-TINY = ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2, num_heads=2,
-                   max_position_embeddings=32)
+TINY = ModelConfig(
+    name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=32
+)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,9 @@ def rm_dir(tmp_path_factory):
     model, tokenizer = load_model(TINY)
     reward_model = from_causal_lm(model, tokenizer)
     with torch.no_grad():
-        reward_model.score.weight.copy_(torch.randn(reward_model.score.weight.shape, generator=torch.Generator().manual_seed(0)))
+        reward_model.score.weight.copy_(
+            torch.randn(reward_model.score.weight.shape, generator=torch.Generator().manual_seed(0))
+        )
     out = tmp_path_factory.mktemp("rm") / "final"
     save_model(reward_model, tokenizer, out)
     return out, reward_model.eval(), tokenizer
@@ -102,12 +106,28 @@ def test_a_directory_that_is_not_a_reward_model(tmp_path, rm_dir):
 
 
 def test_grpo_with_the_reward_model_as_its_only_reward(tmp_path, rm_dir):
-    args = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
-            "model.max_position_embeddings=32", "data.task=addition", "data.num_train=16", "data.num_eval=4",
-            "rollout.num_prompts=2", "rollout.group_size=4", "rollout.max_new_tokens=4",
-            f"rewards.functions=[rm:{rm_dir[0]}]", "train.max_steps=2", "train.micro_batch_size=8",
-            "train.eval_every=0", "train.save_every=0", "train.max_new_tokens=4", "train.threads=1",
-            "logging.progress=false", f"train.output_dir={tmp_path}"]
+    args = [
+        "model.tokenizer=char",
+        "model.hidden_size=32",
+        "model.num_layers=2",
+        "model.num_heads=2",
+        "model.max_position_embeddings=32",
+        "data.task=addition",
+        "data.num_train=16",
+        "data.num_eval=4",
+        "rollout.num_prompts=2",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=4",
+        f"rewards.functions=[rm:{rm_dir[0]}]",
+        "train.max_steps=2",
+        "train.micro_batch_size=8",
+        "train.eval_every=0",
+        "train.save_every=0",
+        "train.max_new_tokens=4",
+        "train.threads=1",
+        "logging.progress=false",
+        f"train.output_dir={tmp_path}",
+    ]
     run_grpo(load_config(GRPOConfig, None, args))
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if r["kind"] == "train"]
@@ -118,9 +138,16 @@ def test_grpo_with_the_reward_model_as_its_only_reward(tmp_path, rm_dir):
 
 
 def test_grpo_with_a_missing_reward_model_stops_before_taking_the_run_directory(tmp_path):
-    args = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
-            "data.task=addition", f"rewards.functions=[rm:{tmp_path / 'missing'}]", "train.threads=1",
-            f"train.output_dir={tmp_path / 'run'}"]
+    args = [
+        "model.tokenizer=char",
+        "model.hidden_size=32",
+        "model.num_layers=2",
+        "model.num_heads=2",
+        "data.task=addition",
+        f"rewards.functions=[rm:{tmp_path / 'missing'}]",
+        "train.threads=1",
+        f"train.output_dir={tmp_path / 'run'}",
+    ]
     with pytest.raises(ConfigError, match="no such directory"):
         run_grpo(load_config(GRPOConfig, None, args))
     assert not (tmp_path / "run").exists()
@@ -132,8 +159,12 @@ def test_a_reward_model_config_over_weights_without_the_head_is_refused(tmp_path
     model, tokenizer = load_model(TINY)
     save_model(model, tokenizer, tmp_path / "lm")
     config = json.loads((tmp_path / "lm" / "config.json").read_text())
-    config.update(architectures=["LlamaForSequenceClassification"], num_labels=1, id2label={"0": "LABEL_0"},
-                  label2id={"LABEL_0": 0})
+    config.update(
+        architectures=["LlamaForSequenceClassification"],
+        num_labels=1,
+        id2label={"0": "LABEL_0"},
+        label2id={"LABEL_0": 0},
+    )
     (tmp_path / "lm" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=r"weights lack 1 tensor\(s\).*\(score\.weight\).*lmforge rm"):
         RewardSet([(f"rm:{tmp_path / 'lm'}", 1.0)])

@@ -5,6 +5,7 @@ Two sources nobody in lmforge/rl/ knows about are registered here (``SOURCES``) 
 sampler whose rows carry tool-output tokens between the policy's turns (trained tokens in two spans,
 the tool's not trained). The second resumes bit for bit, and so does the overlap wrapper over it.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -13,6 +14,7 @@ import re
 from pathlib import Path
 
 import torch
+from run_records import assert_resume_is_bit_exact, records
 
 from lmforge.core.config import load_config
 from lmforge.model.load import load_model
@@ -22,14 +24,29 @@ from lmforge.rl.batch import ScoredRollout
 from lmforge.rl.prompts import rank_prompts, step_seed
 from lmforge.rl.sources import inprocess
 from lmforge.rollout import RewardOutput, RolloutBatch, SamplingParams
-from run_records import assert_resume_is_bit_exact, records
 
 ROOT = Path(__file__).resolve().parents[2]
-ARGS = ["model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
-        "model.max_position_embeddings=48", "model.init_seed=0", "data.task=addition", "data.num_train=64",
-        "data.num_eval=0", "rollout.num_prompts=2", "rollout.group_size=4", "rollout.max_new_tokens=4",
-        "train.max_steps=3", "train.micro_batch_size=8", "train.save_every=1",
-        "train.keep_last=10", "train.threads=1", "optim.lr=3e-2", "logging.progress=false"]
+ARGS = [
+    "model.tokenizer=char",
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.max_position_embeddings=48",
+    "model.init_seed=0",
+    "data.task=addition",
+    "data.num_train=64",
+    "data.num_eval=0",
+    "rollout.num_prompts=2",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=4",
+    "train.max_steps=3",
+    "train.micro_batch_size=8",
+    "train.save_every=1",
+    "train.keep_last=10",
+    "train.threads=1",
+    "optim.lr=3e-2",
+    "logging.progress=false",
+]
 TOOL_IDS = [5, 6, 7]  # the "tool output" inserted after the policy's first two tokens
 
 
@@ -47,15 +64,25 @@ def load_doc_example():
 def test_the_architecture_doc_example_source_trains(tmp_path, monkeypatch):
     replay = load_doc_example()
     _, tokenizer = load_model(load_config(GRPOConfig, None, ARGS).model)
-    rows = [{"prompt": tokenizer.encode(f"{a}+{a}="), "completion": tokenizer.encode(str(2 * a + g % 2)),
-             "reward": float(g % 2 == 0)} for a in range(10, 16) for g in range(4)]
+    rows = [
+        {
+            "prompt": tokenizer.encode(f"{a}+{a}="),
+            "completion": tokenizer.encode(str(2 * a + g % 2)),
+            "reward": float(g % 2 == 0),
+        }
+        for a in range(10, 16)
+        for g in range(4)
+    ]
     (tmp_path / "rows.json").write_text(json.dumps(rows))
     monkeypatch.setenv("LMFORGE_REPLAY", str(tmp_path / "rows.json"))
     monkeypatch.setitem(sources.SOURCES, "replay", replay.build)
     model, tokenizer = load_model(load_config(GRPOConfig, None, ARGS).model)
     start = [p.detach().clone() for p in model.parameters()]
-    run_grpo(load_config(GRPOConfig, None, ARGS + ["rollout.backend=replay", f"train.output_dir={tmp_path / 'run'}"]),
-             model, tokenizer)
+    run_grpo(
+        load_config(GRPOConfig, None, ARGS + ["rollout.backend=replay", f"train.output_dir={tmp_path / 'run'}"]),
+        model,
+        tokenizer,
+    )
     train = records(tmp_path / "run")
     assert sorted(train) == [1, 2, 3]
     assert [train[k]["reward"] for k in (1, 2, 3)] == [0.5, 0.5, 0.5]  # the file's rows, 8 a step
@@ -77,17 +104,34 @@ class ToolTurns:
         seed = step_seed(s.seed, step, s.ctx.rank)
         turn = lambda k: SamplingParams(temperature=1.0, max_new_tokens=2, seed=seed + k)  # noqa: E731 (no stop token)
         first = self.engine.generate([s.prompts.prompt_ids[i] for i in rows], turn(0), group, s.tokenizer.pad_token_id)
-        after_tool = [s.prompts.prompt_ids[rows[b // group]] + first.completion_ids[b].tolist() + TOOL_IDS
-                      for b in range(len(first.completion_ids))]
+        after_tool = [
+            s.prompts.prompt_ids[rows[b // group]] + first.completion_ids[b].tolist() + TOOL_IDS
+            for b in range(len(first.completion_ids))
+        ]
         second = self.engine.generate(after_tool, turn(1), 1, s.tokenizer.pad_token_id)
         tool = torch.tensor(TOOL_IDS).repeat(len(after_tool), 1)
         ids = torch.cat([first.completion_ids, tool, second.completion_ids], dim=1)
-        trained = torch.cat([torch.ones(2 * len(ids), dtype=torch.long).view(-1, 2), torch.zeros_like(tool),
-                             torch.ones_like(second.completion_ids)], dim=1)
+        trained = torch.cat(
+            [
+                torch.ones(2 * len(ids), dtype=torch.long).view(-1, 2),
+                torch.zeros_like(tool),
+                torch.ones_like(second.completion_ids),
+            ],
+            dim=1,
+        )
         logprobs = torch.cat([first.logprobs, torch.zeros(tool.shape), second.logprobs], dim=1)
-        rollout = RolloutBatch(first.prompt_ids, first.prompt_mask, ids, torch.ones_like(ids), logprobs,
-                               first.group_index, first.prompt_lens, torch.full((len(ids),), ids.shape[1]),
-                               torch.zeros(len(ids), dtype=torch.bool), trained_mask=trained)
+        rollout = RolloutBatch(
+            first.prompt_ids,
+            first.prompt_mask,
+            ids,
+            torch.ones_like(ids),
+            logprobs,
+            first.group_index,
+            first.prompt_lens,
+            torch.full((len(ids),), ids.shape[1]),
+            torch.zeros(len(ids), dtype=torch.bool),
+            trained_mask=trained,
+        )
         rewards = (first.completion_ids[:, 0] % 2 == 0).float()
         scored = RewardOutput(rewards, rewards[:, None], ["even"], torch.zeros(1, dtype=torch.long))
         return ScoredRollout(rollout, scored, {"reward": rewards.mean(), "time_generation": 0.0, "time_scoring": 0.0})

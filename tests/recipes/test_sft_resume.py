@@ -1,5 +1,6 @@
 """Exact resume: a run killed at step k (also during a checkpoint save) and resumed reproduces the
 uninterrupted run's loss at every later step, bit for bit, on CPU."""
+
 import json
 import subprocess
 import sys
@@ -8,17 +9,34 @@ import textwrap
 import pytest
 import torch
 
-from lmforge.runtime.checkpoint import list_checkpoints
 from lmforge.core.config import load_config
 from lmforge.core.errors import ConfigError
 from lmforge.recipes.sft import SFTConfig, run_sft
+from lmforge.runtime.checkpoint import list_checkpoints
 
-ARGS = ["data.task=addition", "data.num_train=64", "data.num_val=16", "data.num_eval=8", "data.max_len=16",
-        "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
-        "model.max_position_embeddings=32", "train.max_steps=8", "train.micro_batch_size=8",
-        "train.batch_size=16", "train.save_every=2", "train.keep_last=10", "train.eval_every=4",
-        "train.max_new_tokens=4", "train.threads=1", "optim.lr=1e-2", "optim.warmup_steps=2",
-        "logging.progress=false"]
+ARGS = [
+    "data.task=addition",
+    "data.num_train=64",
+    "data.num_val=16",
+    "data.num_eval=8",
+    "data.max_len=16",
+    "model.tokenizer=char",
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.max_position_embeddings=32",
+    "train.max_steps=8",
+    "train.micro_batch_size=8",
+    "train.batch_size=16",
+    "train.save_every=2",
+    "train.keep_last=10",
+    "train.eval_every=4",
+    "train.max_new_tokens=4",
+    "train.threads=1",
+    "optim.lr=1e-2",
+    "optim.warmup_steps=2",
+    "logging.progress=false",
+]
 
 
 def losses(run_dir):
@@ -59,7 +77,9 @@ def reference(tmp_path_factory):
 def test_kill_between_steps_then_resume_is_bit_exact(tmp_path, reference):
     out = tmp_path / "run"
     # die right after the 5th optimizer step: checkpoints exist for steps 2 and 4
-    crash_run(out, textwrap.dedent("""
+    crash_run(
+        out,
+        textwrap.dedent("""
         real = tr.optimizer_step
         calls = []
         def dying_step(*a, **k):
@@ -69,7 +89,8 @@ def test_kill_between_steps_then_resume_is_bit_exact(tmp_path, reference):
                 os._exit(17)
             return result
         tr.optimizer_step = dying_step  # Updater.step looks it up in lmforge.runtime.optim
-    """).replace("\n", "\n        "))
+    """).replace("\n", "\n        "),
+    )
     assert [p.name for p in list_checkpoints(out)] == ["step-000002", "step-000004"]
     resume(out)
     got = losses(out)
@@ -82,14 +103,17 @@ def test_kill_between_steps_then_resume_is_bit_exact(tmp_path, reference):
 def test_kill_during_save_keeps_last_good_checkpoint(tmp_path, reference):
     out = tmp_path / "run"
     # die half-way through writing the step-4 checkpoint (model written, trainer state not)
-    crash_run(out, textwrap.dedent("""
+    crash_run(
+        out,
+        textwrap.dedent("""
         real = ck.save_model
         def dying_save(model, tok, path, **kwargs):
             real(model, tok, path, **kwargs)
             if "step-000004" in str(path):
                 os._exit(17)
         ck.save_model = dying_save
-    """).replace("\n", "\n        "))
+    """).replace("\n", "\n        "),
+    )
     assert [p.name for p in list_checkpoints(out)] == ["step-000002"]
     assert any(p.name.startswith(".step-000004.tmp") for p in (out / "checkpoints").iterdir())
     resume(out)

@@ -2,6 +2,7 @@
 run (exit 2) naming the tokenizer, the share, what became unknown and the fix; a small share is a
 warning; a tokenizer that covers the text says nothing. Before, `model.tokenizer=char` on English chat
 trained on <unk> without a word."""
+
 import json
 import re
 
@@ -9,16 +10,30 @@ import pytest
 
 from lmforge.cli import EXIT_USER_ERROR, main
 from lmforge.core.config import ModelConfig
-from lmforge.data.sft import CHAT_SMALL
 from lmforge.core.errors import ConfigError
+from lmforge.data.sft import CHAT_SMALL
 from lmforge.model.tokenizer import char_tokenizer, check_unknown_tokens, count_unknown, train_bpe_tokenizer
 
-TINY = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.max_position_embeddings=128",
-        "train.max_steps=1", "train.threads=1", "train.eval_every=0", "train.save_every=0", "train.num_samples=0",
-        "logging.progress=false"]
+TINY = [
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.max_position_embeddings=128",
+    "train.max_steps=1",
+    "train.threads=1",
+    "train.eval_every=0",
+    "train.save_every=0",
+    "train.num_samples=0",
+    "logging.progress=false",
+]
 SFT = TINY + ["train.batch_size=4", "data.max_len=96"]
-RL = TINY + ["rollout.num_prompts=2", "rollout.group_size=2", "rollout.max_new_tokens=2", "rewards.functions=[format]",
-             "data.num_eval=0"]
+RL = TINY + [
+    "rollout.num_prompts=2",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=2",
+    "rewards.functions=[format]",
+    "data.num_eval=0",
+]
 
 
 def write_rows(path, rows):
@@ -33,8 +48,10 @@ def data(tmp_path_factory):
     write_rows(root / "prompts.jsonl", [{"prompt": text, "answer": str(2 * i)} for i, text in enumerate(english)])
     (root / "english.txt").write_text(" ".join(english) * 4)
     # 1 unknown character in about 500 tokens: 0.2%, a warning
-    write_rows(root / "few.jsonl", [{"prompt": f"{i}+{i}=", "completion": str(2 * i) + ("x" if i == 0 else "")}
-                                    for i in range(100)])
+    write_rows(
+        root / "few.jsonl",
+        [{"prompt": f"{i}+{i}=", "completion": str(2 * i) + ("x" if i == 0 else "")} for i in range(100)],
+    )
     train_bpe_tokenizer([CHAT_SMALL], 400, root / "bpe")
     return root
 
@@ -42,25 +59,48 @@ def data(tmp_path_factory):
 # (recipe, overrides) -> exit code, fragments of the output (stderr for errors, stdout for warnings)
 CASES = {
     "sft, char tokenizer on English chat": (
-        ["sft", "data.path=builtin:chat_small", "model.tokenizer=char"], EXIT_USER_ERROR,
-        [r"model.tokenizer=char turns 7\d\.\d% of the tokens of builtin:chat_small into its unknown token <unk>",
-         r"most frequent: 'e' x\d+", r"For English text set model.tokenizer=char:ascii", r"train_bpe_tokenizer",
-         r"model.name=smollm2-135m-instruct"]),
+        ["sft", "data.path=builtin:chat_small", "model.tokenizer=char"],
+        EXIT_USER_ERROR,
+        [
+            r"model.tokenizer=char turns 7\d\.\d% of the tokens of builtin:chat_small into its unknown token <unk>",
+            r"most frequent: 'e' x\d+",
+            r"For English text set model.tokenizer=char:ascii",
+            r"train_bpe_tokenizer",
+            r"model.name=smollm2-135m-instruct",
+        ],
+    ),
     "grpo, the tiny model's implicit char tokenizer on English prompts": (
-        ["grpo", "data.path={root}/prompts.jsonl"] + RL, EXIT_USER_ERROR,
-        [r"the char tokenizer \(model.name=tiny:llama uses it unless model.tokenizer is set\) turns \d+\.\d% of "
-         r"the tokens of .*prompts.jsonl", r"e.g. 'What'"]),
+        ["grpo", "data.path={root}/prompts.jsonl"] + RL,
+        EXIT_USER_ERROR,
+        [
+            r"the char tokenizer \(model.name=tiny:llama uses it unless model.tokenizer is set\) turns \d+\.\d% of "
+            r"the tokens of .*prompts.jsonl",
+            r"e.g. 'What'",
+        ],
+    ),
     "pretrain, char tokenizer on English text": (
-        ["pretrain", "data.files=[{root}/english.txt]", "model.tokenizer=char", "data.seq_len=16"], EXIT_USER_ERROR,
-        [r"turns \d+\.\d% of the tokens of data.files into its unknown token"]),
+        ["pretrain", "data.files=[{root}/english.txt]", "model.tokenizer=char", "data.seq_len=16"],
+        EXIT_USER_ERROR,
+        [r"turns \d+\.\d% of the tokens of data.files into its unknown token"],
+    ),
     "sft, a few unknown characters: a warning": (
-        ["sft", "data.path={root}/few.jsonl", "model.tokenizer=char"], 0,
-        [r"\[data\] warning: model.tokenizer=char turns 0\.\d% of the tokens of .*few.jsonl .*e.g. '0x'; most "
-         r"frequent: 'x' x1\); above 5% this stops the run"]),
-    "sft, char:ascii on English chat: silent": (["sft", "data.path=builtin:chat_small", "model.tokenizer=char:ascii"],
-                                                0, []),
-    "sft, a BPE that covers the text: silent": (["sft", "data.path=builtin:chat_small", "model.tokenizer={root}/bpe"],
-                                                0, []),
+        ["sft", "data.path={root}/few.jsonl", "model.tokenizer=char"],
+        0,
+        [
+            r"\[data\] warning: model.tokenizer=char turns 0\.\d% of the tokens of .*few.jsonl .*e.g. '0x'; most "
+            r"frequent: 'x' x1\); above 5% this stops the run"
+        ],
+    ),
+    "sft, char:ascii on English chat: silent": (
+        ["sft", "data.path=builtin:chat_small", "model.tokenizer=char:ascii"],
+        0,
+        [],
+    ),
+    "sft, a BPE that covers the text: silent": (
+        ["sft", "data.path=builtin:chat_small", "model.tokenizer={root}/bpe"],
+        0,
+        [],
+    ),
 }
 
 
@@ -77,11 +117,14 @@ def test_unknown_tokens_stop_or_warn_at_start(case, data, tmp_path, capsys):
         assert "unknown token" not in out.out + out.err
 
 
-@pytest.mark.parametrize("texts, share, example", [
-    (["12+34=46"], 0.0, ""),
-    (["ab 12"], 2 / 5, "ab"),  # 'a' and 'b' are unknown; the example is the word around the first one
-    (["1+1=2 Ünï"], 3 / 9, "Ünï"),
-])
+@pytest.mark.parametrize(
+    "texts, share, example",
+    [
+        (["12+34=46"], 0.0, ""),
+        (["ab 12"], 2 / 5, "ab"),  # 'a' and 'b' are unknown; the example is the word around the first one
+        (["1+1=2 Ünï"], 3 / 9, "Ünï"),
+    ],
+)
 def test_count_unknown_counts_the_unknown_tokens_and_names_them(texts, share, example):
     found = count_unknown(char_tokenizer(), texts)
     assert found.share == share and found.example == example

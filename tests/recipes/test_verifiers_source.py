@@ -2,6 +2,7 @@
 examples/vf_calculate.py (an unmodified verifiers v1 environment) against the policy served in process,
 the rows are its token ids, and a GRPO step trains on them. Skips without verifiers (its own venv: it
 pins openai 2.x) or without ``uv`` (its chat harness is a uv script)."""
+
 import shutil
 import sys
 from pathlib import Path
@@ -15,20 +16,38 @@ pytest.importorskip("uvicorn")
 if shutil.which("uv") is None:
     pytest.skip("verifiers' chat harness needs uv on PATH", allow_module_level=True)
 
+from run_records import records  # noqa: E402
+
 from lmforge.core.config import load_config  # noqa: E402
 from lmforge.recipes.grpo import GRPOConfig, run_grpo  # noqa: E402
 from lmforge.rl.sources import verifiers as vf_source  # noqa: E402
 
-from run_records import records  # noqa: E402
-
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-ARGS = ["model.name=tiny:llama", "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=1",
-        "model.num_heads=2", "model.max_position_embeddings=1024",
-        "data.task=addition", "data.num_train=8", "data.num_eval=0",
-        "rollout.backend=verifiers", "rollout.verifiers_env=vf-calculate", "rollout.verifiers_args={num_tasks: 4}",
-        "rollout.num_prompts=2", "rollout.group_size=2", "rollout.max_new_tokens=6",
-        "train.max_steps=2", "train.micro_batch_size=4", "train.save_every=0", "train.threads=1",
-        "optim.lr=1e-2", "logging.progress=false", "algo.preset=", "algo.is_level=token"]
+ARGS = [
+    "model.name=tiny:llama",
+    "model.tokenizer=char",
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.max_position_embeddings=1024",
+    "data.task=addition",
+    "data.num_train=8",
+    "data.num_eval=0",
+    "rollout.backend=verifiers",
+    "rollout.verifiers_env=vf-calculate",
+    "rollout.verifiers_args={num_tasks: 4}",
+    "rollout.num_prompts=2",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=6",
+    "train.max_steps=2",
+    "train.micro_batch_size=4",
+    "train.save_every=0",
+    "train.threads=1",
+    "optim.lr=1e-2",
+    "logging.progress=false",
+    "algo.preset=",
+    "algo.is_level=token",
+]
 
 
 @pytest.fixture

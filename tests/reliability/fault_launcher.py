@@ -7,6 +7,7 @@ and where ``armed`` appears for the faults a plugin performs (fault_plugins.py: 
 agents). Nothing here is part of lmforge: the faults are patched in from outside, as a real stall, kill
 or full disk would hit an unmodified run.
 """
+
 from __future__ import annotations
 
 import errno
@@ -45,6 +46,7 @@ def at_step(state, step: int) -> None:
         onset()
         time.sleep(FOREVER_S)
     elif KIND == "sigterm":  # from inside the model's forward: mid-step
+
         def hook(*_):
             handle.remove()
             onset()

@@ -1,6 +1,7 @@
 """A reward, an environment and an agent for the fault table (tests/reliability/test_faults.py), loaded by
 name (``fault_plugins:score``) with this directory on PYTHONPATH. Each behaves until the launcher arms its
 fault (``fault_launcher.armed()``, a file any process can see), then hangs or dies as the row asks."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,11 @@ FOREVER_S = 3600.0
 
 def _armed(kind: str) -> bool:
     folder = os.environ.get("LMFORGE_FAULT_DIR", "")
-    return bool(folder) and os.environ.get("LMFORGE_FAULT", "").split(":")[0] == kind and \
-        os.path.exists(os.path.join(folder, "armed"))
+    return (
+        bool(folder)
+        and os.environ.get("LMFORGE_FAULT", "").split(":")[0] == kind
+        and os.path.exists(os.path.join(folder, "armed"))
+    )
 
 
 def onset() -> None:
@@ -40,6 +44,7 @@ def score(completion: str, problem, **kwargs) -> float:
 class Echo:
     """One turn: the prompt as a user message; the episode ends after the reply (scored by ``score``),
     unless ``env_hang`` is armed: then the environment's step never returns."""
+
     tools: ClassVar[list] = []
 
     def reset(self, problem, state):

@@ -2,6 +2,7 @@
 that never came and its last phase; an Atropos call and a weight push end at their deadline, retries and
 all, naming the call and the setting. The end-to-end rows (real runs, torchrun, resume) are the fault
 table, tests/reliability/test_faults.py (slow layer)."""
+
 from __future__ import annotations
 
 import threading
@@ -15,8 +16,9 @@ from lmforge.parallel import context
 from lmforge.parallel.context import ParallelContext, stall_note
 from lmforge.rl.sources.atropos_client import AtroposError, _request
 
-GLOO_TIMEOUT = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 8000ms for recv operation "
-                            "to complete")
+GLOO_TIMEOUT = RuntimeError(
+    "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 8000ms for recv operation to complete"
+)
 
 
 @pytest.fixture
@@ -37,8 +39,10 @@ def test_a_timed_out_collective_names_the_rank_that_never_came_and_where_it_was(
     rank0.mark("the checkpoint barrier at step 4")
     start = time.monotonic()
     note = stall_note(GLOO_TIMEOUT, grace_s=0.3)
-    assert note == ("rank 1 (PID 4242) did not reach the checkpoint barrier at step 4 within 8 s "
-                    "(parallel.timeout_s); its last mark: the collectives of training step 4")
+    assert note == (
+        "rank 1 (PID 4242) did not reach the checkpoint barrier at step 4 within 8 s "
+        "(parallel.timeout_s); its last mark: the collectives of training step 4"
+    )
     assert 0.3 <= time.monotonic() - start < 2.0
     assert GLOO_TIMEOUT.lmforge_report is True  # rank 0 timed out, rank 1 did not: rank 0 reports
 
@@ -83,8 +87,9 @@ def test_a_call_ends_at_its_deadline_retries_included(silent_server):
     # 30 s per attempt and 5 retries would wait over 3 minutes; the deadline ends it after 1.5 s
     start = time.monotonic()
     with pytest.raises(AtroposError, match=r"GET \S+/batch failed after 1 attempt \(last: ReadTimeout"):
-        _request("GET", f"{silent_server}/batch", retries=5, backoff_s=1.0, timeout=30.0,
-                 deadline=time.monotonic() + 1.5)
+        _request(
+            "GET", f"{silent_server}/batch", retries=5, backoff_s=1.0, timeout=30.0, deadline=time.monotonic() + 1.5
+        )
     assert 1.4 < time.monotonic() - start < 3.0
 
 
@@ -95,12 +100,21 @@ def test_a_stalled_weight_push_ends_at_push_timeout_s_naming_the_server(silent_s
     from lmforge.rl.sources.atropos import AtroposSource
 
     source = AtroposSource.__new__(AtroposSource)  # only the push: no run around it
-    source.rollout = RolloutConfig(backend="atropos", api_url=silent_server, server_url=silent_server, api_retries=3,
-                               api_backoff_s=0.1, push_timeout_s=1.5)
+    source.rollout = RolloutConfig(
+        backend="atropos",
+        api_url=silent_server,
+        server_url=silent_server,
+        api_retries=3,
+        api_backoff_s=0.1,
+        push_timeout_s=1.5,
+    )
     start = time.monotonic()
-    with pytest.raises(AtroposError, match=r"pushing weights version 3 to rollout.server_url=\S+ "
-                                           r"\(rollout.push_timeout_s=1.5\) failed after 1 attempt "
-                                           r"\(last: ReadTimeout.*the last checkpoint is intact"):
+    with pytest.raises(
+        AtroposError,
+        match=r"pushing weights version 3 to rollout.server_url=\S+ "
+        r"\(rollout.push_timeout_s=1.5\) failed after 1 attempt "
+        r"\(last: ReadTimeout.*the last checkpoint is intact",
+    ):
         source._push(torch.nn.Linear(2, 2), 3)
     assert 1.4 < time.monotonic() - start < 3.0
 
@@ -139,7 +153,10 @@ def test_verifiers_episodes_that_hang_end_the_step_at_verifiers_timeout_s():
     source.rollout = RolloutConfig(backend="verifiers", verifiers_env="x", group_size=2, verifiers_timeout_s=0.5)
     assert asyncio.run(source._run(["fine"], 1)) == [("fine", 0), ("fine", 1)]
     start = time.monotonic()
-    with pytest.raises(TrainingError, match=r"1 of the 4 episodes of step 3 did not finish within "
-                                            r"rollout.verifiers_timeout_s=0.5 s .*resume"):
+    with pytest.raises(
+        TrainingError,
+        match=r"1 of the 4 episodes of step 3 did not finish within "
+        r"rollout.verifiers_timeout_s=0.5 s .*resume",
+    ):
         asyncio.run(source._run(["fine", "hangs"], 3))
     assert time.monotonic() - start < 2.0

@@ -1,6 +1,7 @@
 """``rl.updates.Updates``, the update phase a recipe's step iterates: the counts each update's loss is
 normalised by, which rows and micro-batches run, where gradients are synced, the optimizer steps, and
 the weights it leaves, against a hand-written loop of the same computation."""
+
 from __future__ import annotations
 
 import contextlib
@@ -27,12 +28,16 @@ ADVANTAGES = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 0.25])
 def tiny():
     """A tiny model and a packed rollout of 2 prompts x 4 samples with fixed advantages and pi_old."""
     torch.manual_seed(0)
-    model, tokenizer = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2,
-                                              num_heads=2, max_position_embeddings=32))
+    model, tokenizer = load_model(
+        ModelConfig(
+            name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=32
+        )
+    )
     prompts = rl.build_prompts(rl_config.RLDataConfig(task="addition", num_train=8, num_eval=0), tokenizer, seed=0)
     rollout_cfg = rl_config.RolloutConfig(num_prompts=2, group_size=4, max_new_tokens=4)
-    rollout, _, _ = rl.sample_and_score(rl.PolicyEngine(model), tokenizer, prompts, [0, 1], rollout_cfg,
-                                        RewardSet([("exact", 1.0)]), 0)
+    rollout, _, _ = rl.sample_and_score(
+        rl.PolicyEngine(model), tokenizer, prompts, [0, 1], rollout_cfg, RewardSet([("exact", 1.0)]), 0
+    )
     batch = rl.pack_rollout(rollout, tokenizer.pad_token_id, need_rollout_logprobs=False).with_(advantages=ADVANTAGES)
     batch = batch.with_(old_logprobs=rl.batch_logprobs(model, batch, 8, 1.0, PRECISION))
     assert len(set(batch.trained_mask.sum(1).tolist())) > 1  # rows of different lengths: the counts differ
@@ -88,8 +93,12 @@ def test_counts_are_summed_once_per_update_over_micro_batches_and_ranks(tiny):
     halves = batch.trained_mask.sum(1).split(4)
     for position, (update, micro) in enumerate(seen):
         m = (position // 2) % 2  # two micro-batches per update, two updates per pass
-        assert update.counts == Counts(num_seqs_global=8, num_loss_tokens_global=2 * int(halves[m].sum()),
-                                       max_completion_len=4, num_micro_batches_global=4)
+        assert update.counts == Counts(
+            num_seqs_global=8,
+            num_loss_tokens_global=2 * int(halves[m].sum()),
+            max_completion_len=4,
+            num_micro_batches_global=4,
+        )
         assert micro.num_rows == 2
     assert len({id(update) for update, _ in seen}) == 4
 
@@ -101,8 +110,9 @@ def test_zero_advantage_rows_do_not_run_and_keep_the_counts(tiny):
     batch = batch.with_(advantages=advantages)
     plan = rl.UpdatePlan(num_iterations=1, num_mini_batches=1, micro_batch_size=2, max_completion_len=4)
     skipped, full = [], []
-    metrics = run(rl.Updates(batch, plan, updater_of(model), 1, rows_to_train=rl.informative_rows(advantages)),
-                  model, skipped)
+    metrics = run(
+        rl.Updates(batch, plan, updater_of(model), 1, rows_to_train=rl.informative_rows(advantages)), model, skipped
+    )
     run(rl.Updates(batch, plan, updater_of(copy.deepcopy(model)), 1), model, full)
     # the rows run are the informative ones, each micro-batch keeping only its own
     assert [micro.advantages.tolist() for _, micro in skipped] == [[1.0], [-1.0]]
@@ -126,8 +136,11 @@ def test_a_micro_batch_without_rows_here_runs_whole_when_another_rank_has_some(t
     informative = torch.tensor([True, False, False, False, False, False, False, True])
     plan = rl.UpdatePlan(num_iterations=1, num_mini_batches=1, micro_batch_size=2, max_completion_len=4)
     seen = []
-    run(rl.Updates(batch, plan, updater_of(model), 1, OtherRankHasRowsEverywhere(), rows_to_train=informative),
-        model, seen)
+    run(
+        rl.Updates(batch, plan, updater_of(model), 1, OtherRankHasRowsEverywhere(), rows_to_train=informative),
+        model,
+        seen,
+    )
     assert [micro.num_rows for _, micro in seen] == [1, 2, 2, 1]  # rows 2-5 run whole: none is informative here
 
 
@@ -217,8 +230,9 @@ def test_a_loop_that_skips_backward_or_step_is_an_error(tiny):
 def test_first_on_policy_gives_the_first_update_no_pi_old(tiny, first_on_policy):
     model, batch = tiny
     model = copy.deepcopy(model)
-    plan = rl.UpdatePlan(num_iterations=2, num_mini_batches=2, micro_batch_size=2, max_completion_len=4,
-                         first_on_policy=first_on_policy)
+    plan = rl.UpdatePlan(
+        num_iterations=2, num_mini_batches=2, micro_batch_size=2, max_completion_len=4, first_on_policy=first_on_policy
+    )
     seen = []
     run(rl.Updates(batch, plan, updater_of(model), 1), model, seen)
     has_pi_old = [micro.old_logprobs is not None for _, micro in seen]
@@ -234,8 +248,12 @@ def hand_loop(model, batch, num_iterations: int, num_mini_batches: int, micro_ba
         for mini_rows in torch.arange(batch.num_rows).tensor_split(num_mini_batches):
             mini = batch.select(mini_rows)
             micro_rows = list(torch.arange(mini.num_rows).split(micro_batch_size))
-            counts = Counts(num_seqs_global=mini.num_rows, num_loss_tokens_global=int(mini.trained_mask.sum()),
-                            max_completion_len=4, num_micro_batches_global=len(micro_rows))
+            counts = Counts(
+                num_seqs_global=mini.num_rows,
+                num_loss_tokens_global=int(mini.trained_mask.sum()),
+                max_completion_len=4,
+                num_micro_batches_global=len(micro_rows),
+            )
             total = torch.zeros(())
             for rows in micro_rows:
                 loss, _ = micro_loss(model, mini.select(rows), counts)

@@ -2,6 +2,7 @@
 batch, a kept KV prefix reused, retirement (stop token, stop string after min_tokens, length, cancel), and
 the same seeded requests giving the same tokens whether the episode runner's way (``admit`` + ``step``) or
 ``lmforge serve``'s scheduler drives it."""
+
 from __future__ import annotations
 
 import threading
@@ -20,8 +21,11 @@ from lmforge.serve import BatchScheduler, GenerationRequest
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
-    model, tok = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2,
-                                        num_heads=2, max_position_embeddings=256))
+    model, tok = load_model(
+        ModelConfig(
+            name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=256
+        )
+    )
     return model.eval(), tok
 
 
@@ -95,11 +99,13 @@ def test_retirement_stop_token_stop_string_after_min_tokens_length_and_cancel(ti
     stop = tok.decode(tokens[5:7])
     stop_string = SamplingParams(temperature=1.0, max_new_tokens=20, seed=3, stop_strings=[stop])
     cancelled = threading.Event()
-    rows = [engine.admit("stop", prompt, stop_token)[0],
-            engine.admit("min", prompt, stop_token, min_tokens=5)[0],
-            engine.admit("string", prompt, stop_string)[0],
-            engine.admit("length", prompt, free)[0],
-            engine.admit("cancel", prompt, free, cancelled=cancelled, cache_key="c")[0]]
+    rows = [
+        engine.admit("stop", prompt, stop_token)[0],
+        engine.admit("min", prompt, stop_token, min_tokens=5)[0],
+        engine.admit("string", prompt, stop_string)[0],
+        engine.admit("length", prompt, free)[0],
+        engine.admit("cancel", prompt, free, cancelled=cancelled, cache_key="c")[0],
+    ]
     seen = []
     engine.step(on_token=lambda row: seen.append((row.key, len(row.tokens), row.finish_reason)))
     cancelled.set()
@@ -111,7 +117,7 @@ def test_retirement_stop_token_stop_string_after_min_tokens_length_and_cancel(ti
     assert by_key["min"].tokens == tokens[:late]
     assert by_key["min"].finish_reason == ("stop" if late < len(tokens) or tokens[-1] == tokens[4] else "length")
     string = by_key["string"].tokens
-    assert string == tokens[:len(string)] and len(string) <= 7 and by_key["string"].finish_reason == "stop"
+    assert string == tokens[: len(string)] and len(string) <= 7 and by_key["string"].finish_reason == "stop"
     assert stop in tok.decode(string) and stop not in tok.decode(string[:-1])  # ends where the string appears
     assert by_key["length"].tokens == tokens and by_key["length"].finish_reason == "length"
     assert by_key["cancel"].tokens == tokens[:2] and by_key["cancel"].finish_reason == "cancelled"
@@ -125,20 +131,27 @@ def test_the_scheduler_and_the_episode_way_of_driving_it_give_the_same_tokens(ti
     the episode runner does) and through ``BatchScheduler`` give the same tokens and logprobs, bit for bit."""
     model, tok = tiny
     model.requires_grad_(False)  # as the scheduler sets it (with grads on, a forward rounds differently)
-    requests = [(encode(tok, "12+34="), SamplingParams(temperature=1.0, max_new_tokens=10, seed=5), 1),
-                (encode(tok, "7*8="), SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=12, seed=9), 2),
-                (encode(tok, "12+34="), SamplingParams(temperature=0.0, max_new_tokens=7), 1),
-                (encode(tok, "hello"), SamplingParams(temperature=1.0, max_new_tokens=8, seed=5), 3)]
-    direct = run(ContinuousDecoder(model, tok.pad_token_id, keep_cache=False),
-                 {0: [(i, ids, params, n) for i, (ids, params, n) in enumerate(requests)]})
+    requests = [
+        (encode(tok, "12+34="), SamplingParams(temperature=1.0, max_new_tokens=10, seed=5), 1),
+        (encode(tok, "7*8="), SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=12, seed=9), 2),
+        (encode(tok, "12+34="), SamplingParams(temperature=0.0, max_new_tokens=7), 1),
+        (encode(tok, "hello"), SamplingParams(temperature=1.0, max_new_tokens=8, seed=5), 3),
+    ]
+    direct = run(
+        ContinuousDecoder(model, tok.pad_token_id, keep_cache=False),
+        {0: [(i, ids, params, n) for i, (ids, params, n) in enumerate(requests)]},
+    )
     scheduler = BatchScheduler(model, tok.pad_token_id, tok.decode, gather_s=1.0)
     try:
         futures = [scheduler.submit(GenerationRequest(ids, params, n=n)) for ids, params, n in requests]
         results = [f.result(60) for f in futures]
     finally:
         scheduler.shutdown()
-    served = {(i, j): (s.token_ids, s.logprobs, s.finish_reason)
-              for i, result in enumerate(results) for j, s in enumerate(result.samples)}
+    served = {
+        (i, j): (s.token_ids, s.logprobs, s.finish_reason)
+        for i, result in enumerate(results)
+        for j, s in enumerate(result.samples)
+    }
     assert served == direct
     assert direct[3, 0][0] != direct[3, 1][0]  # a request's samples draw one generator in turn, not one seed each
 

@@ -1,22 +1,25 @@
 """rollout.continuous.ContinuousDecoder: rows joining and leaving a running batch decode what the
 engine decodes for each alone; a kept KV cache prefills only the new ids; a seeded row's tokens do
 not depend on its batch mates."""
+
 import pytest
 import torch
+from decoding import drive, encode
 
 from lmforge.core.config import ModelConfig
 from lmforge.model.load import load_model
 from lmforge.rollout import SamplingParams, generate
 from lmforge.rollout.continuous import ContinuousDecoder
 
-from decoding import drive, encode
-
 
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
-    model, tok = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2,
-                                        num_heads=2, max_position_embeddings=256))
+    model, tok = load_model(
+        ModelConfig(
+            name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=256
+        )
+    )
     return model.eval(), tok
 
 
@@ -31,8 +34,7 @@ def test_staggered_rows_and_later_turns_decode_what_each_decodes_alone(tiny):
     greedy = SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=[tok.eos_token_id])
     prompts = [encode(tok, t) for t in ("hello world", "ab", "xyz 123 45")]
     decoder = ContinuousDecoder(model, tok.pad_token_id)
-    first = drive(decoder, {0: [(0, prompts[0], greedy)], 2: [(1, prompts[1], greedy)],
-                            3: [(2, prompts[2], greedy)]})
+    first = drive(decoder, {0: [(0, prompts[0], greedy)], 2: [(1, prompts[1], greedy)], 3: [(2, prompts[2], greedy)]})
     histories = []
     for key, prompt in enumerate(prompts):
         tokens, logprobs = alone(model, tok, prompt, greedy)
@@ -67,13 +69,21 @@ def test_a_seeded_rows_tokens_do_not_depend_on_its_batch_mates(tiny):
     params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=7)
     prompt = encode(tok, "sample me")
     solo = drive(ContinuousDecoder(model, tok.pad_token_id), {0: [("me", prompt, params)]})["me"]
-    mates = {0: [(i, encode(tok, "x" * (3 + i)), SamplingParams(temperature=1.0, max_new_tokens=5 + i, seed=i))
-                 for i in range(3)], 2: [("me", prompt, params)], 4: [(9, encode(tok, "late"), params)]}
+    mates = {
+        0: [
+            (i, encode(tok, "x" * (3 + i)), SamplingParams(temperature=1.0, max_new_tokens=5 + i, seed=i))
+            for i in range(3)
+        ],
+        2: [("me", prompt, params)],
+        4: [(9, encode(tok, "late"), params)],
+    }
     crowded = drive(ContinuousDecoder(model, tok.pad_token_id), mates)["me"]
     assert crowded.token_ids == solo.token_ids and crowded.truncated and len(solo.token_ids) == 12
     torch.testing.assert_close(torch.tensor(crowded.logprobs), torch.tensor(solo.logprobs), rtol=0, atol=2e-5)
-    other_seed = drive(ContinuousDecoder(model, tok.pad_token_id), {0: [("me", prompt, SamplingParams(
-        temperature=1.0, max_new_tokens=12, seed=8))]})["me"]
+    other_seed = drive(
+        ContinuousDecoder(model, tok.pad_token_id),
+        {0: [("me", prompt, SamplingParams(temperature=1.0, max_new_tokens=12, seed=8))]},
+    )["me"]
     assert other_seed.token_ids != solo.token_ids  # the seed, not the batch, decides
 
 
@@ -93,8 +103,9 @@ def test_rows_with_the_same_first_ids_are_prefilled_once_and_sample_apart(tiny):
     for i in range(4):
         alone_row = drive(ContinuousDecoder(model, tok.pad_token_id), {0: [rows[0][i]]})[i]
         assert shared[i].token_ids == alone_row.token_ids
-        torch.testing.assert_close(torch.tensor(shared[i].logprobs), torch.tensor(alone_row.logprobs), rtol=0,
-                                   atol=2e-5)
+        torch.testing.assert_close(
+            torch.tensor(shared[i].logprobs), torch.tensor(alone_row.logprobs), rtol=0, atol=2e-5
+        )
     assert len({tuple(shared[i].token_ids) for i in range(4)}) > 1  # each row its own seed
 
 
@@ -106,9 +117,17 @@ def test_a_sliding_window_model_plays_its_episodes_in_rounds(tiny, caplog):
     from lmforge.rl.sources import episodes as source
     from lmforge.rollout.continuous import has_full_attention_caches
 
-    windowed = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                                                sliding_window=16)).eval()
+    windowed = MistralForCausalLM(
+        MistralConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            sliding_window=16,
+        )
+    ).eval()
     assert has_full_attention_caches(tiny[0]) and not has_full_attention_caches(windowed)
 
     class Runner:

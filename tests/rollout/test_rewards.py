@@ -1,4 +1,5 @@
 """Reward functions and RewardSet: built-ins, user functions, weighting, failure handling."""
+
 from __future__ import annotations
 
 import logging
@@ -11,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmforge.data.tasks import Problem, get_task
 from lmforge.core.errors import ConfigError, TrainingError
+from lmforge.data.tasks import Problem, get_task
 from lmforge.rollout.rewards import RewardSet, exact_reward, format_reward, math_reward, resolve_reward
 
-
 # ----------------------------------------------------------------------------- built-ins
+
 
 def test_exact_uses_the_task_scorer():
     task = get_task("addition:digits=2")
@@ -57,9 +58,11 @@ def test_math_reward_without_math_verify_gives_install_hint(monkeypatch):
 
 # ----------------------------------------------------------------------------- resolving names
 
+
 @pytest.fixture
 def user_module(tmp_path, monkeypatch):
-    (tmp_path / "my_rewards.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_rewards.py").write_text(
+        textwrap.dedent("""
         import time
 
         def length(completion, problem, **kwargs):
@@ -81,7 +84,8 @@ def user_module(tmp_path, monkeypatch):
             return {"nan": float("nan"), "inf": float("inf")}.get(completion, 1.0)
 
         NOT_CALLABLE = 3
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "my_rewards"
     sys.modules.pop("my_rewards", None)
@@ -91,18 +95,22 @@ def test_resolve_user_function(user_module):
     assert resolve_reward(f"{user_module}:length")("abc", {}) == 3.0
 
 
-@pytest.mark.parametrize("name,message", [
-    ("no_such_module_xyz:fn", "cannot import module"),
-    ("my_rewards:missing", "no callable"),
-    ("my_rewards:NOT_CALLABLE", "no callable"),
-    ("exactly", "unknown reward"),
-])
+@pytest.mark.parametrize(
+    "name,message",
+    [
+        ("no_such_module_xyz:fn", "cannot import module"),
+        ("my_rewards:missing", "no callable"),
+        ("my_rewards:NOT_CALLABLE", "no callable"),
+        ("exactly", "unknown reward"),
+    ],
+)
 def test_resolve_errors_are_clear(user_module, name, message):
     with pytest.raises(ConfigError, match=message):
         resolve_reward(name)
 
 
 # ----------------------------------------------------------------------------- RewardSet
+
 
 def test_weighted_total_and_matrix(user_module):
     rewards = RewardSet([("exact", 1.0), (f"{user_module}:length", 0.5), ("format", 2.0, {"pattern": r"^\d+$"})])

@@ -1,5 +1,6 @@
 """Rewards for real tasks: math-verify on the boxed / last number, format regexes, DAPO's overlong
 penalty, weighted combinations from the config, and the parallel runner's timeouts and failures."""
+
 from __future__ import annotations
 
 import logging
@@ -15,20 +16,23 @@ from lmforge.core.config import load_config
 from lmforge.core.errors import ConfigError, TrainingError
 from lmforge.rollout.rewards import RewardSet, final_answer, format_reward, last_boxed, math_reward, overlong_reward
 
-
 # ----------------------------------------------------------------------------- math
 
-@pytest.mark.parametrize("text,expected", [
-    (r"so $\boxed{\frac{1}{2}}$ it is", r"\frac{1}{2}"),
-    (r"\boxed{7} ... check: 8", "7"),  # the box wins over a later number
-    (r"first \boxed{1}, then \boxed{x^{2}}", "x^{2}"),  # the last box, braces balanced
-    ("I have 3 apples and 5 pears, 8 in all.", "8"),
-    ("total: 1,234 dollars", "1234"),
-    ("x = -3", "-3"),
-    ("three quarters: 3/4", "3/4"),
-    ("no digits here", None),
-    (r"\boxed{12", "12"),  # an unfinished box is no box: the last number
-])
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        (r"so $\boxed{\frac{1}{2}}$ it is", r"\frac{1}{2}"),
+        (r"\boxed{7} ... check: 8", "7"),  # the box wins over a later number
+        (r"first \boxed{1}, then \boxed{x^{2}}", "x^{2}"),  # the last box, braces balanced
+        ("I have 3 apples and 5 pears, 8 in all.", "8"),
+        ("total: 1,234 dollars", "1234"),
+        ("x = -3", "-3"),
+        ("three quarters: 3/4", "3/4"),
+        ("no digits here", None),
+        (r"\boxed{12", "12"),  # an unfinished box is no box: the last number
+    ],
+)
 def test_final_answer(text, expected):
     assert final_answer(text) == expected
 
@@ -37,20 +41,23 @@ def test_last_boxed_unbalanced_is_none():
     assert last_boxed(r"\boxed{12") is None and last_boxed("plain") is None
 
 
-@pytest.mark.parametrize("completion,answer,expected", [
-    (r"so the answer is $\boxed{\frac{1}{2}}$", "0.5", 1.0),
-    (r"the answer is $\boxed{4}$", "4", 1.0),
-    (r"the answer is $\boxed{5}$", "4", 0.0),
-    (r"\boxed{7}. Sanity check with 8 apples.", "7", 1.0),
-    ("I had 12 apples and ate 5, leaving 7.", "7", 1.0),
-    ("I had 12 apples and ate 5, leaving 7.", "12", 0.0),  # the last number, not any number
-    ("It is 3/4 of the cake", "0.75", 1.0),
-    ("The total is 1,234.", "1234", 1.0),
-    ("The answer is -3", "-3", 1.0),
-    ("The answer is 3", "-3", 0.0),
-    ("I cannot tell.", "3", 0.0),
-    ("The answer is 42", r"\boxed{42}", 1.0),  # a boxed reference answer
-])
+@pytest.mark.parametrize(
+    "completion,answer,expected",
+    [
+        (r"so the answer is $\boxed{\frac{1}{2}}$", "0.5", 1.0),
+        (r"the answer is $\boxed{4}$", "4", 1.0),
+        (r"the answer is $\boxed{5}$", "4", 0.0),
+        (r"\boxed{7}. Sanity check with 8 apples.", "7", 1.0),
+        ("I had 12 apples and ate 5, leaving 7.", "7", 1.0),
+        ("I had 12 apples and ate 5, leaving 7.", "12", 0.0),  # the last number, not any number
+        ("It is 3/4 of the cake", "0.75", 1.0),
+        ("The total is 1,234.", "1234", 1.0),
+        ("The answer is -3", "-3", 1.0),
+        ("The answer is 3", "-3", 0.0),
+        ("I cannot tell.", "3", 0.0),
+        ("The answer is 42", r"\boxed{42}", 1.0),  # a boxed reference answer
+    ],
+)
 def test_math_reward(completion, answer, expected):
     pytest.importorskip("math_verify")
     assert math_reward(completion, {"answer": answer}) == expected
@@ -89,14 +96,19 @@ def test_format_search_and_full():
     assert format_reward(good + " and more", {}, pattern=THINK_ANSWER, match="full") == 0.0
     assert format_reward(good + " and more", {}, pattern=THINK_ANSWER) == 1.0  # search: anywhere
     assert format_reward("<answer>4</answer>", {}, pattern=THINK_ANSWER) == 0.0
-    assert format_reward("<think>\nmulti\nline\n</think><answer>4</answer>", {}, pattern=THINK_ANSWER, match="full") == 1.0
+    assert (
+        format_reward("<think>\nmulti\nline\n</think><answer>4</answer>", {}, pattern=THINK_ANSWER, match="full") == 1.0
+    )
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"pattern": "(<answer>"}, "not a valid regular expression"),
-    ({"match": "fullmatch"}, "match must be 'search' or 'full'"),
-    ({"patern": "x"}, r"unknown keyword\(s\) \['patern'\]"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"pattern": "(<answer>"}, "not a valid regular expression"),
+        ({"match": "fullmatch"}, "match must be 'search' or 'full'"),
+        ({"patern": "x"}, r"unknown keyword\(s\) \['patern'\]"),
+    ],
+)
 def test_format_bad_kwargs_fail_at_construction(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         RewardSet([("format", 1.0, kwargs)])
@@ -104,12 +116,20 @@ def test_format_bad_kwargs_fail_at_construction(kwargs, message):
 
 # ----------------------------------------------------------------------------- overlong
 
-@pytest.mark.parametrize("length,expected", [
-    (0, 0.0), (15, 0.0),  # up to max_len - cache = 15: no penalty
-    (16, -0.2), (18, -0.6), (19, -0.8),  # (15 - L) / 5
-    (20, -1.0),  # max_len itself: -1
-    (21, -1.0), (100, -1.0),  # beyond: -1
-])
+
+@pytest.mark.parametrize(
+    "length,expected",
+    [
+        (0, 0.0),
+        (15, 0.0),  # up to max_len - cache = 15: no penalty
+        (16, -0.2),
+        (18, -0.6),
+        (19, -0.8),  # (15 - L) / 5
+        (20, -1.0),  # max_len itself: -1
+        (21, -1.0),
+        (100, -1.0),  # beyond: -1
+    ],
+)
 def test_overlong_values(length, expected):
     assert overlong_reward("", {}, completion_len=length, max_len=20, cache=5) == pytest.approx(expected, abs=1e-12)
 
@@ -135,33 +155,48 @@ def test_overlong_needs_lengths_and_checks_kwargs():
 
 # ----------------------------------------------------------------------------- weighted, from the config
 
+
 def test_weighted_combination_from_config():
     from lmforge.recipes.grpo import GRPOConfig
 
-    cfg = load_config(GRPOConfig, None, [
-        "data.task=addition",
-        "rewards.functions=[{name: exact, weight: 1.0}, {name: format, weight: 0.2, pattern: '^\\d+$'},"
-        " {name: overlong, weight: 0.5, kwargs: {cache: 2}}]",
-    ])
+    cfg = load_config(
+        GRPOConfig,
+        None,
+        [
+            "data.task=addition",
+            "rewards.functions=[{name: exact, weight: 1.0}, {name: format, weight: 0.2, pattern: '^\\d+$'},"
+            " {name: overlong, weight: 0.5, kwargs: {cache: 2}}]",
+        ],
+    )
     specs = cfg.rewards.specs()
-    assert specs == [("exact", 1.0, {}, {}), ("format", 0.2, {"pattern": r"^\d+$"}, {}),
-                     ("overlong", 0.5, {"cache": 2}, {})]
+    assert specs == [
+        ("exact", 1.0, {}, {}),
+        ("format", 0.2, {"pattern": r"^\d+$"}, {}),
+        ("overlong", 0.5, {"cache": 2}, {}),
+    ]
     rewards = RewardSet(specs, timeout_s=cfg.rewards.timeout_s)
     problems = [{"answer": "42"}] * 3
     out = rewards(["42", "42 apples", "7"], problems, completion_lens=[3, 5, 4], max_new_tokens=4)
     # overlong with max_len 4, cache 2: L=3 -> -0.5, L=5 -> -1, L=4 -> -1
     expected = torch.tensor([[1.0, 1.0, -0.5], [0.0, 0.0, -1.0], [0.0, 1.0, -1.0]])
     torch.testing.assert_close(out.per_function, expected, rtol=0, atol=0)
-    torch.testing.assert_close(out.total, torch.tensor([1 + 0.2 - 0.25, 0 + 0 - 0.5, 0 + 0.2 - 0.5]),
-                               rtol=0, atol=1e-7)
+    torch.testing.assert_close(out.total, torch.tensor([1 + 0.2 - 0.25, 0 + 0 - 0.5, 0 + 0.2 - 0.5]), rtol=0, atol=1e-7)
     rewards.close()
 
 
 def test_config_options_and_errors():
     from lmforge.recipes.grpo import GRPOConfig
 
-    cfg = load_config(GRPOConfig, None, ["data.task=addition", "rewards.timeout_s=2.5", "rewards.workers=3",
-                                         "rewards.functions=[{name: exact, executor: process, failure_value: -1}]"])
+    cfg = load_config(
+        GRPOConfig,
+        None,
+        [
+            "data.task=addition",
+            "rewards.timeout_s=2.5",
+            "rewards.workers=3",
+            "rewards.functions=[{name: exact, executor: process, failure_value: -1}]",
+        ],
+    )
     assert cfg.rewards.specs() == [("exact", 1.0, {}, {"executor": "process", "failure_value": -1})]
     assert (cfg.rewards.timeout_s, cfg.rewards.workers) == (2.5, 3)
     with pytest.raises(ConfigError, match="rewards.timeout_s"):
@@ -174,9 +209,11 @@ def test_config_options_and_errors():
 
 # ----------------------------------------------------------------------------- timeouts and failures
 
+
 @pytest.fixture
 def slow_module(tmp_path, monkeypatch):
-    (tmp_path / "slow_rewards.py").write_text(textwrap.dedent("""
+    (tmp_path / "slow_rewards.py").write_text(
+        textwrap.dedent("""
         import threading, time
         RELEASE = threading.Event()
 
@@ -205,7 +242,8 @@ def slow_module(tmp_path, monkeypatch):
             if completion == "boom":
                 raise RuntimeError("verifier crashed")
             return 1.0
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     import slow_rewards
 
@@ -215,8 +253,9 @@ def slow_module(tmp_path, monkeypatch):
 
 
 def test_hanging_thread_call_times_out_and_the_batch_finishes(slow_module, caplog):
-    rewards = RewardSet([("slow_rewards:hang_on_hang", 1.0, {}, {"failure_value": -1.0}), ("exact", 1.0)],
-                        timeout_s=0.5, workers=2)
+    rewards = RewardSet(
+        [("slow_rewards:hang_on_hang", 1.0, {}, {"failure_value": -1.0}), ("exact", 1.0)], timeout_s=0.5, workers=2
+    )
     completions = ["ok", "hang", "ok", "ok", "ok", "ok"]
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="lmforge.rollout.rewards"):
@@ -298,8 +337,9 @@ def test_late_start_reports_of_an_earlier_batch_are_ignored(slow_module):
     """A worker's start report can be read only during the next batch (it failed in CI with a
     KeyError). Reports of earlier calls claiming a start long ago must neither break the next batch
     nor be taken for the start of one of its calls (which would time out the 0.3 s one)."""
-    rewards = RewardSet([("slow_rewards:sleep_on_hang_pause_on_wait", 1.0, {}, {"executor": "process"})],
-                        timeout_s=1.0, workers=2)
+    rewards = RewardSet(
+        [("slow_rewards:sleep_on_hang_pause_on_wait", 1.0, {}, {"executor": "process"})], timeout_s=1.0, workers=2
+    )
     rewards(["warm"], [{}])
     reports = rewards.calls._executors["process"].started
     long_ago = time.monotonic() - 100.0
@@ -315,15 +355,21 @@ def test_late_start_reports_of_an_earlier_batch_are_ignored(slow_module):
 def test_process_calls_deaf_to_the_alarm_get_their_pool_killed(slow_module):
     """Workers that ignore SIGALRM are killed after timeout + max(1, timeout / 2); the calls queued
     behind them run again on a new pool and are scored. Slow: two pool start-ups."""
-    rewards = RewardSet([("slow_rewards:deaf_on_hang", 1.0, {}, {"executor": "process"})], timeout_s=1.0, workers=2,
-                        max_failure_fraction=1.0)
+    rewards = RewardSet(
+        [("slow_rewards:deaf_on_hang", 1.0, {}, {"executor": "process"})],
+        timeout_s=1.0,
+        workers=2,
+        max_failure_fraction=1.0,
+    )
     rewards(["warm"], [{}])
     old_processes = list(rewards.calls._executors["process"]._pool._processes.values())
     start = time.monotonic()
     out = rewards(["hang", "hang", "ok", "ok", "ok", "ok"], [{}] * 6)  # both workers stuck, four calls queued
     elapsed = time.monotonic() - start
-    assert out.per_function[:, 0].tolist() == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0] and out.num_timed_out.tolist() == [2], \
-        (out, elapsed)
+    assert out.per_function[:, 0].tolist() == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0] and out.num_timed_out.tolist() == [2], (
+        out,
+        elapsed,
+    )
     assert elapsed < 60.0  # 2 s to the kill, then a new pool's start-up (seconds on a busy machine)
     assert old_processes and not any(p.is_alive() for p in old_processes)
     assert rewards(["ok"] * 3, [{}] * 3).per_function[:, 0].tolist() == [1.0] * 3

@@ -1,5 +1,6 @@
 """Rollout engine: logprob/temperature consistency, truncation, greedy vs transformers, seeds, stops,
 group sharing, left padding, and an empirical check of the sampling distribution."""
+
 from __future__ import annotations
 
 import math
@@ -7,7 +8,16 @@ import math
 import pytest
 import torch
 
-from lmforge.rollout import CastEngine, SamplingParams, decode_step, generate, make_cache, prefill, process_logits, sample_token
+from lmforge.rollout import (
+    CastEngine,
+    SamplingParams,
+    decode_step,
+    generate,
+    make_cache,
+    prefill,
+    process_logits,
+    sample_token,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -18,9 +28,19 @@ PROMPTS = [[1, 5, 6, 7, 8, 9, 10], [1, 11, 12], [1, 13, 14, 15, 16]]  # differen
 def _tiny(arch: str = "llama", sharpness: float = 10.0, **overrides):
     """A 2-layer random model; lm_head scaled so next-token distributions are far from uniform."""
     torch.manual_seed(0)
-    kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  pad_token_id=PAD, bos_token_id=1, eos_token_id=EOS, tie_word_embeddings=False)
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=PAD,
+        bos_token_id=1,
+        eos_token_id=EOS,
+        tie_word_embeddings=False,
+    )
     kwargs.update(overrides)
     config = transformers.LlamaConfig(**kwargs) if arch == "llama" else transformers.Qwen2Config(**kwargs)
     model = (transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM)(config)
@@ -41,7 +61,7 @@ def _full_logits(model, batch, row: int) -> torch.Tensor:
     seq = torch.cat([prompt, completion])[None]
     with torch.no_grad():
         logits = model(seq).logits[0].float()
-    return logits[len(prompt) - 1: len(prompt) - 1 + len(completion)]
+    return logits[len(prompt) - 1 : len(prompt) - 1 + len(completion)]
 
 
 def _incremental_logprobs(model, batch, row: int) -> torch.Tensor:
@@ -58,16 +78,32 @@ def _incremental_logprobs(model, batch, row: int) -> torch.Tensor:
 
 
 def _hf_greedy(model, prompt: list[int], num_new: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         do_sample=False, max_new_tokens=num_new, min_new_tokens=num_new,
-                         eos_token_id=None, pad_token_id=PAD)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=num_new,
+        min_new_tokens=num_new,
+        eos_token_id=None,
+        pad_token_id=PAD,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 # ----------------------------------------------------------------------------- input validation
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
-                                    dict(max_new_tokens=0), dict(stop_strings=[""])])
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=-0.1),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(top_k=-1),
+        dict(max_new_tokens=0),
+        dict(stop_strings=[""]),
+    ],
+)
 def test_sampling_params_reject_bad_values(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
@@ -83,6 +119,7 @@ def test_generate_rejects_bad_input(model):
 
 
 # ----------------------------------------------------------------------------- logprobs
+
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
 def test_logprobs_equal_tempered_log_softmax_of_full_forward(model, temperature):
@@ -135,6 +172,7 @@ def test_truncated_sampling_stays_in_set_and_stores_renormalised_logprobs(model,
 
 # ----------------------------------------------------------------------------- greedy, seeds, padding
 
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_greedy_matches_transformers_generate(arch):
     model = _tiny(arch)
@@ -146,8 +184,12 @@ def test_greedy_matches_transformers_generate(arch):
 def test_left_padding_does_not_change_greedy_output(model):
     short = [[1, 11, 12]]
     alone = generate(model, short, SamplingParams(temperature=0, max_new_tokens=12), pad_token_id=PAD)
-    batched = generate(model, [PROMPTS[0], short[0], [1] + list(range(3, 30))],
-                       SamplingParams(temperature=0, max_new_tokens=12), pad_token_id=PAD)
+    batched = generate(
+        model,
+        [PROMPTS[0], short[0], [1] + list(range(3, 30))],
+        SamplingParams(temperature=0, max_new_tokens=12),
+        pad_token_id=PAD,
+    )
     assert batched.prompt_mask[1].tolist()[: 28 - 3] == [0] * 25  # really left-padded
     assert batched.completion_ids[1].tolist() == alone.completion_ids[0].tolist()
     torch.testing.assert_close(batched.logprobs[1], alone.logprobs[0], rtol=0, atol=1e-5)
@@ -165,8 +207,9 @@ def test_same_seed_same_tokens_different_seed_different_tokens(model):
 
 def test_group_sharing_layout_and_greedy_samples_identical(model):
     single = generate(model, PROMPTS, SamplingParams(temperature=0, max_new_tokens=10), pad_token_id=PAD)
-    grouped = generate(model, PROMPTS, SamplingParams(temperature=0, max_new_tokens=10), num_samples=4,
-                       pad_token_id=PAD)
+    grouped = generate(
+        model, PROMPTS, SamplingParams(temperature=0, max_new_tokens=10), num_samples=4, pad_token_id=PAD
+    )
     assert grouped.group_index.tolist() == [0] * 4 + [1] * 4 + [2] * 4
     assert grouped.prompt_lens.tolist() == [7] * 4 + [3] * 4 + [5] * 4
     for row in range(12):
@@ -200,13 +243,14 @@ def test_step_primitives_reproduce_full_forward(model):
     step_logits, cache = decode_step(model, nxt, cache, mask, mask.sum(1) - 1)
     with torch.no_grad():
         for row in range(2):
-            seq = torch.cat([ids[row][ids[row] != PAD], nxt[row:row + 1]])[None]
+            seq = torch.cat([ids[row][ids[row] != PAD], nxt[row : row + 1]])[None]
             full = model(seq).logits[0]
             torch.testing.assert_close(logits[row], full[-2], rtol=0, atol=1e-5)
             torch.testing.assert_close(step_logits[row], full[-1], rtol=0, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- stops and masks
+
 
 def _check_row_invariants(batch, row: int, stop_ids: set[int], max_new: int):
     n, width = int(batch.completion_lens[row]), batch.completion_ids.shape[1]
@@ -225,8 +269,9 @@ def test_stop_token_masks_lengths_and_truncation(model):
     free = generate(model, PROMPTS, SamplingParams(temperature=0, max_new_tokens=12), pad_token_id=PAD)
     row0 = free.completion_ids[0].tolist()
     stop = row0[3] if row0[3] not in row0[:3] else row0[4]
-    stopped = generate(model, PROMPTS, SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=[stop]),
-                       pad_token_id=PAD)
+    stopped = generate(
+        model, PROMPTS, SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=[stop]), pad_token_id=PAD
+    )
     for row in range(len(PROMPTS)):
         tokens = free.completion_ids[row].tolist()
         expected_len = tokens.index(stop) + 1 if stop in tokens else 12
@@ -253,7 +298,7 @@ def test_stop_strings_end_at_the_completing_token(model, start):
         return "".join(chr(ord("A") + i % 26) for i in ids)
 
     free = generate(model, PROMPTS, SamplingParams(temperature=0, max_new_tokens=24), pad_token_id=PAD)
-    stop = decode(free.completion_ids[0].tolist())[start:start + 2]
+    stop = decode(free.completion_ids[0].tolist())[start : start + 2]
     params = SamplingParams(temperature=0, max_new_tokens=24, stop_strings=[stop])
     batch = generate(model, PROMPTS, params, pad_token_id=PAD, decode_fn=decode)
     for row in range(len(PROMPTS)):
@@ -268,6 +313,7 @@ def test_stop_strings_end_at_the_completing_token(model, start):
 
 
 # ----------------------------------------------------------------------------- empirical distribution
+
 
 def _chi2_critical(df: int, z: float = 3.719) -> float:
     """Upper chi-square quantile (Wilson-Hilferty); z = 3.719 is the 1 - 1e-4 normal quantile."""
@@ -307,8 +353,13 @@ def reference_distribution(logits: torch.Tensor, temperature: float, top_k: int 
 def test_first_token_frequencies_match_the_sampling_distribution(model, temperature, top_k, top_p):
     num = 6000
     prompt = [1, 5, 6]
-    batch = generate(model, [prompt], SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
-                                                     max_new_tokens=1, seed=0), num_samples=num, pad_token_id=PAD)
+    batch = generate(
+        model,
+        [prompt],
+        SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=1, seed=0),
+        num_samples=num,
+        pad_token_id=PAD,
+    )
     counts = torch.bincount(batch.completion_ids[:, 0], minlength=VOCAB)
     with torch.no_grad():
         logits = model(torch.tensor([prompt])).logits[0, -1]
@@ -333,6 +384,7 @@ def test_sample_token_never_draws_zero_probability_tokens():
 
 # ----------------------------------------------------------------------------- CastEngine (rollout.dtype)
 
+
 def test_cast_engine_samples_from_a_synced_bf16_copy():
     policy = _tiny(tie_word_embeddings=True, sharpness=1.0)  # tied, as SmolLM2: the copy must stay tied
     engine = CastEngine(policy, torch.bfloat16)
@@ -346,8 +398,9 @@ def test_cast_engine_samples_from_a_synced_bf16_copy():
     stale = engine.model.lm_head.weight.float().clone()
     engine.sync_weights(policy)
     assert not torch.equal(stale, engine.model.lm_head.weight.float())
-    torch.testing.assert_close(engine.model.lm_head.weight.float(), policy.lm_head.weight,
-                               rtol=2 ** -8, atol=0)  # bf16 rounding only
+    torch.testing.assert_close(
+        engine.model.lm_head.weight.float(), policy.lm_head.weight, rtol=2**-8, atol=0
+    )  # bf16 rounding only
 
     params = SamplingParams(max_new_tokens=6, seed=3)
     batch = engine.generate(PROMPTS, params, num_samples=2, pad_token_id=PAD)

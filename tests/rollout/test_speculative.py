@@ -3,23 +3,25 @@ checked in one forward and kept only where the row's own draw (the same uniform,
 gives them, so a row decodes exactly the tokens it decodes one at a time -- greedy or sampled, with
 rejections, cache holes and their compaction, rows that end inside a verify step, and later turns on
 kept caches. Also the n-gram drafter's rules and the config checks."""
+
 import pytest
 import torch
+from decoding import drive, encode
 
 from lmforge.core.config import ModelConfig
 from lmforge.model.load import load_model
-from lmforge.rollout import SamplingParams
-from lmforge.rollout import continuous
+from lmforge.rollout import SamplingParams, continuous
 from lmforge.rollout.continuous import ContinuousDecoder, NgramDrafter, RunningBatch
-
-from decoding import drive, encode
 
 
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
-    model, tok = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2,
-                                        num_heads=2, max_position_embeddings=256))
+    model, tok = load_model(
+        ModelConfig(
+            name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=256
+        )
+    )
     with torch.no_grad():  # sharper distributions than a fresh init: drafts get kept and rejected both
         model.lm_head.weight.mul_(8.0)
     return model.eval(), tok
@@ -49,9 +51,9 @@ def spied(decoder, monkeypatch) -> dict:
     verify = continuous.verify_step
 
     def checking_verify(model, token_ids, cache, attention_mask, position_ids):
-        fed = attention_mask[:, -token_ids.shape[1]:]  # (B, T)
+        fed = attention_mask[:, -token_ids.shape[1] :]  # (B, T)
         for b in range(len(fed)):
-            count, base = int(fed[b].sum()), int(attention_mask[b, :-token_ids.shape[1]].sum())
+            count, base = int(fed[b].sum()), int(attention_mask[b, : -token_ids.shape[1]].sum())
             assert fed[b, :count].all() and not fed[b, count:].any()
             assert position_ids[b, :count].tolist() == list(range(base, base + count))
             assert int(position_ids[b].max()) == base + count - 1
@@ -78,25 +80,30 @@ def check_same_rows(got: dict, want: dict) -> None:
     for key in want:
         assert got[key].token_ids == want[key].token_ids, key
         assert got[key].truncated == want[key].truncated, key
-        torch.testing.assert_close(torch.tensor(got[key].logprobs), torch.tensor(want[key].logprobs),
-                                   rtol=0, atol=1e-4)
+        torch.testing.assert_close(torch.tensor(got[key].logprobs), torch.tensor(want[key].logprobs), rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.0, max_new_tokens=40),
-    SamplingParams(temperature=1.0, max_new_tokens=40, seed=5),
-    SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=40, seed=9),
-], ids=["greedy", "sampled", "top-k-top-p"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_new_tokens=40),
+        SamplingParams(temperature=1.0, max_new_tokens=40, seed=5),
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=40, seed=9),
+    ],
+    ids=["greedy", "sampled", "top-k-top-p"],
+)
 def test_drafted_rows_decode_the_tokens_they_decode_one_at_a_time(tiny, params, monkeypatch):
     model, tok = tiny
     texts = ["12+34=", "7*8=", "999-1 = 5 5", "12+43="]  # (the char tokenizer's alphabet)
-    admissions = {0: [(i, encode(tok, t), params) for i, t in enumerate(texts[:2])],
-                  2: [(2, encode(tok, texts[2]), params)], 3: [(3, encode(tok, texts[3]), params)]}
+    admissions = {
+        0: [(i, encode(tok, t), params) for i, t in enumerate(texts[:2])],
+        2: [(2, encode(tok, texts[2]), params)],
+        3: [(3, encode(tok, texts[3]), params)],
+    }
     plain = ContinuousDecoder(model, tok.pad_token_id)
     want = drive(plain, admissions)
     # the drafter has seen the rows' own text, so most drafts are right; every third is spoiled
-    drafter = Spoiled(len(tok), max_tokens=6, n=2, min_count=1,
-                      min_share=0.5)
+    drafter = Spoiled(len(tok), max_tokens=6, n=2, min_count=1, min_share=0.5)
     for key, ids, _ in (a for step in admissions.values() for a in step):
         drafter.observe(ids + want[key].token_ids)
     decoder = ContinuousDecoder(model, tok.pad_token_id, drafter=drafter)
@@ -108,8 +115,10 @@ def test_drafted_rows_decode_the_tokens_they_decode_one_at_a_time(tiny, params, 
     assert decoder.num_model_calls < plain.num_model_calls
     # later turns on the kept caches: each history extends what the row fed, so only the new ids are
     # prefilled, and the drafted decoder still decodes what the plain one does
-    histories = {key: ids + want[key].token_ids + encode(tok, f" 0{key}=")
-                 for key, ids, _ in (a for step in admissions.values() for a in step)}
+    histories = {
+        key: ids + want[key].token_ids + encode(tok, f" 0{key}=")
+        for key, ids, _ in (a for step in admissions.values() for a in step)
+    }
     second = {0: [(key, history, params) for key, history in histories.items()]}
     prefilled = decoder.num_prefilled_tokens
     got_second = drive(decoder, second)
@@ -250,10 +259,13 @@ def test_without_a_confident_continuation_the_drafter_copies_from_the_rows_own_i
     assert drafter.propose([0, 5, 8], 4, stop_ids=[], ids=ids, index=index) == [3, 3]  # the table comes first
 
 
-@pytest.mark.parametrize("override, match", [
-    (["env.draft_tokens=-1"], r"env.draft_tokens must be >= 0 \(0 = off\)"),
-    (["env.draft_tokens=4", "env.continuous=false"], "env.continuous=false nothing would use it"),
-])
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        (["env.draft_tokens=-1"], r"env.draft_tokens must be >= 0 \(0 = off\)"),
+        (["env.draft_tokens=4", "env.continuous=false"], "env.continuous=false nothing would use it"),
+    ],
+)
 def test_draft_tokens_config_errors(override, match):
     from lmforge.core.config import load_config
     from lmforge.core.errors import ConfigError

@@ -3,6 +3,7 @@ of the two former pools now gets from the other -- the environment's worker-repo
 located errors for rewards; call numbers never reused, cleanup when the pool is dropped, a given-up
 pool given up once, for environments -- and the texts both share. The reward side's process workers
 are tested through RewardSet (tests/rollout/test_rewards_real.py, slow)."""
+
 from __future__ import annotations
 
 import gc
@@ -36,8 +37,10 @@ def test_an_error_names_its_type_message_and_the_line_that_raised():
 
 
 def test_a_timeout_names_the_setting_that_chose_it():
-    assert timeout_text(2.0, "env.tool_timeout_s", "call abandoned") == \
-        "timed out after 2 s (env.tool_timeout_s; call abandoned)"
+    assert (
+        timeout_text(2.0, "env.tool_timeout_s", "call abandoned")
+        == "timed out after 2 s (env.tool_timeout_s; call abandoned)"
+    )
 
 
 def test_an_environment_call_that_hangs_is_abandoned_and_the_one_queued_behind_it_still_runs(release):
@@ -50,8 +53,10 @@ def test_an_environment_call_that_hangs_is_abandoned_and_the_one_queued_behind_i
         elapsed = time.monotonic() - start
     finally:
         calls.close()
-    assert outcomes == {"hang": ("timeout", "timed out after 0.3 s (env.tool_timeout_s; call abandoned)"),
-                        "ok": ("ok", "answered")}
+    assert outcomes == {
+        "hang": ("timeout", "timed out after 0.3 s (env.tool_timeout_s; call abandoned)"),
+        "ok": ("ok", "answered"),
+    }
     assert elapsed < 3.0, f"{elapsed:.1f} s with a 0.3 s timeout"  # busy machine: generous
 
 

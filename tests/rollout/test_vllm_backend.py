@@ -1,6 +1,7 @@
 """vLLM rollout backend without vLLM: output conversion, request mapping, weight-sync names and
 values, sleep/wake bookkeeping and the install / CUDA / version errors, all against fakes shaped
 like vLLM's objects (RequestOutput, CompletionOutput, Logprob, LLM, worker)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,6 +17,7 @@ import torch
 import transformers
 
 from lmforge.core.errors import ConfigError
+from lmforge.model.tokenizer import char_tokenizer
 from lmforge.rollout.engine import SamplingParams
 from lmforge.rollout.vllm_backend import (
     VLLMEngine,
@@ -26,7 +28,6 @@ from lmforge.rollout.vllm_backend import (
     vllm_named_weights,
     vllm_sampling_params,
 )
-from lmforge.model.tokenizer import char_tokenizer
 
 PAD, EOS = 0, 2
 PROMPTS = [[1, 5, 6], [1, 7]]
@@ -94,10 +95,12 @@ def test_conversion_matches_engine_layout():
 
 def test_conversion_one_request_per_prompt_gives_the_same_batch():
     rows = four_rows()
-    per_row = to_rollout_batch([RequestOutput(PROMPTS[i // 2], [c]) for i, c in enumerate(rows)],
-                               PROMPTS, 2, [EOS], PAD)
-    per_prompt = to_rollout_batch([RequestOutput(PROMPTS[0], rows[:2]), RequestOutput(PROMPTS[1], rows[2:])],
-                                  PROMPTS, 2, [EOS], PAD)
+    per_row = to_rollout_batch(
+        [RequestOutput(PROMPTS[i // 2], [c]) for i, c in enumerate(rows)], PROMPTS, 2, [EOS], PAD
+    )
+    per_prompt = to_rollout_batch(
+        [RequestOutput(PROMPTS[0], rows[:2]), RequestOutput(PROMPTS[1], rows[2:])], PROMPTS, 2, [EOS], PAD
+    )
     # single-turn: every completion token trained, one sample per episode (no episode index)
     for name in ("trained_mask", "episode_index"):
         assert getattr(per_row, name) is None and getattr(per_prompt, name) is None, name
@@ -106,13 +109,18 @@ def test_conversion_one_request_per_prompt_gives_the_same_batch():
             assert torch.equal(getattr(per_row, f.name), getattr(per_prompt, f.name)), f.name
 
 
-@pytest.mark.parametrize("breakage, error", [
-    (lambda rows: rows[:3], ValueError),  # a completion missing
-    (lambda rows: [dataclasses.replace(rows[0], logprobs=None), *rows[1:]], RuntimeError),
-    (lambda rows: [dataclasses.replace(rows[0], finish_reason="abort"), *rows[1:]], RuntimeError),
-    (lambda rows: [dataclasses.replace(rows[0], logprobs=[{7: Logprob(-1.0)}, {2: Logprob(-1.0)}]), *rows[1:]],
-     RuntimeError),  # the sampled token 9 has no logprob entry
-])
+@pytest.mark.parametrize(
+    "breakage, error",
+    [
+        (lambda rows: rows[:3], ValueError),  # a completion missing
+        (lambda rows: [dataclasses.replace(rows[0], logprobs=None), *rows[1:]], RuntimeError),
+        (lambda rows: [dataclasses.replace(rows[0], finish_reason="abort"), *rows[1:]], RuntimeError),
+        (
+            lambda rows: [dataclasses.replace(rows[0], logprobs=[{7: Logprob(-1.0)}, {2: Logprob(-1.0)}]), *rows[1:]],
+            RuntimeError,
+        ),  # the sampled token 9 has no logprob entry
+    ],
+)
 def test_conversion_rejects_malformed_outputs(breakage, error):
     outputs = [RequestOutput([1], [c]) for c in breakage(four_rows())]
     with pytest.raises(error):
@@ -172,8 +180,10 @@ class FakeLLM:
     def generate(self, prompts, sampling_params=None, use_tqdm=True):
         self.requests.append((prompts, sampling_params))
         tokens = [[p["prompt_token_ids"][-1] + 1, EOS] for p in prompts]
-        return [RequestOutput(p["prompt_token_ids"], [completion(t, [-0.5, -0.25], "stop", EOS)])
-                for p, t in zip(prompts, tokens)]
+        return [
+            RequestOutput(p["prompt_token_ids"], [completion(t, [-0.5, -0.25], "stop", EOS)])
+            for p, t in zip(prompts, tokens)
+        ]
 
     def sleep(self, level=1):
         self.calls.append(("sleep", level))
@@ -203,9 +213,18 @@ def fake_vllm(monkeypatch):
 
 def tiny_model(tied: bool = False):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                                      tie_word_embeddings=tied, pad_token_id=PAD, eos_token_id=EOS)
+    config = transformers.LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -229,10 +248,30 @@ def test_sampling_params_map_to_vllm():
     out = vllm_sampling_params(vllm, params, num_rows=4)
     assert len(out) == 4
     kwargs = out[0].kwargs
-    assert {k: kwargs[k] for k in ("n", "temperature", "top_p", "top_k", "max_tokens", "stop_token_ids",
-                                   "ignore_eos", "logprobs", "detokenize")} == {
-        "n": 1, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_tokens": 12, "stop_token_ids": [EOS],
-        "ignore_eos": True, "logprobs": 0, "detokenize": False}
+    assert {
+        k: kwargs[k]
+        for k in (
+            "n",
+            "temperature",
+            "top_p",
+            "top_k",
+            "max_tokens",
+            "stop_token_ids",
+            "ignore_eos",
+            "logprobs",
+            "detokenize",
+        )
+    } == {
+        "n": 1,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "max_tokens": 12,
+        "stop_token_ids": [EOS],
+        "ignore_eos": True,
+        "logprobs": 0,
+        "detokenize": False,
+    }
     assert "stop" not in kwargs
     seeds = [p.kwargs["seed"] for p in out]
     assert seeds == row_seeds(5, 4) and len(set(seeds)) == 4  # per-row, reproducible, distinct
@@ -303,8 +342,15 @@ def test_engine_builds_colocated_dummy_llm_and_syncs(fake_vllm, tokenizer):
     engine = VLLMEngine(model, tokenizer, gpu_memory_utilization=0.25, max_model_len=64)
     llm = engine.llm
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    assert llm.kwargs == dict(dtype="bfloat16", seed=0, gpu_memory_utilization=0.25, max_model_len=64,
-                              enable_sleep_mode=False, logprobs_mode="processed_logprobs", load_format="dummy")
+    assert llm.kwargs == dict(
+        dtype="bfloat16",
+        seed=0,
+        gpu_memory_utilization=0.25,
+        max_model_len=64,
+        enable_sleep_mode=False,
+        logprobs_mode="processed_logprobs",
+        load_format="dummy",
+    )
     config = json.loads(open(os.path.join(llm.path, "config.json")).read())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert os.path.exists(os.path.join(llm.path, "tokenizer_config.json"))
@@ -446,14 +492,36 @@ def test_grpo_with_rollout_backend_vllm_samples_through_the_engine(fake_vllm, tm
 
     built = []
     monkeypatch.setattr(fake_vllm, "LLM", lambda model, **kw: built.append(FakeLLM(model, **kw)) or built[-1])
-    run_grpo(load_config(GRPOConfig, None, [
-        "model.tokenizer=char", "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
-        "model.max_position_embeddings=32", "data.task=addition", "data.num_train=8", "data.num_eval=0",
-        "rollout.num_prompts=2", "rollout.group_size=2", "rollout.max_new_tokens=4", "rollout.backend=vllm",
-        "rollout.vllm_gpu_memory_utilization=0.2", "algo.is_level=token", "train.device=cpu",
-        "algo.skip_zero_advantage=false",  # every row is trained (the tiny model scores 0): the metrics compare them
-        "train.max_steps=2", "train.save_every=0", "train.threads=1", "logging.progress=false",
-        f"train.output_dir={tmp_path}"]))
+    run_grpo(
+        load_config(
+            GRPOConfig,
+            None,
+            [
+                "model.tokenizer=char",
+                "model.hidden_size=32",
+                "model.num_layers=1",
+                "model.num_heads=2",
+                "model.max_position_embeddings=32",
+                "data.task=addition",
+                "data.num_train=8",
+                "data.num_eval=0",
+                "rollout.num_prompts=2",
+                "rollout.group_size=2",
+                "rollout.max_new_tokens=4",
+                "rollout.backend=vllm",
+                "rollout.vllm_gpu_memory_utilization=0.2",
+                "algo.is_level=token",
+                "train.device=cpu",
+                # every row is trained (the tiny model scores 0): the metrics compare them
+                "algo.skip_zero_advantage=false",
+                "train.max_steps=2",
+                "train.save_every=0",
+                "train.threads=1",
+                "logging.progress=false",
+                f"train.output_dir={tmp_path}",
+            ],
+        )
+    )
     assert len(built) == 1
     llm = built[0]
     assert llm.kwargs["gpu_memory_utilization"] == 0.2 and llm.kwargs["load_format"] == "dummy"
@@ -461,4 +529,6 @@ def test_grpo_with_rollout_backend_vllm_samples_through_the_engine(fake_vllm, tm
     assert llm.calls.count("rpc") == 3  # the weights: at build, then before each of the 2 rollouts
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
-    assert len(train) == 2 and all(r["rollout_diff_abs_max"] > 0.01 for r in train)  # the fake's logprobs, not the policy's
+    assert len(train) == 2 and all(
+        r["rollout_diff_abs_max"] > 0.01 for r in train
+    )  # the fake's logprobs, not the policy's

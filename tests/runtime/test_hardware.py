@@ -1,4 +1,5 @@
 """Hardware choices: every choice has a reason, explicit settings win, bf16 on CPU only where native."""
+
 from __future__ import annotations
 
 import torch
@@ -47,7 +48,9 @@ def test_gpu_dtype_follows_bf16_support():
 
 
 def test_gpu_tiers_and_batch_from_accelerator_memory():
-    assert gpu(True, 80).tier == "large-gpu" and gpu(False, 16).tier == "small-gpu" and gpu(True, 24).tier == "large-gpu"
+    assert (
+        gpu(True, 80).tier == "large-gpu" and gpu(False, 16).tier == "small-gpu" and gpu(True, 24).tier == "large-gpu"
+    )
     small = dict(num_params=10_000_000, seq_len=256, hidden=256, layers=4)
     # by hand: 10M params x 16 B = 0.15 GB of states; 34 x 256 x 4 layers x 4 B = 139 kB per token,
     # x 256 tokens x 64 rows = 2.3 GB: fits 70% of 16 GB, so the GPU cap 64 (CPU's is 8)
@@ -75,7 +78,10 @@ def test_threads_follow_the_cores_the_load_leaves_and_busy_is_passive():
     assert choose_threads(16, 4.5).threads == 12 and not choose_threads(16, 4.5).passive  # floor: 4 cores taken
     assert (choose_threads(16, 10.0).threads, choose_threads(16, 10.0).passive) == (6, True)
     # torchrun: each of the ranks on the machine takes its share of the free cores, at least one
-    assert choose_threads(4, 0.2, local_ranks=2).threads == 2 and "shared by the 2 ranks" in choose_threads(4, 0.2, 2).reason
+    assert (
+        choose_threads(4, 0.2, local_ranks=2).threads == 2
+        and "shared by the 2 ranks" in choose_threads(4, 0.2, 2).reason
+    )
     assert choose_threads(4, 3.0, local_ranks=2).threads == 1
     # train.threads wins; the wait policy still follows the load
     set_busy = choose_threads(2, 6.0, threads=2)
@@ -95,8 +101,12 @@ def test_prepare_process_sets_passive_only_when_busy_and_unset(monkeypatch):
     monkeypatch.setattr(hardware, "_num_cores", lambda: 2)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    for load, user, expected in ((6.0, {}, "PASSIVE"), (0.2, {}, None), (6.0, {"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"),
-                                 (6.0, {"GOMP_SPINCOUNT": "1000"}, None)):
+    for load, user, expected in (
+        (6.0, {}, "PASSIVE"),
+        (0.2, {}, None),
+        (6.0, {"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"),
+        (6.0, {"GOMP_SPINCOUNT": "1000"}, None),
+    ):
         monkeypatch.setattr(hardware, "start_load", lambda load=load: load)
         environ = dict(user)
         choice = hardware.prepare_process(environ)

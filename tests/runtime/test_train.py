@@ -7,15 +7,33 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lmforge.core.config import OptimConfig
 from lmforge.core.errors import TrainingError
 from lmforge.losses.policy import sft_loss
-from lmforge.runtime.optim import (BatchOrder, Precision, build_optimizer, check_finite, count_loss_tokens, logits_at,
-                           lr_factor, optimizer_step, param_groups, shifted_targets)
+from lmforge.runtime.optim import (
+    BatchOrder,
+    Precision,
+    build_optimizer,
+    check_finite,
+    count_loss_tokens,
+    logits_at,
+    lr_factor,
+    optimizer_step,
+    param_groups,
+    shifted_targets,
+)
 
 
 def tiny_model(seed=0):
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=23, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=True, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=23,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(cfg).float()
 
 
@@ -38,7 +56,7 @@ def collate(rows):
     labels = torch.full((len(rows), width), -100)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
     for r, (ids, lab) in enumerate(rows):
-        input_ids[r, :len(ids)], labels[r, :len(ids)], mask[r, :len(ids)] = ids, lab, 1
+        input_ids[r, : len(ids)], labels[r, : len(ids)], mask[r, : len(ids)] = ids, lab, 1
     return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
 
 
@@ -94,9 +112,19 @@ def test_logits_at_equals_full_forward_for_a_scaled_head():
     # Granite divides lm_head's output by config.logits_scaling: it must not take the head-only path
     # (it did: log-probs from unscaled logits in SFT, RL and the DPO pair forward)
     from transformers import GraniteConfig, GraniteForCausalLM
+
     torch.manual_seed(0)
-    model = GraniteForCausalLM(GraniteConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                             num_attention_heads=2, num_key_value_heads=2, logits_scaling=4.0))
+    model = GraniteForCausalLM(
+        GraniteConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            logits_scaling=4.0,
+        )
+    )
     ids = torch.randint(0, 64, (2, 7))
     mask = torch.ones_like(ids)
     positions = torch.zeros_like(ids, dtype=torch.bool)
@@ -132,8 +160,9 @@ def test_adamw_decoupled_decay_and_clipping():
     w = torch.nn.Parameter(torch.tensor([3.0, 4.0]))
     model = torch.nn.Module()
     model.weight = w
-    cfg = OptimConfig(lr=0.1, weight_decay=0.5, no_decay=[], beta1=0.9, beta2=0.999, eps=1e-8,
-                      schedule="constant", max_grad_norm=1.0)
+    cfg = OptimConfig(
+        lr=0.1, weight_decay=0.5, no_decay=[], beta1=0.9, beta2=0.999, eps=1e-8, schedule="constant", max_grad_norm=1.0
+    )
     opt = build_optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     w.grad = torch.tensor([30.0, 40.0])  # norm 50 -> clipped to (0.6, 0.8)

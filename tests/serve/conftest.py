@@ -1,5 +1,6 @@
 """Fixtures for the serving tests: a tiny model with the char tokenizer, and a real server on a free port
 (``lmforge.serve.app.ThreadedServer``)."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,9 @@ CONTEXT = 64  # max_position_embeddings of the test model: small, so the context
 def tiny_model(seed: int = 0, sharpness: float = 3.0):
     """(model, tokenizer): a 2-layer tiny Llama on the char tokenizer, output made far from uniform so that
     greedy decoding has no near-ties (batched and unbatched runs then pick the same tokens)."""
-    cfg = ModelConfig(name="tiny:llama", hidden_size=32, num_layers=2, num_heads=2,
-                      max_position_embeddings=CONTEXT, init_seed=seed)
+    cfg = ModelConfig(
+        name="tiny:llama", hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=CONTEXT, init_seed=seed
+    )
     model, tokenizer = load_model(cfg)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(sharpness)
@@ -25,8 +27,15 @@ def tiny_model(seed: int = 0, sharpness: float = 3.0):
 def ascii_model(context: int = 2048, seed: int = 0):
     """(model, tokenizer): a tiny random Llama on the ASCII character tokenizer (``char:ascii``), which xgrammar
     can describe; at temperature 1 it writes noise, so a valid structure in its replies is the grammar's doing."""
-    cfg = ModelConfig(name="tiny:llama", tokenizer="char:ascii", hidden_size=32, num_layers=2, num_heads=2,
-                      max_position_embeddings=context, init_seed=seed)
+    cfg = ModelConfig(
+        name="tiny:llama",
+        tokenizer="char:ascii",
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        max_position_embeddings=context,
+        init_seed=seed,
+    )
     model, tokenizer = load_model(cfg)
     return model.eval(), tokenizer
 

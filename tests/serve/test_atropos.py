@@ -2,6 +2,7 @@
 port; it runs offline): register, environments post scored groups, pull_batch turns them into a
 RolloutBatch + rewards; staleness dropping, malformed batches, an unreachable API; and the loop with
 lmforge serve in it: an environment samples from the server, the trainer pulls and pushes weights."""
+
 from __future__ import annotations
 
 import shutil
@@ -28,8 +29,9 @@ def api_url():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    process = subprocess.Popen([run_api, "--host", "127.0.0.1", "--port", str(port)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [run_api, "--host", "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -55,11 +57,21 @@ def registered(api_url):
     return api_url
 
 
-def _post_group(url: str, rows: list[tuple[list[int], list[int], list[float]]], scores: list[float],
-                version: int | None = None, **extra) -> None:
+def _post_group(
+    url: str,
+    rows: list[tuple[list[int], list[int], list[float]]],
+    scores: list[float],
+    version: int | None = None,
+    **extra,
+) -> None:
     """As an environment does: tokens = prompt + completion, masks -100 on the prompt, logprobs 1.0 there."""
-    body = {"tokens": [p + c for p, c, _ in rows], "masks": [[-100] * len(p) + c for p, c, _ in rows],
-            "scores": scores, "inference_logprobs": [[1.0] * len(p) + lp for p, _, lp in rows], **extra}
+    body = {
+        "tokens": [p + c for p, c, _ in rows],
+        "masks": [[-100] * len(p) + c for p, c, _ in rows],
+        "scores": scores,
+        "inference_logprobs": [[1.0] * len(p) + lp for p, _, lp in rows],
+        **extra,
+    }
     if version is not None:
         body["generation_params"] = {"weight_version": version}
     response = httpx.post(url + "/scored_data", json=body, timeout=10)
@@ -67,8 +79,12 @@ def _post_group(url: str, rows: list[tuple[list[int], list[int], list[float]]], 
 
 
 def test_pull_batch_builds_the_rollout_the_trainer_packs(registered):
-    _post_group(registered, [([1, 5, 6], [7, 2], [-0.5, -0.25]), ([1, 5, 6], [8, 9, 2], [-1.0, -2.0, -0.125])],
-                [1.0, 0.0], version=3)
+    _post_group(
+        registered,
+        [([1, 5, 6], [7, 2], [-0.5, -0.25]), ([1, 5, 6], [8, 9, 2], [-1.0, -2.0, -0.125])],
+        [1.0, 0.0],
+        version=3,
+    )
     _post_group(registered, [([1, 4], [7], [-0.75]), ([1, 4], [9, 9], [-0.5, -1.5])], [0.5, 0.25], version=4)
     rollout, rewards, metrics = pull_batch(registered, pad_token_id=PAD, trainer_step=5, poll_s=0.05, timeout_s=30)
     assert rollout.prompt_ids.tolist() == [[1, 5, 6], [1, 5, 6], [0, 1, 4], [0, 1, 4]]  # left-padded
@@ -88,8 +104,9 @@ def test_pull_batch_builds_the_rollout_the_trainer_packs(registered):
 def test_stale_groups_are_dropped_and_counted(registered):
     _post_group(registered, [([1, 5], [7], [-0.5])] * 2, [1.0, 0.0], version=2)  # 10 - 2 = 8 steps old
     _post_group(registered, [([1, 4], [8], [-0.25])] * 2, [0.0, 1.0], version=9)  # 1 step old
-    rollout, rewards, metrics = pull_batch(registered, pad_token_id=PAD, trainer_step=10, max_staleness=4,
-                                           poll_s=0.05, timeout_s=30)
+    rollout, rewards, metrics = pull_batch(
+        registered, pad_token_id=PAD, trainer_step=10, max_staleness=4, poll_s=0.05, timeout_s=30
+    )
     assert rollout.completion_ids[:, 0].tolist() == [8, 8] and rewards.tolist() == [0.0, 1.0]
     assert float(metrics["atropos_dropped_stale_groups"]) == 1 and float(metrics["staleness_max"]) == 1
 
@@ -100,15 +117,25 @@ def test_a_multi_turn_row_trains_only_the_spans_its_mask_marks(registered):
     tokens = [1, 5, 7, 8, 30, 31, 9]
     masks = [-100, -100, 7, 8, -100, -100, 9]
     logprobs = [1.0, 1.0, -0.5, -0.25, 1.0, 1.0, -0.125]
-    body = {"tokens": [tokens, tokens[:3]], "masks": [masks, masks[:3]], "scores": [1.0, 0.0],
-            "inference_logprobs": [logprobs, logprobs[:3]]}
+    body = {
+        "tokens": [tokens, tokens[:3]],
+        "masks": [masks, masks[:3]],
+        "scores": [1.0, 0.0],
+        "inference_logprobs": [logprobs, logprobs[:3]],
+    }
     assert httpx.post(registered + "/scored_data", json=body, timeout=10).status_code == 200
     _post_group(registered, [([1, 4], [8], [-0.25])] * 2, [0.0, 1.0])
     rollout, rewards, _ = pull_batch(registered, pad_token_id=PAD, poll_s=0.05, timeout_s=30)
     assert rollout.completion_ids[0].tolist() == [7, 8, 30, 31, 9]
     assert rollout.completion_mask[0].tolist() == [1, 1, 1, 1, 1]
     assert rollout.trained_mask[0].tolist() == [1, 1, 0, 0, 1]
-    assert rollout.trained_mask[1].tolist() == [1, 0, 0, 0, 0] and rollout.completion_mask[1].tolist() == [1, 0, 0, 0, 0]
+    assert rollout.trained_mask[1].tolist() == [1, 0, 0, 0, 0] and rollout.completion_mask[1].tolist() == [
+        1,
+        0,
+        0,
+        0,
+        0,
+    ]
     assert rollout.logprobs[0].tolist() == [-0.5, -0.25, 0.0, 0.0, -0.125]  # the placeholders are not kept
     packed = pack_rollout(rollout, PAD, need_rollout_logprobs=True)
     assert packed.input_ids[0].tolist() == tokens
@@ -117,13 +144,22 @@ def test_a_multi_turn_row_trains_only_the_spans_its_mask_marks(registered):
     assert packed.segment_ids[0].tolist() == [1, 1, 0, 0, 2]
 
 
-@pytest.mark.parametrize("rows, extra, needle", [
-    ([([1, 5], [7], [-0.5]), ([1, 5], [7, 8], [-0.5])], {"masks": [[-100, -100, 7], [-100, -100, 7]]},
-     "group 0 row 1: 4 tokens but 3 mask entries"),
-    ([([1, 5], [7], [-0.5])] * 2, {"inference_logprobs": [[1.0, 1.0, 1.0]] * 2},
-     "group 0 row 0: an inference logprob on a completion token is 1 > 0"),
-    ([([1, 5], [7], [-0.5])] * 2, {"advantages": [[0.0, 0.0, 1.0]] * 2}, "group 0 carries per-token advantages"),
-])
+@pytest.mark.parametrize(
+    "rows, extra, needle",
+    [
+        (
+            [([1, 5], [7], [-0.5]), ([1, 5], [7, 8], [-0.5])],
+            {"masks": [[-100, -100, 7], [-100, -100, 7]]},
+            "group 0 row 1: 4 tokens but 3 mask entries",
+        ),
+        (
+            [([1, 5], [7], [-0.5])] * 2,
+            {"inference_logprobs": [[1.0, 1.0, 1.0]] * 2},
+            "group 0 row 0: an inference logprob on a completion token is 1 > 0",
+        ),
+        ([([1, 5], [7], [-0.5])] * 2, {"advantages": [[0.0, 0.0, 1.0]] * 2}, "group 0 carries per-token advantages"),
+    ],
+)
 def test_malformed_batches_name_group_and_row(registered, rows, extra, needle):
     _post_group(registered, rows, [1.0, 0.0], **extra)
     _post_group(registered, [([1, 4], [8], [-0.25])] * 2, [0.0, 1.0])
@@ -150,11 +186,15 @@ def test_environment_samples_from_lmforge_serve_and_trainer_pushes_weights(regis
     from lmforge.serve import push_weights
 
     def environment_step(prompt: list[int]) -> dict:
-        body = httpx.post(server.url + "/v1/completions", timeout=60,
-                          json={"prompt": prompt, "n": 2, "max_tokens": 5, "logprobs": 1, "temperature": 1.0}).json()
+        body = httpx.post(
+            server.url + "/v1/completions",
+            timeout=60,
+            json={"prompt": prompt, "n": 2, "max_tokens": 5, "logprobs": 1, "temperature": 1.0},
+        ).json()
         rows = [(prompt, c["token_ids"], c["logprobs"]["token_logprobs"]) for c in body["choices"]]
-        _post_group(registered, rows, [float(len(c["token_ids"])) for c in body["choices"]],
-                    version=body["weight_version"])
+        _post_group(
+            registered, rows, [float(len(c["token_ids"])) for c in body["choices"]], version=body["weight_version"]
+        )
         return body
 
     sampled = [environment_step([1, 5, 6]), environment_step([1, 7])]
@@ -162,8 +202,9 @@ def test_environment_samples_from_lmforge_serve_and_trainer_pushes_weights(regis
     for b, choice in enumerate(c for body in sampled for c in body["choices"]):
         length = len(choice["token_ids"])
         assert rollout.completion_ids[b, :length].tolist() == choice["token_ids"]
-        torch.testing.assert_close(rollout.logprobs[b, :length], torch.tensor(choice["logprobs"]["token_logprobs"]),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            rollout.logprobs[b, :length], torch.tensor(choice["logprobs"]["token_logprobs"]), rtol=0, atol=0
+        )
     assert float(metrics["staleness_max"]) == 0
     new_model, _ = make_tiny(seed=1)
     assert push_weights(server.url, new_model, version=1) == 1
@@ -176,12 +217,15 @@ def _rank_worker(rank: int, port: int, urls: list[str], out_dir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120)
+    )
     try:
         rollout, rewards, _ = pull_batch(urls[rank], pad_token_id=PAD, poll_s=0.05, timeout_s=60, retries=0)
-        torch.save({"ids": rollout.completion_ids, "logprobs": rollout.logprobs, "rewards": rewards},
-                   f"{out_dir}/rank{rank}.pt")
+        torch.save(
+            {"ids": rollout.completion_ids, "logprobs": rollout.logprobs, "rewards": rewards},
+            f"{out_dir}/rank{rank}.pt",
+        )
     finally:
         dist.destroy_process_group()
 
@@ -198,8 +242,13 @@ def test_rank_zero_fetches_and_broadcasts(registered, tmp_path):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             ports.append(sock.getsockname()[1])
-    mp.start_processes(_rank_worker, args=(ports[0], [registered, f"http://127.0.0.1:{ports[1]}"], str(tmp_path)),
-                       nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(
+        _rank_worker,
+        args=(ports[0], [registered, f"http://127.0.0.1:{ports[1]}"], str(tmp_path)),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
     zero, one = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert zero["ids"].tolist() == one["ids"].tolist() == [[7, 2], [7, 2], [8, 0], [8, 0]]
     assert zero["rewards"].tolist() == one["rewards"].tolist() == [1.0, 0.0, 0.0, 1.0]

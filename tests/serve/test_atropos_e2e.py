@@ -6,6 +6,7 @@ weights back to the server.
 The smoke test uses a random tiny model (a few steps; it checks the wiring, not learning). The slow
 test starts from an SFT'd quickstart-size model and checks that its held-out accuracy rises.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,7 +23,6 @@ import pytest
 from lmforge.core.config import ModelConfig
 from lmforge.model.load import load_model, save_model
 from lmforge.parallel.context import free_port
-
 
 httpx = pytest.importorskip("httpx")
 REPO = Path(__file__).resolve().parents[2]
@@ -61,8 +61,9 @@ class Processes:
                 process.wait(10)
 
 
-def run_three_programs(tmp_path: Path, model_dir: Path, trainer_args: list[str], env_args: list[str],
-                       timeout: float) -> tuple[Path, str, int]:
+def run_three_programs(
+    tmp_path: Path, model_dir: Path, trainer_args: list[str], env_args: list[str], timeout: float
+) -> tuple[Path, str, int]:
     """run-api, lmforge serve MODEL_DIR, lmforge grpo (the trainer registers first), the environment.
     Returns the trainer's run directory, its log and the server's final weight version."""
     run_api = shutil.which("run-api")
@@ -76,18 +77,61 @@ def run_three_programs(tmp_path: Path, model_dir: Path, trainer_args: list[str],
         # All four start at once (imports dominate start-up): the trainer retries /register until run-api
         # answers, the environment waits until the trainer has registered, then samples from the server.
         _, api_log = procs.start("api", [run_api, "--host", "127.0.0.1", "--port", str(api_port)])
-        _, server_log = procs.start("serve", [sys.executable, "-m", "lmforge", "serve", str(model_dir), "--port",
-                                              str(serve_port), "--name", "lmforge", "--threads", "1", "--log-level",
-                                              "warning"])
-        trainer, trainer_log = procs.start("trainer", [
-            sys.executable, "-m", "lmforge", "grpo", f"model.name={model_dir}", "rollout.backend=atropos",
-            f"rollout.api_url={api_url}", f"rollout.server_url={serve_url}", f"train.output_dir={out}",
-            "logging.progress=false", "train.threads=1", "rollout.api_poll_s=0.2", "rollout.api_timeout_s=300",
-            "rollout.api_retries=8", "rollout.api_backoff_s=0.25", *trainer_args])
-        _, env_log = procs.start("env", [
-            sys.executable, str(ENV_SCRIPT), "serve", f"--env.tokenizer_name={model_dir}",
-            f"--env.rollout_server_url={api_url}", f"--openai.base_url={serve_url}/v1", "--openai.api_key=none",
-            "--openai.model_name=lmforge", "--openai.health_check=False", "--env.use_wandb=False", *env_args])
+        _, server_log = procs.start(
+            "serve",
+            [
+                sys.executable,
+                "-m",
+                "lmforge",
+                "serve",
+                str(model_dir),
+                "--port",
+                str(serve_port),
+                "--name",
+                "lmforge",
+                "--threads",
+                "1",
+                "--log-level",
+                "warning",
+            ],
+        )
+        trainer, trainer_log = procs.start(
+            "trainer",
+            [
+                sys.executable,
+                "-m",
+                "lmforge",
+                "grpo",
+                f"model.name={model_dir}",
+                "rollout.backend=atropos",
+                f"rollout.api_url={api_url}",
+                f"rollout.server_url={serve_url}",
+                f"train.output_dir={out}",
+                "logging.progress=false",
+                "train.threads=1",
+                "rollout.api_poll_s=0.2",
+                "rollout.api_timeout_s=300",
+                "rollout.api_retries=8",
+                "rollout.api_backoff_s=0.25",
+                *trainer_args,
+            ],
+        )
+        _, env_log = procs.start(
+            "env",
+            [
+                sys.executable,
+                str(ENV_SCRIPT),
+                "serve",
+                f"--env.tokenizer_name={model_dir}",
+                f"--env.rollout_server_url={api_url}",
+                f"--openai.base_url={serve_url}/v1",
+                "--openai.api_key=none",
+                "--openai.model_name=lmforge",
+                "--openai.health_check=False",
+                "--env.use_wandb=False",
+                *env_args,
+            ],
+        )
         try:
             rc = trainer.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -107,19 +151,23 @@ def sft_start_with_room(root: Path) -> Path:
     depends on the CPU's kernels: the final model was 81.5% on the AVX2 2-core machine and 97.5% on the
     AVX-512 one, where a rise cannot be told from noise on 200 problems."""
     from lmforge.data.tasks import get_task
+    from lmforge.model.tokenizer import char_tokenizer
     from lmforge.recipes.quickstart import QuickstartConfig, sft_config
     from lmforge.recipes.sft import run_sft
-    from lmforge.model.tokenizer import char_tokenizer
 
     cfg = QuickstartConfig(output_dir=str(root), grpo_steps=0, progress=False)
     sft = sft_config(cfg, root)
-    sft = dataclasses.replace(sft, train=dataclasses.replace(
-        sft.train, eval_every=50, save_every=50, keep_last=cfg.sft_steps // 50))
+    sft = dataclasses.replace(
+        sft, train=dataclasses.replace(sft.train, eval_every=50, save_every=50, keep_last=cfg.sft_steps // 50)
+    )
     model, tokenizer = load_model(sft.model, char_tokenizer(get_task(cfg.task).alphabet))
     run_sft(sft, model, tokenizer)
     run_dir = Path(sft.train.output_dir)
-    accuracy = {r["step"]: r["accuracy"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-                if r["kind"] == "eval"}
+    accuracy = {
+        r["step"]: r["accuracy"]
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if r["kind"] == "eval"
+    }
     print("SFT held-out accuracy by step: " + ", ".join(f"{s}: {a:.3f}" for s, a in sorted(accuracy.items())))
     room = [step for step, acc in accuracy.items() if 0.5 <= acc <= 0.9]
     step = max(room) if room else max(accuracy)
@@ -136,18 +184,35 @@ def train_records(run_dir: Path) -> dict[int, dict]:
 def test_run_api_environment_serve_and_trainer_smoke(tmp_path):
     pytest.importorskip("atroposlib")
     pytest.importorskip("fastapi")
-    model, tokenizer = load_model(ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2,
-                                              num_heads=2, max_position_embeddings=64))
+    model, tokenizer = load_model(
+        ModelConfig(
+            name="tiny:llama", tokenizer="char", hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=64
+        )
+    )
     model_dir = save_model(model, tokenizer, tmp_path / "model")
     start = time.monotonic()
     out, log, version = run_three_programs(
-        tmp_path, model_dir,
-        ["data.task=addition", "data.num_train=64", "data.num_eval=0", "rollout.num_prompts=2", "rollout.group_size=4",
-         "rollout.max_new_tokens=4", "rewards.functions=[exact]", "algo.is_level=token", "train.max_steps=3",
-         "train.micro_batch_size=8", "train.save_every=0", "train.log_every=1", "optim.lr=1e-3",
-         "algo.skip_zero_advantage=false"],  # every row trained: the alignment metrics below cover all of them
+        tmp_path,
+        model_dir,
+        [
+            "data.task=addition",
+            "data.num_train=64",
+            "data.num_eval=0",
+            "rollout.num_prompts=2",
+            "rollout.group_size=4",
+            "rollout.max_new_tokens=4",
+            "rewards.functions=[exact]",
+            "algo.is_level=token",
+            "train.max_steps=3",
+            "train.micro_batch_size=8",
+            "train.save_every=0",
+            "train.log_every=1",
+            "optim.lr=1e-3",
+            "algo.skip_zero_advantage=false",
+        ],  # every row trained: the alignment metrics below cover all of them
         ["--env.group_size=4", "--env.max_new_tokens=4", "--env.num_train=64", "--env.total_steps=50"],
-        timeout=120)
+        timeout=120,
+    )
     records = train_records(out)
     assert sorted(records) == [1, 2, 3], log
     for step, record in records.items():
@@ -193,23 +258,43 @@ def test_grpo_through_atropos_raises_accuracy_of_the_quickstart_model(tmp_path):
     else:
         model_dir = sft_start_with_room(tmp_path / "quickstart")
     out, log, version = run_three_programs(
-        tmp_path, model_dir,
-        ["data.task=addition", "data.num_train=4000", "data.num_eval=200", "rollout.num_prompts=8",
-         "rollout.group_size=8", "rollout.max_new_tokens=6", "rewards.functions=[exact]", "algo.is_level=token",
-         "rollout.max_staleness=2", "optim.lr=5e-5", "optim.schedule=constant", "optim.weight_decay=0.0",
-         "train.max_steps=60", "train.micro_batch_size=64", "train.eval_every=30", "train.save_every=0",
-         "train.max_new_tokens=6", "train.log_every=10"],
+        tmp_path,
+        model_dir,
+        [
+            "data.task=addition",
+            "data.num_train=4000",
+            "data.num_eval=200",
+            "rollout.num_prompts=8",
+            "rollout.group_size=8",
+            "rollout.max_new_tokens=6",
+            "rewards.functions=[exact]",
+            "algo.is_level=token",
+            "rollout.max_staleness=2",
+            "optim.lr=5e-5",
+            "optim.schedule=constant",
+            "optim.weight_decay=0.0",
+            "train.max_steps=60",
+            "train.micro_batch_size=64",
+            "train.eval_every=30",
+            "train.save_every=0",
+            "train.max_new_tokens=6",
+            "train.log_every=10",
+        ],
         ["--env.group_size=8", "--env.max_new_tokens=6", "--env.num_train=4000", "--env.total_steps=1000"],
-        timeout=1500)
+        timeout=1500,
+    )
     records = train_records(out)
     assert sorted(records) == list(range(1, 61)), log
     first = sum(records[k]["reward"] for k in range(1, 16)) / 15
     last = sum(records[k]["reward"] for k in range(46, 61)) / 15
-    evals = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-             if r["kind"] == "eval"}
-    print(f"reward first 15 steps {first:.3f}, last 15 {last:.3f}; held-out accuracy "
-          + ", ".join(f"step {s}: {e['accuracy']:.3f}" for s, e in sorted(evals.items()))
-          + f"; dropped stale groups {records[60]['atropos_dropped_stale_total']}, server version {version}")
+    evals = {
+        r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "eval"
+    }
+    print(
+        f"reward first 15 steps {first:.3f}, last 15 {last:.3f}; held-out accuracy "
+        + ", ".join(f"step {s}: {e['accuracy']:.3f}" for s, e in sorted(evals.items()))
+        + f"; dropped stale groups {records[60]['atropos_dropped_stale_total']}, server version {version}"
+    )
     start, end = evals[0]["accuracy"], evals[60]["accuracy"]
     assert start >= 0.5, f"the SFT model starts at {start:.1%}, below the 50% this check is sized for"
     assert 1 - end <= max(0.75 * (1 - start), 0.03), evals

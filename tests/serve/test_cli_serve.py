@@ -1,5 +1,6 @@
 """``lmforge serve tiny:llama`` as a user starts it: a subprocess that answers, and on SIGINT (Ctrl-C) or
 SIGTERM (what docker and systemd send) lets the request in flight finish, then exits with status 0."""
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,24 @@ def test_cli_serve_answers_and_shuts_down_cleanly(tmp_path, stop):
         port = sock.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = open(tmp_path / "serve.log", "w+")
-    process = subprocess.Popen([sys.executable, "-m", "lmforge.cli", "serve", "tiny:llama", "--port", str(port),
-                                "--threads", "1", "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lmforge.cli",
+            "serve",
+            "tiny:llama",
+            "--port",
+            str(port),
+            "--threads",
+            "1",
+            "--log-level",
+            "warning",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -42,8 +59,11 @@ def test_cli_serve_answers_and_shuts_down_cleanly(tmp_path, stop):
         result = {}
 
         def long_request():
-            result["response"] = httpx.post(url + "/v1/completions", timeout=120, json={
-                "prompt": [1, 5], "max_tokens": 500, "temperature": 1.0, "n": 4, "ignore_eos": True})
+            result["response"] = httpx.post(
+                url + "/v1/completions",
+                timeout=120,
+                json={"prompt": [1, 5], "max_tokens": 500, "temperature": 1.0, "n": 4, "ignore_eos": True},
+            )
 
         client = threading.Thread(target=long_request)
         client.start()

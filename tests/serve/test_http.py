@@ -1,5 +1,6 @@
 """The HTTP server for real (uvicorn on 127.0.0.1, a free port): OpenAI wire format through httpx and the
 ``openai`` client, concurrent requests batched, 4xx JSON errors, weight updates with versions."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -27,13 +28,15 @@ def test_models_and_completion_with_token_ids_and_logprobs(server, make_tiny):
     body = response.json()
     assert body["weight_version"] == 0 and body["prompt_token_ids"] == [PROMPT]
     model, tokenizer = make_tiny()
-    alone = generate(model, [PROMPT], SamplingParams(temperature=0, max_new_tokens=6,
-                                                     stop_token_ids=[tokenizer.eos_token_id]))
+    alone = generate(
+        model, [PROMPT], SamplingParams(temperature=0, max_new_tokens=6, stop_token_ids=[tokenizer.eos_token_id])
+    )
     length = int(alone.completion_lens[0])
     choice = body["choices"][0]
     assert choice["token_ids"] == alone.completion_ids[0, :length].tolist()
-    torch.testing.assert_close(torch.tensor(choice["logprobs"]["token_logprobs"]), alone.logprobs[0, :length],
-                               rtol=0, atol=2e-5)
+    torch.testing.assert_close(
+        torch.tensor(choice["logprobs"]["token_logprobs"]), alone.logprobs[0, :length], rtol=0, atol=2e-5
+    )
     assert choice["text"] == tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": length, "total_tokens": 5 + length}
 
@@ -41,12 +44,14 @@ def test_models_and_completion_with_token_ids_and_logprobs(server, make_tiny):
 def test_openai_client_completions_and_chat(server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    completion = client.completions.create(model="tiny-test", prompt=["12+34=", "7+8="], n=3, max_tokens=5,
-                                           temperature=1.0, top_p=0.9, seed=1, stop=["9"])
+    completion = client.completions.create(
+        model="tiny-test", prompt=["12+34=", "7+8="], n=3, max_tokens=5, temperature=1.0, top_p=0.9, seed=1, stop=["9"]
+    )
     assert len(completion.choices) == 6 and all("9" not in c.text for c in completion.choices)
     assert completion.model_extra["weight_version"] == 0
-    chat = client.chat.completions.create(model="tiny-test", messages=[{"role": "user", "content": "1+2="}],
-                                          max_tokens=4, logprobs=True)
+    chat = client.chat.completions.create(
+        model="tiny-test", messages=[{"role": "user", "content": "1+2="}], max_tokens=4, logprobs=True
+    )
     choice = chat.choices[0]
     assert len(choice.logprobs.content) == len(choice.model_extra["token_ids"]) <= 4
     assert all(item.logprob <= 0 for item in choice.logprobs.content)
@@ -57,9 +62,11 @@ def test_openai_client_completions_and_chat(server):
 def test_concurrent_requests_share_model_steps(server):
     """16 clients at once, 12 tokens each: one after another that is 16 x 11 = 176 model calls; batched,
     they share calls (the exact count depends on arrival times, so the bound is loose but far below 176)."""
+
     def one(i: int):
-        return _post(server, "/v1/completions", prompt=[1, 5 + i % 10], max_tokens=12, temperature=1.0,
-                     seed=i, stop=None)
+        return _post(
+            server, "/v1/completions", prompt=[1, 5 + i % 10], max_tokens=12, temperature=1.0, seed=i, stop=None
+        )
 
     scheduler = server.served.scheduler
     before = scheduler.num_steps
@@ -70,17 +77,23 @@ def test_concurrent_requests_share_model_steps(server):
     assert scheduler.num_steps - before < tokens / 2
 
 
-@pytest.mark.parametrize("body, status, needle", [
-    ({"prompt": [1, 2], "suffix": "x"}, 400, "unknown or unsupported field 'suffix'"),
-    ({"prompt": [1, 2], "stream": "yes"}, 400, "stream: Input should be a valid boolean"),
-    ({"prompt": [1, 2], "temperature": -1}, 400, "temperature"),
-    ({"prompt": [1, 2], "n": 0}, 400, "n: "),
-    ({"prompt": [1, 2], "n": 33}, 400, "n must be in [1, 32] (the server's max batch rows), got 33"),
-    ({"prompt": [1, 999]}, 400, "outside the vocabulary [0, 23)"),
-    ({"prompt": [], "max_tokens": 3}, 400, "prompt is empty"),
-    ({"prompt": [1] * 60, "max_tokens": 10}, 400,
-     "maximum context length is 64 tokens. However, you requested 70 tokens (60 in the prompt, 10 for"),
-])
+@pytest.mark.parametrize(
+    "body, status, needle",
+    [
+        ({"prompt": [1, 2], "suffix": "x"}, 400, "unknown or unsupported field 'suffix'"),
+        ({"prompt": [1, 2], "stream": "yes"}, 400, "stream: Input should be a valid boolean"),
+        ({"prompt": [1, 2], "temperature": -1}, 400, "temperature"),
+        ({"prompt": [1, 2], "n": 0}, 400, "n: "),
+        ({"prompt": [1, 2], "n": 33}, 400, "n must be in [1, 32] (the server's max batch rows), got 33"),
+        ({"prompt": [1, 999]}, 400, "outside the vocabulary [0, 23)"),
+        ({"prompt": [], "max_tokens": 3}, 400, "prompt is empty"),
+        (
+            {"prompt": [1] * 60, "max_tokens": 10},
+            400,
+            "maximum context length is 64 tokens. However, you requested 70 tokens (60 in the prompt, 10 for",
+        ),
+    ],
+)
 def test_bad_requests_get_400_json(server, body, status, needle):
     response = _post(server, "/v1/completions", **body)
     assert response.status_code == status
@@ -88,8 +101,9 @@ def test_bad_requests_get_400_json(server, body, status, needle):
 
 
 def test_malformed_json_and_unknown_path(server):
-    response = httpx.post(server.url + "/v1/completions", content=b'{"prompt": ', timeout=10,
-                          headers={"content-type": "application/json"})
+    response = httpx.post(
+        server.url + "/v1/completions", content=b'{"prompt": ', timeout=10, headers={"content-type": "application/json"}
+    )
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
     response = httpx.get(server.url + "/v1/nothing", timeout=10)
     assert response.status_code == 404 and response.json()["error"]["type"] == "not_found_error"
@@ -104,10 +118,15 @@ def test_weight_updates_by_tensors_and_by_checkpoint_dir(server, make_tiny, tmp_
     assert push_weights(server.url, new_model, version=5) == 5
     after = _post(server, "/v1/completions", **greedy).json()
     assert after["weight_version"] == 5
-    expected = generate(new_model, [PROMPT], SamplingParams(temperature=0, max_new_tokens=8,
-                                                            stop_token_ids=[tokenizer.eos_token_id]))
-    torch.testing.assert_close(torch.tensor(after["choices"][0]["logprobs"]["token_logprobs"]),
-                               expected.logprobs[0, : int(expected.completion_lens[0])], rtol=0, atol=2e-5)
+    expected = generate(
+        new_model, [PROMPT], SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=[tokenizer.eos_token_id])
+    )
+    torch.testing.assert_close(
+        torch.tensor(after["choices"][0]["logprobs"]["token_logprobs"]),
+        expected.logprobs[0, : int(expected.completion_lens[0])],
+        rtol=0,
+        atol=2e-5,
+    )
     assert before["choices"][0]["logprobs"] != after["choices"][0]["logprobs"]
 
     old_model, _ = make_tiny(seed=0)
@@ -118,12 +137,15 @@ def test_weight_updates_by_tensors_and_by_checkpoint_dir(server, make_tiny, tmp_
     assert httpx.get(server.url + "/v1/weights", timeout=10).json() == {"weight_version": 6}
 
 
-@pytest.mark.parametrize("path, kwargs, needle", [
-    ("/v1/weights", {"json": {"checkpoint_dir": "/nonexistent/dir"}}, "'/nonexistent/dir' is not a directory"),
-    ("/v1/weights", {"json": {"path": "x"}}, "string 'checkpoint_dir'"),
-    ("/v1/weights/tensors", {"content": b"not safetensors"}, "not a safetensors state dict"),
-    ("/v1/weights/tensors?version=0", {"content": None}, "must increase: the server is at 0"),
-])
+@pytest.mark.parametrize(
+    "path, kwargs, needle",
+    [
+        ("/v1/weights", {"json": {"checkpoint_dir": "/nonexistent/dir"}}, "'/nonexistent/dir' is not a directory"),
+        ("/v1/weights", {"json": {"path": "x"}}, "string 'checkpoint_dir'"),
+        ("/v1/weights/tensors", {"content": b"not safetensors"}, "not a safetensors state dict"),
+        ("/v1/weights/tensors?version=0", {"content": None}, "must increase: the server is at 0"),
+    ],
+)
 def test_bad_weight_updates_get_400_and_keep_serving(server, make_tiny, path, kwargs, needle):
     from lmforge.serve.weights import state_dict_bytes
 

@@ -1,5 +1,6 @@
 """``lmforge serve --api-key`` (bearer check, 401 in OpenAI's shape, /health and /metrics open) and
 ``GET /metrics`` in Prometheus' text format, parsed back (``serve/middleware.py``)."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,7 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 
-SAMPLE = re.compile(r'^([a-z_]+)(?:\{(.*)\})? (\S+)$')
+SAMPLE = re.compile(r"^([a-z_]+)(?:\{(.*)\})? (\S+)$")
 
 
 def parse_metrics(text: str) -> dict[tuple[str, tuple], float]:
@@ -37,8 +38,10 @@ def metric(samples, name: str, **labels) -> float:
 def test_metrics_count_requests_tokens_and_steps(server):
     url = server.url
     prompts = ["1+2=", "34+5="]
-    completions = [httpx.post(url + "/v1/completions", json={"prompt": p, "max_tokens": 5, "ignore_eos": True},
-                              timeout=60).json() for p in prompts]
+    completions = [
+        httpx.post(url + "/v1/completions", json={"prompt": p, "max_tokens": 5, "ignore_eos": True}, timeout=60).json()
+        for p in prompts
+    ]
     assert httpx.post(url + "/v1/completions", json={"prompt": "1", "best_of": 2}, timeout=30).status_code == 400
     assert httpx.get(url + "/v1/nowhere", timeout=30).status_code == 404
     assert httpx.get(url + "/v1/models/tiny-test", timeout=30).status_code == 200
@@ -67,10 +70,15 @@ def test_metrics_show_the_queue_and_the_batch(server, monkeypatch):
     def slow_step():  # 20 ms a decode step: the window to poll in lasts ~0.8 s, not 40 ms, on a fast machine too
         time.sleep(0.02)
         step()
+
     monkeypatch.setattr(scheduler, "_step", slow_step)
     body = {"prompt": "1+2=", "max_tokens": 40, "ignore_eos": True}
-    threads = [threading.Thread(target=httpx.post, args=(server.url + "/v1/completions",),
-                                kwargs={"json": body, "timeout": 120}) for _ in range(2)]
+    threads = [
+        threading.Thread(
+            target=httpx.post, args=(server.url + "/v1/completions",), kwargs={"json": body, "timeout": 120}
+        )
+        for _ in range(2)
+    ]
     for thread in threads:
         thread.start()
     seen, deadline = None, time.monotonic() + 30
@@ -95,15 +103,20 @@ def keyed(serve_model, make_tiny, monkeypatch):
     return serve_model(*make_tiny())
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"},
-                                     {"Authorization": "Bearer sesame2"}])
+@pytest.mark.parametrize(
+    "headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}, {"Authorization": "Bearer sesame2"}]
+)
 def test_an_api_key_guards_the_api(keyed, headers):
-    for method, path, body in (("POST", "/v1/completions", {"prompt": "1", "max_tokens": 1}),
-                               ("GET", "/v1/models", None),
-                               ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}]}),
-                               ("POST", "/inference/v1/generate", {"token_ids": [5]}),
-                               ("POST", "/tokenize", {"prompt": "1"}), ("POST", "/v1/responses", {"input": "1"}),
-                               ("GET", "/v1/weights", None), ("GET", "/nowhere", None)):
+    for method, path, body in (
+        ("POST", "/v1/completions", {"prompt": "1", "max_tokens": 1}),
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}]}),
+        ("POST", "/inference/v1/generate", {"token_ids": [5]}),
+        ("POST", "/tokenize", {"prompt": "1"}),
+        ("POST", "/v1/responses", {"input": "1"}),
+        ("GET", "/v1/weights", None),
+        ("GET", "/nowhere", None),
+    ):
         response = httpx.request(method, keyed.url + path, json=body, headers=headers, timeout=30)
         assert response.status_code == 401, (path, response.text)
         assert response.json()["error"]["code"] == "invalid_api_key"

@@ -1,6 +1,7 @@
 """Prompt logprobs (``serve/scoring.py``) over HTTP: completions' ``echo`` + ``logprobs`` (with ``max_tokens`` 0
 or a completion after the prompt) and vLLM's ``prompt_logprobs`` (completions and chat), checked against a
 plain full forward of the same tiny model; the errors that go with them."""
+
 from __future__ import annotations
 
 import pytest
@@ -47,12 +48,15 @@ def test_echo_with_max_tokens_0_scores_each_prompt_exactly(server, make_tiny):
         torch.testing.assert_close(torch.tensor(logprobs["token_logprobs"][1:]), want, rtol=0, atol=ATOL)
         best = torch.topk(reference, 2, dim=-1)
         for position, top in enumerate(logprobs["top_logprobs"][1:]):
-            expected = {tokenizer.decode([i]): v for i, v in zip(best.indices[position].tolist(),
-                                                                 best.values[position].tolist())}
+            expected = {
+                tokenizer.decode([i]): v
+                for i, v in zip(best.indices[position].tolist(), best.values[position].tolist())
+            }
             expected[logprobs["tokens"][position + 1]] = want[position].item()
             assert top.keys() == expected.keys()
-            torch.testing.assert_close(torch.tensor([top[k] for k in expected]), torch.tensor(list(expected.values())),
-                                       rtol=0, atol=ATOL)
+            torch.testing.assert_close(
+                torch.tensor([top[k] for k in expected]), torch.tensor(list(expected.values())), rtol=0, atol=ATOL
+            )
         assert logprobs["text_offset"] == list(range(len(ids)))  # the char tokenizer: one character a token
 
 
@@ -69,14 +73,18 @@ def test_echo_with_a_completion_appends_its_tokens(server, make_tiny):
     assert choice["token_ids"] == completion and len(completion) >= 1
     logprobs = choice["logprobs"]
     assert len(logprobs["tokens"]) == len(prompt) + len(completion) == len(logprobs["text_offset"])
-    assert logprobs["token_logprobs"][len(prompt):] == plain_choice["logprobs"]["token_logprobs"]
+    assert logprobs["token_logprobs"][len(prompt) :] == plain_choice["logprobs"]["token_logprobs"]
     want = _reference(model, prompt).gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
-    torch.testing.assert_close(torch.tensor(logprobs["token_logprobs"][1:len(prompt)]), want, rtol=0, atol=ATOL)
+    torch.testing.assert_close(torch.tensor(logprobs["token_logprobs"][1 : len(prompt)]), want, rtol=0, atol=ATOL)
     assert choice["text"] == tokenizer.decode(prompt, skip_special_tokens=True) + plain_choice["text"]
-    for token, offset, top, lp in zip(logprobs["tokens"][1:], logprobs["text_offset"][1:],
-                                      logprobs["top_logprobs"][1:], logprobs["token_logprobs"][1:]):
+    for token, offset, top, lp in zip(
+        logprobs["tokens"][1:],
+        logprobs["text_offset"][1:],
+        logprobs["top_logprobs"][1:],
+        logprobs["token_logprobs"][1:],
+    ):
         assert top[token] == lp  # each position's dict holds its own token, as lm-eval's is_greedy reads
-        assert token == "" or choice["text"][offset:offset + len(token)] == token
+        assert token == "" or choice["text"][offset : offset + len(token)] == token
 
 
 def test_prompt_logprobs_on_completions_and_chat(server, make_tiny):
@@ -99,8 +107,9 @@ def test_prompt_logprobs_on_completions_and_chat(server, make_tiny):
         for rank, (i, value) in enumerate(zip(best.indices.tolist(), best.values.tolist()), start=1):
             assert abs(entry[str(i)]["logprob"] - value) < ATOL
             assert entry[str(i)]["rank"] == rank or i == token
-    chat = _post(server, "/v1/chat/completions", messages=[{"role": "user", "content": "1+2="}], max_tokens=2,
-                 prompt_logprobs=0).json()
+    chat = _post(
+        server, "/v1/chat/completions", messages=[{"role": "user", "content": "1+2="}], max_tokens=2, prompt_logprobs=0
+    ).json()
     rendered = chat["prompt_token_ids"]
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == len(rendered)
     reference = _reference(model, rendered)
@@ -137,14 +146,20 @@ def test_text_offsets_count_a_split_character_once():
     assert decode(ids) == "aéba" and offsets == [10, 11, 12, 12, 13]  # "b" at 10 + 2, the last "a" at 10 + 3
 
 
-@pytest.mark.parametrize("body, param, needle", [
-    ({"prompt": [1] * (CONTEXT + 1), "echo": True, "logprobs": 1, "max_tokens": 0}, "prompt",
-     f"maximum context length is {CONTEXT} tokens. However, you requested {CONTEXT + 1} tokens"),
-    ({"prompt": [1] * CONTEXT, "echo": True, "logprobs": 1, "max_tokens": 1}, "prompt", "maximum context length"),
-    ({"prompt": [1, 2], "echo": True, "logprobs": 1, "stream": True}, "stream", "not streamed"),
-    ({"prompt": [1, 2], "prompt_logprobs": 21}, "prompt_logprobs", "less than or equal to 20"),
-    ({"prompt": [1, 2], "max_tokens": -1, "echo": True}, "max_tokens", "greater than or equal to 0"),
-])
+@pytest.mark.parametrize(
+    "body, param, needle",
+    [
+        (
+            {"prompt": [1] * (CONTEXT + 1), "echo": True, "logprobs": 1, "max_tokens": 0},
+            "prompt",
+            f"maximum context length is {CONTEXT} tokens. However, you requested {CONTEXT + 1} tokens",
+        ),
+        ({"prompt": [1] * CONTEXT, "echo": True, "logprobs": 1, "max_tokens": 1}, "prompt", "maximum context length"),
+        ({"prompt": [1, 2], "echo": True, "logprobs": 1, "stream": True}, "stream", "not streamed"),
+        ({"prompt": [1, 2], "prompt_logprobs": 21}, "prompt_logprobs", "less than or equal to 20"),
+        ({"prompt": [1, 2], "max_tokens": -1, "echo": True}, "max_tokens", "greater than or equal to 0"),
+    ],
+)
 def test_bad_scoring_requests_are_a_400_naming_the_field(server, body, param, needle):
     response = _post(server, "/v1/completions", **body)
     assert response.status_code == 400, response.text
@@ -153,8 +168,7 @@ def test_bad_scoring_requests_are_a_400_naming_the_field(server, body, param, ne
 
 
 def test_a_prompt_filling_the_context_can_be_scored(server):
-    response = _post(server, "/v1/completions", prompt=[1] + [5] * (CONTEXT - 1), echo=True, logprobs=0,
-                     max_tokens=0)
+    response = _post(server, "/v1/completions", prompt=[1] + [5] * (CONTEXT - 1), echo=True, logprobs=0, max_tokens=0)
     assert response.status_code == 200, response.text
     assert len(response.json()["choices"][0]["logprobs"]["token_logprobs"]) == CONTEXT
 

@@ -8,6 +8,7 @@ The served model is steered: a tiny Llama whose every sample is forced, token by
 tool round trip goes through the real engine, chat template, tool parser and Responses conversion, with
 replies known in advance.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -71,12 +72,15 @@ def server(serve_model, monkeypatch):
     pytest.importorskip("fastapi")
     from lmforge.core.config import ModelConfig
     from lmforge.model.load import build_tiny
-    from lmforge.serve.app import ServedModel
     from lmforge.model.tokenizer import char_tokenizer
+    from lmforge.serve.app import ServedModel
 
     tokenizer = char_tokenizer("".join(chr(c) for c in range(32, 127)))
-    model = build_tiny("llama", ModelConfig(name="tiny:llama", hidden_size=32, num_layers=1, num_heads=2,
-                                            max_position_embeddings=4096), tokenizer)
+    model = build_tiny(
+        "llama",
+        ModelConfig(name="tiny:llama", hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=4096),
+        tokenizer,
+    )
     plain_request = ServedModel.request
 
     def steered_request(self, *args, **kwargs):
@@ -102,22 +106,30 @@ def rendered(server, messages: list[dict], tools=None) -> list[int]:
 
 
 def test_text_response_is_the_chat_reply_as_a_responses_object(server, client):
-    response = client.responses.create(model="tiny-test", input="Say it.", instructions="Be brief.", temperature=0,
-                                        metadata={"run": "7"})
+    response = client.responses.create(
+        model="tiny-test", input="Say it.", instructions="Be brief.", temperature=0, metadata={"run": "7"}
+    )
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say it."}]
     chat = client.chat.completions.create(model="tiny-test", messages=messages, temperature=0)
     assert response.id.startswith("resp_") and response.object == "response"
     assert response.status == "completed" and response.incomplete_details is None
     [item] = response.output
-    assert (item.type, item.role, item.status, item.content[0].type) == ("message", "assistant", "completed",
-                                                                         "output_text")
+    assert (item.type, item.role, item.status, item.content[0].type) == (
+        "message",
+        "assistant",
+        "completed",
+        "output_text",
+    )
     assert response.output_text == chat.choices[0].message.content == CALL  # no tools: the reply is text
-    assert response.model_extra["prompt_token_ids"] == chat.model_extra["prompt_token_ids"] == rendered(server,
-                                                                                                        messages)
+    assert (
+        response.model_extra["prompt_token_ids"] == chat.model_extra["prompt_token_ids"] == rendered(server, messages)
+    )
     assert response.model_extra["token_ids"] == chat.choices[0].model_extra["token_ids"]
     assert response.model_extra["weight_version"] == 0
-    assert (response.usage.input_tokens, response.usage.output_tokens) == (chat.usage.prompt_tokens,
-                                                                           chat.usage.completion_tokens)
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (
+        chat.usage.prompt_tokens,
+        chat.usage.completion_tokens,
+    )
     assert response.usage.total_tokens == chat.usage.total_tokens
     assert (response.instructions, response.metadata, response.model) == ("Be brief.", {"run": "7"}, "tiny-test")
 
@@ -130,15 +142,26 @@ def test_max_output_tokens_cut_makes_an_incomplete_response(client):
 
 
 def test_input_items_become_the_chat_messages(server, client):
-    items = [{"role": "developer", "content": "Be brief."},
-             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi."},
-                                                             {"type": "input_text", "text": "Count."}]},
-             {"role": "assistant", "content": [{"type": "output_text", "text": "1 2", "annotations": []}]},
-             {"role": "user", "content": "More."}]
+    items = [
+        {"role": "developer", "content": "Be brief."},
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "Hi."}, {"type": "input_text", "text": "Count."}],
+        },
+        {"role": "assistant", "content": [{"type": "output_text", "text": "1 2", "annotations": []}]},
+        {"role": "user", "content": "More."},
+    ]
     response = client.responses.create(model="tiny-test", input=items)
-    assert response.model_extra["prompt_token_ids"] == rendered(server, [
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi.\nCount."},
-        {"role": "assistant", "content": "1 2"}, {"role": "user", "content": "More."}])
+    assert response.model_extra["prompt_token_ids"] == rendered(
+        server,
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi.\nCount."},
+            {"role": "assistant", "content": "1 2"},
+            {"role": "user", "content": "More."},
+        ],
+    )
 
 
 def test_streamed_events_in_order_end_with_the_whole_response(client):
@@ -148,10 +171,17 @@ def test_streamed_events_in_order_end_with_the_whole_response(client):
         final = stream.get_final_response()
     kinds = [e.type for e in events]
     deltas = kinds.count("response.output_text.delta")
-    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
-                     "response.content_part.added", *["response.output_text.delta"] * deltas,
-                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
-                     "response.completed"]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * deltas,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert deltas >= len(CALL) // 2  # one per token (a held-back partial character may merge two)
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[0].response.status == "in_progress" and events[0].response.output == []
@@ -159,8 +189,10 @@ def test_streamed_events_in_order_end_with_the_whole_response(client):
     assert text == events[-4 + 0].text == final.output_text == whole.output_text == CALL
     assert events[2].item.id == events[-2].item.id == final.output[0].id
     assert final.model_extra["token_ids"] == whole.model_extra["token_ids"]
-    assert (final.usage.input_tokens, final.usage.output_tokens) == (whole.usage.input_tokens,
-                                                                     whole.usage.output_tokens)
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (
+        whole.usage.input_tokens,
+        whole.usage.output_tokens,
+    )
 
 
 def test_a_client_that_leaves_a_stream_cancels_its_generation(server, client):
@@ -179,19 +211,32 @@ def test_a_client_that_leaves_a_stream_cancels_its_generation(server, client):
 def test_function_call_round_trip_puts_the_result_in_the_next_prompt(server, client):
     first = client.responses.create(model="tiny-test", input=QUESTION, tools=TOOLS, temperature=0)
     [call] = first.output
-    assert (call.type, call.name, json.loads(call.arguments), call.status) == ("function_call", "multiply",
-                                                                               {"a": 12, "b": 34}, "completed")
+    assert (call.type, call.name, json.loads(call.arguments), call.status) == (
+        "function_call",
+        "multiply",
+        {"a": 12, "b": 34},
+        "completed",
+    )
     assert call.call_id.startswith("call_") and call.id.startswith("fc_")
     assert first.output_text == "" and first.status == "completed"
-    items = [{"role": "user", "content": QUESTION}, *[o.model_dump(exclude_none=True) for o in first.output],
-             {"type": "function_call_output", "call_id": call.call_id, "output": "408"}]
+    items = [
+        {"role": "user", "content": QUESTION},
+        *[o.model_dump(exclude_none=True) for o in first.output],
+        {"type": "function_call_output", "call_id": call.call_id, "output": "408"},
+    ]
     second = client.responses.create(model="tiny-test", input=items, tools=TOOLS, temperature=0)
     assert second.output_text == ANSWER and [o.type for o in second.output] == ["message"]
-    conversation = [{"role": "user", "content": QUESTION},
-                    {"role": "assistant", "content": None, "tool_calls": [
-                        {"id": call.call_id, "type": "function",
-                         "function": {"name": "multiply", "arguments": call.arguments}}]},
-                    {"role": "tool", "tool_call_id": call.call_id, "content": "408"}]
+    conversation = [
+        {"role": "user", "content": QUESTION},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": call.call_id, "type": "function", "function": {"name": "multiply", "arguments": call.arguments}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.call_id, "content": "408"},
+    ]
     prompt = second.model_extra["prompt_token_ids"]
     assert prompt == rendered(server, conversation, CHAT_TOOLS)
     assert "408" in server.tokenizer.decode(prompt)
@@ -204,11 +249,17 @@ def test_previous_response_id_continues_the_stored_conversation(server, client):
     second = client.responses.create(model="tiny-test", input=result, tools=TOOLS, previous_response_id=first.id)
     assert second.output_text == ANSWER and second.previous_response_id == first.id
     # the first turn's instructions are not carried over (as OpenAI): only the items and the output
-    conversation = [{"role": "user", "content": QUESTION},
-                    {"role": "assistant", "content": None, "tool_calls": [
-                        {"id": call.call_id, "type": "function",
-                         "function": {"name": "multiply", "arguments": call.arguments}}]},
-                    {"role": "tool", "tool_call_id": call.call_id, "content": "408"}]
+    conversation = [
+        {"role": "user", "content": QUESTION},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": call.call_id, "type": "function", "function": {"name": "multiply", "arguments": call.arguments}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.call_id, "content": "408"},
+    ]
     assert second.model_extra["prompt_token_ids"] == rendered(server, conversation, CHAT_TOOLS)
     assert client.responses.retrieve(second.id).output_text == ANSWER
     unstored = client.responses.create(model="tiny-test", input="Say it.", store=False, max_output_tokens=2)
@@ -233,10 +284,15 @@ def test_streamed_function_call(client):
     with client.responses.stream(model="tiny-test", input=QUESTION, tools=TOOLS) as stream:
         events = list(stream)
         final = stream.get_final_response()
-    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.output_item.added",
-                                        "response.function_call_arguments.delta",
-                                        "response.function_call_arguments.done", "response.output_item.done",
-                                        "response.completed"]
+    assert [e.type for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     added, done = events[2].item, events[5].item
     assert (added.type, added.arguments, added.status) == ("function_call", "", "in_progress")
     assert (done.id, done.call_id) == (added.id, added.call_id) and done.status == "completed"
@@ -247,8 +303,13 @@ def test_streamed_function_call(client):
 
 
 def test_logprobs_through_include(client):
-    response = client.responses.create(model="tiny-test", input="Say it.", include=["message.output_text.logprobs"],
-                                       top_logprobs=2, max_output_tokens=3)
+    response = client.responses.create(
+        model="tiny-test",
+        input="Say it.",
+        include=["message.output_text.logprobs"],
+        top_logprobs=2,
+        max_output_tokens=3,
+    )
     logprobs = response.output[0].content[0].logprobs
     assert [lp.token for lp in logprobs] == list(CALL[:3])
     assert all(lp.logprob == pytest.approx(0.0, abs=1e-4) and len(lp.top_logprobs) == 2 for lp in logprobs)
@@ -262,31 +323,41 @@ def test_text_format_json_schema_is_the_chat_response_format(client):
     response = client.responses.create(model="tiny-test", input="Answer in JSON.", text={"format": fmt})
     assert json.loads(response.output_text) == {"product": 408} and response.text.format.type == "json_schema"
     with pytest.raises(openai.BadRequestError) as info:  # the chat request's check, under the Responses name
-        client.responses.create(model="tiny-test", input="Answer in JSON.",
-                                text={"format": {"type": "json_schema", "schema": schema}})
+        client.responses.create(
+            model="tiny-test", input="Answer in JSON.", text={"format": {"type": "json_schema", "schema": schema}}
+        )
     assert info.value.body["param"] == "text.format.name"
 
 
-@pytest.mark.parametrize("kwargs, param, message", [
-    ({"reasoning": {"effort": "high"}}, "reasoning.effort", "not a reasoning model"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type", "'reasoning' is not supported"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "input.0.content.0.type", "input_text"),
-    ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input.0.call_id",
-     "no function_call with call_id"),
-    ({"input": [{"role": "user", "content": "hi", "color": "red"}]}, "input.0.color", "unknown or unsupported"),
-    ({"input": 5}, "input", "a string or a list of items"),
-    ({"tools": [{"type": "web_search"}]}, "tools.0.type", "'function'"),
-    ({"tools": TOOLS, "tool_choice": {"type": "web_search_preview"}}, "tool_choice", "is not supported"),
-    ({"truncation": "auto"}, "truncation", "not supported"),
-    ({"background": True}, "background", "not supported"),
-    ({"text": {"verbosity": "high"}}, "text.verbosity", "not supported"),
-    ({"include": ["nonsense.field"]}, "include.0", "not known"),
-    ({"extra_body": {"conversation": "conv_1"}}, "conversation", "not supported"),
-    ({"extra_body": {"max_tokens": 3}}, "max_tokens", "max_output_tokens"),
-    ({"extra_body": {"best_of": 2}}, "best_of", "unknown or unsupported field 'best_of'"),
-    ({"max_output_tokens": 5000}, "max_output_tokens", "maximum context length"),
-])
+@pytest.mark.parametrize(
+    "kwargs, param, message",
+    [
+        ({"reasoning": {"effort": "high"}}, "reasoning.effort", "not a reasoning model"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type", "'reasoning' is not supported"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input.0.content.0.type",
+            "input_text",
+        ),
+        (
+            {"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]},
+            "input.0.call_id",
+            "no function_call with call_id",
+        ),
+        ({"input": [{"role": "user", "content": "hi", "color": "red"}]}, "input.0.color", "unknown or unsupported"),
+        ({"input": 5}, "input", "a string or a list of items"),
+        ({"tools": [{"type": "web_search"}]}, "tools.0.type", "'function'"),
+        ({"tools": TOOLS, "tool_choice": {"type": "web_search_preview"}}, "tool_choice", "is not supported"),
+        ({"truncation": "auto"}, "truncation", "not supported"),
+        ({"background": True}, "background", "not supported"),
+        ({"text": {"verbosity": "high"}}, "text.verbosity", "not supported"),
+        ({"include": ["nonsense.field"]}, "include.0", "not known"),
+        ({"extra_body": {"conversation": "conv_1"}}, "conversation", "not supported"),
+        ({"extra_body": {"max_tokens": 3}}, "max_tokens", "max_output_tokens"),
+        ({"extra_body": {"best_of": 2}}, "best_of", "unknown or unsupported field 'best_of'"),
+        ({"max_output_tokens": 5000}, "max_output_tokens", "maximum context length"),
+    ],
+)
 def test_what_cannot_be_honoured_is_a_400_naming_the_responses_field(client, kwargs, param, message):
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(**{"model": "tiny-test", "input": "hi", **kwargs})
@@ -302,10 +373,21 @@ def test_an_unknown_model_is_the_chat_routes_404(client):
 
 def test_accepted_fields_that_change_nothing(client):
     plain = client.responses.create(model="tiny-test", input="Say it.", max_output_tokens=3)
-    same = client.responses.create(model="tiny-test", input="Say it.", max_output_tokens=3, user="u",
-                                   store=True, truncation="disabled", reasoning={}, text={"format": {"type": "text"}},
-                                   include=["reasoning.encrypted_content"], parallel_tool_calls=True,
-                                   safety_identifier="s", prompt_cache_key="k", service_tier="auto")
+    same = client.responses.create(
+        model="tiny-test",
+        input="Say it.",
+        max_output_tokens=3,
+        user="u",
+        store=True,
+        truncation="disabled",
+        reasoning={},
+        text={"format": {"type": "text"}},
+        include=["reasoning.encrypted_content"],
+        parallel_tool_calls=True,
+        safety_identifier="s",
+        prompt_cache_key="k",
+        service_tier="auto",
+    )
     assert same.model_extra["token_ids"] == plain.model_extra["token_ids"]
 
 
@@ -321,8 +403,9 @@ def agents_round_trip(server, strict: bool, streamed: bool = False) -> tuple[str
         return a * b
 
     agents.set_tracing_disabled(True)
-    agents.set_default_openai_client(openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused",
-                                                        max_retries=0), use_for_tracing=False)
+    agents.set_default_openai_client(
+        openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0), use_for_tracing=False
+    )
     agents.set_default_openai_api("responses")
     agent = agents.Agent(name="calculator", instructions="Use the tool.", model="tiny-test", tools=[multiply_tool])
     if not streamed:
@@ -357,8 +440,14 @@ def test_langchain_use_responses_api_tool_round_trip(server):
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model="tiny-test", base_url=server.url + "/v1", api_key="unused", use_responses_api=True,
-                     temperature=0, max_retries=0)
+    llm = ChatOpenAI(
+        model="tiny-test",
+        base_url=server.url + "/v1",
+        api_key="unused",
+        use_responses_api=True,
+        temperature=0,
+        max_retries=0,
+    )
     with_tools = llm.bind_tools([multiply])
     messages = [HumanMessage(QUESTION)]
     reply = with_tools.invoke(messages)
@@ -375,6 +464,7 @@ def test_langchain_use_responses_api_tool_round_trip(server):
 
 
 # ------------------------------------------------------------------------------------------ SmolLM2
+
 
 @pytest.mark.slow
 @pytest.mark.smollm2
@@ -396,16 +486,29 @@ def test_smollm2_agents_sdk_and_langchain_tool_round_trips(serve_model, smollm2)
         return a * b
 
     agents.set_tracing_disabled(True)
-    agents.set_default_openai_client(openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused",
-                                                        max_retries=0), use_for_tracing=False)
+    agents.set_default_openai_client(
+        openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0), use_for_tracing=False
+    )
     settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=64)
-    agent = agents.Agent(name="calculator", instructions="You are a calculator. Use the tool, then state the result.",
-                         model="tiny-test", tools=[multiply_tool], model_settings=settings)
+    agent = agents.Agent(
+        name="calculator",
+        instructions="You are a calculator. Use the tool, then state the result.",
+        model="tiny-test",
+        tools=[multiply_tool],
+        model_settings=settings,
+    )
     result = agents.Runner.run_sync(agent, "What is 12 times 34?", max_turns=4)
     assert calls == [(12, 34)] and isinstance(result.final_output, str) and result.final_output.strip()
 
-    llm = ChatOpenAI(model="tiny-test", base_url=server.url + "/v1", api_key="unused", use_responses_api=True,
-                     temperature=0, max_tokens=64, max_retries=0)
+    llm = ChatOpenAI(
+        model="tiny-test",
+        base_url=server.url + "/v1",
+        api_key="unused",
+        use_responses_api=True,
+        temperature=0,
+        max_tokens=64,
+        max_retries=0,
+    )
     messages = [HumanMessage("What is 12 times 34? Use the tool.")]
     reply = llm.bind_tools([multiply], tool_choice="any", parallel_tool_calls=False).invoke(messages)
     [call] = reply.tool_calls

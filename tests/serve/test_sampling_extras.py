@@ -2,6 +2,7 @@
 the tiny model: the sampled tokens are replayed through the model, and each returned logprob must be
 that token's under the distribution written out here (penalties, temperature, min_p, top-k, top-p, in
 vLLM's order); greedy runs must pick the hand-computed argmax."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,9 @@ def next_logits(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0, -1].float()
 
 
-def processed(logits: torch.Tensor, temperature: float, min_p: float = 0.0, top_k: int = 0,
-              top_p: float = 1.0) -> torch.Tensor:
+def processed(
+    logits: torch.Tensor, temperature: float, min_p: float = 0.0, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
     """Log-probabilities of vLLM's sampling distribution, written out: temperature, min_p on the tempered
     probabilities, top-k, then top-p on what is left (renormalised)."""
     probs = torch.softmax(logits / temperature, -1)
@@ -51,18 +53,24 @@ def processed(logits: torch.Tensor, temperature: float, min_p: float = 0.0, top_
     return probs.log()
 
 
-@pytest.mark.parametrize("settings", [
-    {"top_k": 3},
-    {"min_p": 0.3},
-    {"min_p": 0.05, "top_k": 6, "top_p": 0.8},
-    {"top_k": -1, "min_p": 0.0},  # both off: the plain tempered distribution
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"top_k": 3},
+        {"min_p": 0.3},
+        {"min_p": 0.05, "top_k": 6, "top_p": 0.8},
+        {"top_k": -1, "min_p": 0.0},  # both off: the plain tempered distribution
+    ],
+)
 def test_truncation_extras_sample_from_the_hand_computed_distribution(server, make_tiny, settings):
     model, _ = make_tiny()
     choice = complete(server, max_tokens=24, temperature=1.7, seed=11, logprobs=0, ignore_eos=True, **settings)
     tokens, logprobs = choice["token_ids"], choice["logprobs"]["token_logprobs"]
-    hand = {"top_k": max(settings.get("top_k", 0), 0), "min_p": settings.get("min_p", 0.0),
-            "top_p": settings.get("top_p", 1.0)}
+    hand = {
+        "top_k": max(settings.get("top_k", 0), 0),
+        "min_p": settings.get("min_p", 0.0),
+        "top_p": settings.get("top_p", 1.0),
+    }
     truncated = 0
     for i, token in enumerate(tokens):
         want = processed(next_logits(model, PROMPT + tokens[:i]), 1.7, **hand)
@@ -79,15 +87,17 @@ def test_top_logprobs_are_the_truncated_distributions_best(server, make_tiny):
     for i, alternatives in enumerate(choice["logprobs"]["top_logprobs"]):  # 5 asked, 3 possible: those 3
         want = processed(next_logits(model, PROMPT + choice["token_ids"][:i]), 1.0, top_k=3)
         assert sorted(alternatives.values(), reverse=True) == pytest.approx(
-            torch.sort(want, descending=True).values[:3].tolist(), abs=1e-4)
+            torch.sort(want, descending=True).values[:3].tolist(), abs=1e-4
+        )
 
 
 def test_repetition_penalty_is_vllms_over_prompt_and_output_before_frequency(server, make_tiny):
     """Tokens seen in the prompt or the output: positive logits divided by the penalty, others
     multiplied; then OpenAI's frequency penalty over the output's counts (vLLM's order). Greedy replay."""
     model, _ = make_tiny()
-    got = complete(server, max_tokens=12, temperature=0, repetition_penalty=1.8, frequency_penalty=0.3,
-                   ignore_eos=True, logprobs=0)
+    got = complete(
+        server, max_tokens=12, temperature=0, repetition_penalty=1.8, frequency_penalty=0.3, ignore_eos=True, logprobs=0
+    )
     plain = complete(server, max_tokens=12, temperature=0, ignore_eos=True)
     counts, want, want_logprobs = torch.zeros(model.config.vocab_size), [], []
     for _ in range(12):
@@ -127,8 +137,8 @@ def test_min_tokens_ignores_stop_strings_in_its_first_tokens(server, make_tiny):
     got = complete(server, max_tokens=20, temperature=0, ignore_eos=True, stop=[stop], min_tokens=3)
     later = [k for k in range(3, len(greedy)) if tokenizer.decode([greedy[k]]) == stop]
     if later:  # stops at the first occurrence past the first 3 tokens, cut before it
-        assert got["token_ids"] == greedy[:later[0] + 1] and got["finish_reason"] == "stop"
-        assert got["text"] == tokenizer.decode(greedy[:later[0]])
+        assert got["token_ids"] == greedy[: later[0] + 1] and got["finish_reason"] == "stop"
+        assert got["text"] == tokenizer.decode(greedy[: later[0]])
     else:
         assert got["token_ids"] == greedy and got["finish_reason"] == "length"
         assert got["text"] == tokenizer.decode(greedy)
@@ -140,16 +150,16 @@ def test_stop_token_ids_and_include_stop_str_in_output(server, make_tiny):
     stop_id = greedy[2]
     first = greedy.index(stop_id)
     got = complete(server, max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
-    assert got["token_ids"] == greedy[:first + 1] and got["finish_reason"] == "stop"
+    assert got["token_ids"] == greedy[: first + 1] and got["finish_reason"] == "stop"
     assert got["text"] == tokenizer.decode(greedy[:first])  # the stop token's text left out, as vLLM
-    kept = complete(server, max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop_id],
-                    include_stop_str_in_output=True)
-    assert kept["text"] == tokenizer.decode(greedy[:first + 1])
+    kept = complete(
+        server, max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop_id], include_stop_str_in_output=True
+    )
+    assert kept["text"] == tokenizer.decode(greedy[: first + 1])
     stop = tokenizer.decode(greedy[2:4])
-    cut = complete(server, max_tokens=12, temperature=0, ignore_eos=True, stop=[stop],
-                   include_stop_str_in_output=True)
+    cut = complete(server, max_tokens=12, temperature=0, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
     text = tokenizer.decode(greedy)
-    assert cut["text"] == text[:text.index(stop) + len(stop)]
+    assert cut["text"] == text[: text.index(stop) + len(stop)]
 
 
 def test_skip_special_tokens_false_keeps_them_in_the_text(server):
@@ -160,9 +170,20 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(server):
 
 def test_extras_stream_as_they_complete(server):
     """Streamed chunks add up to the non-streamed text and ids with every text-shaping extra on."""
-    body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 1.3, "seed": 4, "min_p": 0.1, "top_k": 8,
-            "repetition_penalty": 1.2, "min_tokens": 3, "stop": ["3"], "include_stop_str_in_output": True,
-            "stop_token_ids": [9], "ignore_eos": True}
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 16,
+        "temperature": 1.3,
+        "seed": 4,
+        "min_p": 0.1,
+        "top_k": 8,
+        "repetition_penalty": 1.2,
+        "min_tokens": 3,
+        "stop": ["3"],
+        "include_stop_str_in_output": True,
+        "stop_token_ids": [9],
+        "ignore_eos": True,
+    }
     whole = post(server, "/v1/completions", body)["choices"][0]
     text, ids = "", []
     with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as response:
@@ -175,8 +196,14 @@ def test_extras_stream_as_they_complete(server):
 
 def test_chat_takes_the_extras_too(server, make_tiny):
     model, tokenizer = make_tiny()
-    body = {"messages": [{"role": "user", "content": "1+2="}], "max_tokens": 8, "temperature": 0.9, "seed": 1,
-            "top_k": 2, "logprobs": True}
+    body = {
+        "messages": [{"role": "user", "content": "1+2="}],
+        "max_tokens": 8,
+        "temperature": 0.9,
+        "seed": 1,
+        "top_k": 2,
+        "logprobs": True,
+    }
     reply = post(server, "/v1/chat/completions", body)
     prompt, choice = reply["prompt_token_ids"], reply["choices"][0]
     for i, (token, item) in enumerate(zip(choice["token_ids"], choice["logprobs"]["content"])):
@@ -184,15 +211,18 @@ def test_chat_takes_the_extras_too(server, make_tiny):
         assert item["logprob"] == pytest.approx(float(want[token]), abs=1e-4)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"top_k": -2}, "top_k"),
-    ({"min_p": 1.5}, "min_p"),
-    ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
-    ({"stop_token_ids": [999]}, "stop_token_ids"),
-    ({"stop_token_ids": "5"}, "stop_token_ids"),
-    ({"skip_special_tokens": "no"}, "skip_special_tokens"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+        ({"stop_token_ids": [999]}, "stop_token_ids"),
+        ({"stop_token_ids": "5"}, "stop_token_ids"),
+        ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+    ],
+)
 def test_bad_extras_are_a_400_naming_them(server, body, param):
     response = httpx.post(server.url + "/v1/completions", json={"prompt": "1", **body}, timeout=30)
     assert response.status_code == 400, response.text
@@ -202,8 +232,9 @@ def test_bad_extras_are_a_400_naming_them(server, body, param):
 def chat_server(serve_model, make_tiny):
     """A server whose chat template reads a variable, so that chat_template_kwargs shows in the prompt."""
     model, tokenizer = make_tiny()
-    tokenizer.chat_template = ("{% if enable_thinking is defined and not enable_thinking %}=+=\n{% endif %}"
-                               + tokenizer.chat_template)
+    tokenizer.chat_template = (
+        "{% if enable_thinking is defined and not enable_thinking %}=+=\n{% endif %}" + tokenizer.chat_template
+    )
     return serve_model(model, tokenizer), tokenizer
 
 
@@ -221,11 +252,14 @@ def test_chat_template_extras_shape_the_prompt(serve_model, make_tiny):
     assert prompt_text(continue_final_message=True) == "<|user|>\n1+2=<eos>\n<|assistant|>\n3"
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
-    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
-    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
-])
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+    ],
+)
 def test_chat_template_extras_that_conflict_are_a_400(server, extra, param):
     body = {"messages": [{"role": "user", "content": "1"}], "max_tokens": 1, **extra}
     response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
@@ -241,19 +275,27 @@ def test_smollm2_continues_a_reply_and_keeps_special_tokens_on_request(serve_mod
     openai = pytest.importorskip("openai")
     model, tokenizer = smollm2
     client = openai.OpenAI(base_url=serve_model(model, tokenizer).url + "/v1", api_key="unused", max_retries=0)
-    prefix = [{"role": "user", "content": "What is the capital of France?"},
-              {"role": "assistant", "content": "The capital of France is"}]
-    reply = client.chat.completions.create(model="tiny-test", messages=prefix, max_tokens=8, temperature=0,
-                                           extra_body={"continue_final_message": True})
-    assert tokenizer.decode(reply.model_extra["prompt_token_ids"]).endswith("<|im_start|>assistant\nThe capital of "
-                                                                           "France is")
+    prefix = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is"},
+    ]
+    reply = client.chat.completions.create(
+        model="tiny-test", messages=prefix, max_tokens=8, temperature=0, extra_body={"continue_final_message": True}
+    )
+    assert tokenizer.decode(reply.model_extra["prompt_token_ids"]).endswith(
+        "<|im_start|>assistant\nThe capital of France is"
+    )
     assert "Paris" in reply.choices[0].message.content
     question = [{"role": "user", "content": [{"type": "text", "text": "Say hi."}]}]  # smolagents' content shape
     kept = {}
     for include in (False, True):
         answer = client.chat.completions.create(
-            model="tiny-test", messages=question, max_tokens=40, temperature=0,
-            extra_body={"skip_special_tokens": False, "include_stop_str_in_output": include})
+            model="tiny-test",
+            messages=question,
+            max_tokens=40,
+            temperature=0,
+            extra_body={"skip_special_tokens": False, "include_stop_str_in_output": include},
+        )
         assert answer.choices[0].finish_reason == "stop"
         kept[include] = answer.choices[0].message.content
     assert kept[True] == kept[False] + "<|im_end|>" and "<|im_end|>" not in kept[False]

@@ -1,5 +1,6 @@
 """The continuous-batching scheduler without HTTP: batched rows reproduce the engine run alone, rows share
 decode steps, seeds, stored logprobs, weight updates that never mix versions, shutdown."""
+
 from __future__ import annotations
 
 import time
@@ -87,8 +88,11 @@ def test_requests_with_one_prompt_are_prefilled_once_and_each_samples_as_alone(m
     prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[0]]
     prefills = []
     hook = model.register_forward_pre_hook(
-        lambda module, args, kwargs: prefills.append(tuple(kwargs["input_ids"].shape))
-        if kwargs["input_ids"].shape[1] > 1 else None, with_kwargs=True)
+        lambda module, args, kwargs: (
+            prefills.append(tuple(kwargs["input_ids"].shape)) if kwargs["input_ids"].shape[1] > 1 else None
+        ),
+        with_kwargs=True,
+    )
     scheduler = _scheduler(model, tokenizer, gather_s=0.5)
     try:
         together = [scheduler.submit(GenerationRequest(p, q)) for p, q in zip(prompts, params)]
@@ -136,15 +140,16 @@ def test_stored_logprobs_are_of_the_tempered_distribution(make_tiny):
     temperature = 0.7
     scheduler = _scheduler(model, tokenizer, gather_s=0.0)
     try:
-        result = scheduler.submit(GenerationRequest(
-            PROMPTS[2], SamplingParams(temperature=temperature, max_new_tokens=10, seed=0), n=3)).result(60)
+        result = scheduler.submit(
+            GenerationRequest(PROMPTS[2], SamplingParams(temperature=temperature, max_new_tokens=10, seed=0), n=3)
+        ).result(60)
     finally:
         scheduler.shutdown()
     for sample in result.samples:
         ids = torch.tensor([PROMPTS[2] + sample.token_ids])
         with torch.no_grad():
-            logits = model(input_ids=ids).logits[0, len(PROMPTS[2]) - 1:-1]  # (C, V)
-        expected = torch.log_softmax(logits / temperature, -1).gather(-1, ids[0, len(PROMPTS[2]):, None])[:, 0]
+            logits = model(input_ids=ids).logits[0, len(PROMPTS[2]) - 1 : -1]  # (C, V)
+        expected = torch.log_softmax(logits / temperature, -1).gather(-1, ids[0, len(PROMPTS[2]) :, None])[:, 0]
         torch.testing.assert_close(torch.tensor(sample.logprobs), expected, rtol=0, atol=2e-5)
 
 

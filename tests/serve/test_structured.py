@@ -8,6 +8,7 @@ mask switched off shows the checks can fail. The logprobs are checked against a 
 independently (one matcher copy per candidate token). SmolLM2 tests (marker ``smollm2``) check the same on
 a real BPE tokenizer.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,27 +22,62 @@ from lmforge.envs.toolcalls import parse_tool_calls
 openai = pytest.importorskip("openai")
 xgr = pytest.importorskip("xgrammar")
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["color", "n", "ok", "word"],
-          "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
-                         "color": {"type": "string", "enum": ["red", "green"]},
-                         "ok": {"type": "boolean"}, "word": {"type": "string", "maxLength": 6}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["color", "n", "ok", "word"],
+    "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "color": {"type": "string", "enum": ["red", "green"]},
+        "ok": {"type": "boolean"},
+        "word": {"type": "string", "maxLength": 6},
+    },
+}
 JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
-TOOLS = [{"type": "function", "function": {"name": "multiply", "parameters": {
-             "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
-                                              "b": {"type": "integer", "minimum": 0, "maximum": 999}},
-             "required": ["a", "b"], "additionalProperties": False}}},
-         {"type": "function", "function": {"name": "negate", "parameters": {
-             "type": "object", "properties": {"x": {"type": "integer", "minimum": -99, "maximum": 99}},
-             "required": ["x"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "multiply",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer", "minimum": 0, "maximum": 999},
+                    "b": {"type": "integer", "minimum": 0, "maximum": 999},
+                },
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "negate",
+            "parameters": {
+                "type": "object",
+                "properties": {"x": {"type": "integer", "minimum": -99, "maximum": 99}},
+                "required": ["x"],
+            },
+        },
+    },
+]
 QUESTION = [{"role": "user", "content": "12*34="}]
 N = 4  # samples per request (n): independent draws, one batch
 
 
 def valid_answer(obj) -> bool:
     """Whether ``obj`` matches SCHEMA (checked by hand: no schema library needed)."""
-    return (isinstance(obj, dict) and set(obj) == {"color", "n", "ok", "word"} and obj["color"] in ("red", "green")
-            and type(obj["n"]) is int and 0 <= obj["n"] <= 99 and type(obj["ok"]) is bool
-            and isinstance(obj["word"], str) and len(obj["word"]) <= 6)
+    return (
+        isinstance(obj, dict)
+        and set(obj) == {"color", "n", "ok", "word"}
+        and obj["color"] in ("red", "green")
+        and type(obj["n"]) is int
+        and 0 <= obj["n"] <= 99
+        and type(obj["ok"]) is bool
+        and isinstance(obj["word"], str)
+        and len(obj["word"]) <= 6
+    )
 
 
 def valid_call(name: str, arguments: dict) -> bool:
@@ -69,11 +105,13 @@ def client(serve_model, ascii_model):
 
 
 def ask(client, **kwargs):
-    return client.chat.completions.create(model="tiny-test", messages=QUESTION, temperature=1.0,
-                                          **{"max_tokens": 300, **kwargs})
+    return client.chat.completions.create(
+        model="tiny-test", messages=QUESTION, temperature=1.0, **{"max_tokens": 300, **kwargs}
+    )
 
 
 # ------------------------------------------------------------------------------------------ response_format
+
 
 def test_json_schema_replies_match_the_schema_for_every_sample(client):
     for seed in (0, 1):
@@ -109,16 +147,24 @@ def test_logprobs_are_those_of_the_masked_tempered_distribution(client, ascii_mo
     recomputed here by trying every token on a copy of a matcher, not from xgrammar's bitmask."""
     model, tok = ascii_model
     temperature = 0.7
-    reply = client.chat.completions.create(model="tiny-test", messages=QUESTION, temperature=temperature, seed=5,
-                                           max_tokens=200, logprobs=True, response_format=JSON_SCHEMA)
+    reply = client.chat.completions.create(
+        model="tiny-test",
+        messages=QUESTION,
+        temperature=temperature,
+        seed=5,
+        max_tokens=200,
+        logprobs=True,
+        response_format=JSON_SCHEMA,
+    )
     choice = reply.choices[0]
     sampled, returned = choice.model_extra["token_ids"], [e.logprob for e in choice.logprobs.content]
     ids = torch.tensor([reply.model_extra["prompt_token_ids"] + sampled])
     with torch.no_grad():
-        logits = model(ids).logits[0, -len(sampled) - 1:-1].float()  # (T, V): the logits each token was drawn from
+        logits = model(ids).logits[0, -len(sampled) - 1 : -1].float()  # (T, V): the logits each token was drawn from
     info = xgr.TokenizerInfo.from_huggingface(tok, stop_token_ids=[tok.eos_token_id])
-    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_json_schema(
-        json.dumps(SCHEMA), any_whitespace=False, strict_mode=True))
+    matcher = xgr.GrammarMatcher(
+        xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False, strict_mode=True)
+    )
     specials = set(tok.all_special_ids) - {tok.eos_token_id}
     mass_left_out = []
     for step, token in enumerate(sampled):
@@ -135,6 +181,7 @@ def test_logprobs_are_those_of_the_masked_tempered_distribution(client, ascii_mo
 
 
 # ------------------------------------------------------------------------------------------ tools
+
 
 def calls_of(choice) -> list[tuple[str, dict]]:
     return [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
@@ -158,7 +205,7 @@ def test_required_text_is_what_parse_tool_calls_reads(client, ascii_model):
     assert parsed.errors == [] and parsed.content == ""
     assert [(c.name, c.arguments) for c in parsed.calls] == calls_of(choice)
     assert len(parsed.calls) > 1  # parallel calls (the default), one per line
-    assert text.startswith('<tool_call>\n{"name": "') and '</tool_call>\n<tool_call>\n' in text
+    assert text.startswith('<tool_call>\n{"name": "') and "</tool_call>\n<tool_call>\n" in text
 
 
 def test_named_tool_choice_calls_that_tool_once(client):
@@ -209,7 +256,7 @@ def test_strict_tools_under_auto_constrain_a_call_once_it_starts(ascii_model):
     processor = make()
     call = '<tool_call>\n{"name": "negate", "arguments": {"x": '
     assert allowed_after(call) == {"-", *"0123456789"}
-    assert allowed_after(call + '12}}\n</tool_call>') >= {"<eos>", "<", "a"}  # free text; more calls may follow
+    assert allowed_after(call + "12}}\n</tool_call>") >= {"<eos>", "<", "a"}  # free text; more calls may follow
     # a tool that is not strict is still called with a well-formed name, and any JSON object
     loose = ChatRequest.model_validate({"messages": QUESTION, "tools": TOOLS, "parallel_tool_calls": False})
     processor = Grammars(tok, len(tok), [tok.eos_token_id]).processors(chat_constraint(loose))[0]()
@@ -231,20 +278,43 @@ def test_response_format_with_tools_is_the_json_or_calls(client):
 
 # ------------------------------------------------------------------------------------------ errors
 
-@pytest.mark.parametrize("kwargs, param, message", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
-     "response_format.json_schema.schema", 'Unsupported type "objekt"'),
-    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is required"),
-    ({"response_format": {"type": "yaml"}}, "response_format.type", "response_format.type"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "divide"}}},
-     "tool_choice.function.name", "'divide', which is not among the tools"),
-    ({"tools": TOOLS, "tool_choice": {"name": "multiply"}}, "tool_choice", "a named tool_choice is"),
-    ({"tools": TOOLS, "tool_choice": "any"}, "tool_choice", 'not one of "auto"'),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "a": {"$ref": "#/$defs/missing"}}}}}], "tool_choice": "required"},
-     "tools.0.function.parameters", "cannot be compiled"),
-    ({"response_format": {"type": "json_object"}, "extra_body": {"ignore_eos": True}}, "ignore_eos", "ignore_eos"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, param, message",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+            "response_format.json_schema.schema",
+            'Unsupported type "objekt"',
+        ),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is required"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type", "response_format.type"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "divide"}}},
+            "tool_choice.function.name",
+            "'divide', which is not among the tools",
+        ),
+        ({"tools": TOOLS, "tool_choice": {"name": "multiply"}}, "tool_choice", "a named tool_choice is"),
+        ({"tools": TOOLS, "tool_choice": "any"}, "tool_choice", 'not one of "auto"'),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}},
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools.0.function.parameters",
+            "cannot be compiled",
+        ),
+        ({"response_format": {"type": "json_object"}, "extra_body": {"ignore_eos": True}}, "ignore_eos", "ignore_eos"),
+    ],
+)
 def test_what_cannot_be_decoded_is_a_400_naming_the_field(client, kwargs, param, message):
     with pytest.raises(openai.BadRequestError) as info:
         ask(client, max_tokens=4, **kwargs)
@@ -265,6 +335,7 @@ def test_without_xgrammar_a_structured_request_is_a_400_with_the_install(client,
 
 # ------------------------------------------------------------------------------------------ clients
 
+
 def test_langchain_structured_output_and_tool_choice_any(serve_model, ascii_model):
     chat_openai = pytest.importorskip("langchain_openai")
     from pydantic import BaseModel, Field
@@ -274,8 +345,15 @@ def test_langchain_structured_output_and_tool_choice_any(serve_model, ascii_mode
         ok: bool
 
     server = serve_model(*ascii_model)
-    llm = chat_openai.ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="tiny-test", temperature=1.0,
-                                 max_tokens=400, seed=0, max_retries=0)
+    llm = chat_openai.ChatOpenAI(
+        base_url=server.url + "/v1",
+        api_key="unused",
+        model="tiny-test",
+        temperature=1.0,
+        max_tokens=400,
+        seed=0,
+        max_retries=0,
+    )
     answer = llm.with_structured_output(Answer).invoke("pick one")  # response_format json_schema, strict
     assert isinstance(answer, Answer) and answer.color in ("red", "green")
     message = llm.bind_tools([TOOLS[1]], tool_choice="any", parallel_tool_calls=False).invoke("negate 3")
@@ -285,17 +363,27 @@ def test_langchain_structured_output_and_tool_choice_any(serve_model, ascii_mode
 
 # ------------------------------------------------------------------------------------------ SmolLM2
 
+
 @pytest.mark.smollm2
 def test_smollm2_json_schema_and_required_call(serve_model, smollm2):
     server = serve_model(*smollm2)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": "Describe a traffic light as JSON."}]
-    reply = client.chat.completions.create(model="tiny-test", messages=messages, temperature=1.0, seed=0, n=3,
-                                           max_tokens=48, response_format=JSON_SCHEMA)
+    reply = client.chat.completions.create(
+        model="tiny-test", messages=messages, temperature=1.0, seed=0, n=3, max_tokens=48, response_format=JSON_SCHEMA
+    )
     for choice in reply.choices:
         assert valid_answer(parse_json(choice.message.content)), choice.message.content
-    reply = client.chat.completions.create(model="tiny-test", messages=[{"role": "user", "content": "12*34?"}],
-                                           temperature=1.0, seed=0, n=2, max_tokens=64, tools=TOOLS,
-                                           tool_choice="required", parallel_tool_calls=False)
+    reply = client.chat.completions.create(
+        model="tiny-test",
+        messages=[{"role": "user", "content": "12*34?"}],
+        temperature=1.0,
+        seed=0,
+        n=2,
+        max_tokens=64,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
     for choice in reply.choices:
         assert choice.finish_reason == "tool_calls" and all(valid_call(*c) for c in calls_of(choice))

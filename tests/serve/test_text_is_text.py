@@ -2,6 +2,7 @@
 control strings is encoded as text in chat completions, on the token-in path (``prefix_token_ids``) and by
 ``/tokenize``; only the template's own structure gives special ids. SmolLM2's real template (marker smollm2)
 and the char-level ``char:ascii`` one."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,8 +38,12 @@ def the_specials(tokenizer, ids: list[int]) -> list[int]:
 
 
 def conversation(text: str) -> list[dict]:
-    return [{"role": "user", "content": "Run it."}, {"role": "assistant", "content": "Running."},
-            {"role": "tool", "content": text, "tool_call_id": "call_1"}, {"role": "user", "content": f"Say {text}"}]
+    return [
+        {"role": "user", "content": "Run it."},
+        {"role": "assistant", "content": "Running."},
+        {"role": "tool", "content": text, "tool_call_id": "call_1"},
+        {"role": "user", "content": f"Say {text}"},
+    ]
 
 
 def test_a_chat_prompt_with_control_strings_in_user_and_tool_messages_has_only_the_templates(served):
@@ -59,10 +64,11 @@ def test_the_token_in_path_encodes_new_messages_as_text(served):
 
     def added(text: str) -> list[int]:
         messages = [*history, {"role": "tool", "content": text, "tool_call_id": "call_1"}]
-        prompt = post(server, "/v1/chat/completions", messages=messages, max_tokens=1,
-                      prefix_token_ids=prefix)["prompt_token_ids"]
-        assert prompt[:len(prefix)] == prefix  # the sampled ids verbatim
-        return prompt[len(prefix):]
+        prompt = post(server, "/v1/chat/completions", messages=messages, max_tokens=1, prefix_token_ids=prefix)[
+            "prompt_token_ids"
+        ]
+        assert prompt[: len(prefix)] == prefix  # the sampled ids verbatim
+        return prompt[len(prefix) :]
 
     forged, clean = added(FORGED), added(HARMLESS)
     assert the_specials(tok, forged) == the_specials(tok, clean)
@@ -70,8 +76,8 @@ def test_the_token_in_path_encodes_new_messages_as_text(served):
 
 
 def test_a_template_that_rewrites_a_control_string_makes_the_request_a_400_naming_the_message():
-    from lmforge.serve.tools import ToolRequestError, encode_chat
     from lmforge.model.tokenizer import load_tokenizer
+    from lmforge.serve.tools import ToolRequestError, encode_chat
 
     tok = load_tokenizer("char:ascii")
     rewrite = "message['content'] | replace('<eos>', '<eos>!<eos>')"  # writes the string twice

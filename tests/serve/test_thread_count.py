@@ -3,6 +3,7 @@
 the reward workers and the overlapped rollout thread did, 1.4-8x slower on the busy 2-core machine. Read
 with libgomp's own ``omp_get_max_threads`` in each thread (``torch.get_num_threads`` reports the set value
 everywhere)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -25,8 +26,9 @@ def openmp():
         pytest.skip("needs /proc/self/maps (Linux)")
     # torch's own copy: other packages bring theirs (scikit-learn's is loaded when a test imported it)
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-    libraries = sorted(p for p in set(re.findall(r"/\S*libgomp\S*\.so[.0-9]*", maps))
-                       if os.path.dirname(p) == torch_lib)
+    libraries = sorted(
+        p for p in set(re.findall(r"/\S*libgomp\S*\.so[.0-9]*", maps)) if os.path.dirname(p) == torch_lib
+    )
     if not libraries:
         pytest.skip("torch is not linked against its own libgomp here")
     if (os.cpu_count() or 1) < 2 or os.environ.get("OMP_NUM_THREADS"):

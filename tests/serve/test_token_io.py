@@ -1,6 +1,7 @@
 """Token in, token out (``serve/generate.py``) on the tiny model: ``/inference/v1/generate`` as verifiers'
 training client calls it, checked against ``/v1/completions`` on the same ids; ``/tokenize``,
 ``/detokenize`` and ``/tokenizer_info`` against the tokenizer, the chat route and lm-eval's remote tokenizer."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,16 @@ httpx = pytest.importorskip("httpx")
 
 PROMPT = [1, 5, 6, 7, 8]
 CONVERSATION = [{"role": "system", "content": "add"}, {"role": "user", "content": "12+34="}]
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
-          "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}},
+        },
+    }
+]
 
 
 def _post(server, path: str, headers: dict | None = None, **body):
@@ -18,20 +27,29 @@ def _post(server, path: str, headers: dict | None = None, **body):
 
 
 def _generate(server, token_ids=PROMPT, headers=None, **sampling):
-    return _post(server, "/inference/v1/generate", headers, model="tiny-test", token_ids=token_ids,
-                 sampling_params=sampling)
+    return _post(
+        server, "/inference/v1/generate", headers, model="tiny-test", token_ids=token_ids, sampling_params=sampling
+    )
 
 
 def test_generate_equals_completions_on_the_same_ids(server):
     """Same ids, seed and options: the same tokens and logprobs; the logprob entries name token ids
     (verifiers' parser requires "token_id:<id>", one per token), with the N alternatives completions gives."""
-    sampling = {"temperature": 1.0, "top_p": 0.9, "max_tokens": 8, "seed": 3, "n": 2, "logprobs": 2,
-                "skip_special_tokens": False}
+    sampling = {
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "max_tokens": 8,
+        "seed": 3,
+        "n": 2,
+        "logprobs": 2,
+        "skip_special_tokens": False,
+    }
     response = _generate(server, **sampling)
     assert response.status_code == 200 and response.headers["x-weight-version"] == "0"
     body = response.json()
-    completion = _post(server, "/v1/completions", prompt=PROMPT, **{k: v for k, v in sampling.items()
-                                                                   if k != "skip_special_tokens"}).json()
+    completion = _post(
+        server, "/v1/completions", prompt=PROMPT, **{k: v for k, v in sampling.items() if k != "skip_special_tokens"}
+    ).json()
     assert body["prompt_token_ids"] == PROMPT and body["model"] == "tiny-test" and body["weight_version"] == 0
     assert body["request_id"] and len(body["choices"]) == 2
     for ours, theirs in zip(body["choices"], completion["choices"]):
@@ -44,8 +62,11 @@ def test_generate_equals_completions_on_the_same_ids(server):
             assert [a["logprob"] for a in entry["top_logprobs"]] == list(alternatives.values())
             assert all(a["token"].startswith("token_id:") for a in entry["top_logprobs"])
     completion_tokens = sum(len(c["token_ids"]) for c in body["choices"])
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": completion_tokens,
-                             "total_tokens": 5 + completion_tokens}
+    assert body["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": completion_tokens,
+        "total_tokens": 5 + completion_tokens,
+    }
 
 
 def test_generate_finish_reasons_and_stop_token_ids(server):
@@ -70,23 +91,29 @@ def test_generate_records_the_session_id(server):
     assert [r.session_id for r in seen] == ["rollout-7", None]
 
 
-@pytest.mark.parametrize("body, param, needle", [
-    ({"sampling_params": {"best_of": 2}}, "sampling_params.best_of", "unknown or unsupported field"),
-    ({"sampling_params": {"temperature": "1"}}, "sampling_params.temperature", "valid number"),
-    ({"sampling_params": {"stream": True}}, "sampling_params.stream", "does not stream"),
-    ({"sampling_params": {"prompt": [1]}}, "sampling_params.prompt", "the prompt is token_ids"),
-    ({"sampling_params": {"max_tokens": 0}}, "sampling_params.max_tokens", ">= 1"),
-    ({"sampling_params": {"max_tokens": 60}}, "sampling_params.max_tokens", "maximum context length is 64"),
-    ({"sampling_params": {"n": 33}}, "sampling_params.n", "n must be in [1, 32]"),
-    ({"sampling_params": {"logit_bias": {"99": 1}}}, "sampling_params.logit_bias", "outside the vocabulary"),
-    ({"sampling_params": {"routed_experts_prompt_start": "3"}}, "sampling_params.routed_experts_prompt_start",
-     "integer"),
-    ({"token_ids": [1, 99]}, "token_ids", "outside the vocabulary [0, 23)"),
-    ({"token_ids": [1] * 64}, "token_ids", "maximum context length is 64"),
-    ({"token_ids": []}, "token_ids", "at least 1 item"),
-    ({"stream": True}, "stream", "unknown or unsupported field 'stream'"),
-    ({"priority": 1}, "priority", "priority scheduling"),
-])
+@pytest.mark.parametrize(
+    "body, param, needle",
+    [
+        ({"sampling_params": {"best_of": 2}}, "sampling_params.best_of", "unknown or unsupported field"),
+        ({"sampling_params": {"temperature": "1"}}, "sampling_params.temperature", "valid number"),
+        ({"sampling_params": {"stream": True}}, "sampling_params.stream", "does not stream"),
+        ({"sampling_params": {"prompt": [1]}}, "sampling_params.prompt", "the prompt is token_ids"),
+        ({"sampling_params": {"max_tokens": 0}}, "sampling_params.max_tokens", ">= 1"),
+        ({"sampling_params": {"max_tokens": 60}}, "sampling_params.max_tokens", "maximum context length is 64"),
+        ({"sampling_params": {"n": 33}}, "sampling_params.n", "n must be in [1, 32]"),
+        ({"sampling_params": {"logit_bias": {"99": 1}}}, "sampling_params.logit_bias", "outside the vocabulary"),
+        (
+            {"sampling_params": {"routed_experts_prompt_start": "3"}},
+            "sampling_params.routed_experts_prompt_start",
+            "integer",
+        ),
+        ({"token_ids": [1, 99]}, "token_ids", "outside the vocabulary [0, 23)"),
+        ({"token_ids": [1] * 64}, "token_ids", "maximum context length is 64"),
+        ({"token_ids": []}, "token_ids", "at least 1 item"),
+        ({"stream": True}, "stream", "unknown or unsupported field 'stream'"),
+        ({"priority": 1}, "priority", "priority scheduling"),
+    ],
+)
 def test_generate_errors_name_the_field(server, body, param, needle):
     response = _post(server, "/inference/v1/generate", **{"token_ids": PROMPT, **body})
     assert response.status_code == 400
@@ -97,8 +124,17 @@ def test_generate_errors_name_the_field(server, body, param, needle):
 def test_generate_accepts_what_verifiers_sends(server):
     """renderers.client.generate's body: logprobs=1, stop_token_ids, skip_special_tokens=false, a
     cache_salt, the header; on a continued turn routed_experts_prompt_start (no effect here)."""
-    response = _generate(server, headers={"X-Session-ID": "s"}, temperature=1.0, top_p=1.0, max_tokens=5,
-                         stop_token_ids=[2], logprobs=1, skip_special_tokens=False, routed_experts_prompt_start=4)
+    response = _generate(
+        server,
+        headers={"X-Session-ID": "s"},
+        temperature=1.0,
+        top_p=1.0,
+        max_tokens=5,
+        stop_token_ids=[2],
+        logprobs=1,
+        skip_special_tokens=False,
+        routed_experts_prompt_start=4,
+    )
     assert response.status_code == 200
     models = httpx.get(server.url + "/v1/models", timeout=10).json()["data"]
     assert [(m["id"], m["max_model_len"]) for m in models] == [("tiny-test", 64)]
@@ -110,8 +146,12 @@ def test_tokenize_detokenize_round_trip(server, make_tiny, text):
     for special in (False, True):
         body = _post(server, "/tokenize", prompt=text, add_special_tokens=special, return_token_strs=True).json()
         ids = tokenizer.encode(text, add_special_tokens=special)
-        assert body == {"tokens": ids, "count": len(ids), "max_model_len": 64,
-                        "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+        assert body == {
+            "tokens": ids,
+            "count": len(ids),
+            "max_model_len": 64,
+            "token_strs": tokenizer.convert_ids_to_tokens(ids),
+        }
     plain = _post(server, "/tokenize", model="tiny-test", prompt=text).json()
     assert "token_strs" not in plain
     detokenized = _post(server, "/detokenize", model="tiny-test", tokens=plain["tokens"]).json()
@@ -126,8 +166,11 @@ def test_tokenize_messages_equals_the_chat_routes_prompt(serve_model, tools):
     from lmforge.model.load import load_model
 
     # a longer context than the test model's 64: the tools' system block alone is ~480 characters
-    server = serve_model(*load_model(ModelConfig(name="tiny:llama", hidden_size=32, num_layers=2, num_heads=2,
-                                                 max_position_embeddings=1024)))
+    server = serve_model(
+        *load_model(
+            ModelConfig(name="tiny:llama", hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=1024)
+        )
+    )
     extra = {"tools": tools} if tools else {}
     chat = _post(server, "/v1/chat/completions", messages=CONVERSATION, max_tokens=1, **extra).json()
     body = _post(server, "/tokenize", model="tiny-test", messages=CONVERSATION, **extra).json()
@@ -142,33 +185,49 @@ def test_tokenize_messages_takes_the_chat_routes_template_options(server):
     body = _post(server, "/tokenize", messages=partial, **options).json()
     assert body["tokens"] == chat["prompt_token_ids"]
     closed = _post(server, "/tokenize", messages=partial, add_generation_prompt=False).json()["tokens"]
-    assert closed[:len(body["tokens"])] == body["tokens"] and len(closed) > len(body["tokens"])
+    assert closed[: len(body["tokens"])] == body["tokens"] and len(closed) > len(body["tokens"])
 
 
 def test_tokenize_messages_without_the_generation_prompt(server, make_tiny):
     _, tokenizer = make_tiny()
     opened = _post(server, "/tokenize", messages=CONVERSATION).json()["tokens"]
     closed = _post(server, "/tokenize", messages=CONVERSATION, add_generation_prompt=False).json()["tokens"]
-    assert closed == tokenizer.encode(tokenizer.apply_chat_template(CONVERSATION, tokenize=False),
-                                      add_special_tokens=False)
-    assert opened[:len(closed)] == closed and len(opened) > len(closed)
+    assert closed == tokenizer.encode(
+        tokenizer.apply_chat_template(CONVERSATION, tokenize=False), add_special_tokens=False
+    )
+    assert opened[: len(closed)] == closed and len(opened) > len(closed)
 
 
-@pytest.mark.parametrize("path, body, param, needle", [
-    ("/tokenize", {"prompt": "1", "foo": 1}, "foo", "unknown or unsupported field 'foo'"),
-    ("/tokenize", {"prompt": 5}, "prompt", "valid string"),
-    ("/tokenize", {"messages": [{"role": "user"}]}, "messages.0", "content is required"),
-    ("/tokenize", {"messages": [], "add_generation_prompt": True}, "messages", "at least 1 item"),
-    ("/tokenize", ["1"], None, "a JSON object"),
-    ("/tokenize", {"messages": CONVERSATION, "continue_final_message": True, "add_generation_prompt": True},
-     "continue_final_message", "cannot both be true"),
-    ("/tokenize", {"messages": CONVERSATION, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs",
-     "set by the server"),
-    ("/tokenize", {"messages": CONVERSATION, "tools": TOOLS, "temperature": 1}, "temperature",
-     "unknown or unsupported field"),
-    ("/detokenize", {"tokens": [1, 500]}, "tokens", "outside the vocabulary [0, 23)"),
-    ("/detokenize", {"tokens": "12"}, "tokens", "valid list"),
-])
+@pytest.mark.parametrize(
+    "path, body, param, needle",
+    [
+        ("/tokenize", {"prompt": "1", "foo": 1}, "foo", "unknown or unsupported field 'foo'"),
+        ("/tokenize", {"prompt": 5}, "prompt", "valid string"),
+        ("/tokenize", {"messages": [{"role": "user"}]}, "messages.0", "content is required"),
+        ("/tokenize", {"messages": [], "add_generation_prompt": True}, "messages", "at least 1 item"),
+        ("/tokenize", ["1"], None, "a JSON object"),
+        (
+            "/tokenize",
+            {"messages": CONVERSATION, "continue_final_message": True, "add_generation_prompt": True},
+            "continue_final_message",
+            "cannot both be true",
+        ),
+        (
+            "/tokenize",
+            {"messages": CONVERSATION, "chat_template_kwargs": {"tools": []}},
+            "chat_template_kwargs",
+            "set by the server",
+        ),
+        (
+            "/tokenize",
+            {"messages": CONVERSATION, "tools": TOOLS, "temperature": 1},
+            "temperature",
+            "unknown or unsupported field",
+        ),
+        ("/detokenize", {"tokens": [1, 500]}, "tokens", "outside the vocabulary [0, 23)"),
+        ("/detokenize", {"tokens": "12"}, "tokens", "valid list"),
+    ],
+)
 def test_tokenize_errors_name_the_field(server, path, body, param, needle):
     response = httpx.post(server.url + path, json=body, timeout=60)
     assert response.status_code == 400
@@ -176,12 +235,15 @@ def test_tokenize_errors_name_the_field(server, path, body, param, needle):
     assert error["param"] == param and needle in error["message"]
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/inference/v1/generate", {"model": "other", "token_ids": PROMPT}),
-    ("/tokenize", {"model": "other", "prompt": "1"}),
-    ("/tokenize", {"model": "other", "messages": CONVERSATION}),
-    ("/detokenize", {"model": "other", "tokens": [1]}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/inference/v1/generate", {"model": "other", "token_ids": PROMPT}),
+        ("/tokenize", {"model": "other", "prompt": "1"}),
+        ("/tokenize", {"model": "other", "messages": CONVERSATION}),
+        ("/detokenize", {"model": "other", "tokens": [1]}),
+    ],
+)
 def test_unknown_model_is_404(server, path, body):
     response = httpx.post(server.url + path, json=body, timeout=60)
     assert response.status_code == 404 and "'other' does not exist" in response.json()["error"]["message"]
@@ -210,10 +272,15 @@ def test_lm_eval_remote_tokenizer(server, make_tiny):
     assert remote.eos_token_id == tokenizer.eos_token_id and remote.bos_token_id == tokenizer.bos_token_id
     lm = LocalCompletionsAPI(base_url=base_url, model="tiny-test", max_length=64)  # tokenizer_backend "auto"
     assert lm.tokenizer_backend == "remote"
-    request = Instance(request_type="generate_until", doc={}, idx=0,
-                       arguments=("12+34=", {"until": ["\n"], "max_gen_toks": 5, "do_sample": False}))
-    expected = _post(server, "/v1/completions", prompt="12+34=", max_tokens=5, temperature=0,
-                     stop=["\n", "<eos>"]).json()["choices"][0]["text"]
+    request = Instance(
+        request_type="generate_until",
+        doc={},
+        idx=0,
+        arguments=("12+34=", {"until": ["\n"], "max_gen_toks": 5, "do_sample": False}),
+    )
+    expected = _post(
+        server, "/v1/completions", prompt="12+34=", max_tokens=5, temperature=0, stop=["\n", "<eos>"]
+    ).json()["choices"][0]["text"]
     assert lm.generate_until([request]) == [expected]
 
 
@@ -233,4 +300,5 @@ def test_smollm2_tokenize_and_lm_eval_remote_tokenizer(serve_model, smollm2):
     remote = utils.RemoteTokenizer(server.url + "/v1/completions")
     assert remote.eos_token_id == tokenizer.eos_token_id
     assert remote.apply_chat_template(CONVERSATION) == tokenizer.apply_chat_template(
-        CONVERSATION, tokenize=False, add_generation_prompt=True)
+        CONVERSATION, tokenize=False, add_generation_prompt=True
+    )

@@ -4,6 +4,7 @@ docs/architecture.md lists the same layers.
 import-linter (its graph library, grimp) reads every import statement of every module, at module
 level and inside functions, so a lazy import that climbs a layer or closes a cycle is caught too.
 """
+
 from __future__ import annotations
 
 import re
@@ -32,8 +33,10 @@ def grimp_layers(layers: list[str]) -> list:
 def test_every_contract_is_kept():
     """``lint-imports`` itself, in a child process (it reconfigures logging, which would silence the
     loggers of the tests after it)."""
-    code = ("import sys; from importlinter.cli import lint_imports; "
-            f"sys.exit(lint_imports(config_filename={str(ROOT / 'pyproject.toml')!r}, no_cache=True, no_logo=True))")
+    code = (
+        "import sys; from importlinter.cli import lint_imports; "
+        f"sys.exit(lint_imports(config_filename={str(ROOT / 'pyproject.toml')!r}, no_cache=True, no_logo=True))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Contracts: 6 kept, 0 broken." in done.stdout
@@ -47,11 +50,14 @@ def test_the_contracts_cover_the_rl_package_and_forbid_cycles():
     assert ("acyclic_siblings", ("lmforge",)) in kinds
 
 
-@pytest.mark.parametrize("importer, imported", [
-    ("lmforge.core.ops", "lmforge.rl.loop"),  # a tensor helper reaching for the RL loop (inside a function counts)
-    ("lmforge.rollout.engine", "lmforge.serve.app"),  # the sampler importing the server
-    ("lmforge.model.load", "lmforge.data.tasks"),  # models above data, as lora <-> models once was
-])
+@pytest.mark.parametrize(
+    "importer, imported",
+    [
+        ("lmforge.core.ops", "lmforge.rl.loop"),  # a tensor helper reaching for the RL loop (inside a function counts)
+        ("lmforge.rollout.engine", "lmforge.serve.app"),  # the sampler importing the server
+        ("lmforge.model.load", "lmforge.data.tasks"),  # models above data, as lora <-> models once was
+    ],
+)
 def test_an_upward_import_breaks_the_layers(importer, imported):
     graph = grimp.build_graph("lmforge")
     layers = grimp_layers(layered("lmforge"))
@@ -111,7 +117,8 @@ def test_the_config_trace_follows_calls_copies_and_holders(tmp_path):
         "    resolved = dataclasses.replace(cfg, seed=1)\n"
         "    check(resolved)\n"
         "    use_section(cfg.rollout)\n"
-        "    return Run(cfg=cfg)\n")
+        "    return Run(cfg=cfg)\n"
+    )
     (pkg / "checks.py").write_text("def check(config):\n    deeper(config)\n")
     (pkg / "deep.py").write_text("def deeper(c):\n    return c\n")
     (pkg / "sections.py").write_text("def use_section(rollout):\n    return rollout.temperature\n")

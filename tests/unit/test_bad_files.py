@@ -4,6 +4,7 @@ One parametrised test feeds each reader the bad files it could meet (empty, bina
 encoding, wrong schema) and checks for an LmforgeError whose message holds the path (and the line,
 where the reader reads lines). Also here: nan/inf float settings, and the CLI's internal-error path.
 """
+
 import shutil
 import sys
 
@@ -11,15 +12,15 @@ import pytest
 import torch
 
 from lmforge import cli
-from lmforge.runtime.checkpoint import load_model_weights, load_trainer_state
 from lmforge.core.config import ModelConfig, load_config, read_yaml
+from lmforge.core.errors import ConfigError, LmforgeError
+from lmforge.data.prompts import load_prompt_rows
 from lmforge.data.sft import load_sft_rows
 from lmforge.data.text import load_text_files, pack_documents
-from lmforge.core.errors import ConfigError, LmforgeError
 from lmforge.model.load import build_tiny, load_model, save_model
-from lmforge.data.prompts import load_prompt_rows
-from lmforge.rollout.rewards import resolve_reward
 from lmforge.model.tokenizer import char_tokenizer, load_tokenizer, train_bpe_tokenizer
+from lmforge.rollout.rewards import resolve_reward
+from lmforge.runtime.checkpoint import load_model_weights, load_trainer_state
 
 BINARY = bytes(range(256)) * 4  # NUL bytes and invalid UTF-8
 LATIN1 = "caf\u00e9 au lait\n".encode("latin-1")  # 0xe9 alone is not UTF-8
@@ -53,6 +54,7 @@ def _copy_dir(src, tmp_path):
 
 
 # ----------------------------------------------------------------------------- one reader, one file each
+
 
 def _sft_jsonl(tmp_path, content):
     path = tmp_path / "data.jsonl"
@@ -188,17 +190,24 @@ CASES = {  # id: (reader, content, expected line number in the message or None, 
     "sft-jsonl-empty": (_sft_jsonl, b"", None, "no rows"),
     "sft-jsonl-binary": (_sft_jsonl, BINARY, 1, "a binary file"),
     "sft-jsonl-truncated": (_sft_jsonl, GOOD_ROW + b'{"prompt": "2+', 2, "invalid JSON"),
-    "sft-jsonl-latin1": (_sft_jsonl, GOOD_ROW + b'{"prompt": "' + LATIN1.strip() + b'", "completion": "x"}', 2,
-                         "not UTF-8 text"),
+    "sft-jsonl-latin1": (
+        _sft_jsonl,
+        GOOD_ROW + b'{"prompt": "' + LATIN1.strip() + b'", "completion": "x"}',
+        2,
+        "not UTF-8 text",
+    ),
     "sft-jsonl-utf16": (_sft_jsonl, GOOD_ROW.decode().encode("utf-16"), None, "UTF-16"),
     "sft-jsonl-schema": (_sft_jsonl, GOOD_ROW + b'{"text": "hello"}\n', 2, "'prompt' and 'completion'"),
     "sft-jsonl-not-object": (_sft_jsonl, b"[1, 2]\n", 1, "expected a JSON object"),
     "sft-parquet-empty": (_sft_parquet, b"", None, "Parquet"),
     "sft-parquet-binary": (_sft_parquet, BINARY, None, "Parquet"),
     "sft-parquet-jsonl": (_sft_parquet, GOOD_ROW, None, "Parquet"),
-    "sft-parquet-truncated": (_sft_parquet, lambda d: _half(_parquet_bytes(d, {"prompt": ["a"] * 50,
-                                                                               "completion": ["b"] * 50})),
-                              None, "Parquet"),
+    "sft-parquet-truncated": (
+        _sft_parquet,
+        lambda d: _half(_parquet_bytes(d, {"prompt": ["a"] * 50, "completion": ["b"] * 50})),
+        None,
+        "Parquet",
+    ),
     "sft-parquet-schema": (_sft_parquet, lambda d: _parquet_bytes(d, {"text": ["a", "b"]}), None, "row 1"),
     "prompts-empty": (_prompts, b"\n\n", None, "no rows"),
     "prompts-binary": (_prompts, BINARY, 1, "a binary file"),
@@ -335,12 +344,16 @@ def test_corrupt_data_cache_is_rebuilt_with_a_warning(tmp_path, caplog):
 
 # ----------------------------------------------------------------------------- reward modules
 
-@pytest.mark.parametrize("source, expected", [
-    ("def reward(:\n    pass\n", "SyntaxError"),
-    ("x = 1\nraise RuntimeError('no GPU here')\n", "RuntimeError: no GPU here"),
-    ("def other(completion, problem):\n    return 1.0\n", "has no callable 'reward'"),
-    ("reward = 3\n", "has no callable 'reward'"),
-])
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("def reward(:\n    pass\n", "SyntaxError"),
+        ("x = 1\nraise RuntimeError('no GPU here')\n", "RuntimeError: no GPU here"),
+        ("def other(completion, problem):\n    return 1.0\n", "has no callable 'reward'"),
+        ("reward = 3\n", "has no callable 'reward'"),
+    ],
+)
 def test_broken_reward_module_names_the_file(tmp_path, monkeypatch, source, expected):
     name = f"bad_reward_{abs(hash(source)) % 10**8}"
     (tmp_path / f"{name}.py").write_text(source)
@@ -362,8 +375,18 @@ def test_reward_spec_that_cannot_resolve(spec):
 
 # ----------------------------------------------------------------------------- nan / inf floats
 
-@pytest.mark.parametrize("override", ["optim.lr=nan", "optim.lr=inf", "optim.lr=-inf", "optim.lr=.nan",
-                                      "optim.beta2=Infinity", "optim.max_grad_norm=NaN"])
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "optim.lr=nan",
+        "optim.lr=inf",
+        "optim.lr=-inf",
+        "optim.lr=.nan",
+        "optim.beta2=Infinity",
+        "optim.max_grad_norm=NaN",
+    ],
+)
 def test_float_settings_reject_non_finite(override):
     from lmforge.recipes.sft import SFTConfig
 
@@ -398,6 +421,7 @@ def test_optional_float_rejects_non_finite_but_accepts_null():
 
 
 # ----------------------------------------------------------------------------- the CLI
+
 
 def _fail_in_recipe(monkeypatch, exc):
     """`lmforge sft` runs a recipe that raises ``exc`` (the CLI looks its run function up when it builds

@@ -14,6 +14,7 @@ Pieces, in pipeline order:
 
 Shapes: B = rows, T = sequence positions, V = vocabulary, P = padded prompt length, C = completion.
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,7 +29,17 @@ from torch import nn
 
 from ..core.errors import DataError
 from ..core.ops import selective_log_softmax
-from ..rollout.engine import (RolloutBatch, SamplingParams, decode_step, expand_cache, left_pad, lockstep_decode, make_cache, prefill, sample_token)
+from ..rollout.engine import (
+    RolloutBatch,
+    SamplingParams,
+    decode_step,
+    expand_cache,
+    left_pad,
+    lockstep_decode,
+    make_cache,
+    prefill,
+    sample_token,
+)
 
 # The objective proxy_gradient averages; also written into the saved file's metadata.
 OBJECTIVE = "mean over sequences of each sequence's mean completion-token NLL"
@@ -40,6 +51,7 @@ _FLOAT_META = ("grad_norm",)
 
 
 # ----------------------------------------------------------------------------- parameter names
+
 
 def clean_param_name(name: str) -> str:
     """Parameter name as the bare model spells it: drops wrapper path components.
@@ -73,8 +85,10 @@ def _clean_named_parameters(model: nn.Module, trainable_only: bool) -> dict[str,
             continue
         name = clean_param_name(raw_name)
         if name in out:
-            raise ValueError(f"parameter names {raw_name!r} and another both clean to {name!r}; "
-                             "the model itself uses a wrapper prefix as a submodule name")
+            raise ValueError(
+                f"parameter names {raw_name!r} and another both clean to {name!r}; "
+                "the model itself uses a wrapper prefix as a submodule name"
+            )
         out[name] = param
     return out
 
@@ -86,22 +100,31 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 # ----------------------------------------------------------------------------- proxy gradient
 
+
 def _unpack_batch(batch: Any, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A batch is a mapping with input_ids / attention_mask / loss_mask or a 3-tuple of them."""
     if isinstance(batch, Mapping):
         missing = [k for k in ("input_ids", "attention_mask", "loss_mask") if k not in batch]
         if missing:
-            raise ValueError(f"batch {index} lacks {missing}; proxy_gradient needs input_ids, "
-                             "attention_mask and loss_mask (1 on completion tokens), each (B, T)")
+            raise ValueError(
+                f"batch {index} lacks {missing}; proxy_gradient needs input_ids, "
+                "attention_mask and loss_mask (1 on completion tokens), each (B, T)"
+            )
         return batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     if isinstance(batch, (tuple, list)) and len(batch) == 3:
         return tuple(batch)
-    raise ValueError(f"batch {index} is a {type(batch).__name__}; pass a mapping or a tuple "
-                     "(input_ids, attention_mask, loss_mask)")
+    raise ValueError(
+        f"batch {index} is a {type(batch).__name__}; pass a mapping or a tuple (input_ids, attention_mask, loss_mask)"
+    )
 
 
-def sequence_mean_nll(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      loss_mask: torch.Tensor, batch_index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_mean_nll(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    batch_index: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence mean NLL over completion tokens, with autograd. Returns (nll (B,), num_tokens (B,)).
 
     input_ids, attention_mask, loss_mask: (B, T). ``loss_mask[b, t] = 1`` when token ``input_ids[b, t]``
@@ -110,8 +133,10 @@ def sequence_mean_nll(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     padding side works.
     """
     if not input_ids.shape == attention_mask.shape == loss_mask.shape:
-        raise ValueError(f"batch {batch_index}: input_ids {tuple(input_ids.shape)}, attention_mask "
-                         f"{tuple(attention_mask.shape)} and loss_mask {tuple(loss_mask.shape)} must match")
+        raise ValueError(
+            f"batch {batch_index}: input_ids {tuple(input_ids.shape)}, attention_mask "
+            f"{tuple(attention_mask.shape)} and loss_mask {tuple(loss_mask.shape)} must match"
+        )
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     logits = out.logits if hasattr(out, "logits") else out  # (B, T, V)
@@ -121,8 +146,10 @@ def sequence_mean_nll(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     num_tokens = mask.sum(1)  # (B,)
     if bool((num_tokens == 0).any()):
         rows = (num_tokens == 0).nonzero().flatten().tolist()
-        raise ValueError(f"batch {batch_index}: rows {rows} have no completion tokens in loss_mask "
-                         "(after column 0); drop such traces before computing the proxy gradient")
+        raise ValueError(
+            f"batch {batch_index}: rows {rows} have no completion tokens in loss_mask "
+            "(after column 0); drop such traces before computing the proxy gradient"
+        )
     return -(logprobs * mask).sum(1) / num_tokens, num_tokens
 
 
@@ -138,9 +165,9 @@ def _all_reduce_sums(sums: dict[str, torch.Tensor], counts: torch.Tensor) -> int
     return dist.get_world_size()
 
 
-def proxy_gradient(model: nn.Module, batches: Iterable[Any], *, model_id: str = "",
-                   progress: Callable[[int, int], None] | None = None
-                   ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def proxy_gradient(
+    model: nn.Module, batches: Iterable[Any], *, model_id: str = "", progress: Callable[[int, int], None] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Average gradient of the proxy's completion-only NLL on held-out teacher traces.
 
     The objective (``OBJECTIVE``) is ``L = (1/N) sum_i mean_{t in completion_i} -log p(x_t | x_<t)``
@@ -189,12 +216,19 @@ def proxy_gradient(model: nn.Module, batches: Iterable[Any], *, model_id: str = 
         raise ValueError("no sequences were seen on any rank; the held-out trace set is empty")
     grads = {name: s / num_sequences_global for name, s in sums.items()}
     grad_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
-    meta = {"num_sequences": num_sequences_global, "num_tokens": num_tokens_global,
-            "world_size": world_size, "grad_norm": grad_norm, "model_id": model_id, "objective": OBJECTIVE}
+    meta = {
+        "num_sequences": num_sequences_global,
+        "num_tokens": num_tokens_global,
+        "world_size": world_size,
+        "grad_norm": grad_norm,
+        "model_id": model_id,
+        "objective": OBJECTIVE,
+    }
     return grads, meta
 
 
 # ----------------------------------------------------------------------------- save / load
+
 
 def save_gradient(grads: Mapping[str, torch.Tensor], meta: Mapping[str, Any], path: str | os.PathLike) -> None:
     """Write grads as safetensors with ``meta`` as string metadata (atomic rename).
@@ -218,8 +252,9 @@ def save_gradient(grads: Mapping[str, torch.Tensor], meta: Mapping[str, Any], pa
     os.replace(tmp_path, path)
 
 
-def load_gradient(path: str | os.PathLike, device: str | torch.device = "cpu"
-                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def load_gradient(
+    path: str | os.PathLike, device: str | torch.device = "cpu"
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Read a file written by ``save_gradient``. Returns (grads, meta); counts come back as int,
     grad_norm as float, everything else as str."""
     from safetensors import safe_open
@@ -231,8 +266,10 @@ def load_gradient(path: str | os.PathLike, device: str | torch.device = "cpu"
             for name in f.keys():
                 grads[name] = f.get_tensor(name)
     except Exception as exc:  # safetensors raises SafetensorsError (and OSError) on a bad file
-        raise DataError(f"{path}: cannot read the proxy gradient ({type(exc).__name__}: {exc}); the file is "
-                        "truncated or corrupt: run `lmforge antidistill grad` again") from exc
+        raise DataError(
+            f"{path}: cannot read the proxy gradient ({type(exc).__name__}: {exc}); the file is "
+            "truncated or corrupt: run `lmforge antidistill grad` again"
+        ) from exc
     meta: dict[str, Any] = dict(metadata)
     for key in _INT_META:
         if key in meta:
@@ -245,8 +282,8 @@ def load_gradient(path: str | os.PathLike, device: str | torch.device = "cpu"
 
 # ----------------------------------------------------------------------------- perturbed proxies
 
-def perturbed_copies(proxy: nn.Module, grads: Mapping[str, torch.Tensor], eps: float
-                     ) -> tuple[nn.Module, nn.Module]:
+
+def perturbed_copies(proxy: nn.Module, grads: Mapping[str, torch.Tensor], eps: float) -> tuple[nn.Module, nn.Module]:
     """Two frozen eval-mode copies of ``proxy`` with parameters theta + eps*g and theta - eps*g.
 
     The update is computed in fp32 (fp64 for fp64 models) and then cast to the parameter dtype.
@@ -261,12 +298,16 @@ def perturbed_copies(proxy: nn.Module, grads: Mapping[str, torch.Tensor], eps: f
     clean_grads = {clean_param_name(k): v for k, v in grads.items()}
     unknown = sorted(set(clean_grads) - set(params))
     if unknown:
-        raise ValueError(f"{len(unknown)} gradient names match no proxy parameter, e.g. {unknown[:5]}; "
-                         "was the gradient computed for a different proxy model?")
+        raise ValueError(
+            f"{len(unknown)} gradient names match no proxy parameter, e.g. {unknown[:5]}; "
+            "was the gradient computed for a different proxy model?"
+        )
     for name, g in clean_grads.items():
         if tuple(g.shape) != tuple(params[name].shape):
-            raise ValueError(f"gradient {name!r} has shape {tuple(g.shape)} but the parameter has "
-                             f"{tuple(params[name].shape)}; was the gradient computed for a different proxy?")
+            raise ValueError(
+                f"gradient {name!r} has shape {tuple(g.shape)} but the parameter has "
+                f"{tuple(params[name].shape)}; was the gradient computed for a different proxy?"
+            )
     copies = []
     for sign in (1.0, -1.0):
         model = copy.deepcopy(base).eval().requires_grad_(False)
@@ -282,13 +323,21 @@ def perturbed_copies(proxy: nn.Module, grads: Mapping[str, torch.Tensor], eps: f
 
 # ----------------------------------------------------------------------------- the ADS logits
 
-def ads_logits(teacher_logits: torch.Tensor, plus_logits: torch.Tensor, minus_logits: torch.Tensor,
-               temperature: float, lam: float, eps: float) -> torch.Tensor:
+
+def ads_logits(
+    teacher_logits: torch.Tensor,
+    plus_logits: torch.Tensor,
+    minus_logits: torch.Tensor,
+    temperature: float,
+    lam: float,
+    eps: float,
+) -> torch.Tensor:
     """Adjusted logits ``z_teacher / T + lam * (z_plus - z_minus) / (2 * eps)`` (paper convention).
 
     All inputs (..., V) of the same shape; returns fp32 (fp64 if any input is fp64). The term is
     added *after* temperature scaling, so lam means the same at every T; the reference code adds it
-    before and on a gradient divided by its world size (see ``lam_from_reference``). ``z_plus`` / ``z_minus`` may be proxy logits or proxy
+    before and on a gradient divided by its world size (see ``lam_from_reference``). ``z_plus`` / ``z_minus`` may
+    be proxy logits or proxy
     log-softmax outputs: they differ by a per-row constant, which softmax ignores. lam = 0 returns
     ``z_teacher / T`` exactly (for finite proxy logits).
     """
@@ -297,9 +346,11 @@ def ads_logits(teacher_logits: torch.Tensor, plus_logits: torch.Tensor, minus_lo
     if not eps > 0:
         raise ValueError(f"eps must be > 0 (the paper uses ~1e-2), got {eps}")
     if not teacher_logits.shape == plus_logits.shape == minus_logits.shape:
-        raise ValueError(f"teacher {tuple(teacher_logits.shape)}, proxy+ {tuple(plus_logits.shape)} and proxy- "
-                         f"{tuple(minus_logits.shape)} logits differ in shape; if only the (padded) vocabulary "
-                         "sizes differ, pass vocab_size=len(tokenizer) to ads_generate")
+        raise ValueError(
+            f"teacher {tuple(teacher_logits.shape)}, proxy+ {tuple(plus_logits.shape)} and proxy- "
+            f"{tuple(minus_logits.shape)} logits differ in shape; if only the (padded) vocabulary "
+            "sizes differ, pass vocab_size=len(tokenizer) to ads_generate"
+        )
     dtype = _compute_dtype(torch.promote_types(teacher_logits.dtype, plus_logits.dtype))
     scaled = teacher_logits.to(dtype) / temperature
     return scaled + lam * (plus_logits.to(dtype) - minus_logits.to(dtype)) / (2 * eps)
@@ -334,11 +385,14 @@ def eps_from_reference(eps_reference: float, reference_world_size: int) -> float
 
 def _check_world_size(world_size: int) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"reference_world_size must be the number of processes save_grad.py ran on "
-                         f"(an int >= 1; the paper's runs used 8), got {world_size!r}")
+        raise ValueError(
+            f"reference_world_size must be the number of processes save_grad.py ran on "
+            f"(an int >= 1; the paper's runs used 8), got {world_size!r}"
+        )
 
 
 # ----------------------------------------------------------------------------- control direction
+
 
 def random_direction(grads: Mapping[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     """A random direction with the same names, shapes, dtypes and global L2 norm as ``grads``.
@@ -384,11 +438,14 @@ def check_same_tokenizer(tok_a: Any, tok_b: Any, names: tuple[str, str] = ("teac
         examples = ", ".join(f"{t!r}: {a}={vocab_a.get(t)} vs {b}={vocab_b.get(t)}" for t in differing[:5])
         problems.append(f"{len(differing)} tokens have different ids, e.g. {examples}")
     if problems:
-        raise ValueError(f"{a} and {b} tokenizers differ, but ADS needs token ids to mean the same thing "
-                         f"in both (use a proxy from the teacher's family): " + "; ".join(problems))
+        raise ValueError(
+            f"{a} and {b} tokenizers differ, but ADS needs token ids to mean the same thing "
+            f"in both (use a proxy from the teacher's family): " + "; ".join(problems)
+        )
 
 
 # ----------------------------------------------------------------------------- lockstep sampler
+
 
 @dataclass
 class AdsRolloutBatch(RolloutBatch):
@@ -407,17 +464,27 @@ def _check_ads_params(params: SamplingParams, eps: float) -> None:
     if not params.temperature > 0:
         raise ValueError(f"ADS needs temperature > 0, got {params.temperature}; use rollout.generate for greedy")
     if params.stop_strings:
-        raise ValueError("ads_generate supports stop_token_ids only; drop stop_strings "
-                         "(or cut the completions afterwards)")
+        raise ValueError(
+            "ads_generate supports stop_token_ids only; drop stop_strings (or cut the completions afterwards)"
+        )
     if not eps > 0:
         raise ValueError(f"eps must be > 0 (the paper uses ~1e-2), got {eps}")
 
 
 @torch.inference_mode()
-def ads_generate(teacher: nn.Module, proxy_plus: nn.Module, proxy_minus: nn.Module,
-                 prompts: Sequence[Sequence[int]], params: SamplingParams, lam: float, eps: float,
-                 *, num_samples: int = 1, pad_token_id: int = 0, vocab_size: int | None = None
-                 ) -> AdsRolloutBatch:
+def ads_generate(
+    teacher: nn.Module,
+    proxy_plus: nn.Module,
+    proxy_minus: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    lam: float,
+    eps: float,
+    *,
+    num_samples: int = 1,
+    pad_token_id: int = 0,
+    vocab_size: int | None = None,
+) -> AdsRolloutBatch:
     """Antidistillation sampling: the teacher and the two perturbed proxies decode in lockstep.
 
     Each model prefills every prompt once (cache shared by the prompt's ``num_samples`` rows) and keeps
@@ -425,7 +492,8 @@ def ads_generate(teacher: nn.Module, proxy_plus: nn.Module, proxy_minus: nn.Modu
     engine's ``sample_token`` from ``ads_logits(...)`` with ``params``' top-k / top-p applied to the
     adjusted logits, using ``params.seed``. With lam = 0 the tokens equal ``rollout.generate(teacher,
     ...)`` token for token. All three models run in eval mode (no dropout; ``generate`` does the same)
-    and get their previous modes back afterwards. ``vocab_size`` keeps only the first ``vocab_size`` logits of every model
+    and get their previous modes back afterwards. ``vocab_size`` keeps only the first ``vocab_size`` logits of
+    every model
     (for models whose embedding matrices are padded to different sizes).
     """
     _check_ads_params(params, eps)
@@ -442,8 +510,16 @@ def ads_generate(teacher: nn.Module, proxy_plus: nn.Module, proxy_minus: nn.Modu
             model.train(mode)
 
 
-def _ads_generate(models, prompts, params: SamplingParams, lam: float, eps: float, num_samples: int,
-                  pad_token_id: int, vocab_size: int | None) -> AdsRolloutBatch:
+def _ads_generate(
+    models,
+    prompts,
+    params: SamplingParams,
+    lam: float,
+    eps: float,
+    num_samples: int,
+    pad_token_id: int,
+    vocab_size: int | None,
+) -> AdsRolloutBatch:
     teacher = models[0]
     device = _model_device(teacher)
     prompt_ids, prompt_mask = left_pad(prompts, pad_token_id)  # (N, P)
@@ -458,17 +534,36 @@ def _ads_generate(models, prompts, params: SamplingParams, lam: float, eps: floa
     prompt_ids = prompt_ids.repeat_interleave(num_samples, dim=0)
     prompt_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
     ids, mask, logprobs, teacher_logprobs, kl, finished = _ads_decode_loop(
-        models, caches, logits, prompt_mask.to(device), params, lam, eps, pad_token_id, generator, vocab_size)
+        models, caches, logits, prompt_mask.to(device), params, lam, eps, pad_token_id, generator, vocab_size
+    )
     return AdsRolloutBatch(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=ids.cpu(), completion_mask=mask.cpu(),
-        logprobs=logprobs.cpu(), group_index=torch.arange(len(prompts)).repeat_interleave(num_samples),
-        prompt_lens=prompt_mask.sum(1), completion_lens=mask.sum(1).cpu(), truncated=~finished.cpu(),
-        teacher_logprobs=teacher_logprobs.cpu(), kl=kl.cpu(),
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=ids.cpu(),
+        completion_mask=mask.cpu(),
+        logprobs=logprobs.cpu(),
+        group_index=torch.arange(len(prompts)).repeat_interleave(num_samples),
+        prompt_lens=prompt_mask.sum(1),
+        completion_lens=mask.sum(1).cpu(),
+        truncated=~finished.cpu(),
+        teacher_logprobs=teacher_logprobs.cpu(),
+        kl=kl.cpu(),
     )
 
 
-def _ads_decode_loop(models, caches, logits, prompt_mask, params: SamplingParams, lam: float, eps: float,
-                     pad_token_id: int, generator, vocab_size: int | None, check_every: int = 4):
+def _ads_decode_loop(
+    models,
+    caches,
+    logits,
+    prompt_mask,
+    params: SamplingParams,
+    lam: float,
+    eps: float,
+    pad_token_id: int,
+    generator,
+    vocab_size: int | None,
+    check_every: int = 4,
+):
     """Lockstep sampling of [teacher, plus, minus]. logits: their (B, V) logits; prompt_mask (B, P).
 
     Returns (ids, mask, logprobs, teacher_logprobs, kl) each (B, C) and finished (B,). ``kl`` is the
@@ -492,10 +587,12 @@ def _ads_decode_loop(models, caches, logits, prompt_mask, params: SamplingParams
     def advance(tokens, attention_mask, positions):
         for i, model in enumerate(models):
             model_device = _model_device(model)
-            step_logits, caches[i] = decode_step(model, tokens.to(model_device), caches[i],
-                                                 attention_mask.to(model_device), positions.to(model_device))
+            step_logits, caches[i] = decode_step(
+                model, tokens.to(model_device), caches[i], attention_mask.to(model_device), positions.to(model_device)
+            )
             logits[i] = step_logits.to(device)
 
     ids, mask, logprobs, (teacher_logprobs, kl), finished = lockstep_decode(
-        pick, advance, prompt_mask, params, pad_token_id, check_every=check_every, num_extras=2)
+        pick, advance, prompt_mask, params, pad_token_id, check_every=check_every, num_extras=2
+    )
     return ids, mask, logprobs, teacher_logprobs, kl, finished

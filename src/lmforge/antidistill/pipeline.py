@@ -10,6 +10,7 @@ Work directory (``run.workdir``); each stage reads what the stage before it wrot
     eval/results.json                                 lmforge antidistill eval
     report/report.md  report/student_vs_teacher.png   lmforge antidistill report
 """
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,9 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..data.sft import SFTExample
 from ..core.errors import DataError, LmforgeError
 from ..core.fileio import read_text, text_lines
+from ..data.sft import SFTExample
 from ..rollout.engine import RolloutBatch
 
 
@@ -29,6 +30,7 @@ class StageInputMissing(LmforgeError, FileNotFoundError):
 
 
 # ----------------------------------------------------------------------------- layout
+
 
 def heldout_path(workdir: Path) -> Path:
     return Path(workdir) / "traces" / "heldout.jsonl"
@@ -61,12 +63,14 @@ def results_path(workdir: Path) -> Path:
 def require(path: Path, command: str) -> Path:
     """``path`` if it exists, else StageInputMissing naming the command that writes it."""
     if not Path(path).exists():
-        raise StageInputMissing(f"{path} not found: run `lmforge antidistill {command}` with the same config "
-                                f"(same run.workdir) first")
+        raise StageInputMissing(
+            f"{path} not found: run `lmforge antidistill {command}` with the same config (same run.workdir) first"
+        )
     return Path(path)
 
 
 # ----------------------------------------------------------------------------- files
+
 
 def write_jsonl(path: Path, rows: Sequence[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,8 +85,9 @@ def _json_value(text: str, where: str, what: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
-        raise DataError(f"{where}: invalid JSON in the {what} ({err.msg}); the file is truncated or was "
-                        "edited: run its stage again") from None
+        raise DataError(
+            f"{where}: invalid JSON in the {what} ({err.msg}); the file is truncated or was edited: run its stage again"
+        ) from None
     if not isinstance(value, dict):
         raise DataError(f"{where}: expected a JSON object in the {what}, got {type(value).__name__}")
     return value
@@ -90,8 +95,11 @@ def _json_value(text: str, where: str, what: str) -> dict:
 
 def read_jsonl(path: Path) -> list[dict]:
     """The rows of a stage's JSONL file; a bad file is a DataError naming ``path:line``."""
-    return [_json_value(line, f"{path}:{number}", "stage file") for number, line in text_lines(path, "stage file")
-            if line.strip()]
+    return [
+        _json_value(line, f"{path}:{number}", "stage file")
+        for number, line in text_lines(path, "stage file")
+        if line.strip()
+    ]
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -108,6 +116,7 @@ def read_json(path: Path) -> dict:
 
 # ----------------------------------------------------------------------------- traces
 
+
 def trace_rows(batch: RolloutBatch, problems: Sequence, tokenizer, task) -> list[dict]:
     """One ``prompt``/``completion`` row per sampled completion, scored by the task's verifier.
 
@@ -120,8 +129,15 @@ def trace_rows(batch: RolloutBatch, problems: Sequence, tokenizer, task) -> list
         problem = problems[int(batch.group_index[b])]
         ids = batch.completion_ids[b][batch.completion_mask[b].bool()].tolist()
         text = tokenizer.decode(ids, skip_special_tokens=True)
-        rows.append({"prompt": problem.prompt, "completion": text, "answer": problem.answer,
-                     "correct": bool(task.is_correct(text, problem)), "truncated": bool(batch.truncated[b])})
+        rows.append(
+            {
+                "prompt": problem.prompt,
+                "completion": text,
+                "answer": problem.answer,
+                "correct": bool(task.is_correct(text, problem)),
+                "truncated": bool(batch.truncated[b]),
+            }
+        )
     return rows
 
 
@@ -147,10 +163,11 @@ def kl_sums(batch) -> tuple[float, int]:
 def gradient_batches(examples: Sequence[SFTExample], pad_id: int, batch_size: int) -> Iterator[dict]:
     """Right-padded batches ``input_ids``, ``attention_mask``, ``loss_mask`` (each (B, T) long)."""
     for start in range(0, len(examples), batch_size):
-        chunk = examples[start:start + batch_size]
+        chunk = examples[start : start + batch_size]
         width = max(len(ex.input_ids) for ex in chunk)
-        batch = {k: torch.zeros((len(chunk), width), dtype=torch.long)
-                 for k in ("input_ids", "attention_mask", "loss_mask")}
+        batch = {
+            k: torch.zeros((len(chunk), width), dtype=torch.long) for k in ("input_ids", "attention_mask", "loss_mask")
+        }
         batch["input_ids"].fill_(pad_id)
         for b, ex in enumerate(chunk):
             n = len(ex.input_ids)
@@ -161,6 +178,7 @@ def gradient_batches(examples: Sequence[SFTExample], pad_id: int, batch_size: in
 
 
 # ----------------------------------------------------------------------------- report
+
 
 def interpolate(points: Sequence[tuple[float, float]], x: float) -> float | None:
     """Piecewise-linear y(x) through ``points`` (x, y), or None outside their x range.
@@ -188,16 +206,21 @@ def _pct(value: float | None) -> str:
 def report_markdown(settings: Sequence[dict], teacher_greedy: float, student_baseline: float) -> str:
     """Markdown table. Each setting: name, temperature, lam, teacher_accuracy (on its traces),
     kl_per_token, student_accuracy, and temperature_student_at_same_teacher (None if out of range)."""
-    lines = [f"Teacher (greedy) test accuracy: {_pct(teacher_greedy)}%. "
-             f"Undistilled student test accuracy: {_pct(student_baseline)}%.", "",
-             "| setting | sampling | T | lam | teacher acc. on traces (%) | KL/token (nats) | student test acc. (%) "
-             "| temperature-sampling student at same teacher acc. (%) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Teacher (greedy) test accuracy: {_pct(teacher_greedy)}%. "
+        f"Undistilled student test accuracy: {_pct(student_baseline)}%.",
+        "",
+        "| setting | sampling | T | lam | teacher acc. on traces (%) | KL/token (nats) | student test acc. (%) "
+        "| temperature-sampling student at same teacher acc. (%) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for s in settings:
         kind = "temperature" if s["lam"] == 0 else "ADS" if s.get("direction", "proxy") == "proxy" else "random dir."
-        lines.append(f"| {s['name']} | {kind} | {s['temperature']:g} | {s['lam']:g} | {_pct(s['teacher_accuracy'])} "
-                     f"| {s['kl_per_token']:.3f} | {_pct(s['student_accuracy'])} "
-                     f"| {_pct(s.get('temperature_student_at_same_teacher'))} |")
+        lines.append(
+            f"| {s['name']} | {kind} | {s['temperature']:g} | {s['lam']:g} | {_pct(s['teacher_accuracy'])} "
+            f"| {s['kl_per_token']:.3f} | {_pct(s['student_accuracy'])} "
+            f"| {_pct(s.get('temperature_student_at_same_teacher'))} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -211,21 +234,41 @@ def plot_report(settings: Sequence[dict], teacher_greedy: float, student_baselin
     fig, ax = plt.subplots(figsize=(6, 4.5))
     temp = sorted((s for s in settings if s["lam"] == 0), key=lambda s: s["teacher_accuracy"])
     if temp:
-        ax.plot([100 * s["teacher_accuracy"] for s in temp], [100 * s["student_accuracy"] for s in temp],
-                "o-", color="tab:blue", label="temperature sampling (lam = 0)")
+        ax.plot(
+            [100 * s["teacher_accuracy"] for s in temp],
+            [100 * s["student_accuracy"] for s in temp],
+            "o-",
+            color="tab:blue",
+            label="temperature sampling (lam = 0)",
+        )
         for s in temp:
-            ax.annotate(f"T={s['temperature']:g}", (100 * s["teacher_accuracy"], 100 * s["student_accuracy"]),
-                        fontsize=7, xytext=(3, 3), textcoords="offset points")
+            ax.annotate(
+                f"T={s['temperature']:g}",
+                (100 * s["teacher_accuracy"], 100 * s["student_accuracy"]),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
     ads = [s for s in settings if s["lam"] != 0]
     if ads:
-        ax.scatter([100 * s["teacher_accuracy"] for s in ads], [100 * s["student_accuracy"] for s in ads],
-                   marker="s", color="tab:red" if ads[0].get("direction", "proxy") == "proxy" else "tab:green",
-                   label="antidistillation sampling" if ads[0].get("direction", "proxy") == "proxy"
-                   else "random direction (control)", zorder=3)
+        ax.scatter(
+            [100 * s["teacher_accuracy"] for s in ads],
+            [100 * s["student_accuracy"] for s in ads],
+            marker="s",
+            color="tab:red" if ads[0].get("direction", "proxy") == "proxy" else "tab:green",
+            label="antidistillation sampling"
+            if ads[0].get("direction", "proxy") == "proxy"
+            else "random direction (control)",
+            zorder=3,
+        )
         for s in ads:
-            ax.annotate(f"T={s['temperature']:g} lam={s['lam']:g}",
-                        (100 * s["teacher_accuracy"], 100 * s["student_accuracy"]),
-                        fontsize=7, xytext=(3, -9), textcoords="offset points")
+            ax.annotate(
+                f"T={s['temperature']:g} lam={s['lam']:g}",
+                (100 * s["teacher_accuracy"], 100 * s["student_accuracy"]),
+                fontsize=7,
+                xytext=(3, -9),
+                textcoords="offset points",
+            )
     ax.plot([0, 100], [0, 100], color="lightgray", linewidth=0.8, label="student = teacher traces")
     ax.axhline(100 * student_baseline, color="gray", linestyle="--", label="undistilled student")
     ax.axvline(100 * teacher_greedy, color="gray", linestyle=":", label="teacher, greedy (test)")

@@ -11,6 +11,7 @@ type are errors that name the key and the expected type. YAML is read as YAML 1.
 ``gradient_checkpointing: on`` means "on") and ``1e-4`` is a number; a key given twice in one mapping
 is an error naming both lines (PyYAML would keep the last one silently).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,15 +31,22 @@ from .errors import ConfigError
 from .fileio import read_text
 
 
-def opt(default: Any, help: str, keys: tuple[str, ...] = (),  # noqa: A002 - "help" reads best at call sites
-        free_on_resume: bool | str = False) -> Any:
+def opt(
+    default: Any,
+    help: str,  # noqa: A002 - "help" reads best at call sites
+    keys: tuple[str, ...] = (),
+    free_on_resume: bool | str = False,
+) -> Any:
     """A config field with a default and a one-line help text. ``keys``: for a mapping field, the only
     keys it may hold (e.g. the names ``data.columns`` can map); any other is an unknown-key error.
     ``free_on_resume``: the key only decides what is logged, evaluated or saved, when, or how fast the
     same computation runs, so a resumed run may change it (lmforge.runtime.resume_check); ``"unless_path"``:
     free unless its section reads a file (``path`` set), whose held-out rows it then sizes."""
-    metadata = {"help": help, **({"keys": tuple(keys)} if keys else {}),
-                **({"free_on_resume": free_on_resume} if free_on_resume else {})}
+    metadata = {
+        "help": help,
+        **({"keys": tuple(keys)} if keys else {}),
+        **({"free_on_resume": free_on_resume} if free_on_resume else {}),
+    }
     if isinstance(default, (list, dict)):
         value = default
         return dataclasses.field(default_factory=lambda: type(value)(value), metadata=metadata)
@@ -52,6 +60,7 @@ def section(cls: type, help: str = "") -> Any:  # noqa: A002
 
 # ----------------------------------------------------------------------------- type checking
 
+
 def refuse_ignored(cfg: Any, section_name: str, keys: tuple[str, ...], when: str) -> None:
     """ConfigError naming every key of ``keys`` that was set away from its default although ``when``
     makes the recipe ignore it (e.g. a column mapping next to a built-in task): a setting that does
@@ -63,8 +72,10 @@ def refuse_ignored(cfg: Any, section_name: str, keys: tuple[str, ...], when: str
             if getattr(cfg, field.name) != default:
                 changed.append(f"{section_name}.{field.name}")
     if changed:
-        raise ConfigError(f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'} not used {when}; remove "
-                          f"{'it' if len(changed) == 1 else 'them'}")
+        raise ConfigError(
+            f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'} not used {when}; remove "
+            f"{'it' if len(changed) == 1 else 'them'}"
+        )
 
 
 def where_raised(exc: BaseException) -> str:
@@ -87,11 +98,13 @@ def import_object(spec: str, label: str, kind: str) -> tuple[Any, str]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"{label}: cannot import module {module_name!r} ({exc}); is it installed or on "
-                          "PYTHONPATH?") from exc
+        raise ConfigError(
+            f"{label}: cannot import module {module_name!r} ({exc}); is it installed or on PYTHONPATH?"
+        ) from exc
     except Exception as exc:  # the module itself is broken: a syntax error, or code that raises on import
-        raise ConfigError(f"{label}: importing module {module_name!r} failed at {where_raised(exc)}: "
-                          f"{type(exc).__name__}: {exc}") from exc
+        raise ConfigError(
+            f"{label}: importing module {module_name!r} failed at {where_raised(exc)}: {type(exc).__name__}: {exc}"
+        ) from exc
     return getattr(module, attr, None), f"{module_name!r} ({getattr(module, '__file__', None) or module_name})"
 
 
@@ -120,8 +133,10 @@ def _shown(value: Any, key: str = "") -> str:
     if value is None:
         if ":" in key.rsplit(".", 1)[-1]:
             name, _, rest = key.rsplit(".", 1)[-1].partition(":")
-            return (f"an empty value: YAML needs a space after the colon, '{name}: {rest}' (without it, "
-                    f"'{name}:{rest}' is one key with no value)")
+            return (
+                f"an empty value: YAML needs a space after the colon, '{name}: {rest}' (without it, "
+                f"'{name}:{rest}' is one key with no value)"
+            )
         return "an empty value (null)"
     if isinstance(value, (list, dict)):
         return f"a {'list' if isinstance(value, list) else 'mapping'} {value!r:.80}"
@@ -168,7 +183,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is dict:  # e.g. data.columns: {prompt: question}
         key_tp, value_tp = get_args(tp) or (Any, Any)
         if not isinstance(value, dict):
-            raise ConfigError(f"config key '{key}': expected {_type_name(tp)} (e.g. {{a: b}}), got {_shown(value, key)}")
+            raise ConfigError(
+                f"config key '{key}': expected {_type_name(tp)} (e.g. {{a: b}}), got {_shown(value, key)}"
+            )
         return {_coerce(k, key_tp, key): _coerce(v, value_tp, f"{key}.{k}") for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
@@ -211,17 +228,17 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, dict):
             return _build(tp, value, key + ".")
         first = dataclasses.fields(tp)[0].name
-        raise ConfigError(f"config section '{key}' must be a mapping of its keys, e.g. '{key}: {{{first}: ...}}' "
-                          f"or {key}.{first}=... on the command line; got {_shown(value, key)}")
+        raise ConfigError(
+            f"config section '{key}' must be a mapping of its keys, e.g. '{key}: {{{first}: ...}}' "
+            f"or {key}.{first}=... on the command line; got {_shown(value, key)}"
+        )
     raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {_shown(value, key)}")
 
 
 def _unknown_key(key: str, prefix: str, valid: list[str], note: str = "") -> ConfigError:
     close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
     hint = f" Did you mean: {', '.join(prefix + c for c in close)}?" if close else ""
-    return ConfigError(
-        f"unknown config key '{prefix}{key}'.{hint} Valid keys here: {', '.join(sorted(valid))}.{note}"
-    )
+    return ConfigError(f"unknown config key '{prefix}{key}'.{hint} Valid keys here: {', '.join(sorted(valid))}.{note}")
 
 
 def _build(cls: type, values: dict, prefix: str = "") -> Any:
@@ -237,9 +254,13 @@ def _build(cls: type, values: dict, prefix: str = "") -> Any:
         allowed = fields[key].metadata.get("keys")
         for inner in kwargs[key] if allowed and isinstance(kwargs[key], dict) else ():
             if inner not in allowed:
-                raise _unknown_key(str(inner), f"{prefix}{key}.", list(allowed),
-                                   f" ({prefix}{key} maps these names to the data's own names; the data's other "
-                                   "columns pass through as they are)")
+                raise _unknown_key(
+                    str(inner),
+                    f"{prefix}{key}.",
+                    list(allowed),
+                    f" ({prefix}{key} maps these names to the data's own names; the data's other "
+                    "columns pass through as they are)",
+                )
     for name in fields:  # sections left out of the file are built too, so that they get validated
         if name not in kwargs and dataclasses.is_dataclass(hints[name]):
             kwargs[name] = _build(hints[name], {}, prefix + name + ".")
@@ -267,7 +288,8 @@ _ConfigLoader.yaml_implicit_resolvers = {
 }
 _ConfigLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 _ConfigLoader.add_implicit_resolver(  # after int: only numbers with an exponent and no dot are new here
-    _FLOAT, re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"), list("-+0123456789."))
+    _FLOAT, re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"), list("-+0123456789.")
+)
 
 
 def _duplicate_key(node: Any, path: tuple = ()) -> tuple[str, int, int] | None:
@@ -302,8 +324,10 @@ def parse_yaml(text: str, where: str) -> Any:
         duplicate = _duplicate_key(node)
         if duplicate:
             key, first, second = duplicate
-            raise ConfigError(f"{where}: key '{key}' is given twice (lines {first} and {second}); YAML would keep "
-                              "only the last value without a word. Keep one of them")
+            raise ConfigError(
+                f"{where}: key '{key}' is given twice (lines {first} and {second}); YAML would keep "
+                "only the last value without a word. Keep one of them"
+            )
         return loader.construct_document(node)
     finally:
         loader.dispose()
@@ -347,11 +371,14 @@ def read_yaml(path: str | Path) -> dict:
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
     if data is None:  # naming a file that sets nothing is more likely a mistake than a wish for defaults
-        raise ConfigError(f"config file {path} is empty (or only comments): it sets no key. Add the settings, "
-                          "or leave the file out to run with every default")
+        raise ConfigError(
+            f"config file {path} is empty (or only comments): it sets no key. Add the settings, "
+            "or leave the file out to run with every default"
+        )
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping (key: value lines) at the top level, "
-                          f"not a {type(data).__name__}")
+        raise ConfigError(
+            f"config file {path} must hold a mapping (key: value lines) at the top level, not a {type(data).__name__}"
+        )
     return data
 
 
@@ -398,12 +425,14 @@ def resume_free_keys(cfg: Any) -> set[str]:
         if dataclasses.is_dataclass(hints[f.name]):
             free |= {f"{f.name}.{key}" for key in resume_free_keys(value)}
         elif f.metadata.get("free_on_resume") is True or (
-                f.metadata.get("free_on_resume") == "unless_path" and not getattr(cfg, "path", "")):
+            f.metadata.get("free_on_resume") == "unless_path" and not getattr(cfg, "path", "")
+        ):
             free.add(f.name)
     return free
 
 
 # ----------------------------------------------------------------------------- shared sections
+
 
 @dataclasses.dataclass
 class LoraConfig:
@@ -412,9 +441,12 @@ class LoraConfig:
     r: int = opt(0, "LoRA rank (0 = off: full fine-tuning); e.g. model.lora.r=8 trains rank-8 adapters only")
     alpha: float = opt(0.0, "LoRA scale numerator: the update is (alpha / r) B A (0 = 2 x r)")
     dropout: float = opt(0.0, "dropout on the adapters' input (training only)")
-    target_modules: list[str] = opt(["all-linear"], "module names to adapt (e.g. q_proj,v_proj); all-linear = "
-                                    "every linear layer but the LM head")
-    save_merged: bool = opt(False, "also write the merged model (W + BA scale) as a plain HF directory: final/merged", free_on_resume=True)
+    target_modules: list[str] = opt(
+        ["all-linear"], "module names to adapt (e.g. q_proj,v_proj); all-linear = every linear layer but the LM head"
+    )
+    save_merged: bool = opt(
+        False, "also write the merged model (W + BA scale) as a plain HF directory: final/merged", free_on_resume=True
+    )
 
     def validate(self) -> None:
         if self.r < 0:
@@ -429,9 +461,14 @@ class LoraConfig:
 
 @dataclasses.dataclass
 class ModelConfig:
-    name: str = opt("tiny:llama", "model spec: tiny:llama | tiny:qwen2 | HF dir | hub id | file.gguf | smollm2-135m-instruct")
-    tokenizer: str = opt("", "tokenizer spec (HF dir, hub id, 'char', 'char:ascii' = printable ASCII, or a "
-                         "trained BPE dir); empty = the model's own")
+    name: str = opt(
+        "tiny:llama", "model spec: tiny:llama | tiny:qwen2 | HF dir | hub id | file.gguf | smollm2-135m-instruct"
+    )
+    tokenizer: str = opt(
+        "",
+        "tokenizer spec (HF dir, hub id, 'char', 'char:ascii' = printable ASCII, or a "
+        "trained BPE dir); empty = the model's own",
+    )
     hidden_size: int = opt(128, "tiny models: hidden size")
     num_layers: int = opt(4, "tiny models: number of transformer layers")
     num_heads: int = opt(4, "tiny models: attention heads")
@@ -443,7 +480,9 @@ class ModelConfig:
 
     def validate(self) -> None:
         if self.hidden_size % max(self.num_heads, 1):
-            raise ConfigError(f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads})")
+            raise ConfigError(
+                f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads})"
+            )
 
 
 @dataclasses.dataclass
@@ -470,35 +509,69 @@ class OptimConfig:
 class TrainConfig:
     output_dir: str = opt("runs/run", "run directory (config, metrics, checkpoints)", free_on_resume=True)
     max_steps: int = opt(200, "optimizer steps", free_on_resume=True)
-    batch_size: int = opt(0, "rows per optimizer step over all ranks (SFT / pretrain; 0 = 32; dpo / rm: "
-                          "pairs); RL: rollout.num_prompts x rollout.group_size, set by the recipe")
-    micro_batch_size: int = opt(0, "rows (dpo / rm: pairs) per forward pass on one rank (0 = chosen by hardware "
-                                "tier); only splits the batch: accumulation = batch_size / (micro_batch_size x ranks)", free_on_resume=True)
+    batch_size: int = opt(
+        0,
+        "rows per optimizer step over all ranks (SFT / pretrain; 0 = 32; dpo / rm: "
+        "pairs); RL: rollout.num_prompts x rollout.group_size, set by the recipe",
+    )
+    micro_batch_size: int = opt(
+        0,
+        "rows (dpo / rm: pairs) per forward pass on one rank (0 = chosen by hardware "
+        "tier); only splits the batch: accumulation = batch_size / (micro_batch_size x ranks)",
+        free_on_resume=True,
+    )
     seed: int = opt(0, "seed for data order, sampling and dropout")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps", free_on_resume=True)
-    dtype: Literal["auto", "fp32", "bf16", "fp16"] = opt("auto", "compute dtype (auto: fp32 on CPU, bf16 on recent GPUs)")
-    threads: int = opt(0, "CPU threads for torch (0 = the cores the load average leaves; lmforge hardware shows "
-                       "the choice)", free_on_resume=True)
-    gradient_checkpointing: Literal["auto", "on", "off"] = opt("auto", "recompute activations in backward to save memory", free_on_resume=True)
-    eval_every: int = opt(50, "evaluate (val loss, samples, accuracy) every N steps (0 = only at the end)", free_on_resume=True)
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = opt(
+        "auto", "compute dtype (auto: fp32 on CPU, bf16 on recent GPUs)"
+    )
+    threads: int = opt(
+        0,
+        "CPU threads for torch (0 = the cores the load average leaves; lmforge hardware shows the choice)",
+        free_on_resume=True,
+    )
+    gradient_checkpointing: Literal["auto", "on", "off"] = opt(
+        "auto", "recompute activations in backward to save memory", free_on_resume=True
+    )
+    eval_every: int = opt(
+        50, "evaluate (val loss, samples, accuracy) every N steps (0 = only at the end)", free_on_resume=True
+    )
     save_every: int = opt(100, "checkpoint every N steps (0 = only best and final)", free_on_resume=True)
     keep_last: int = opt(2, "periodic checkpoints kept on disk", free_on_resume=True)
-    resume: str = opt("", "'' = fresh run, 'auto' = latest checkpoint in output_dir, or a checkpoint path", free_on_resume=True)
-    resume_accept: list[str] = opt([], "on resume: settings (keys or whole sections, e.g. [optim.lr] or [optim]) "
-                                    "allowed to differ from the run's saved config.yaml; any other difference that "
-                                    "changes the computation is an error (docs/training.md)", free_on_resume=True)
+    resume: str = opt(
+        "", "'' = fresh run, 'auto' = latest checkpoint in output_dir, or a checkpoint path", free_on_resume=True
+    )
+    resume_accept: list[str] = opt(
+        [],
+        "on resume: settings (keys or whole sections, e.g. [optim.lr] or [optim]) "
+        "allowed to differ from the run's saved config.yaml; any other difference that "
+        "changes the computation is an error (docs/training.md)",
+        free_on_resume=True,
+    )
     log_every: int = opt(10, "print a metrics line every N steps", free_on_resume=True)
-    on_nonfinite: Literal["stop", "skip"] = opt("stop", "a nan / inf loss or gradient norm: stop before the update, "
-                                                "or skip that update (counted as skipped_updates)", free_on_resume=True)
-    max_nonfinite_skips: int = opt(3, "on_nonfinite=skip: stop after this many skipped updates in a row", free_on_resume=True)
+    on_nonfinite: Literal["stop", "skip"] = opt(
+        "stop",
+        "a nan / inf loss or gradient norm: stop before the update, or skip that update (counted as skipped_updates)",
+        free_on_resume=True,
+    )
+    max_nonfinite_skips: int = opt(
+        3, "on_nonfinite=skip: stop after this many skipped updates in a row", free_on_resume=True
+    )
     num_samples: int = opt(3, "generations printed and saved at each evaluation", free_on_resume=True)
     max_new_tokens: int = opt(32, "tokens generated per sample at evaluation", free_on_resume=True)
-    qat: Literal["none", "ternary", "int4"] = opt("none", "quantization-aware training: the decoder's linear layers "
-                                                  "compute with fake-quantized weights (ternary = BitNet b1.58 "
-                                                  "absmean, int4 = absmax per group of 32), straight-through "
-                                                  "gradients, full-precision master weights (docs/quantization.md)")
-    save_quantized: list[str] = opt([], "formats of quantized copies written into best/ and final/ as "
-                                    "quantized-<format>/ (e.g. [int8, gguf-q4_0]; lmforge quantize --help lists them)", free_on_resume=True)
+    qat: Literal["none", "ternary", "int4"] = opt(
+        "none",
+        "quantization-aware training: the decoder's linear layers "
+        "compute with fake-quantized weights (ternary = BitNet b1.58 "
+        "absmean, int4 = absmax per group of 32), straight-through "
+        "gradients, full-precision master weights (docs/quantization.md)",
+    )
+    save_quantized: list[str] = opt(
+        [],
+        "formats of quantized copies written into best/ and final/ as "
+        "quantized-<format>/ (e.g. [int8, gguf-q4_0]; lmforge quantize --help lists them)",
+        free_on_resume=True,
+    )
 
     def validate(self) -> None:
         if self.max_steps < 1:
@@ -512,11 +585,21 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class ParallelConfig:
-    strategy: Literal["ddp", "fsdp2"] = opt("ddp", "data parallelism under torchrun: ddp (replicated model) or "
-                                            "fsdp2 (sharded parameters, gradients and optimizer state)", free_on_resume=True)
-    grad_sync: Literal["native", "ring"] = opt("native", "DDP gradient sum: native all-reduce, or lmforge's ring "
-                                               "all-reduce (point-to-point, docs/algorithms/all-reduce.md)", free_on_resume=True)
-    timeout_s: float = opt(600.0, "a collective that waits longer than this fails (a dead rank never hangs the rest)", free_on_resume=True)
+    strategy: Literal["ddp", "fsdp2"] = opt(
+        "ddp",
+        "data parallelism under torchrun: ddp (replicated model) or "
+        "fsdp2 (sharded parameters, gradients and optimizer state)",
+        free_on_resume=True,
+    )
+    grad_sync: Literal["native", "ring"] = opt(
+        "native",
+        "DDP gradient sum: native all-reduce, or lmforge's ring "
+        "all-reduce (point-to-point, docs/algorithms/all-reduce.md)",
+        free_on_resume=True,
+    )
+    timeout_s: float = opt(
+        600.0, "a collective that waits longer than this fails (a dead rank never hangs the rest)", free_on_resume=True
+    )
 
 
 @dataclasses.dataclass

@@ -13,6 +13,7 @@ Anything else (a default computed by a call, a ``dataclasses.field``) raises :cl
 then imports the module and describes the class itself: slower, the same text. tests/recipes/test_cli.py
 checks that every command is read here and that the rows equal ``describe``'s.
 """
+
 from __future__ import annotations
 
 import ast
@@ -60,11 +61,11 @@ class _Module:
         """The imported module's name relative to lmforge, or None for a module outside the package."""
         if level == 0:
             if module == "lmforge" or (module or "").startswith("lmforge."):
-                return module[len("lmforge."):] if "." in module else ""
+                return module[len("lmforge.") :] if "." in module else ""
             return None
         parts = self.name.split(".") if self.name else []
         base = parts if self.is_package else parts[:-1]
-        base = base[:len(base) - (level - 1)]
+        base = base[: len(base) - (level - 1)]
         return ".".join(base + (module.split(".") if module else []))
 
     def where(self, node: ast.AST) -> str:
@@ -136,8 +137,14 @@ def _value(module: _Module, node: ast.expr) -> Any:
         owner, target = _resolve(module, node)
         if isinstance(target, ast.expr):
             return _value(owner, target)
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "join"
-            and isinstance(node.func.value, ast.Constant) and len(node.args) == 1 and not node.keywords):
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "join"
+        and isinstance(node.func.value, ast.Constant)
+        and len(node.args) == 1
+        and not node.keywords
+    ):
         return node.func.value.value.join(_names(module, node.args[0]))  # "', '.join(REGISTRY)"
     raise Unreadable(f"{module.where(node)}: {ast.unparse(node)!r} is not a constant this reader evaluates")
 

@@ -5,6 +5,7 @@ The command line maps them to exit codes (src/lmforge/cli.py, docs/reliability.m
 128 + the signal's number: 130 for SIGINT, 143 for SIGTERM); anything else is a bug (exit 1, with
 a traceback log).
 """
+
 from __future__ import annotations
 
 import errno
@@ -15,12 +16,18 @@ from pathlib import Path
 
 # OSErrors that are about the machine, not lmforge, each with what it means for a user
 ENVIRONMENT_ERRNOS = {
-    errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
-    errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
-    errno.EROFS: "the file system is read-only", errno.EIO: "an input/output error of the storage",
-    errno.EFBIG: "the file is too large for the file system", errno.ENOTDIR: "a path component is a file",
-    errno.EISDIR: "a directory is in the way", errno.EEXIST: "a file is in the way",
-    errno.ENAMETOOLONG: "the file name is too long", errno.EMFILE: "too many open files",
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EROFS: "the file system is read-only",
+    errno.EIO: "an input/output error of the storage",
+    errno.EFBIG: "the file is too large for the file system",
+    errno.ENOTDIR: "a path component is a file",
+    errno.EISDIR: "a directory is in the way",
+    errno.EEXIST: "a file is in the way",
+    errno.ENAMETOOLONG: "the file name is too long",
+    errno.EMFILE: "too many open files",
 }
 
 

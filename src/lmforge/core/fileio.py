@@ -8,6 +8,7 @@ A file that is missing, a directory, unreadable, binary (NUL bytes), UTF-16/32, 
 raises ``error`` (DataError by default) with the path, the line where there is one, and what was
 expected. A UTF-8 byte-order mark is dropped, since JSON and YAML parsers would trip over it.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,8 +17,12 @@ from typing import Iterator
 from .errors import DataError, LmforgeError
 
 _UTF8_BOM = b"\xef\xbb\xbf"
-_OTHER_BOMS = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\xff\xfe": "UTF-16",
-               b"\xfe\xff": "UTF-16"}  # UTF-32 first: its little-endian mark starts like UTF-16's
+_OTHER_BOMS = {
+    b"\xff\xfe\x00\x00": "UTF-32",
+    b"\x00\x00\xfe\xff": "UTF-32",
+    b"\xff\xfe": "UTF-16",
+    b"\xfe\xff": "UTF-16",
+}  # UTF-32 first: its little-endian mark starts like UTF-16's
 
 
 def _open_error(path: Path, what: str, exc: OSError, error: type[LmforgeError]) -> LmforgeError:
@@ -33,18 +38,22 @@ def _decode(raw: bytes, path: Path, what: str, number: int | None, error: type[L
     if number in (None, 1):
         for bom, name in _OTHER_BOMS.items():
             if raw.startswith(bom):
-                raise error(f"{path}: not UTF-8 text (it is {name}-encoded); the {what} must be UTF-8: "
-                            "re-save it as UTF-8")
+                raise error(
+                    f"{path}: not UTF-8 text (it is {name}-encoded); the {what} must be UTF-8: re-save it as UTF-8"
+                )
     if b"\x00" in raw:
         line = number or raw[: raw.index(b"\x00")].count(b"\n") + 1
-        raise error(f"{path}:{line}: not UTF-8 text (it holds NUL bytes: a binary file?); the {what} must "
-                    "be UTF-8 text")
+        raise error(
+            f"{path}:{line}: not UTF-8 text (it holds NUL bytes: a binary file?); the {what} must be UTF-8 text"
+        )
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
         line = number or raw[: err.start].count(b"\n") + 1
-        raise error(f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x} is invalid there); the "
-                    f"{what} must be UTF-8: re-save it as UTF-8") from None
+        raise error(
+            f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x} is invalid there); the "
+            f"{what} must be UTF-8: re-save it as UTF-8"
+        ) from None
 
 
 def read_text(path: str | Path, what: str, error: type[LmforgeError] = DataError) -> str:

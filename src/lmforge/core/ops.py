@@ -2,6 +2,7 @@
 
 Shapes: B = batch, T = sequence positions, V = vocabulary.
 """
+
 from __future__ import annotations
 
 import torch

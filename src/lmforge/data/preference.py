@@ -27,6 +27,7 @@ cuts to ``max_len`` (``num_truncated``) and drops the pair if a side keeps no co
 ``drop`` drops every pair with a side longer than ``max_len`` (``num_dropped``). No pair left is an
 error.
 """
+
 from __future__ import annotations
 
 import random
@@ -42,8 +43,10 @@ from .source import read_rows
 
 # The names a preference row is read from: what data.columns may map.
 COLUMN_NAMES = ("prompt", "chosen", "rejected")
-_FORMATS = ("each row needs 'chosen' and 'rejected' with a 'prompt' (strings, or lists of {role, content} "
-            "messages), or 'chosen' and 'rejected' as whole conversations that share their prompt")
+_FORMATS = (
+    "each row needs 'chosen' and 'rejected' with a 'prompt' (strings, or lists of {role, content} "
+    "messages), or 'chosen' and 'rejected' as whole conversations that share their prompt"
+)
 
 
 # ----------------------------------------------------------------------------- checking rows
@@ -51,12 +54,14 @@ _FORMATS = ("each row needs 'chosen' and 'rejected' with a 'prompt' (strings, or
 
 def _check_messages(value: object, where: str, key: str) -> list[dict]:
     if not isinstance(value, list) or not value:
-        raise DataError(f"{where}: '{key}' must be a string or a non-empty list of {{role, content}} messages, "
-                        f"got {value!r:.80}")
+        raise DataError(
+            f"{where}: '{key}' must be a string or a non-empty list of {{role, content}} messages, got {value!r:.80}"
+        )
     for i, message in enumerate(value):
         if not isinstance(message, dict) or not all(isinstance(message.get(k), str) for k in ("role", "content")):
-            raise DataError(f"{where}: {key}[{i}] must be an object with string 'role' and 'content', "
-                            f"got {message!r:.80}")
+            raise DataError(
+                f"{where}: {key}[{i}] must be an object with string 'role' and 'content', got {message!r:.80}"
+            )
     return value
 
 
@@ -65,8 +70,9 @@ def _as_completion(value: object, where: str, key: str, chat: bool) -> str | lis
         return [{"role": "assistant", "content": value}] if chat else value
     messages = _check_messages(value, where, key)
     if messages[0]["role"] != "assistant":
-        raise DataError(f"{where}: '{key}' must start with an assistant message (the completion), "
-                        f"got role {messages[0]['role']!r}")
+        raise DataError(
+            f"{where}: '{key}' must start with an assistant message (the completion), got role {messages[0]['role']!r}"
+        )
     return messages
 
 
@@ -78,9 +84,11 @@ def check_pair_row(row: object, where: str) -> dict:
         raise DataError(f"{where}: expected an object, got {type(row).__name__}; {_FORMATS}")
     missing = [key for key in ("chosen", "rejected") if key not in row]
     if missing:
-        raise DataError(f"{where}: row has no {' or '.join(map(repr, missing))} (its keys: "
-                        f"{', '.join(sorted(row)) or 'none'}); {_FORMATS}; map other column names with "
-                        "data.columns, e.g. {chosen: response_a, rejected: response_b}")
+        raise DataError(
+            f"{where}: row has no {' or '.join(map(repr, missing))} (its keys: "
+            f"{', '.join(sorted(row)) or 'none'}); {_FORMATS}; map other column names with "
+            "data.columns, e.g. {chosen: response_a, rejected: response_b}"
+        )
     if "prompt" not in row:  # implicit prompt: the shared start of two conversations
         chosen = _check_messages(row["chosen"], where, "chosen")
         rejected = _check_messages(row["rejected"], where, "rejected")
@@ -88,25 +96,32 @@ def check_pair_row(row: object, where: str) -> dict:
         while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
             shared += 1
         if shared == 0:
-            raise DataError(f"{where}: without a 'prompt', 'chosen' and 'rejected' must be conversations that "
-                            "start with the same messages (the prompt); these differ from the first message")
+            raise DataError(
+                f"{where}: without a 'prompt', 'chosen' and 'rejected' must be conversations that "
+                "start with the same messages (the prompt); these differ from the first message"
+            )
         if chosen == rejected:
             return {"prompt": chosen[:-1], "chosen": chosen[-1:], "rejected": rejected[-1:]}
-        return {"prompt": chosen[:shared], "chosen": _as_completion(chosen[shared:], where, "chosen", True),
-                "rejected": _as_completion(rejected[shared:], where, "rejected", True)}
+        return {
+            "prompt": chosen[:shared],
+            "chosen": _as_completion(chosen[shared:], where, "chosen", True),
+            "rejected": _as_completion(rejected[shared:], where, "rejected", True),
+        }
     prompt = row["prompt"]
     if isinstance(prompt, str):
         for key in ("chosen", "rejected"):
             if not isinstance(row[key], str):
-                raise DataError(f"{where}: with a string 'prompt', '{key}' must be a string too, "
-                                f"got {type(row[key]).__name__}")
+                raise DataError(
+                    f"{where}: with a string 'prompt', '{key}' must be a string too, got {type(row[key]).__name__}"
+                )
         return {"prompt": prompt, "chosen": row["chosen"], "rejected": row["rejected"]}
     prompt = _check_messages(prompt, where, "prompt")
     return {"prompt": prompt, **{key: _as_completion(row[key], where, key, True) for key in ("chosen", "rejected")}}
 
 
-def load_preference_rows(path: str, split: str = "train", subset: str = "",
-                         columns: dict[str, str] | None = None) -> list[dict]:
+def load_preference_rows(
+    path: str, split: str = "train", subset: str = "", columns: dict[str, str] | None = None
+) -> list[dict]:
     """The checked pairs of any source (lmforge.data.source.read_rows): JSONL, Parquet, CSV, Arrow, a
     ``save_to_disk`` directory or a cached hub id; ``columns`` maps prompt / chosen / rejected."""
     found = read_rows(str(path), split, subset, columns, what="preference data file")
@@ -133,8 +148,9 @@ def no_carry_completion(prompt: str, completion: str) -> str | None:
     if not match:
         return None
     a, b = (m[::-1] for m in match.groups())  # least significant digit first
-    digits = "".join(str((int(a[i]) if i < len(a) else 0) + (int(b[i]) if i < len(b) else 0))[-1]
-                     for i in range(max(len(a), len(b))))
+    digits = "".join(
+        str((int(a[i]) if i < len(a) else 0) + (int(b[i]) if i < len(b) else 0))[-1] for i in range(max(len(a), len(b)))
+    )
     total = str(int(match.group(1)) + int(match.group(2)))
     return digits if completion == total[::-1] else digits[::-1].lstrip("0") or "0"
 
@@ -145,7 +161,7 @@ def off_by_one_completions(completion: str) -> list[str]:
     for i, char in enumerate(completion):
         if char.isdigit():
             for step in (-1, 1):
-                out.append(completion[:i] + str((int(char) + step) % 10) + completion[i + 1:])
+                out.append(completion[:i] + str((int(char) + step) % 10) + completion[i + 1 :])
     return out
 
 
@@ -178,8 +194,10 @@ def pairs_from_task(task, n: int, seed: int, split: str, model_answers: list[str
             continue
         wrong = wrong_completion(problem.prompt, problem.completion, rng)
         if wrong is None:
-            raise DataError(f"task {task.spec!r}: no wrong answer can be made for {problem.prompt!r} -> "
-                            f"{problem.completion!r} (pairs are made for completions with digits)")
+            raise DataError(
+                f"task {task.spec!r}: no wrong answer can be made for {problem.prompt!r} -> "
+                f"{problem.completion!r} (pairs are made for completions with digits)"
+            )
         rows.append({"prompt": problem.prompt, "chosen": problem.completion, "rejected": wrong})
     return rows
 
@@ -207,10 +225,12 @@ class PreferenceData:
 
     def report(self, max_len: int, truncation: str) -> str:
         """One line of what was skipped or cut ('' when nothing was)."""
-        parts = [f"{self.num_identical} with chosen = rejected skipped" if self.num_identical else "",
-                 f"{self.num_empty} with an empty completion skipped" if self.num_empty else "",
-                 f"{self.num_truncated} truncated to {max_len} tokens" if self.num_truncated else "",
-                 f"{self.num_dropped} dropped as too long (data.truncation={truncation})" if self.num_dropped else ""]
+        parts = [
+            f"{self.num_identical} with chosen = rejected skipped" if self.num_identical else "",
+            f"{self.num_empty} with an empty completion skipped" if self.num_empty else "",
+            f"{self.num_truncated} truncated to {max_len} tokens" if self.num_truncated else "",
+            f"{self.num_dropped} dropped as too long (data.truncation={truncation})" if self.num_dropped else "",
+        ]
         return "; ".join(p for p in parts if p)
 
 
@@ -236,8 +256,9 @@ def _fit(example: SFTExample, max_len: int) -> SFTExample | None:
     return cut if any(cut.loss_mask) else None
 
 
-def tokenize_pairs(rows: list[dict], tokenizer, max_len: int, use_chat_template: str = "auto",
-                   truncation: str = "right") -> PreferenceData:
+def tokenize_pairs(
+    rows: list[dict], tokenizer, max_len: int, use_chat_template: str = "auto", truncation: str = "right"
+) -> PreferenceData:
     """Checked rows (:func:`check_pair_row`) -> token pairs, with the skips of the module doc."""
     if truncation not in ("right", "drop"):
         raise ValueError(f"truncation must be 'right' or 'drop', got {truncation!r}")
@@ -266,8 +287,10 @@ def tokenize_pairs(rows: list[dict], tokenizer, max_len: int, use_chat_template:
         data.num_truncated += too_long
         data.pairs.append(PreferencePair(*sides))
     if not data.pairs:
-        raise DataError(f"none of the {len(rows)} preference rows is left to train on: "
-                        f"{data.report(max_len, truncation) or 'no rows'}")
+        raise DataError(
+            f"none of the {len(rows)} preference rows is left to train on: "
+            f"{data.report(max_len, truncation) or 'no rows'}"
+        )
     return data
 
 

@@ -1,5 +1,6 @@
 """What every task is made of: a :class:`Problem`, and the fixed split a prompt belongs to (below
 the task modules: the built-in tasks, reasoning-gym's and data rows' all use it)."""
+
 from __future__ import annotations
 
 import hashlib

@@ -11,6 +11,7 @@ Held-out rows (for greedy accuracy, :func:`lmforge.rollout.evaluation.held_out_e
 - else (no answers, so the built-in rewards could not score them) nothing is held out and the run
   says why; name a split with ``data.eval_split`` to evaluate with rewards that need no answer.
 """
+
 from __future__ import annotations
 
 from ..core.errors import DataError
@@ -22,8 +23,9 @@ COLUMN_NAMES = ("prompt", "answer", "task")
 _PROMPT_HINT = " (plus what the rewards read, e.g. 'answer'; map columns with data.columns={prompt: <column>})"
 
 
-def load_prompt_rows(path: str, split: str = "train", subset: str = "",
-                     columns: dict[str, str] | None = None) -> list[dict]:
+def load_prompt_rows(
+    path: str, split: str = "train", subset: str = "", columns: dict[str, str] | None = None
+) -> list[dict]:
     """Rows with a ``prompt`` string; a row without one is a DataError naming the row and column."""
     found = read_rows(str(path), split, subset, columns, what="prompts file")
     for row, where in zip(found.rows, found.where):
@@ -45,13 +47,29 @@ def held_out_split(data, num_rows: int, has_answers: bool, seed: int) -> tuple[l
     if not data.num_eval:
         return everything, [], "no held-out evaluation (data.num_eval=0)"
     if not has_answers:
-        return everything, [], (f"no held-out evaluation: the rows of {data.path} have no 'answer' column for "
-                                "the rewards to score against; map one with data.columns={answer: <column>}, or "
-                                "name a split with data.eval_split to evaluate with rewards that need no answer")
+        return (
+            everything,
+            [],
+            (
+                f"no held-out evaluation: the rows of {data.path} have no 'answer' column for "
+                "the rewards to score against; map one with data.columns={answer: <column>}, or "
+                "name a split with data.eval_split to evaluate with rewards that need no answer"
+            ),
+        )
     if data.eval_fraction <= 0 or num_rows < 2:
-        return everything, [], ("no held-out evaluation (data.eval_fraction=0)" if num_rows >= 2 else
-                                "no held-out evaluation: a single row is all there is to train on")
+        return (
+            everything,
+            [],
+            (
+                "no held-out evaluation (data.eval_fraction=0)"
+                if num_rows >= 2
+                else "no held-out evaluation: a single row is all there is to train on"
+            ),
+        )
     kept, held = split_by_fraction(everything, data.eval_fraction, seed)
-    kept, held = sorted(kept + held[data.num_eval:]), sorted(held[:data.num_eval])
-    return kept, held, (f"{len(held)} rows held out for evaluation (data.eval_fraction={data.eval_fraction}, "
-                        f"seed {seed})")
+    kept, held = sorted(kept + held[data.num_eval :]), sorted(held[: data.num_eval])
+    return (
+        kept,
+        held,
+        (f"{len(held)} rows held out for evaluation (data.eval_fraction={data.eval_fraction}, seed {seed})"),
+    )

@@ -27,6 +27,7 @@ those of the requested split. The same ``(n, seed, split)`` always gives the sam
 List the dataset names and their parameters with ``python -m lmforge.data.rg`` (``... rg <name>``
 for one dataset's parameters).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,7 +48,10 @@ logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'lmforge[rg]' (or pip install reasoning-gym)"
 ANSWER_FORMATS = ("tags", "plain", "last_number")
-_RESERVED = {"seed": "set by lmforge from train.seed and the split", "size": "set by lmforge (data.num_train / num_eval)"}
+_RESERVED = {
+    "seed": "set by lmforge from train.seed and the split",
+    "size": "set by lmforge (data.num_train / num_eval)",
+}
 _TAG_INSTRUCTION = "Give your final answer between <answer> and </answer> tags."
 _PLAIN_INSTRUCTION = "Reply with only the final answer."
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")  # last_number: 1,234 -> 1234; -2.5
@@ -89,8 +93,10 @@ def task_parameters(name: str) -> dict[str, Any]:
 def _unknown_name(name: str, registry: dict) -> str:
     close = difflib.get_close_matches(name, list(registry), n=3, cutoff=0.5)
     hint = f" Did you mean: {', '.join(close)}?" if close else ""
-    return (f"rg: unknown reasoning-gym dataset {name!r}.{hint} List them with: python -m lmforge.data.rg "
-            f"({len(registry)} datasets)")
+    return (
+        f"rg: unknown reasoning-gym dataset {name!r}.{hint} List them with: python -m lmforge.data.rg "
+        f"({len(registry)} datasets)"
+    )
 
 
 def _split_params(text: str) -> list[str]:
@@ -154,8 +160,9 @@ class RGTask:
         if dataset not in registry:
             raise ValueError(_unknown_name(dataset, registry))
         if answer_format not in ANSWER_FORMATS:
-            raise ValueError(f"rg:{dataset}: answer_format must be one of {', '.join(ANSWER_FORMATS)}, "
-                             f"got {answer_format!r}")
+            raise ValueError(
+                f"rg:{dataset}: answer_format must be one of {', '.join(ANSWER_FORMATS)}, got {answer_format!r}"
+            )
         self.dataset = dataset
         self.params = dict(params or {})
         self.answer_format = answer_format
@@ -167,8 +174,10 @@ class RGTask:
             self._scorer = self._make(1, 0)
         except (TypeError, ValueError, AssertionError) as exc:
             valid = ", ".join(f"{k}={v!r}" for k, v in task_parameters(dataset).items())
-            raise ValueError(f"rg:{dataset}: bad parameters {self.params!r}: {type(exc).__name__}: {exc}. "
-                             f"Valid parameters (defaults): {valid}") from None
+            raise ValueError(
+                f"rg:{dataset}: bad parameters {self.params!r}: {type(exc).__name__}: {exc}. "
+                f"Valid parameters (defaults): {valid}"
+            ) from None
 
     def _make(self, size: int, seed: int):
         from reasoning_gym import create_dataset
@@ -199,8 +208,9 @@ class RGTask:
     def problem_of(self, entry: dict) -> RGProblem:
         answer = str(entry["answer"])
         completion = f"<answer>{answer}</answer>" if self.answer_format == "tags" else answer
-        return RGProblem(prompt=self.prompt_of(str(entry["question"])), completion=completion, answer=answer,
-                         entry=entry)
+        return RGProblem(
+            prompt=self.prompt_of(str(entry["question"])), completion=completion, answer=answer, entry=entry
+        )
 
     def make_problems(self, n: int, seed: int, split: str) -> list[Problem]:
         if split not in SPLITS:
@@ -221,8 +231,10 @@ class RGTask:
                 problems.append(self.problem_of(entry))
                 if len(problems) == n:
                     return problems
-        raise ValueError(f"rg:{self.dataset}: only {len(problems)} {split} problems in {budget} draws (wanted {n}); "
-                         "the dataset's parameters leave too few distinct questions, widen them")
+        raise ValueError(
+            f"rg:{self.dataset}: only {len(problems)} {split} problems in {budget} draws (wanted {n}); "
+            "the dataset's parameters leave too few distinct questions, widen them"
+        )
 
     def extract(self, completion_text: str) -> str | None:
         """What ``score_answer`` sees: the last ``<answer>`` tag's text (tags) or the stripped text (plain)."""
@@ -245,19 +257,26 @@ class RGTask:
         try:
             return self.score(completion_text, problem) >= 0.999
         except Exception as exc:  # noqa: BLE001 - the dataset's scorer; logged, counted as wrong
-            logger.warning("rg:%s: score_answer raised on %r (counted wrong): %s: %s", self.dataset,
-                           completion_text[:200], type(exc).__name__, exc)
+            logger.warning(
+                "rg:%s: score_answer raised on %r (counted wrong): %s: %s",
+                self.dataset,
+                completion_text[:200],
+                type(exc).__name__,
+                exc,
+            )
             return False
 
 
 def rg_task(spec: str) -> RGTask:
     """Build an :class:`RGTask` from ``"rg:<name>"`` or ``"rg:<name>:key=value,..."``."""
-    body = spec.strip()[len("rg:"):]
+    body = spec.strip()[len("rg:") :]
     name, _, params_text = body.partition(":")
     name = name.strip()
     if not name:
-        raise ValueError(f"task spec {spec!r}: name a reasoning-gym dataset, e.g. rg:leg_counting "
-                         "(list them with python -m lmforge.data.rg)")
+        raise ValueError(
+            f"task spec {spec!r}: name a reasoning-gym dataset, e.g. rg:leg_counting "
+            "(list them with python -m lmforge.data.rg)"
+        )
     registry = _registry()
     if name not in registry:
         raise ValueError(_unknown_name(name, registry))
@@ -274,8 +293,10 @@ def rg_task(spec: str) -> RGTask:
             continue
         if not eq or key not in hints or key in _RESERVED:
             valid = ", ".join(f"{k}={v!r}" for k, v in defaults.items())
-            raise ValueError(f"task {spec!r}: bad parameter {item!r}; valid (defaults): answer_format='tags' "
-                             f"(or 'plain', 'last_number'), {valid}")
+            raise ValueError(
+                f"task {spec!r}: bad parameter {item!r}; valid (defaults): answer_format='tags' "
+                f"(or 'plain', 'last_number'), {valid}"
+            )
         params[key] = _parse_value(raw, hints[key], defaults.get(key))
     return RGTask(name, params, answer_format)
 

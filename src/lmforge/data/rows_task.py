@@ -12,14 +12,15 @@ problems (antidistillation) can take a file instead.
   :mod:`lmforge.rollout.rewards`); by default 1.0 when the stripped completion equals the stripped
   answer. A completion is correct when it scores >= 1.
 """
+
 from __future__ import annotations
 
 import random
 from typing import Callable
 
 from ..core.errors import DataError
-from .source import read_rows, string_column
 from .problem import SPLITS, Problem, split_of
+from .source import read_rows, string_column
 
 COLUMN_NAMES = ("prompt", "answer")  # what data.columns may map
 _HINT = " (map the data's columns with data.columns={prompt: <column>, answer: <column>})"
@@ -32,8 +33,14 @@ def exact_match(completion: str, problem: Problem) -> float:
 class RowsTask:
     """See the module doc. ``rows`` are dicts with string ``prompt`` and ``answer`` columns."""
 
-    def __init__(self, source: str, rows: list[dict], where: list[str] | None = None,
-                 score_fn: Callable[[str, Problem], float] | None = None, score_name: str = "exact"):
+    def __init__(
+        self,
+        source: str,
+        rows: list[dict],
+        where: list[str] | None = None,
+        score_fn: Callable[[str, Problem], float] | None = None,
+        score_name: str = "exact",
+    ):
         self.name = f"rows:{source}"
         self.source = source
         self.score_fn = score_fn or exact_match
@@ -42,8 +49,9 @@ class RowsTask:
         self._by_split: dict[str, list[Problem]] = {split: [] for split in SPLITS}
         for row, place in zip(rows, where):
             if not isinstance(row, dict):
-                raise DataError(f"{place}: each row needs 'prompt' and 'answer' strings{_HINT}; "
-                                f"got {type(row).__name__}")
+                raise DataError(
+                    f"{place}: each row needs 'prompt' and 'answer' strings{_HINT}; got {type(row).__name__}"
+                )
             prompt = string_column(row, "prompt", place, _HINT)
             answer = row.get("answer")
             if isinstance(answer, (int, float)) and not isinstance(answer, bool):
@@ -53,8 +61,15 @@ class RowsTask:
             self._by_split[split_of(prompt)].append(Problem(prompt=prompt, completion=answer, answer=answer))
 
     @classmethod
-    def load(cls, path: str, split: str = "train", subset: str = "", columns: dict[str, str] | None = None,
-             score_fn: Callable[[str, Problem], float] | None = None, score_name: str = "exact") -> "RowsTask":
+    def load(
+        cls,
+        path: str,
+        split: str = "train",
+        subset: str = "",
+        columns: dict[str, str] | None = None,
+        score_fn: Callable[[str, Problem], float] | None = None,
+        score_name: str = "exact",
+    ) -> "RowsTask":
         found = read_rows(path, split, subset, columns, what="prompt/answer file")
         return cls(found.source, found.rows, found.where, score_fn, score_name)
 
@@ -76,8 +91,10 @@ class RowsTask:
         pool = list(self._by_split[split])
         if not pool:
             sizes = ", ".join(f"{s} {k}" for s, k in self.sizes().items())
-            raise DataError(f"{self.source}: no row falls in the {split!r} split (rows per split, by a hash of "
-                            f"the prompt: {sizes}); add rows or use another split")
+            raise DataError(
+                f"{self.source}: no row falls in the {split!r} split (rows per split, by a hash of "
+                f"the prompt: {sizes}); add rows or use another split"
+            )
         random.Random(seed).shuffle(pool)
         return pool[:n]
 
@@ -85,8 +102,10 @@ class RowsTask:
         try:
             return float(self.score_fn(completion_text, problem))
         except Exception as exc:  # a user's reward: say which and where, never a silent 0
-            raise DataError(f"{self.source}: the {self.score_name!r} reward failed on the prompt "
-                            f"{problem.prompt[:60]!r} (answer {problem.answer[:30]!r}): {type(exc).__name__}: {exc}") from exc
+            raise DataError(
+                f"{self.source}: the {self.score_name!r} reward failed on the prompt "
+                f"{problem.prompt[:60]!r} (answer {problem.answer[:30]!r}): {type(exc).__name__}: {exc}"
+            ) from exc
 
     def is_correct(self, completion_text: str, problem: Problem) -> bool:
         return self.score(completion_text, problem) >= 1.0

@@ -24,6 +24,7 @@ conversation prefix by prefix (the text before turn i with the generation prompt
 through turn i); a token belongs to the mask when its first character lies in such a span, using the
 tokenizer's offset mapping. With ``completion_only=False`` every token is trained on.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,8 +34,8 @@ from typing import NamedTuple
 import torch
 
 from ..core.errors import DataError
-from .source import read_rows
 from ..model.tokenizer import DEFAULT_CHAT_TEMPLATE
+from .source import read_rows
 
 _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 # A small chat dataset (320 rows of short arithmetic, unit, capital and spelling Q&A) shipped with
@@ -42,9 +43,7 @@ _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 CHAT_SMALL = Path(__file__).resolve().parent.parent / "assets" / "chat_small.jsonl"
 # The names SFT reads from a row: what data.columns may map (lmforge.core.config.opt's keys).
 COLUMN_NAMES = ("messages", "prompt", "completion")
-_ROW_FORMATS = (
-    "each row needs either 'messages' (a list of {role, content}) or 'prompt' and 'completion' (strings)"
-)
+_ROW_FORMATS = "each row needs either 'messages' (a list of {role, content}) or 'prompt' and 'completion' (strings)"
 
 
 # ----------------------------------------------------------------------------- loading rows
@@ -86,8 +85,9 @@ def _check_row(row: object, where: str) -> dict:
     raise DataError(f"{where}: row has keys {sorted(row)}; {_ROW_FORMATS}")
 
 
-def load_sft_rows(path: str | Path, split: str = "train", subset: str = "",
-                  columns: dict[str, str] | None = None) -> list[dict]:
+def load_sft_rows(
+    path: str | Path, split: str = "train", subset: str = "", columns: dict[str, str] | None = None
+) -> list[dict]:
     """Read and validate the SFT rows of any source (:func:`lmforge.data.source.read_rows`): JSONL
     (``.jsonl``/``.json``/``.ndjson``), Parquet, CSV, Arrow, a ``save_to_disk`` directory or a cached
     hub id; ``columns`` maps ``messages`` / ``prompt`` / ``completion`` to the data's column names.
@@ -105,15 +105,19 @@ def load_sft_rows(path: str | Path, split: str = "train", subset: str = "",
 def row_texts(rows: list[dict]) -> list[str]:
     """The text of validated SFT rows as the data gives it: every message's content, or the prompt
     and completion (for the tokenizer check, :func:`lmforge.model.tokenizer.check_unknown_tokens`)."""
-    return [text for row in rows for text in
-            ([m["content"] for m in row["messages"]] if "messages" in row else [row["prompt"], row["completion"]])]
+    return [
+        text
+        for row in rows
+        for text in (
+            [m["content"] for m in row["messages"]] if "messages" in row else [row["prompt"], row["completion"]]
+        )
+    ]
 
 
 def sft_rows_from_task(task, n: int, seed: int, split: str) -> list[dict]:
     """``n`` prompt/completion rows (plus the ``answer``) from a synthetic task (lmforge.data.tasks)."""
     return [
-        {"prompt": p.prompt, "completion": p.completion, "answer": p.answer}
-        for p in task.make_problems(n, seed, split)
+        {"prompt": p.prompt, "completion": p.completion, "answer": p.answer} for p in task.make_problems(n, seed, split)
     ]
 
 
@@ -175,8 +179,9 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     return _encode(tokenizer, prompt)
 
 
-def chat_example(tokenizer, messages: list[dict], completion_only: bool, tools: list[dict] | None = None,
-                 trained_from: int = 0) -> SFTExample:
+def chat_example(
+    tokenizer, messages: list[dict], completion_only: bool, tools: list[dict] | None = None, trained_from: int = 0
+) -> SFTExample:
     """One conversation through the chat template; with ``completion_only`` the mask holds the
     assistant messages from index ``trained_from`` on (a preference pair's completion after its
     prompt's history: lmforge.data.preference)."""

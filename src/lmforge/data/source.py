@@ -28,6 +28,7 @@ dicts with the lmforge names, and each row keeps where it came from (``file:line
 ``datasets`` (with pyarrow and pandas, ~270 MB installed) is the optional extra ``lmforge[data]``:
 built-in tasks, JSONL and Parquet work without it; every other source says how to install it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -87,8 +88,10 @@ def source_kind(path: str) -> str:
             return "jsonl"
         if suffix in DATASETS_BUILDERS:
             return "file"
-        raise DataError(f"{local}: unsupported file type {local.suffix!r}; use .jsonl, .parquet, .csv, .tsv, "
-                        ".arrow, a save_to_disk directory or a hub id (docs/data.md)")
+        raise DataError(
+            f"{local}: unsupported file type {local.suffix!r}; use .jsonl, .parquet, .csv, .tsv, "
+            ".arrow, a save_to_disk directory or a hub id (docs/data.md)"
+        )
     if path.startswith((".", "/", "~")) or local.suffix.lower() in (*JSONL_SUFFIXES, ".parquet", *DATASETS_BUILDERS):
         raise DataError(f"{local}: data file not found")
     return "hub"
@@ -111,12 +114,16 @@ def _pick_split(loaded, split: str, source: str):
     """The ``split`` of a DatasetDict (or the one Dataset, as split ``train``)."""
     if hasattr(loaded, "keys"):  # DatasetDict / IterableDatasetDict
         if split not in loaded:
-            raise DataError(f"{source}: no split {split!r}; it has {', '.join(sorted(loaded)) or 'none'} "
-                            "(set data.split / data.eval_split)")
+            raise DataError(
+                f"{source}: no split {split!r}; it has {', '.join(sorted(loaded)) or 'none'} "
+                "(set data.split / data.eval_split)"
+            )
         return loaded[split]
     if split != "train":
-        raise DataError(f"{source}: holds a single dataset (split 'train'), not split {split!r}; use "
-                        "data.split=train and a fraction for the held-out rows")
+        raise DataError(
+            f"{source}: holds a single dataset (split 'train'), not split {split!r}; use "
+            "data.split=train and a fraction for the held-out rows"
+        )
     return loaded
 
 
@@ -146,11 +153,17 @@ def open_dataset(path: str, split: str = "train", subset: str = "", streaming: b
         if kind in ("file", "parquet", "jsonl"):
             if split != "train":
                 _pick_split(None, split, path)
-            builder = "parquet" if kind == "parquet" else "json" if kind == "jsonl" else DATASETS_BUILDERS[
-                Path(local).suffix.lower()]
+            builder = (
+                "parquet"
+                if kind == "parquet"
+                else "json"
+                if kind == "jsonl"
+                else DATASETS_BUILDERS[Path(local).suffix.lower()]
+            )
             extra = _csv_options(datasets, local) if builder == "csv" else {}
-            return datasets.load_dataset(builder, data_files={"train": local}, split="train", cache_dir=cache,
-                                         streaming=streaming, **extra)
+            return datasets.load_dataset(
+                builder, data_files={"train": local}, split="train", cache_dir=cache, streaming=streaming, **extra
+            )
         if kind == "dir":
             csvs = sorted(p for p in Path(local).rglob("*") if p.suffix.lower() in (".csv", ".tsv"))
             extra = _csv_options(datasets, str(csvs[0])) if csvs else {}
@@ -162,10 +175,11 @@ def open_dataset(path: str, split: str = "train", subset: str = "", streaming: b
                 raise DataError(
                     f"{path}: not a local file or directory, and not in the local Hugging Face datasets cache "
                     f"({datasets.config.HF_DATASETS_CACHE}); lmforge never downloads at run time. Fill the cache "
-                    f"once on a machine with network access: python -c \"import datasets; "
+                    f'once on a machine with network access: python -c "import datasets; '
                     f"datasets.load_dataset('{path}'{', ' + repr(subset) if subset else ''})\" (with the same "
                     f"HF_HOME / HF_DATASETS_CACHE), or save it with save_to_disk and set data.path to that "
-                    f"directory ({type(exc).__name__}: {exc})") from None
+                    f"directory ({type(exc).__name__}: {exc})"
+                ) from None
             except ValueError as exc:  # e.g. several cached configs and none chosen
                 raise DataError(f"{path}: {exc} (set data.subset to choose a config)") from None
         return _pick_split(loaded, split, path)
@@ -173,10 +187,14 @@ def open_dataset(path: str, split: str = "train", subset: str = "", streaming: b
         raise
     except ValueError as exc:
         if "corresponds to no data" in str(exc):  # a file with a header and no rows
-            raise DataError(f"{path}: file has no rows" if kind in ("file", "parquet", "jsonl")
-                            else f"{path} (split {split!r}): no rows") from None
+            raise DataError(
+                f"{path}: file has no rows"
+                if kind in ("file", "parquet", "jsonl")
+                else f"{path} (split {split!r}): no rows"
+            ) from None
         raise DataError(f"{path}: cannot read it as a dataset: ValueError: {exc}") from None
-    except Exception as exc:  # datasets / pyarrow raise many types for a bad file (ArrowInvalid, DatasetGenerationError...)
+    # datasets / pyarrow raise many types for a bad file (ArrowInvalid, DatasetGenerationError...)
+    except Exception as exc:  # noqa: BLE001 - reported below as a DataError naming the file
         cause = exc.__cause__ or exc
         raise DataError(f"{path}: cannot read it as a dataset: {type(cause).__name__}: {cause}") from None
 
@@ -187,8 +205,10 @@ def check_columns(columns: dict[str, str] | None, have: list[str] | None, source
     if have is not None:
         for name, column in columns.items():
             if column not in have:
-                raise DataError(f"{source}: data.columns maps {name!r} to column {column!r}, which the data does "
-                                f"not have (columns: {', '.join(have)})")
+                raise DataError(
+                    f"{source}: data.columns maps {name!r} to column {column!r}, which the data does "
+                    f"not have (columns: {', '.join(have)})"
+                )
     return columns
 
 
@@ -198,8 +218,10 @@ def rename_row(row: dict, columns: dict[str, str], where: str) -> dict:
         return row
     for name, column in columns.items():
         if column not in row:
-            raise DataError(f"{where}: no column {column!r} (data.columns maps {name!r} to it); the row has "
-                            f"{', '.join(sorted(row)) or 'no columns'}")
+            raise DataError(
+                f"{where}: no column {column!r} (data.columns maps {name!r} to it); the row has "
+                f"{', '.join(sorted(row)) or 'no columns'}"
+            )
     # the unmapped columns as they are, then every mapped one from the original row: a swap
     # ({prompt: answer, answer: prompt}) and two names for one column both come out right
     out = {key: value for key, value in row.items() if key not in set(columns.values())}
@@ -214,11 +236,15 @@ def _jsonl_rows(path: Path, what: str) -> Iterator[tuple[str, Any]]:
         try:
             row = json.loads(line, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{number}: invalid JSON ({err.msg} at column {err.colno}); each line must "
-                            f"hold one JSON object{_whole_document(path) if number == 1 else ''}") from None
+            raise DataError(
+                f"{path}:{number}: invalid JSON ({err.msg} at column {err.colno}); each line must "
+                f"hold one JSON object{_whole_document(path) if number == 1 else ''}"
+            ) from None
         except _DuplicateKey as dup:
-            raise DataError(f"{path}:{number}: key {dup.args[0]!r} is given twice in one object; JSON keeps only the "
-                            "last value without a word. Keep one of them") from None
+            raise DataError(
+                f"{path}:{number}: key {dup.args[0]!r} is given twice in one object; JSON keeps only the "
+                "last value without a word. Keep one of them"
+            ) from None
         yield f"{path}:{number}", row
 
 
@@ -245,8 +271,10 @@ def _whole_document(path: Path) -> str:
     if not isinstance(document, dict):
         return ""
     keys = ", ".join(map(repr, list(document)[:5]))
-    return (f". The file is one JSON object (keys {keys}), not rows: write its rows as JSON Lines (one object "
-            "per line) or as one JSON array of row objects in a .json file")
+    return (
+        f". The file is one JSON object (keys {keys}), not rows: write its rows as JSON Lines (one object "
+        "per line) or as one JSON array of row objects in a .json file"
+    )
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
@@ -264,8 +292,9 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
         yield f"{path}:row {number}", {k: v for k, v in row.items() if v is not None}  # absent in this row
 
 
-def read_rows(path: str, split: str = "train", subset: str = "", columns: dict[str, str] | None = None,
-              what: str = "data file") -> Rows:
+def read_rows(
+    path: str, split: str = "train", subset: str = "", columns: dict[str, str] | None = None, what: str = "data file"
+) -> Rows:
     """All rows of ``split`` of ``path`` (module doc); an empty split is an error naming it.
     ``what`` names the file in encoding errors (e.g. "SFT data file")."""
     kind = source_kind(path)
@@ -279,11 +308,12 @@ def read_rows(path: str, split: str = "train", subset: str = "", columns: dict[s
         dataset = open_dataset(path, split, subset)
         source = path if kind == "file" else f"{path} (split {split!r})"
         check_columns(columns, list(dataset.column_names), source)
-        pairs = [(f"{source}:row {number}", {k: v for k, v in row.items() if v is not None})
-                 for number, row in enumerate(dataset, start=1)]
+        pairs = [
+            (f"{source}:row {number}", {k: v for k, v in row.items() if v is not None})
+            for number, row in enumerate(dataset, start=1)
+        ]
     if not pairs:
-        raise DataError(f"{source}: file has no rows" if kind in ("jsonl", "parquet", "file")
-                        else f"{source}: no rows")
+        raise DataError(f"{source}: file has no rows" if kind in ("jsonl", "parquet", "file") else f"{source}: no rows")
     rows, where = [], []
     for place, row in pairs:  # a row that is not an object is left for the caller's check to name
         rows.append(rename_row(row, columns or {}, place) if isinstance(row, dict) else row)
@@ -313,8 +343,9 @@ def string_column(row: dict, name: str, where: str, hint: str = "") -> str:
     return value
 
 
-def read_text_column(path: str, split: str = "train", subset: str = "", columns: dict[str, str] | None = None,
-                     streaming: bool = False) -> Iterator[str]:
+def read_text_column(
+    path: str, split: str = "train", subset: str = "", columns: dict[str, str] | None = None, streaming: bool = False
+) -> Iterator[str]:
     """The ``text`` column (after ``columns``) of a source, one document at a time (pretraining).
 
     JSONL / Parquet / datasets sources alike; with ``streaming`` a datasets source is read as an
@@ -332,11 +363,12 @@ def read_text_column(path: str, split: str = "train", subset: str = "", columns:
     source = path if kind in ("file", "parquet", "jsonl") else f"{path} (split {split!r})"
     names = dataset.column_names
     if names is not None and column not in names:
-        raise DataError(f"{source}: no column {column!r} for the text (columns: {', '.join(names)}); map one with "
-                        "data.columns={text: <column>}")
+        raise DataError(
+            f"{source}: no column {column!r} for the text (columns: {', '.join(names)}); map one with "
+            "data.columns={text: <column>}"
+        )
     number = 0
     for number, row in enumerate(dataset, start=1):
         yield string_column(row, column, f"{source}:row {number}")
     if number == 0:
         raise DataError(f"{source}: no rows")
-

@@ -20,6 +20,7 @@ Resume: :class:`StreamingBlocks` saves (pass, blocks consumed) and on resume re-
 and skips that many blocks, re-tokenizing them (the cost of not keeping an index of the corpus).
 Under torchrun every rank reads the whole stream and trains on its share of each batch.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -95,8 +96,10 @@ class StreamingBlocks:
         block = next(self._blocks, None)
         if block is None:  # the stream ended: start the next pass
             if self.pos == 0:
-                raise DataError(f"the text stream holds less than one block of seq_len + 1 = {self.seq_len + 1} "
-                                "tokens; add text or lower data.seq_len")
+                raise DataError(
+                    f"the text stream holds less than one block of seq_len + 1 = {self.seq_len + 1} "
+                    "tokens; add text or lower data.seq_len"
+                )
             self.epoch, self.pos = self.epoch + 1, 0
             self._blocks = pack_stream(self.open_docs(), self.tokenizer, self.seq_len)
             return self._next_block()
@@ -118,8 +121,10 @@ class StreamingBlocks:
 
     def load_state_dict(self, state: dict) -> None:
         if not state.get("streaming"):
-            raise DataError("this checkpoint was written by a run that read its text without data.streaming; "
-                            "resume it with the same data settings")
+            raise DataError(
+                "this checkpoint was written by a run that read its text without data.streaming; "
+                "resume it with the same data settings"
+            )
         self._blocks, self._held = None, {}
         self.epoch, self.pos = state["epoch"], 0
         for _ in range(state["pos"]):  # re-read (and re-tokenize) the blocks this pass had consumed

@@ -13,6 +13,7 @@ split, so the three splits are disjoint whatever seeds are used, and a given (n,
 returns the same list. Problems within one call are distinct while the split's share lasts; a
 request for more problems than the share holds cycles through it again (in the same shuffled order).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, ClassVar, Protocol
 
 from ..model.tokenizer import ASCII_ALPHABET
-from .problem import SPLITS, Problem, split_of  # noqa: F401 (split_of: re-exported)
+from .problem import SPLITS, Problem, split_of
 from .rg import rg_task
 
 _ENUMERATE_LIMIT = 100_000  # problem spaces up to this size are enumerated, larger ones sampled
@@ -369,8 +370,10 @@ class GuessNumber:
         if not 10 <= self.high <= 10_000:
             raise ValueError(f"guess_number: high must be between 10 and 10000, got {self.high}")
         if self.min_width != 0 and not 2 <= self.min_width <= self.high:
-            raise ValueError(f"guess_number: min_width must be 0 (every game opens 'guess 1-{self.high}') or "
-                             f"from 2 to high={self.high} (random opening ranges), got {self.min_width}")
+            raise ValueError(
+                f"guess_number: min_width must be 0 (every game opens 'guess 1-{self.high}') or "
+                f"from 2 to high={self.high} (random opening ranges), got {self.min_width}"
+            )
         if self.min_width and self.high > 1000:
             raise ValueError(f"guess_number: random opening ranges (min_width) need high <= 1000, got {self.high}")
 
@@ -405,8 +408,10 @@ class GuessNumber:
         if not pool and n > 0:
             raise ValueError(f"task {self.spec!r} has no {split} secrets; use a larger high")
         random.Random(f"{self.spec}|{seed}|{split}").shuffle(pool)
-        return [Problem(prompt=self.prompt, completion=str(s), answer=str(s))
-                for s in (pool[k % len(pool)] for k in range(n))]
+        return [
+            Problem(prompt=self.prompt, completion=str(s), answer=str(s))
+            for s in (pool[k % len(pool)] for k in range(n))
+        ]
 
     def score(self, completion_text: str, problem: Problem) -> float:
         return 1.0 if completion_text.strip() == problem.answer else 0.0
@@ -447,8 +452,14 @@ class Seeds:
         return ASCII_ALPHABET
 
     def make_problems(self, n: int, seed: int, split: str) -> list[Problem]:
-        return _sample_split(lambda k: Problem(prompt=f"seed {k}", completion=str(k), answer=str(k)), self.count,
-                             n, seed, split, self.spec)
+        return _sample_split(
+            lambda k: Problem(prompt=f"seed {k}", completion=str(k), answer=str(k)),
+            self.count,
+            n,
+            seed,
+            split,
+            self.spec,
+        )
 
     def score(self, completion_text: str, problem: Problem) -> float:
         return 1.0 if completion_text.strip() == problem.answer else 0.0
@@ -459,9 +470,14 @@ class Seeds:
 
 # ----------------------------------------------------------------------------- registry
 
-TASKS: dict[str, type] = {Addition.name: Addition, AdditionTrace.name: AdditionTrace, ArithChat.name: ArithChat,
-                          Multiplication.name: Multiplication, GuessNumber.name: GuessNumber,
-                          Seeds.name: Seeds}
+TASKS: dict[str, type] = {
+    Addition.name: Addition,
+    AdditionTrace.name: AdditionTrace,
+    ArithChat.name: ArithChat,
+    Multiplication.name: Multiplication,
+    GuessNumber.name: GuessNumber,
+    Seeds.name: Seeds,
+}
 
 
 def get_task(spec: str) -> Task:
@@ -471,8 +487,10 @@ def get_task(spec: str) -> Task:
         return rg_task(spec)  # reasoning-gym itself is imported there, when a dataset is built
     name, _, params_text = spec.strip().partition(":")
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r} in spec {spec!r}; valid tasks: {', '.join(sorted(TASKS))}, "
-                         "or rg:<name> for a reasoning-gym dataset")
+        raise ValueError(
+            f"unknown task {name!r} in spec {spec!r}; valid tasks: {', '.join(sorted(TASKS))}, "
+            "or rg:<name> for a reasoning-gym dataset"
+        )
     cls = TASKS[name]
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, object] = {}

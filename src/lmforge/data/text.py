@@ -15,6 +15,7 @@ block (or there is a single document), the last block of the whole stream become
 set instead; then one document can contribute to both splits, and ``PackedData.val_overlaps_train``
 says so.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -53,8 +54,10 @@ def load_text_files(paths: list[str]) -> list[str]:
                 raise DataError(f"{path}: directory contains no .txt files")
             files.extend(found)
         elif path.suffix.lower() in DATASET_SUFFIXES:  # JSON / CSV syntax would be trained on as text
-            raise DataError(f"{path}: data.files takes plain text files, and this is a dataset file; read its text "
-                            f"column with data.path={path} (data.columns={{text: <column>}} if it is named otherwise)")
+            raise DataError(
+                f"{path}: data.files takes plain text files, and this is a dataset file; read its text "
+                f"column with data.path={path} (data.columns={{text: <column>}} if it is named otherwise)"
+            )
         elif path.is_file():
             files.append(path)
         else:
@@ -142,7 +145,7 @@ def _load_cache(cache_file: Path) -> dict | None:
         if isinstance(saved, dict) and {"train", "val", "val_overlaps_train"} <= saved.keys():
             return saved
         problem = "it does not hold packed data"
-    except Exception as exc:  # truncated or corrupt: torch raises several types (RuntimeError, EOFError, ...)
+    except Exception as exc:  # noqa: BLE001 - truncated or corrupt: torch raises several types (RuntimeError, EOFError, ...)
         problem = f"{type(exc).__name__}: {exc}"
     logger.warning("ignoring the unreadable data cache %s (%s); packing the text again", cache_file, problem)
     return None

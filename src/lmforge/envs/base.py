@@ -18,6 +18,7 @@ from several threads at once, so per-episode data belongs in ``state.info``, nev
 Messages are OpenAI-style dicts (:data:`Message`); :func:`check_messages` is the runner's check of
 what an environment returns (a malformed reply is counted, and the episode ends, never the run).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -86,8 +87,9 @@ def check_messages(messages: Any, where: str) -> list[Message]:
         if message["role"] == "assistant":
             raise MalformedReply(f"{where}: message {i} has role 'assistant'; only the policy writes those")
         if not isinstance(message.get("content"), str):
-            raise MalformedReply(f"{where}: message {i} has content {type(message.get('content')).__name__}, "
-                                 "expected a string")
+            raise MalformedReply(
+                f"{where}: message {i} has content {type(message.get('content')).__name__}, expected a string"
+            )
     return messages
 
 
@@ -101,7 +103,11 @@ def check_step_result(result: Any) -> StepResult:
         raise MalformedReply(f"step returned reward {type(result.reward).__name__}, expected a dict of floats")
     for name, value in result.reward.items():
         # numbers.Real: Python's and numpy's scalars alike (np.float32 is not a float); a bool is a mistake
-        if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, numbers.Real) \
-                or not math.isfinite(value):
+        if (
+            not isinstance(name, str)
+            or isinstance(value, bool)
+            or not isinstance(value, numbers.Real)
+            or not math.isfinite(value)
+        ):
             raise MalformedReply(f"step returned reward part {name!r} = {value!r}; expected a finite number")
     return result

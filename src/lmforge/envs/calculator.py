@@ -26,6 +26,7 @@ then picks the call even at ``p = 0.2``). Tool calls, invalid
 calls and tool errors are counted by :class:`ToolEnv`. :meth:`Calculator.demonstration` is the scripted
 expert of the SFT warm-up (lmforge.envs.demos).
 """
+
 from __future__ import annotations
 
 import ast
@@ -77,8 +78,11 @@ class Calculator(ToolEnv):
 
     def __init__(self, demo_tool_rate: float = 1.0):
         super().__init__([calculator])
-        if isinstance(demo_tool_rate, bool) or not isinstance(demo_tool_rate, (int, float)) \
-                or not 0.0 <= demo_tool_rate <= 1.0:
+        if (
+            isinstance(demo_tool_rate, bool)
+            or not isinstance(demo_tool_rate, (int, float))
+            or not 0.0 <= demo_tool_rate <= 1.0
+        ):
             raise ValueError(f"demo_tool_rate must be a number in [0, 1], got {demo_tool_rate!r}")
         self.demo_tool_rate = float(demo_tool_rate)
 
@@ -104,8 +108,10 @@ def estimate(expression: str) -> str:
     its first digit, e.g. ``"123*456"`` -> ``"40000"`` (100 * 400)."""
     parts = [part.strip() for part in expression.split("*")]
     if len(parts) != 2 or not all(part.isdigit() for part in parts):
-        raise ConfigError(f"calculator: demo_tool_rate < 1 estimates products of two positive integers "
-                         f"(data.task=multiplication), got the problem {expression!r}")
+        raise ConfigError(
+            f"calculator: demo_tool_rate < 1 estimates products of two positive integers "
+            f"(data.task=multiplication), got the problem {expression!r}"
+        )
     a, b = parts
     return str(int(a[0]) * int(b[0])) + "0" * (len(a) - 1 + len(b) - 1)
 

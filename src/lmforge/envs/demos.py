@@ -11,6 +11,7 @@ conversation, so the model learns the very tokens it later samples in RL::
     rows = demonstration_rows(make_environment("calculator"), task.make_problems(64, 0, "train"), 0, tokenizer)
     # lmforge sft: data.task=multiplication data.env=calculator (recipes/sft.py)
 """
+
 from __future__ import annotations
 
 import random
@@ -46,8 +47,10 @@ def demonstration_rows(env, problems: list, seed: int, tokenizer) -> list[dict]:
     tools itself gets them as the row's ``tools`` (lmforge.data.sft passes them to it), any other the
     default format's system block as a message."""
     if not callable(getattr(env, "demonstration", None)):
-        raise ConfigError(f"{type(env).__name__} has no scripted expert (a demonstration(state, rng) method), so "
-                          "it cannot write SFT demonstrations; built-in ones that do: calculator, guess_number")
+        raise ConfigError(
+            f"{type(env).__name__} has no scripted expert (a demonstration(state, rng) method), so "
+            "it cannot write SFT demonstrations; built-in ones that do: calculator, guess_number"
+        )
     native = bool(env.tools) and supports_tools(tokenizer)
     rng = random.Random(seed)
     rows = []

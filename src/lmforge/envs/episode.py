@@ -26,6 +26,7 @@ environment call (``timeout_s``). A tool result longer than ``max_tool_result_to
 that many tokens (counted) and the episode goes on. An environment that raises, hangs or returns
 something malformed ends its episode, counted and logged; the others go on.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,15 +44,19 @@ from ..rollout.engine import left_pad
 from ..rollout.timed_calls import TimedCalls
 from .base import EpisodeState, MalformedReply, Message, check_messages, check_step_result
 from .safe_encode import ControlTextError, Rendered, encode_rendered, encode_text, render_marked
-from .toolcalls import render_messages
 from .tool_env import INVALID_CALLS, TOOL_CALLS, TOOL_ERRORS
+from .toolcalls import render_messages
 
 logger = logging.getLogger(__name__)
 
 # How an episode ended: the environment said done, a limit was hit, or something failed.
 LIMITS = ("turns", "episode_tokens", "invalid_calls")
-FAILURES = {"env_error": "env_errors", "timeout": "tool_timeouts", "malformed": "num_malformed_replies",
-            "template": "num_template_mismatches"}
+FAILURES = {
+    "env_error": "env_errors",
+    "timeout": "tool_timeouts",
+    "malformed": "num_malformed_replies",
+    "template": "num_template_mismatches",
+}
 # More characters than any token stands for in practice: a tool result is cut to this many per allowed
 # token before it is tokenized (the cut itself is then made in tokens).
 MAX_CHARS_PER_TOKEN = 32
@@ -142,8 +147,12 @@ class EpisodeRunner:
     def render(self, messages: list[Message]) -> Rendered:
         """The conversation with the generation prompt, and where its messages' special-token strings
         landed (``safe_encode``: they are encoded as text, only the template's are control tokens)."""
-        return render_marked(self.tokenizer, lambda msgs, tools: render_messages(
-            self.tokenizer, msgs, tools, add_generation_prompt=True), messages, self.tools)
+        return render_marked(
+            self.tokenizer,
+            lambda msgs, tools: render_messages(self.tokenizer, msgs, tools, add_generation_prompt=True),
+            messages,
+            self.tools,
+        )
 
     def encode(self, text: str) -> list[int]:
         """The ids of a message's ``text``, as plain text (``safe_encode.encode_text``)."""
@@ -178,7 +187,7 @@ class EpisodeRunner:
     def _add_turn(self, episode: Episode, sampled: list[int], logprobs: list[float], stop_ids: set[int]) -> None:
         """Append the policy's sampled ids verbatim (cut to the episode's budget) and its message."""
         if len(sampled) > episode.budget:
-            sampled, logprobs = sampled[:episode.budget], logprobs[:episode.budget]
+            sampled, logprobs = sampled[: episode.budget], logprobs[: episode.budget]
             episode.end = "episode_tokens"
         episode.ids += sampled
         episode.trained += [1] * len(sampled)
@@ -201,7 +210,7 @@ class EpisodeRunner:
         cap, out = self.limits.max_tool_result_tokens, []
         for message in messages:
             if cap and message["role"] == "tool":
-                head = message["content"][:cap * MAX_CHARS_PER_TOKEN]
+                head = message["content"][: cap * MAX_CHARS_PER_TOKEN]
                 ids = self.encode(head)
                 if len(ids) > cap or len(head) < len(message["content"]):
                     episode.num_cut_results += 1
@@ -242,8 +251,13 @@ class EpisodeRunner:
             episode.end = "template"
             return
         if not full.text.startswith(episode.text):
-            _log_failure(episode, "template", "render", "the chat template's rendering of the conversation does "
-                         "not start with the episode's tokens so far (it rewrites earlier turns)")
+            _log_failure(
+                episode,
+                "template",
+                "render",
+                "the chat template's rendering of the conversation does "
+                "not start with the episode's tokens so far (it rewrites earlier turns)",
+            )
             episode.end = "template"
             return
         delta = encode_rendered(self.tokenizer, full.cut(len(episode.text)))
@@ -258,8 +272,9 @@ class EpisodeRunner:
 
     # ------------------------------------------------------------------------- a batch
 
-    def run(self, generate: GenerateFn, problems: Sequence[Any], group_size: int,
-            params: SamplingParams) -> tuple[list[Episode], dict]:
+    def run(
+        self, generate: GenerateFn, problems: Sequence[Any], group_size: int, params: SamplingParams
+    ) -> tuple[list[Episode], dict]:
         """``group_size`` episodes of each problem (a problem's adjacent), run to their ends.
 
         Round r samples every active episode in one ``generate`` call (seed :func:`round_seed`; in
@@ -289,25 +304,39 @@ class EpisodeRunner:
             times["time_env"] += time.perf_counter() - middle
         return episodes, times
 
-    def _sample(self, generate: GenerateFn, active: list[Episode], group_size: int, params: SamplingParams,
-                round_: int, stop_ids: set[int]) -> None:
+    def _sample(
+        self,
+        generate: GenerateFn,
+        active: list[Episode],
+        group_size: int,
+        params: SamplingParams,
+        round_: int,
+        stop_ids: set[int],
+    ) -> None:
         """One engine call for every active episode; a group whose prompts are one is prefilled once."""
         histories = [e.prompt_ids + e.ids for e in active]
-        shared = group_size > 1 and len(active) % group_size == 0 and all(
-            histories[i] == histories[i - i % group_size] for i in range(len(active)))
+        shared = (
+            group_size > 1
+            and len(active) % group_size == 0
+            and all(histories[i] == histories[i - i % group_size] for i in range(len(active)))
+        )
         prompts = histories[::group_size] if shared else histories
         most = max(e.budget for e in active) + 1  # one more than fits: a turn that would pass its budget is cut
-        params = dataclasses.replace(params, seed=None if params.seed is None else round_seed(params.seed, round_),
-                                     max_new_tokens=min(params.max_new_tokens, most))
+        params = dataclasses.replace(
+            params,
+            seed=None if params.seed is None else round_seed(params.seed, round_),
+            max_new_tokens=min(params.max_new_tokens, most),
+        )
         rollout = generate(prompts, params, group_size if shared else 1)
         for row, episode in enumerate(active):
             n = int(rollout.completion_lens[row])
-            self._add_turn(episode, rollout.completion_ids[row, :n].tolist(), rollout.logprobs[row, :n].tolist(),
-                           stop_ids)
+            self._add_turn(
+                episode, rollout.completion_ids[row, :n].tolist(), rollout.logprobs[row, :n].tolist(), stop_ids
+            )
 
-
-    def run_continuous(self, decoder: ContinuousDecoder, problems: Sequence[Any], group_size: int,
-                       params: SamplingParams) -> tuple[list[Episode], dict]:
+    def run_continuous(
+        self, decoder: ContinuousDecoder, problems: Sequence[Any], group_size: int, params: SamplingParams
+    ) -> tuple[list[Episode], dict]:
         """The episodes of :meth:`run`, without rounds: each turn is a row of ``decoder``'s running
         batch. When a turn ends, its environment step goes to the worker pool (with the same timeout)
         while the other rows keep decoding, and the next turn joins the batch as soon as the step
@@ -324,8 +353,7 @@ class EpisodeRunner:
             raise
         return episodes, times
 
-    def _play(self, decoder: ContinuousDecoder, episodes: list[Episode], params: SamplingParams,
-              times: dict) -> None:
+    def _play(self, decoder: ContinuousDecoder, episodes: list[Episode], params: SamplingParams, times: dict) -> None:
         """``run_continuous``'s loop: admit the turns whose environment answered, decode one step, hand
         the finished turns to the environment, until every episode has ended."""
         stop_ids = set(params.stop_token_ids)
@@ -340,8 +368,9 @@ class EpisodeRunner:
                     decoder.release(index)
                     continue
                 seed = None if params.seed is None else episode_seed(params.seed, index, episode.state.turn)
-                turn_params = dataclasses.replace(params, seed=seed, max_new_tokens=min(
-                    params.max_new_tokens, episode.budget + 1))  # one more than fits, as in run
+                turn_params = dataclasses.replace(
+                    params, seed=seed, max_new_tokens=min(params.max_new_tokens, episode.budget + 1)
+                )  # one more than fits, as in run
                 decoder.admit(index, episode.prompt_ids + episode.ids, turn_params)
             middle = time.perf_counter()
             times["time_env"] += middle - start
@@ -361,11 +390,13 @@ def _bind(fn: Callable, *args) -> Callable[[], Any]:
 
 
 def _log_failure(episode: Episode, status: str, call: str, text: Any) -> None:
-    logger.warning("environment %s failed (%s) in turn %d; the episode ends: %s", call, status,
-                   episode.state.turn, str(text)[:300])
+    logger.warning(
+        "environment %s failed (%s) in turn %d; the episode ends: %s", call, status, episode.state.turn, str(text)[:300]
+    )
 
 
 # ----------------------------------------------------------------------------- a batch's rows and metrics
+
 
 def episode_rollout(episodes: list[Episode], group_size: int, pad_token_id: int) -> RolloutBatch:
     """The episodes as rows: the first prompt as ``prompt_ids``, every later token as the completion,
@@ -382,10 +413,18 @@ def episode_rollout(episodes: list[Episode], group_size: int, pad_token_id: int)
         mask[row, :n] = 1
         trained[row, :n] = torch.tensor(e.trained, dtype=torch.long)
         logprobs[row, :n] = torch.tensor(e.logprobs, dtype=torch.float32)
-    return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=ids, completion_mask=mask,
-                        logprobs=logprobs, group_index=torch.arange(len(episodes)) // group_size,
-                        prompt_lens=prompt_mask.sum(1), completion_lens=mask.sum(1),
-                        truncated=torch.tensor([e.end != "done" for e in episodes]), trained_mask=trained)
+    return RolloutBatch(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=ids,
+        completion_mask=mask,
+        logprobs=logprobs,
+        group_index=torch.arange(len(episodes)) // group_size,
+        prompt_lens=prompt_mask.sum(1),
+        completion_lens=mask.sum(1),
+        truncated=torch.tensor([e.end != "done" for e in episodes]),
+        trained_mask=trained,
+    )
 
 
 def combine_rewards(episodes: list[Episode], functions: RewardOutput | None, width: int) -> RewardOutput:
@@ -393,8 +432,9 @@ def combine_rewards(episodes: list[Episode], functions: RewardOutput | None, wid
     0), each a column ``env_<name>`` of weight 1, plus the configured reward functions' columns.
     ``turn_rewards`` (B, ``width``) holds each step's parts on the last token of the turn it answered."""
     names = sorted({name for e in episodes for name in e.rewards})
-    env_parts = torch.tensor([[e.rewards.get(n, 0.0) for n in names] for e in episodes],
-                             dtype=torch.float32).reshape(len(episodes), len(names))
+    env_parts = torch.tensor([[e.rewards.get(n, 0.0) for n in names] for e in episodes], dtype=torch.float32).reshape(
+        len(episodes), len(names)
+    )
     turn_rewards = torch.zeros(len(episodes), width, dtype=torch.float32)
     for row, episode in enumerate(episodes):
         for index, reward in episode.turn_rewards:
@@ -402,12 +442,22 @@ def combine_rewards(episodes: list[Episode], functions: RewardOutput | None, wid
     env_names = [f"env_{n}" for n in names]
     zeros = torch.zeros(len(names), dtype=torch.int64)
     if functions is None:
-        return RewardOutput(total=env_parts.sum(1), per_function=env_parts, names=env_names, num_failed=zeros,
-                            num_timed_out=zeros.clone(), turn_rewards=turn_rewards)
-    return RewardOutput(total=functions.total + env_parts.sum(1),
-                        per_function=torch.cat([functions.per_function, env_parts], 1),
-                        names=[*functions.names, *env_names], num_failed=torch.cat([functions.num_failed, zeros]),
-                        num_timed_out=torch.cat([functions.num_timed_out, zeros]), turn_rewards=turn_rewards)
+        return RewardOutput(
+            total=env_parts.sum(1),
+            per_function=env_parts,
+            names=env_names,
+            num_failed=zeros,
+            num_timed_out=zeros.clone(),
+            turn_rewards=turn_rewards,
+        )
+    return RewardOutput(
+        total=functions.total + env_parts.sum(1),
+        per_function=torch.cat([functions.per_function, env_parts], 1),
+        names=[*functions.names, *env_names],
+        num_failed=torch.cat([functions.num_failed, zeros]),
+        num_timed_out=torch.cat([functions.num_timed_out, zeros]),
+        turn_rewards=turn_rewards,
+    )
 
 
 def episode_metrics(episodes: list[Episode], times: dict) -> dict:
@@ -432,13 +482,25 @@ def episode_metrics(episodes: list[Episode], times: dict) -> dict:
     return metrics
 
 
-def save_episodes(run_dir: Path, step: int, episodes: list[Episode], totals: Sequence[float],
-                  printer=print) -> None:
+def save_episodes(run_dir: Path, step: int, episodes: list[Episode], totals: Sequence[float], printer=print) -> None:
     """Append whole episodes (every message with its role, the reward, how it ended) to ``samples.jsonl``
     and print the last message of each."""
     with open(Path(run_dir) / "samples.jsonl", "a") as handle:
         for episode, total in zip(episodes, totals):
-            handle.write(json.dumps({"step": step, "messages": episode.state.messages, "reward": float(total),
-                                     "turns": episode.state.turn, "end": episode.end}, default=str) + "\n")
-            printer(f"  episode | {episode.state.turn} turn(s), {episode.end}, reward {float(total):g} | "
-                    f"{episode.final_text!r}")
+            handle.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "messages": episode.state.messages,
+                        "reward": float(total),
+                        "turns": episode.state.turn,
+                        "end": episode.end,
+                    },
+                    default=str,
+                )
+                + "\n"
+            )
+            printer(
+                f"  episode | {episode.state.turn} turn(s), {episode.end}, reward {float(total):g} | "
+                f"{episode.final_text!r}"
+            )

@@ -42,6 +42,7 @@ stride: 0.5}`` warm-up, greedy play mostly strides; GRPO moves it towards the mi
 raises held-out success while the turns to solve fall. With the one opening ``guess 1-100`` it did not:
 the held-out secrets are lost at one-number ranges that only their own games reach.
 """
+
 from __future__ import annotations
 
 import math
@@ -62,8 +63,13 @@ class GuessNumber:
 
     tools: list[dict] = []
 
-    def __init__(self, max_guesses: int = 8, speed_bonus: float = 0.1, show_range: bool = False,
-                 demo_mix: dict[str, float] | None = None):
+    def __init__(
+        self,
+        max_guesses: int = 8,
+        speed_bonus: float = 0.1,
+        show_range: bool = False,
+        demo_mix: dict[str, float] | None = None,
+    ):
         if max_guesses < 1:
             raise ValueError(f"max_guesses must be >= 1, got {max_guesses}")
         if not speed_bonus >= 0:
@@ -74,26 +80,33 @@ class GuessNumber:
         if demo_mix is None:
             demo_mix = {"uniform": 1.0}
         if not isinstance(demo_mix, dict) or not demo_mix:
-            raise ValueError(f"demo_mix must be a mapping of strategy -> weight, e.g. {{halving: 0.3, stride: 0.7}}, "
-                             f"got {demo_mix!r}")
+            raise ValueError(
+                f"demo_mix must be a mapping of strategy -> weight, e.g. {{halving: 0.3, stride: 0.7}}, "
+                f"got {demo_mix!r}"
+            )
         mix = dict(demo_mix)
         unknown = sorted(map(str, set(mix) - set(DEMO_STRATEGIES)))
         if unknown:
             raise ValueError(f"demo_mix: unknown strategy {unknown}; the strategies are {list(DEMO_STRATEGIES)}")
-        if any(isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < math.inf for w in mix.values()) \
-                or not sum(mix.values()) > 0:
+        if (
+            any(isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < math.inf for w in mix.values())
+            or not sum(mix.values()) > 0
+        ):
             raise ValueError(f"demo_mix: weights must be finite numbers >= 0 with a positive sum, got {mix}")
         self.demo_mix = mix
 
     def reset(self, problem, state: EpisodeState) -> list[Message]:
-        prompt, answer = (problem["prompt"], problem["answer"]) if isinstance(problem, dict) \
-            else (problem.prompt, problem.answer)
+        prompt, answer = (
+            (problem["prompt"], problem["answer"]) if isinstance(problem, dict) else (problem.prompt, problem.answer)
+        )
         opening = _OPENING.fullmatch(prompt.strip())
         low, high = (int(opening.group(1)), int(opening.group(2))) if opening else (0, -1)
         if not opening or low < 1 or not str(answer).isdigit() or not low <= int(answer) <= high:
-            raise ConfigError(f"guess_number: a problem needs the prompt 'guess L-H' (1 <= L) and a secret from L "
-                              f"to H as its answer, got prompt {prompt!r} and answer {answer!r}; use "
-                              "data.task=guess_number (lmforge.data.tasks.GuessNumber)")
+            raise ConfigError(
+                f"guess_number: a problem needs the prompt 'guess L-H' (1 <= L) and a secret from L "
+                f"to H as its answer, got prompt {prompt!r} and answer {answer!r}; use "
+                "data.task=guess_number (lmforge.data.tasks.GuessNumber)"
+            )
         state.info.update(low=low, high=high, secret=int(answer), guesses=[], low_bound=low, high_bound=high)
         return [{"role": "user", "content": prompt.strip()}]
 
@@ -126,8 +139,9 @@ class GuessNumber:
         info = state.info
         if "demo_strategy" not in info:
             names = list(self.demo_mix)
-            info["demo_strategy"] = names[0] if len(names) == 1 else \
-                rng.choices(names, weights=[self.demo_mix[n] for n in names])[0]
+            info["demo_strategy"] = (
+                names[0] if len(names) == 1 else rng.choices(names, weights=[self.demo_mix[n] for n in names])[0]
+            )
         low, high = info["low_bound"], info["high_bound"]
         if info["demo_strategy"] == "halving":
             return str((low + high) // 2)

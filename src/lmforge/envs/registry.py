@@ -1,5 +1,6 @@
 """Environments by name: ``env.name`` is a built-in name of :data:`ENVIRONMENTS` or a user class given
 as ``package.module:Class``; ``env.args`` go to its constructor (docs/environments.md)."""
+
 from __future__ import annotations
 
 import inspect
@@ -34,9 +35,11 @@ def resolve_environment(name: str) -> type:
         raise ConfigError(f"env.name={name!r}: module {where} has no class {name.partition(':')[2]!r}")
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if missing:
-        raise ConfigError(f"env.name={name!r}: class {cls.__name__} has no {' and no '.join(missing)} method; an "
-                          "environment needs reset(problem, state) and step(state, message) "
-                          "(lmforge.envs.base.Environment)")
+        raise ConfigError(
+            f"env.name={name!r}: class {cls.__name__} has no {' and no '.join(missing)} method; an "
+            "environment needs reset(problem, state) and step(state, message) "
+            "(lmforge.envs.base.Environment)"
+        )
     return cls
 
 
@@ -50,10 +53,14 @@ def check_environment(name: str, args: dict[str, Any] | None = None) -> type:
         accepted = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
         unknown = sorted(set(args) - accepted)
         if unknown:
-            raise ConfigError(f"env.args: {cls.__name__} takes no argument(s) {unknown}; it takes "
-                              f"{sorted(accepted) or 'none'}")
-    missing = sorted(p.name for p in params if p.default is p.empty and p.name not in args
-                     and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+            raise ConfigError(
+                f"env.args: {cls.__name__} takes no argument(s) {unknown}; it takes {sorted(accepted) or 'none'}"
+            )
+    missing = sorted(
+        p.name
+        for p in params
+        if p.default is p.empty and p.name not in args and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    )
     if missing:
         raise ConfigError(f"env.args: {cls.__name__} needs argument(s) {missing}; set them in env.args")
     return cls
@@ -68,9 +75,11 @@ def make_environment(name: str, args: dict[str, Any] | None = None) -> Environme
     cls = check_environment(name, args)
     try:
         env = cls(**dict(args or {}))
-    except Exception as exc:  # noqa: BLE001 - the environment's code, not lmforge's: reported as the user's
-        raise ConfigError(f"env.name={name!r}: {cls.__module__}.{cls.__qualname__}(**env.args) raised "
-                          f"{_where(exc, cls)}: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:
+        raise ConfigError(
+            f"env.name={name!r}: {cls.__module__}.{cls.__qualname__}(**env.args) raised "
+            f"{_where(exc, cls)}: {type(exc).__name__}: {exc}"
+        ) from exc
     if not isinstance(getattr(env, "tools", []), list):
         raise ConfigError(f"env.name={name!r}: {cls.__name__}.tools must be a list of tool schemas")
     return env

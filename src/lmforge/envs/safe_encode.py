@@ -26,6 +26,7 @@ transformers >= 5.25 has the same idea in ``apply_chat_template(..., sanitize_co
 which returns ids only; the episode runner and the token-in server also need the text and the
 ids of a part of it (the delta after a prefix), hence this module.
 """
+
 from __future__ import annotations
 
 import functools
@@ -65,13 +66,20 @@ class Rendered:
     def cut(self, start: int) -> "Rendered":
         """The rendering of ``text[start:]`` (a span that starts before ``start`` is cut with it; a
         control token cut in two is no longer one)."""
-        shift = lambda spans, keep: tuple((max(a, start) - start, b - start) for a, b in spans if keep(a, b))
-        return Rendered(self.text[start:], shift(self.forged, lambda a, b: b > start),
-                        shift(self.control, lambda a, b: a >= start))
+
+        def shift(spans, keep):
+            return tuple((max(a, start) - start, b - start) for a, b in spans if keep(a, b))
+
+        return Rendered(
+            self.text[start:], shift(self.forged, lambda a, b: b > start), shift(self.control, lambda a, b: a >= start)
+        )
 
     def __add__(self, other: "Rendered") -> "Rendered":
         n = len(self.text)
-        moved = lambda spans: tuple((a + n, b + n) for a, b in spans)
+
+        def moved(spans):
+            return tuple((a + n, b + n) for a, b in spans)
+
         return Rendered(self.text + other.text, self.forged + moved(other.forged), self.control + moved(other.control))
 
 
@@ -112,7 +120,7 @@ class _Plain:
         if not self.strings:
             return False
         special = self.strings[-1]
-        after = encode_plain(self.tokenizer, special + _PROBE)[len(encode_plain(self.tokenizer, special)):]
+        after = encode_plain(self.tokenizer, special + _PROBE)[len(encode_plain(self.tokenizer, special)) :]
         return after != encode_text(self.tokenizer, _PROBE)
 
 
@@ -159,8 +167,11 @@ def _fields(obj: Any, pattern: re.Pattern, path: str) -> list[tuple[str, str]]:
         match = pattern.search(obj)
         return [(path, match.group())] if match else []
     if isinstance(obj, dict):
-        return [f for key, value in obj.items() for f in _fields(key, pattern, f"{path}.{key}")
-                + _fields(value, pattern, f"{path}.{key}")]
+        return [
+            f
+            for key, value in obj.items()
+            for f in _fields(key, pattern, f"{path}.{key}") + _fields(value, pattern, f"{path}.{key}")
+        ]
     if isinstance(obj, (list, tuple)):
         return [f for i, value in enumerate(obj) for f in _fields(value, pattern, f"{path}.{i}")]
     return []
@@ -193,8 +204,9 @@ def render_marked(tokenizer, render: Render, messages: list[dict], tools: list[d
         originals.append(match.group())
         return f"LMFORGE{nonce}X{len(originals) - 1}Y"
 
-    marked = render(_map_strings(messages, lambda s: pattern.sub(mark, s)),
-                    _map_strings(tools, lambda s: pattern.sub(mark, s)))
+    marked = render(
+        _map_strings(messages, lambda s: pattern.sub(mark, s)), _map_strings(tools, lambda s: pattern.sub(mark, s))
+    )
     rebuilt, forged, control = _rebuild(marked, re.compile(f"LMFORGE{nonce}X([0-9]+)Y"), originals, pattern)
     if rebuilt == text:
         return Rendered(text, forged, control)
@@ -205,16 +217,19 @@ def render_marked(tokenizer, render: Render, messages: list[dict], tools: list[d
     raise ControlTextError(
         f"{field} holds the control string {string!r} of the tokenizer, and the chat template does not write it "
         "as given (it changes the text around it), so it cannot be told from the template's own control tokens; "
-        "remove it from the text", field)
+        "remove it from the text",
+        field,
+    )
 
 
-def _rebuild(marked: str, markers: re.Pattern, originals: list[str], pattern: re.Pattern
-             ) -> tuple[str, tuple[Span, ...], tuple[Span, ...]]:
+def _rebuild(
+    marked: str, markers: re.Pattern, originals: list[str], pattern: re.Pattern
+) -> tuple[str, tuple[Span, ...], tuple[Span, ...]]:
     """(``marked`` with each marker replaced by its original string, where those strings are, where the
     special strings of the rest are)."""
     pieces, forged, control, at, last = [], [], [], 0, 0
     for match in markers.finditer(marked):
-        for piece, is_forged in ((marked[last:match.start()], False), (originals[int(match.group(1))], True)):
+        for piece, is_forged in ((marked[last : match.start()], False), (originals[int(match.group(1))], True)):
             if is_forged:
                 forged.append((at, at + len(piece)))
             else:
@@ -258,4 +273,4 @@ def _after_control(tokenizer, text: str) -> list[int]:
     if not _plain(tokenizer).marks_start:
         return encode_text(tokenizer, text)
     anchor, ids = encode_text(tokenizer, _ANCHOR), encode_text(tokenizer, _ANCHOR + text)
-    return ids[len(anchor):] if ids[:len(anchor)] == anchor else encode_text(tokenizer, text)
+    return ids[len(anchor) :] if ids[: len(anchor)] == anchor else encode_text(tokenizer, text)

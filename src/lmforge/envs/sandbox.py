@@ -30,6 +30,7 @@ around an in-process hook (ctypes, interpreter internals). Each result says whic
 force and why (``isolation``).
 docs/environments.md, "The sandboxed Python tool", lists what this does and does not guard against.
 """
+
 from __future__ import annotations
 
 import builtins
@@ -52,13 +53,14 @@ from ..core.errors import ConfigError
 @dataclass(frozen=True)
 class SandboxLimits:
     """Limits for one run of sandboxed code."""
-    wall_s: float = 6.0             # wall-clock seconds before the whole process group is killed; with the
-                                    # start (~0.3 s) and the backstop (2 s) below env.tool_timeout_s (10 s)
-    cpu_s: int = 5                  # CPU seconds (RLIMIT_CPU, SIGKILL when used up)
-    memory_mb: int = 512            # address space (RLIMIT_AS); Python raises MemoryError past it
-    file_size_mb: int = 16          # largest file the code may write (RLIMIT_FSIZE)
-    max_output_bytes: int = 8192    # stdout + stderr kept; the rest is counted, not kept
-    namespaces: bool = True         # False: skip the namespaces, use the audit-hook fallback
+
+    wall_s: float = 6.0  # wall-clock seconds before the whole process group is killed; with the
+    # start (~0.3 s) and the backstop (2 s) below env.tool_timeout_s (10 s)
+    cpu_s: int = 5  # CPU seconds (RLIMIT_CPU, SIGKILL when used up)
+    memory_mb: int = 512  # address space (RLIMIT_AS); Python raises MemoryError past it
+    file_size_mb: int = 16  # largest file the code may write (RLIMIT_FSIZE)
+    max_output_bytes: int = 8192  # stdout + stderr kept; the rest is counted, not kept
+    namespaces: bool = True  # False: skip the namespaces, use the audit-hook fallback
 
     def __post_init__(self):
         for name in ("wall_s", "cpu_s", "memory_mb", "file_size_mb", "max_output_bytes"):
@@ -71,20 +73,22 @@ class SandboxLimits:
 
 @dataclass(frozen=True)
 class SandboxResult:
-    output: str                     # stdout and stderr interleaved, the first max_output_bytes bytes
-    truncated_bytes: int            # bytes of output past the cap (read and dropped)
-    exit_code: int | None           # the code's exit status; None when killed by a signal or the clock
-    signal: str | None              # e.g. "SIGKILL" when a signal ended the code
-    timed_out: bool                 # the wall-clock limit killed it
-    cpu_limit: bool                 # it used its whole CPU-time limit
-    cpu_s: float | None             # CPU seconds the code used (None if the supervisor did not report)
+    output: str  # stdout and stderr interleaved, the first max_output_bytes bytes
+    truncated_bytes: int  # bytes of output past the cap (read and dropped)
+    exit_code: int | None  # the code's exit status; None when killed by a signal or the clock
+    signal: str | None  # e.g. "SIGKILL" when a signal ended the code
+    timed_out: bool  # the wall-clock limit killed it
+    cpu_limit: bool  # it used its whole CPU-time limit
+    cpu_s: float | None  # CPU seconds the code used (None if the supervisor did not report)
     wall_s: float
     isolation: dict = field(default_factory=dict)  # {"network": ..., "files": ..., "processes": ...}
 
 
 # The child runs this module as __main__; -I (isolated) ignores PYTHONPATH, so name lmforge's location.
-_BOOT = (f"import sys, runpy; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r}); "
-         f"runpy.run_module({__name__!r}, run_name='__main__', alter_sys=True)")
+_BOOT = (
+    f"import sys, runpy; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r}); "
+    f"runpy.run_module({__name__!r}, run_name='__main__', alter_sys=True)"
+)
 _BACKSTOP_S = 2.0  # extra seconds the parent waits for the supervisor before killing its process group
 
 
@@ -99,9 +103,16 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
     try:
         env = {"HOME": work, "TMPDIR": work, "PATH": os.defpath, "LC_ALL": "C.UTF-8"}
         config = {"code": code, "work": work, "status_fd": status_write, **asdict(limits)}
-        proc = subprocess.Popen([sys.executable, "-I", "-u", "-c", _BOOT], cwd=work, env=env,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                pass_fds=(status_write,), start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-u", "-c", _BOOT],
+            cwd=work,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            pass_fds=(status_write,),
+            start_new_session=True,
+        )
         os.close(status_write)
         status_write = -1
         try:
@@ -131,18 +142,28 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
     cpu_s = final.get("cpu_s")
     timed_out = backstop or final.get("timed_out", False)
     return SandboxResult(
-        output=kept.decode("utf-8", errors="replace"), truncated_bytes=dropped,
-        exit_code=None if timed_out else final.get("exit_code"), signal=final.get("signal"),
-        timed_out=timed_out, cpu_limit=_hit_cpu_limit(final, timed_out, limits.cpu_s),
-        cpu_s=cpu_s, wall_s=time.monotonic() - start, isolation=status.get("isolation", {}))
+        output=kept.decode("utf-8", errors="replace"),
+        truncated_bytes=dropped,
+        exit_code=None if timed_out else final.get("exit_code"),
+        signal=final.get("signal"),
+        timed_out=timed_out,
+        cpu_limit=_hit_cpu_limit(final, timed_out, limits.cpu_s),
+        cpu_s=cpu_s,
+        wall_s=time.monotonic() - start,
+        isolation=status.get("isolation", {}),
+    )
 
 
 def _hit_cpu_limit(final: dict, timed_out: bool, cpu_limit_s: int) -> bool:
     """Killed by the kernel's RLIMIT_CPU signals after using (nearly: rusage and the limit are measured
     differently, and a loaded machine showed 0.94 s at a 1 s limit) all of it."""
     cpu_s = final.get("cpu_s")
-    return (not timed_out and final.get("signal") in ("SIGKILL", "SIGXCPU") and cpu_s is not None
-            and cpu_s >= 0.8 * cpu_limit_s)
+    return (
+        not timed_out
+        and final.get("signal") in ("SIGKILL", "SIGXCPU")
+        and cpu_s is not None
+        and cpu_s >= 0.8 * cpu_limit_s
+    )
 
 
 def _read_capped(proc, deadline: float, cap: int) -> tuple[bytes, int, bool]:
@@ -196,6 +217,7 @@ def _force_remove(func, path, exc_info) -> None:
 # The tool function
 # ---------------------------------------------------------------------------------------------------
 
+
 def python_tool(limits: SandboxLimits = SandboxLimits()):
     """A tool function ``python(code: str) -> str`` that runs code under ``limits``, for a ToolEnv."""
 
@@ -235,6 +257,7 @@ python = python_tool()
 # The child: supervisor, isolation, the code process
 # ---------------------------------------------------------------------------------------------------
 
+
 def _child_main() -> None:
     config = json.loads(sys.stdin.buffer.read().decode("utf-8"))
     null = os.open(os.devnull, os.O_RDONLY)  # the code reads an empty stdin (input() raises EOFError)
@@ -267,15 +290,21 @@ def _supervise(pid: int, wall_s: float) -> dict:
             timed_out = True
         time.sleep(0.005)
     sig = os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else None
-    return {"exit_code": os.WEXITSTATUS(wait_status) if os.WIFEXITED(wait_status) else None,
-            "signal": signal.Signals(sig).name if sig else None, "timed_out": timed_out,
-            "cpu_s": usage.ru_utime + usage.ru_stime}
+    return {
+        "exit_code": os.WEXITSTATUS(wait_status) if os.WIFEXITED(wait_status) else None,
+        "signal": signal.Signals(sig).name if sig else None,
+        "timed_out": timed_out,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+    }
 
 
 def _no_namespaces(reason: str) -> dict:
-    return {"network": f"audit hook (best effort): {reason}", "files": f"audit hook (best effort): {reason}",
-            "processes": f"audit hook refuses new processes (best effort): {reason}",
-            "private": f"audit hook refuses reading private directories (best effort): {reason}"}
+    return {
+        "network": f"audit hook (best effort): {reason}",
+        "files": f"audit hook (best effort): {reason}",
+        "processes": f"audit hook refuses new processes (best effort): {reason}",
+        "private": f"audit hook refuses reading private directories (best effort): {reason}",
+    }
 
 
 # Directories of private files (every user's home, runtime sockets and keys, mounted secrets) that the code
@@ -298,12 +327,16 @@ def _private_dirs(work: str) -> tuple[list[str], list[str]]:
     except KeyError:  # a uid without a passwd entry
         home = None
     private = {os.path.realpath(d) for d in (*PRIVATE_DIRS, home) if d and os.path.isdir(d)} - {"/"}
-    needed = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-                                            *sys.path, work) if os.path.exists(p)}
+    needed = {
+        os.path.realpath(p)
+        for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *sys.path, work)
+        if os.path.exists(p)
+    }
     private = {d for d in private if not any(_inside(d, n) for n in needed)}
     hide = sorted(d for d in private if not any(d != e and _inside(d, e) for e in private))
-    keep = sorted(n for n in needed if any(_inside(n, d) for d in hide)
-                  and not any(n != m and _inside(n, m) for m in needed))
+    keep = sorted(
+        n for n in needed if any(_inside(n, d) for d in hide) and not any(n != m and _inside(n, m) for m in needed)
+    )
     return hide, keep
 
 
@@ -342,8 +375,10 @@ def _isolate(work: str) -> dict:
     except (OSError, AttributeError) as exc:  # AttributeError: a libc without unshare (not Linux)
         reason = "unshare failed" + (" (unprivileged user namespaces may be disabled)" if uid else "")
         return _no_namespaces(f"{reason}: {exc}")
-    isolation = {"network": "new network namespace (no interfaces up)",
-                 "processes": "new PID namespace, fresh /proc, no capabilities"}
+    isolation = {
+        "network": "new network namespace (no interfaces up)",
+        "processes": "new PID namespace, fresh /proc, no capabilities",
+    }
     try:
         _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted below reaches the host's namespace
         isolation["private"] = _hide_private(work)
@@ -384,11 +419,34 @@ def _enter_code_process(isolation: dict, config: dict) -> dict:
 
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-_PATH_EVENTS = {"os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.chmod", "os.chown", "os.symlink",
-                "os.link", "os.truncate", "os.utime", "os.setxattr", "os.removexattr", "shutil.rmtree",
-                "shutil.copyfile", "shutil.move"}  # os.mkfifo and os.mknod raise no audit event
-_PROCESS_EVENTS = {"subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
-                   "os.forkpty", "pty.spawn", "ctypes.dlopen"}
+_PATH_EVENTS = {
+    "os.remove",
+    "os.rename",
+    "os.mkdir",
+    "os.rmdir",
+    "os.chmod",
+    "os.chown",
+    "os.symlink",
+    "os.link",
+    "os.truncate",
+    "os.utime",
+    "os.setxattr",
+    "os.removexattr",
+    "shutil.rmtree",
+    "shutil.copyfile",
+    "shutil.move",
+}  # os.mkfifo and os.mknod raise no audit event
+_PROCESS_EVENTS = {
+    "subprocess.Popen",
+    "os.system",
+    "os.exec",
+    "os.posix_spawn",
+    "os.spawn",
+    "os.fork",
+    "os.forkpty",
+    "pty.spawn",
+    "ctypes.dlopen",
+}
 
 
 def _audit_hook(work: str, hooked: set[str]):
@@ -416,14 +474,21 @@ def _audit_hook(work: str, hooked: set[str]):
 
     def hook(event: str, args: tuple) -> None:
         if "files" in hooked:
-            if event == "open" and args[0] is not None and (
-                    (isinstance(args[1], str) and set(args[1]) & set("wax+"))
-                    or (args[2] or 0) & _WRITE_FLAGS) and outside(args[0]):
+            if (
+                event == "open"
+                and args[0] is not None
+                and ((isinstance(args[1], str) and set(args[1]) & set("wax+")) or (args[2] or 0) & _WRITE_FLAGS)
+                and outside(args[0])
+            ):
                 raise PermissionError(f"sandbox: writing outside the working directory is refused: {args[0]}")
             if event in _PATH_EVENTS and any(outside(a) for a in args[:2] if isinstance(a, (str, bytes))):
                 raise PermissionError(f"sandbox: {event} outside the working directory is refused")
-        if "private" in hooked and event in ("open", "os.listdir", "os.scandir") and args[0] is not None \
-                and private(args[0]):
+        if (
+            "private" in hooked
+            and event in ("open", "os.listdir", "os.scandir")
+            and args[0] is not None
+            and private(args[0])
+        ):
             raise PermissionError(f"sandbox: reading a private directory is refused: {args[0]}")
         if "network" in hooked and event == "socket.__new__" and args[1] != socket.AF_UNIX:
             raise PermissionError("sandbox: network access is refused")
@@ -445,7 +510,7 @@ def _run_code(code: str) -> None:
         exit_code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
-    except BaseException as exc:  # the code's own error: shown to the model, like python -c does
+    except BaseException as exc:  # noqa: BLE001 - the code's own error: shown to the model, like python -c does
         traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
         exit_code = 1
     sys.stdout.flush()
@@ -459,7 +524,16 @@ def _run_code(code: str) -> None:
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE, MS_STRICTATIME = (
-    1, 2, 4, 8, 32, 4096, 16384, 1 << 18, 1 << 24)
+    1,
+    2,
+    4,
+    8,
+    32,
+    4096,
+    16384,
+    1 << 18,
+    1 << 24,
+)
 # Per-mount flags a bind remount must repeat (the kernel refuses to clear some of them).
 _KEPT_FLAGS = {"noexec": MS_NOEXEC, "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
 MNT_DETACH = 2
@@ -485,7 +559,9 @@ def _unshare(flags: int) -> None:
 
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int) -> None:
-    enc = (lambda s: None if s is None else s.encode())
+    def enc(s):
+        return None if s is None else s.encode()
+
     _check(_libc().mount(enc(source), enc(target), enc(fstype), flags, None), f"mount {target}")
 
 
@@ -504,8 +580,12 @@ def _private_dev(work: str) -> None:
     for name in _DEVICES:
         open(f"/dev/{name}", "w").close()
         _mount(os.path.join(work, name), f"/dev/{name}", None, MS_BIND)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                         ("stderr", "/proc/self/fd/2")):
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
         os.symlink(target, f"/dev/{name}")
     _umount(work)
     _mount(None, "/dev", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC)

@@ -28,6 +28,7 @@ back after, so a game depends only on its seed and its moves, whatever the threa
 draw from numpy's global generator, e.g. Sokoban, are not covered: their deals are not reproducible
 from the seed in TextArena either). Two-player games need an opponent and are refused.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,8 +47,9 @@ def _textarena():
     try:
         import textarena
     except ImportError as exc:
-        raise ConfigError(f"env.name=textarena needs the textarena package, which is not installed ({exc}); "
-                          f"{INSTALL_HINT}") from exc
+        raise ConfigError(
+            f"env.name=textarena needs the textarena package, which is not installed ({exc}); {INSTALL_HINT}"
+        ) from exc
     return textarena
 
 
@@ -71,8 +73,10 @@ def game_seed(problem: Any) -> int:
     answer = problem["answer"] if isinstance(problem, dict) else getattr(problem, "answer", None)
     text = str(answer).strip()
     if not text.isdigit():
-        raise ConfigError(f"env.name=textarena deals each game from the problem's answer as a seed; got answer "
-                          f"{answer!r}, not a whole number; use data.task=seeds")
+        raise ConfigError(
+            f"env.name=textarena deals each game from the problem's answer as a seed; got answer "
+            f"{answer!r}, not a whole number; use data.task=seeds"
+        )
     return int(text)
 
 
@@ -91,19 +95,23 @@ class TextArenaGame:
                 probe.reset(num_players=1, seed=0)
         except ConfigError:
             raise
-        except Exception as exc:  # noqa: BLE001 -- whatever the library raises, the game cannot be played here
-            raise ConfigError(f"env.args.game={game!r}: TextArena cannot start it as a single-player game "
-                              f"({type(exc).__name__}: {exc}); env.name=textarena plays single-player games "
-                              "(two-player games need an opponent; some games need data files, e.g. nltk's "
-                              "word lists for Wordle)") from exc
+        except Exception as exc:
+            raise ConfigError(
+                f"env.args.game={game!r}: TextArena cannot start it as a single-player game "
+                f"({type(exc).__name__}: {exc}); env.name=textarena plays single-player games "
+                "(two-player games need an opponent; some games need data files, e.g. nltk's "
+                "word lists for Wordle)"
+            ) from exc
 
     def new_game(self):
         try:
             return self.ta.make(self.game)
         except ValueError as exc:  # "Environment X not found in registry."
-            raise ConfigError(f"env.args.game={self.game!r} is not a TextArena game id ({exc}); the ids are the "
-                              "keys of textarena.envs.registration.ENV_REGISTRY, e.g. GuessTheNumber-v0, "
-                              "TowerOfHanoi-v0, Mastermind-v0, Minesweeper-v0") from exc
+            raise ConfigError(
+                f"env.args.game={self.game!r} is not a TextArena game id ({exc}); the ids are the "
+                "keys of textarena.envs.registration.ENV_REGISTRY, e.g. GuessTheNumber-v0, "
+                "TowerOfHanoi-v0, Mastermind-v0, Minesweeper-v0"
+            ) from exc
 
     def reset(self, problem: Any, state: EpisodeState) -> list[Message]:
         game = self.new_game()

@@ -18,6 +18,7 @@ episode. Subclasses pass their tools and override ``reset`` (the first messages)
             right = message["content"].strip().endswith(str(state.problem.answer))
             return StepResult([], {"correct": float(right)}, done=True)
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -59,8 +60,14 @@ class ToolEnv:
         replies = [self._invalid(state, error) for error in parsed.errors]
         for call in parsed.calls:
             state.counts[TOOL_CALLS] = state.counts.get(TOOL_CALLS, 0) + 1
-            replies.append({"role": "tool", "tool_call_id": call.id, "name": call.name,
-                            "content": self._call(state, call.name, call.arguments)})
+            replies.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call.id,
+                    "name": call.name,
+                    "content": self._call(state, call.name, call.arguments),
+                }
+            )
         return StepResult(replies, {}, done=False)
 
     def _invalid(self, state: EpisodeState, error: str) -> Message:

@@ -18,6 +18,7 @@ assistant ``tool_calls`` written into the content as ``<tool_call>`` blocks, and
 passed as they are (or, if the template refuses that role, as user messages wrapped in
 ``<tool_response>`` tags). docs/environments.md, "Tool calls through the chat template".
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,6 +52,7 @@ _ARGS_HEADERS = ("args:", "arguments:", "parameters:")
 # Schemas from typed functions
 # ---------------------------------------------------------------------------------------------------
 
+
 def function_schema(fn: Callable) -> dict:
     """The OpenAI tool schema of ``fn``: ``{"type": "function", "function": {"name", "description",
     "parameters"}}``.
@@ -78,16 +80,21 @@ def function_schema(fn: Callable) -> dict:
     params = inspect.signature(fn).parameters
     stale = sorted(set(arg_docs) - set(params))
     if stale:
-        raise ConfigError(f"tool {name!r}: the docstring describes {stale}, which are not parameters of it; "
-                          "fix the Args: section")
+        raise ConfigError(
+            f"tool {name!r}: the docstring describes {stale}, which are not parameters of it; fix the Args: section"
+        )
     properties, required = {}, []
     for pname, param in params.items():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            raise ConfigError(f"tool {name!r}, parameter {pname!r}: *args / **kwargs cannot be described "
-                              "by a JSON schema; name each parameter")
+            raise ConfigError(
+                f"tool {name!r}, parameter {pname!r}: *args / **kwargs cannot be described "
+                "by a JSON schema; name each parameter"
+            )
         if pname not in hints:
-            raise ConfigError(f"tool {name!r}, parameter {pname!r}: no type annotation; annotate it "
-                              "(int, float, str, bool, list[...], dict, Literal[...], Optional[...])")
+            raise ConfigError(
+                f"tool {name!r}, parameter {pname!r}: no type annotation; annotate it "
+                "(int, float, str, bool, list[...], dict, Literal[...], Optional[...])"
+            )
         schema = _type_schema(hints[pname], f"tool {name!r}, parameter {pname!r}")
         if pname in arg_docs:
             schema["description"] = arg_docs[pname]
@@ -96,9 +103,14 @@ def function_schema(fn: Callable) -> dict:
         else:
             schema["default"] = _json_default(param.default, f"tool {name!r}, parameter {pname!r}")
         properties[pname] = schema
-    return {"type": "function", "function": {
-        "name": name, "description": description,
-        "parameters": {"type": "object", "properties": properties, "required": required}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": required},
+        },
+    }
 
 
 def _type_schema(annotation: Any, where: str) -> dict:
@@ -123,8 +135,10 @@ def _type_schema(annotation: Any, where: str) -> dict:
         if "enum" in inner:
             inner["enum"] = [*inner["enum"], None]
         return inner
-    raise ConfigError(f"{where}: unsupported annotation {annotation!r}; use int, float, str, bool, "
-                      "list[...], dict[str, ...], Literal[...] or Optional[...] of those")
+    raise ConfigError(
+        f"{where}: unsupported annotation {annotation!r}; use int, float, str, bool, "
+        "list[...], dict[str, ...], Literal[...] or Optional[...] of those"
+    )
 
 
 def _json_default(value: Any, where: str) -> Any:
@@ -142,7 +156,7 @@ def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
     description = "\n".join(lines[:start]).strip()
     arg_docs: dict[str, str] = {}
     current, indent = None, None
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if not line.strip():
             continue
         width = len(line) - len(line.lstrip())
@@ -163,9 +177,11 @@ def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
 # Parsing and formatting calls
 # ---------------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class ToolCall:
     """One call: the tool's name, its arguments, and an id that answers refer to (``tool_call_id``)."""
+
     name: str
     arguments: dict
     id: str
@@ -175,6 +191,7 @@ class ToolCall:
 class ParsedReply:
     """An assistant reply split into its text (``content``, the blocks removed), the well-formed calls in
     order, and one readable message per malformed block."""
+
     content: str
     calls: list[ToolCall]
     errors: list[str]
@@ -189,14 +206,15 @@ def parse_tool_calls(text: str) -> ParsedReply:
     A block whose JSON does not parse, is not an object, has no non-empty string ``name``, or whose
     ``arguments`` is not an object, becomes an entry of ``errors`` (numbered by its position among the
     blocks, 1-based); so does a ``<tool_call>`` left unclosed. ``arguments`` may be left out (a call
-    without arguments), or be a string holding a JSON object (OpenAI's wire format). Ids are ``call_`` + a hash of the text and the block's position: the same
+    without arguments), or be a string holding a JSON object (OpenAI's wire format). Ids are ``call_`` + a hash of
+    the text and the block's position: the same
     reply always gets the same ids.
     """
     calls, errors, pieces = [], [], []
     position, number = 0, 0
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:8]
     for match in _BLOCK.finditer(text):
-        pieces.append(text[position:match.start()])
+        pieces.append(text[position : match.start()])
         position = match.end()
         number += 1
         call, error = _parse_block(match.group(1), number)
@@ -208,7 +226,7 @@ def parse_tool_calls(text: str) -> ParsedReply:
     if CALL_OPEN in rest:
         number += 1
         errors.append(f"tool call {number}: {CALL_OPEN} is never closed by {CALL_CLOSE}")
-        rest = rest[:rest.index(CALL_OPEN)]
+        rest = rest[: rest.index(CALL_OPEN)]
     pieces.append(rest)
     return ParsedReply(content="".join(pieces).strip(), calls=calls, errors=errors)
 
@@ -219,11 +237,12 @@ def _parse_block(body: str, number: int) -> tuple[tuple[str, dict] | None, str |
     except json.JSONDecodeError as exc:
         return None, f"tool call {number}: invalid JSON ({exc.msg} at character {exc.pos}): {body.strip()[:200]}"
     if not isinstance(obj, dict):
-        return None, (f"tool call {number}: expected a JSON object with \"name\" and \"arguments\", "
-                      f"got {body.strip()[:200]}")
+        return None, (
+            f'tool call {number}: expected a JSON object with "name" and "arguments", got {body.strip()[:200]}'
+        )
     name = obj.get("name")
     if not isinstance(name, str) or not name.strip():
-        return None, f"tool call {number}: \"name\" is missing or not a non-empty string"
+        return None, f'tool call {number}: "name" is missing or not a non-empty string'
     arguments = obj.get("arguments", {})
     if isinstance(arguments, str):  # OpenAI's wire format, which models trained on it copy: a JSON string
         try:
@@ -231,8 +250,9 @@ def _parse_block(body: str, number: int) -> tuple[tuple[str, dict] | None, str |
         except json.JSONDecodeError:
             pass  # reported below as not an object
     if not isinstance(arguments, dict):
-        return None, (f"tool call {number} ({name}): \"arguments\" must be a JSON object, "
-                      f"got {json.dumps(arguments)[:200]}")
+        return None, (
+            f'tool call {number} ({name}): "arguments" must be a JSON object, got {json.dumps(arguments)[:200]}'
+        )
     return (name, arguments), None
 
 
@@ -250,8 +270,10 @@ def format_tool_calls(calls: list[ToolCall]) -> str:
 # ---------------------------------------------------------------------------------------------------
 
 _PROBE_NAME = "lmforge_probe_tool_q7x"
-_PROBE_TOOL = {"type": "function", "function": {
-    "name": _PROBE_NAME, "description": "probe", "parameters": {"type": "object", "properties": {}}}}
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {"name": _PROBE_NAME, "description": "probe", "parameters": {"type": "object", "properties": {}}},
+}
 _supports_cache: dict[str, bool] = {}
 
 
@@ -265,16 +287,18 @@ def supports_tools(tokenizer) -> bool:
     key = repr(template)
     if key not in _supports_cache:
         try:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[_PROBE_TOOL],
-                                                 tokenize=False, add_generation_prompt=True)
-        except Exception:  # jinja errors, or a template that cannot take these messages: no tool support
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi"}], tools=[_PROBE_TOOL], tokenize=False, add_generation_prompt=True
+            )
+        except Exception:  # noqa: BLE001 - jinja errors, or a template that cannot take these messages: no tool support
             text = ""
         _supports_cache[key] = _PROBE_NAME in text
     return _supports_cache[key]
 
 
-def render_messages(tokenizer, messages: list[dict], tools: list[dict] | None,
-                    add_generation_prompt: bool, **template_kwargs) -> str:
+def render_messages(
+    tokenizer, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool, **template_kwargs
+) -> str:
     """The chat template's text for ``messages`` with ``tools`` (OpenAI schemas; ``None`` or ``[]`` for
     none).
 
@@ -289,8 +313,10 @@ def render_messages(tokenizer, messages: list[dict], tools: list[dict] | None,
     variables such as ``enable_thinking``).
     """
     if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError("render_messages: the tokenizer has no chat template; give it one "
-                          "(lmforge.model.tokenizer.ensure_chat_template adds the default)")
+        raise ConfigError(
+            "render_messages: the tokenizer has no chat template; give it one "
+            "(lmforge.model.tokenizer.ensure_chat_template adds the default)"
+        )
     has_calls = any(m.get("tool_calls") for m in messages)
     native = bool(tools or has_calls) and supports_tools(tokenizer)
     msgs = [_normalize(m, calls_as_text=not native) for m in messages]
@@ -343,8 +369,9 @@ def _normalize(message: dict, calls_as_text: bool) -> dict:
         out["content"] = f"{out['content']}\n{text}" if out["content"] else text
         out.pop("tool_calls")
     else:
-        out["tool_calls"] = [{"id": c.id, "type": "function",
-                              "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+        ]
     return out
 
 

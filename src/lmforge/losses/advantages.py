@@ -15,6 +15,7 @@ many there were.
 Per-token estimators for PPO (``gae``, ``whiten_advantages``) take ``(B, T)`` tensors and a mask.
 Nothing here needs gradients; every output is detached.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -47,9 +48,7 @@ def _grouped(rewards: torch.Tensor, group_size: int | None) -> torch.Tensor:
             )
         grouped = rewards.view(-1, group_size)
     else:
-        raise ValueError(
-            f"rewards must be (num_groups, group_size) or (B,), got shape {tuple(rewards.shape)}"
-        )
+        raise ValueError(f"rewards must be (num_groups, group_size) or (B,), got shape {tuple(rewards.shape)}")
     if grouped.shape[0] == 0:
         raise ValueError("rewards is empty")
     if grouped.shape[1] < 2:
@@ -95,9 +94,7 @@ def group_normalized_advantages(
     return advantages.view(rewards.shape), metrics
 
 
-def group_mean_advantages(
-    rewards: torch.Tensor, group_size: int | None = None
-) -> tuple[torch.Tensor, Metrics]:
+def group_mean_advantages(rewards: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, Metrics]:
     """Dr. GRPO: ``A_i = r_i - mean(group)`` (no division by the group std).
 
     rewards: (num_groups, G) or (B,) with ``group_size``. Returns advantages in rewards' shape.
@@ -105,9 +102,7 @@ def group_mean_advantages(
     return group_normalized_advantages(rewards, group_size, scale_by_std=False)
 
 
-def rloo_advantages(
-    rewards: torch.Tensor, group_size: int | None = None
-) -> tuple[torch.Tensor, Metrics]:
+def rloo_advantages(rewards: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, Metrics]:
     """RLOO: ``A_i = r_i - mean_{j != i} r_j`` (leave-one-out baseline; equals G/(G-1) (r_i - mean)).
 
     rewards: (num_groups, G) or (B,) with ``group_size``. Returns advantages in rewards' shape.
@@ -214,17 +209,13 @@ def gae(
 
 
 @torch.no_grad()
-def whiten_advantages(
-    advantages: torch.Tensor, mask: torch.Tensor, *, std_eps: float = 1e-8
-) -> torch.Tensor:
+def whiten_advantages(advantages: torch.Tensor, mask: torch.Tensor, *, std_eps: float = 1e-8) -> torch.Tensor:
     """``(A - mean) / (std + std_eps)`` over the valid tokens (sample std); 0 at masked positions.
 
     advantages, mask: (B, T). The usual PPO step after ``gae`` (over the local batch).
     """
     if advantages.shape != mask.shape:
-        raise ValueError(
-            f"advantages {tuple(advantages.shape)} and mask {tuple(mask.shape)} must match"
-        )
+        raise ValueError(f"advantages {tuple(advantages.shape)} and mask {tuple(mask.shape)} must match")
     valid = mask.bool()
     weights = valid.to(advantages.dtype)
     num_tokens = weights.sum()

@@ -16,13 +16,14 @@ Two ways to pull a student towards a teacher that shares its tokenizer (docs/dis
 Like ``losses``: metrics are detached tensors; no ``.item()``, no collectives, no config objects;
 every count that normalises a loss is passed in by the caller (summed over micro-batches and ranks).
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from lmforge.losses.policy import Counts, Metrics, PolicyLossSpec, policy_loss
 from lmforge.core.ops import masked_mean
+from lmforge.losses.policy import Counts, Metrics, PolicyLossSpec, policy_loss
 
 
 def reverse_kl_advantages(
@@ -58,8 +59,9 @@ def reverse_kl_advantages(
     advantages = signal
     if reward_advantages is not None and reward_weight != 0.0:
         if reward_advantages.shape != old_logprobs.shape[:1]:
-            raise ValueError(f"reward_advantages must be (B,) = ({old_logprobs.shape[0]},), got "
-                             f"{tuple(reward_advantages.shape)}")
+            raise ValueError(
+                f"reward_advantages must be (B,) = ({old_logprobs.shape[0]},), got {tuple(reward_advantages.shape)}"
+            )
         advantages = torch.where(valid, signal + reward_weight * reward_advantages.detach()[:, None], 0.0)
     return advantages, {"reverse_kl": masked_mean(-signal, valid.to(signal.dtype))}
 
@@ -91,10 +93,12 @@ def reverse_kl_loss(
     ``(log p_student - log p_teacher) * grad log p_student`` per token: the policy gradient of the
     reverse KL with each token's own divergence as its (negative) reward.
     """
-    advantages, metrics = reverse_kl_advantages(old_logprobs, teacher_logprobs, mask,
-                                                reward_advantages=reward_advantages, reward_weight=reward_weight)
-    loss, policy_metrics = policy_loss(logprobs, old_logprobs, advantages, mask, spec, counts,
-                                       rollout_logprobs=rollout_logprobs, entropy=entropy)
+    advantages, metrics = reverse_kl_advantages(
+        old_logprobs, teacher_logprobs, mask, reward_advantages=reward_advantages, reward_weight=reward_weight
+    )
+    loss, policy_metrics = policy_loss(
+        logprobs, old_logprobs, advantages, mask, spec, counts, rollout_logprobs=rollout_logprobs, entropy=entropy
+    )
     return loss, {**metrics, **policy_metrics}
 
 
@@ -117,8 +121,10 @@ def forward_kl_loss(
     N positions (divide by the token count for the KL per token at temperature T).
     """
     if student_logits.dim() != 2 or student_logits.shape != teacher_logits.shape:
-        raise ValueError("student_logits and teacher_logits must share one (N, V) shape, got "
-                         f"{tuple(student_logits.shape)}, {tuple(teacher_logits.shape)}")
+        raise ValueError(
+            "student_logits and teacher_logits must share one (N, V) shape, got "
+            f"{tuple(student_logits.shape)}, {tuple(teacher_logits.shape)}"
+        )
     if not temperature > 0:
         raise ValueError(f"the distillation temperature must be > 0, got {temperature}")
     dtype = torch.promote_types(student_logits.dtype, torch.float32)  # bf16 / fp16 logits: the softmax in fp32
@@ -148,8 +154,10 @@ def full_reverse_kl_loss(
     Metric ``kl_sum``: the KL summed over the N positions.
     """
     if student_logits.dim() != 2 or student_logits.shape != teacher_logits.shape:
-        raise ValueError("student_logits and teacher_logits must share one (N, V) shape, got "
-                         f"{tuple(student_logits.shape)}, {tuple(teacher_logits.shape)}")
+        raise ValueError(
+            "student_logits and teacher_logits must share one (N, V) shape, got "
+            f"{tuple(student_logits.shape)}, {tuple(teacher_logits.shape)}"
+        )
     if not temperature > 0:
         raise ValueError(f"the sampling temperature must be > 0, got {temperature}")
     dtype = torch.promote_types(student_logits.dtype, torch.float32)

@@ -5,6 +5,7 @@ policy loss takes its hyperparameters as one small frozen ``PolicyLossSpec`` def
 Normalisation is explicit: callers pass the number of loss tokens summed over all micro-batches
 of the optimizer step (and over ranks) (one frozen ``Counts``), so accumulation never changes the loss.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -114,9 +115,7 @@ def _clipped_surrogate(
     return loss, flags
 
 
-def _ratio_metrics(
-    ratio: torch.Tensor, flags: dict[str, torch.Tensor], valid: torch.Tensor
-) -> Metrics:
+def _ratio_metrics(ratio: torch.Tensor, flags: dict[str, torch.Tensor], valid: torch.Tensor) -> Metrics:
     """Masked clip fractions and ratio mean/min/max, all detached."""
     ratio = ratio.detach()
     weights = valid.to(ratio.dtype)
@@ -147,13 +146,9 @@ def token_clip_loss(
     r_t = exp(logprobs - old_logprobs); loss_t = -min(r_t A_t, clip(r_t, 1-eps_low, 1+eps_high) A_t).
     eps_high > eps_low is DAPO's clip-higher. advantages: (B,) or (B, T).
     """
-    valid = _check_policy_inputs(
-        logprobs, old_logprobs, advantages, mask, eps_low, eps_high, dual_clip
-    )
+    valid = _check_policy_inputs(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, dual_clip)
     ratio = torch.exp(_log_ratio(logprobs, old_logprobs, valid))
-    loss, flags = _clipped_surrogate(
-        ratio, _per_token(advantages, logprobs), eps_low, eps_high, dual_clip
-    )
+    loss, flags = _clipped_surrogate(ratio, _per_token(advantages, logprobs), eps_low, eps_high, dual_clip)
     return torch.where(valid, loss, 0.0), _ratio_metrics(ratio, flags, valid)
 
 
@@ -178,14 +173,9 @@ def gspo_loss(
     Returned per token as loss_i on each valid token of row i, so that the ``seq_mean_token_mean``
     aggregation gives the paper's mean over sequences. Metrics are over non-empty sequences.
     """
-    valid = _check_policy_inputs(
-        logprobs, old_logprobs, advantages, mask, eps_low, eps_high, dual_clip
-    )
+    valid = _check_policy_inputs(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, dual_clip)
     if advantages.dim() != 1:
-        raise ValueError(
-            "gspo needs one advantage per sequence, shape (B,); for per-token advantages use "
-            "'gspo_token'"
-        )
+        raise ValueError("gspo needs one advantage per sequence, shape (B,); for per-token advantages use 'gspo_token'")
     seq_ratio = torch.exp(_sequence_log_ratio(logprobs, old_logprobs, valid))  # (B,)
     loss, flags = _clipped_surrogate(seq_ratio, advantages, eps_low, eps_high, dual_clip)
     token_losses = torch.where(valid, loss.unsqueeze(-1), 0.0)
@@ -208,15 +198,11 @@ def gspo_token_loss(
     gradients, under ``seq_mean_token_mean``) when A is constant within each sequence.
     advantages: (B,) or (B, T). Returns per-token losses (B, T), 0 at padding.
     """
-    valid = _check_policy_inputs(
-        logprobs, old_logprobs, advantages, mask, eps_low, eps_high, dual_clip
-    )
+    valid = _check_policy_inputs(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, dual_clip)
     seq_ratio = torch.exp(_sequence_log_ratio(logprobs, old_logprobs, valid)).detach()
     self_ratio = torch.exp(_log_ratio(logprobs, logprobs.detach(), valid))  # 1, gradient grad log p
     ratio = seq_ratio.unsqueeze(-1) * self_ratio
-    loss, flags = _clipped_surrogate(
-        ratio, _per_token(advantages, logprobs), eps_low, eps_high, dual_clip
-    )
+    loss, flags = _clipped_surrogate(ratio, _per_token(advantages, logprobs), eps_low, eps_high, dual_clip)
     return torch.where(valid, loss, 0.0), _ratio_metrics(ratio, flags, valid)
 
 
@@ -306,9 +292,7 @@ def aggregate(
     """Reduce per-token values (B, T) with the aggregation ``mode`` (a key of ``AGGREGATIONS``),
     normalised by the update's ``counts``."""
     if token_losses.shape != mask.shape:
-        raise ValueError(
-            f"token_losses {tuple(token_losses.shape)} and mask {tuple(mask.shape)} must match"
-        )
+        raise ValueError(f"token_losses {tuple(token_losses.shape)} and mask {tuple(mask.shape)} must match")
     return _lookup(AGGREGATIONS, mode, "aggregation")(token_losses, mask, counts)
 
 
@@ -555,13 +539,16 @@ def policy_loss(
     """
     term_fn = _lookup(POLICY_LOSSES, spec.loss_type, "policy loss")
     token_losses, metrics = term_fn(
-        logprobs, old_logprobs, advantages, mask,
-        eps_low=spec.eps_low, eps_high=spec.eps_high, dual_clip=spec.dual_clip,
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        eps_low=spec.eps_low,
+        eps_high=spec.eps_high,
+        dual_clip=spec.dual_clip,
     )
     if spec.is_level is not None:
-        weights = truncated_is_weights(
-            old_logprobs, rollout_logprobs, mask, level=spec.is_level, cap=spec.is_cap
-        )
+        weights = truncated_is_weights(old_logprobs, rollout_logprobs, mask, level=spec.is_level, cap=spec.is_cap)
         token_losses = token_losses * weights
         metrics["is_weight_mean"] = masked_mean(weights, mask.to(weights.dtype))
         metrics["is_weight_max"] = weights.amax()  # padding holds 0
@@ -569,9 +556,7 @@ def policy_loss(
         capped = (weights >= spec.is_cap * (1 - 1e-6)) & mask.bool()
         metrics["is_weight_clip_frac"] = masked_mean(capped.to(weights.dtype), mask.to(weights.dtype))
     if rollout_logprobs is not None:
-        metrics.update(
-            logprob_alignment_metrics(old_logprobs, rollout_logprobs, mask, ratio_high=spec.is_cap)
-        )
+        metrics.update(logprob_alignment_metrics(old_logprobs, rollout_logprobs, mask, ratio_high=spec.is_cap))
     loss = aggregate(token_losses, mask, spec.aggregation, counts)
     metrics["pg_loss"] = loss.detach()
 
@@ -580,7 +565,9 @@ def policy_loss(
     if ref_logprobs is not None:
         kl = aggregate(
             kl_per_token(logprobs, ref_logprobs, mask, estimator=spec.kl_estimator),
-            mask, spec.aggregation, counts,
+            mask,
+            spec.aggregation,
+            counts,
         )
         loss = loss + spec.kl_coef * kl
         metrics["kl"] = kl.detach()

@@ -11,6 +11,7 @@ micro-batches and ranks gives the mean over the step's pairs, whatever the split
 by the same count (their sums over the step are means) and detached. The math, and when to use
 which: docs/preference.md.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,9 +21,18 @@ Tensor = torch.Tensor
 Metrics = dict[str, Tensor]
 
 
-def dpo_sigmoid(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor | None,
-                ref_rejected_logps: Tensor | None, chosen_lens: Tensor, rejected_lens: Tensor, *,
-                beta: float, label_smoothing: float, gamma: float) -> tuple[Tensor, Tensor, Tensor]:
+def dpo_sigmoid(
+    chosen_logps: Tensor,
+    rejected_logps: Tensor,
+    ref_chosen_logps: Tensor | None,
+    ref_rejected_logps: Tensor | None,
+    chosen_lens: Tensor,
+    rejected_lens: Tensor,
+    *,
+    beta: float,
+    label_smoothing: float,
+    gamma: float,
+) -> tuple[Tensor, Tensor, Tensor]:
     """DPO (Rafailov et al. 2023): r = beta * (log pi(y|x) - log pi_ref(y|x)), sums over tokens;
     loss = -(1 - eps) log sigmoid(r_w - r_l) - eps log sigmoid(r_l - r_w) with eps = label_smoothing
     (conservative DPO: the label is wrong with probability eps). All (B,); lens and gamma unused."""
@@ -33,9 +43,18 @@ def dpo_sigmoid(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: 
     return losses, chosen_rewards, rejected_rewards
 
 
-def ipo(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor | None,
-        ref_rejected_logps: Tensor | None, chosen_lens: Tensor, rejected_lens: Tensor, *,
-        beta: float, label_smoothing: float, gamma: float) -> tuple[Tensor, Tensor, Tensor]:
+def ipo(
+    chosen_logps: Tensor,
+    rejected_logps: Tensor,
+    ref_chosen_logps: Tensor | None,
+    ref_rejected_logps: Tensor | None,
+    chosen_lens: Tensor,
+    rejected_lens: Tensor,
+    *,
+    beta: float,
+    label_smoothing: float,
+    gamma: float,
+) -> tuple[Tensor, Tensor, Tensor]:
     """IPO (Azar et al. 2023): h = rho_w - rho_l with rho = (log pi(y|x) - log pi_ref(y|x)) / |y|,
     the log-ratio per token; loss = (h - 1 / (2 beta))^2, a regression of the margin onto a fixed
     target instead of pushing it to infinity. The paper writes sums; the per-token mean is what its
@@ -46,9 +65,18 @@ def ipo(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor |
     return losses, beta * chosen_ratio, beta * rejected_ratio
 
 
-def simpo(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor | None,
-          ref_rejected_logps: Tensor | None, chosen_lens: Tensor, rejected_lens: Tensor, *,
-          beta: float, label_smoothing: float, gamma: float) -> tuple[Tensor, Tensor, Tensor]:
+def simpo(
+    chosen_logps: Tensor,
+    rejected_logps: Tensor,
+    ref_chosen_logps: Tensor | None,
+    ref_rejected_logps: Tensor | None,
+    chosen_lens: Tensor,
+    rejected_lens: Tensor,
+    *,
+    beta: float,
+    label_smoothing: float,
+    gamma: float,
+) -> tuple[Tensor, Tensor, Tensor]:
     """SimPO (Meng et al. 2024), reference-free: r = beta * log pi(y|x) / |y| (the mean token
     log-probability); loss = -log sigmoid(r_w - r_l - gamma), gamma the target margin. The ref
     inputs are ignored (may be None). All (B,)."""
@@ -69,18 +97,30 @@ def check_settings(loss_type: str, beta: float, label_smoothing: float, gamma: f
     if not beta > 0:
         raise ValueError(f"beta must be > 0, got {beta}")
     if not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"label_smoothing must be in [0, 0.5) (the probability that a label is flipped), "
-                         f"got {label_smoothing}")
+        raise ValueError(
+            f"label_smoothing must be in [0, 0.5) (the probability that a label is flipped), got {label_smoothing}"
+        )
     if label_smoothing and loss_type != "sigmoid":
         raise ValueError(f"label_smoothing is defined for the 'sigmoid' (DPO) loss only, not {loss_type!r}")
     if gamma and loss_type != "simpo":
         raise ValueError(f"gamma (the target reward margin) is defined for 'simpo' only, not {loss_type!r}")
 
 
-def preference_loss(chosen_logps: Tensor, rejected_logps: Tensor, chosen_lens: Tensor, rejected_lens: Tensor,
-                    ref_chosen_logps: Tensor | None = None, ref_rejected_logps: Tensor | None = None, *,
-                    loss_type: str, beta: float, label_smoothing: float = 0.0, gamma: float = 0.0,
-                    nll_coef: float = 0.0, num_pairs_global: int | Tensor | None = None) -> tuple[Tensor, Metrics]:
+def preference_loss(
+    chosen_logps: Tensor,
+    rejected_logps: Tensor,
+    chosen_lens: Tensor,
+    rejected_lens: Tensor,
+    ref_chosen_logps: Tensor | None = None,
+    ref_rejected_logps: Tensor | None = None,
+    *,
+    loss_type: str,
+    beta: float,
+    label_smoothing: float = 0.0,
+    gamma: float = 0.0,
+    nll_coef: float = 0.0,
+    num_pairs_global: int | Tensor | None = None,
+) -> tuple[Tensor, Metrics]:
     """``sum_i (loss_i + nll_coef * nll_i) / num_pairs_global`` for the variant ``loss_type`` (a key
     of PREFERENCE_LOSSES), with nll_i = -log pi(y_w|x) / |y_w| the chosen completion's mean token
     NLL (RPO, Pang et al. 2024: keeps the chosen answers likely while the margin grows).
@@ -98,14 +138,24 @@ def preference_loss(chosen_logps: Tensor, rejected_logps: Tensor, chosen_lens: T
     given = [chosen_logps, rejected_logps, chosen_lens, rejected_lens]
     if loss_type not in REFERENCE_FREE:
         if ref_chosen_logps is None or ref_rejected_logps is None:
-            raise ValueError(f"the {loss_type!r} loss needs the reference log-probabilities ref_chosen_logps and "
-                             "ref_rejected_logps (only 'simpo' is reference-free)")
+            raise ValueError(
+                f"the {loss_type!r} loss needs the reference log-probabilities ref_chosen_logps and "
+                "ref_rejected_logps (only 'simpo' is reference-free)"
+            )
         given += [ref_chosen_logps, ref_rejected_logps]
     if len(shape) != 1 or any(t.shape != shape for t in given):
         raise ValueError(f"every input must be one value per pair, shape (B,); got {[tuple(t.shape) for t in given]}")
     losses, chosen_rewards, rejected_rewards = PREFERENCE_LOSSES[loss_type](
-        chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_lens, rejected_lens,
-        beta=beta, label_smoothing=label_smoothing, gamma=gamma)
+        chosen_logps,
+        rejected_logps,
+        ref_chosen_logps,
+        ref_rejected_logps,
+        chosen_lens,
+        rejected_lens,
+        beta=beta,
+        label_smoothing=label_smoothing,
+        gamma=gamma,
+    )
     nll = -chosen_logps / chosen_lens.clamp(min=1)
     if nll_coef:
         losses = losses + nll_coef * nll

@@ -7,6 +7,7 @@ Each variant returns the (B,) per-pair loss. :func:`reward_loss` sums it and div
 sum of its results over a step's micro-batches and ranks is the mean over the step's pairs whatever
 the split. Metrics are divided by the same count and detached. The math: docs/reward-models.md.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,14 @@ def bradley_terry(chosen_rewards: Tensor, rejected_rewards: Tensor, *, margin: f
 REWARD_LOSSES = {"bradley_terry": bradley_terry}
 
 
-def reward_loss(chosen_rewards: Tensor, rejected_rewards: Tensor, *, loss_type: str = "bradley_terry",
-                margin: float = 0.0, num_pairs_global: int | Tensor | None = None) -> tuple[Tensor, Metrics]:
+def reward_loss(
+    chosen_rewards: Tensor,
+    rejected_rewards: Tensor,
+    *,
+    loss_type: str = "bradley_terry",
+    margin: float = 0.0,
+    num_pairs_global: int | Tensor | None = None,
+) -> tuple[Tensor, Metrics]:
     """``sum_i loss_i / num_pairs_global`` for the variant ``loss_type`` (a key of REWARD_LOSSES).
 
     ``chosen_rewards``, ``rejected_rewards``: (B,) scalar rewards of each pair's two sides.
@@ -41,8 +48,10 @@ def reward_loss(chosen_rewards: Tensor, rejected_rewards: Tensor, *, loss_type: 
     if not margin >= 0:
         raise ValueError(f"margin must be >= 0, got {margin}")
     if chosen_rewards.ndim != 1 or chosen_rewards.shape != rejected_rewards.shape:
-        raise ValueError(f"chosen_rewards and rejected_rewards must be one value per pair, shape (B,); got "
-                         f"{tuple(chosen_rewards.shape)} and {tuple(rejected_rewards.shape)}")
+        raise ValueError(
+            f"chosen_rewards and rejected_rewards must be one value per pair, shape (B,); got "
+            f"{tuple(chosen_rewards.shape)} and {tuple(rejected_rewards.shape)}"
+        )
     losses = REWARD_LOSSES[loss_type](chosen_rewards, rejected_rewards, margin=margin)
     num_pairs = chosen_rewards.shape[0] if num_pairs_global is None else num_pairs_global
     chosen, rejected = chosen_rewards.detach(), rejected_rewards.detach()

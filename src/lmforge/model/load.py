@@ -11,6 +11,7 @@ Accepted specs (``model.name``):
 
 Saved models are plain HF directories (safetensors) that ``transformers`` loads without lmforge.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -65,8 +66,9 @@ def tiny_config(arch: str, cfg: ModelConfig, vocab_size: int, special_ids: dict[
     from transformers import LlamaConfig, Qwen2Config
 
     if arch not in TINY_ARCHS:
-        raise ModelLoadError(f"unknown tiny architecture 'tiny:{arch}'; choose one of: "
-                             + ", ".join(f"tiny:{a}" for a in TINY_ARCHS))
+        raise ModelLoadError(
+            f"unknown tiny architecture 'tiny:{arch}'; choose one of: " + ", ".join(f"tiny:{a}" for a in TINY_ARCHS)
+        )
     cls = LlamaConfig if arch == "llama" else Qwen2Config
     return cls(
         vocab_size=vocab_size,
@@ -104,8 +106,9 @@ def build_tiny(arch: str, cfg: ModelConfig, tokenizer):
 def _gguf_cache_path(gguf_path: Path) -> Path:
     stat = gguf_path.stat()
     # GGUF_CACHE_VERSION: a conversion that changed (the tokenizer's invented tokens dropped) is redone
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{GGUF_CACHE_VERSION}".encode()
-                         ).hexdigest()[:16]
+    key = hashlib.sha256(
+        f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{GGUF_CACHE_VERSION}".encode()
+    ).hexdigest()[:16]
     return cache_dir() / "gguf" / f"{gguf_path.stem}-{key}"
 
 
@@ -134,10 +137,14 @@ def gguf_tokenizer(gguf_path: Path):
     if len(tokenizer) <= count or not state.get("added_tokens"):
         return tokenizer
     state["added_tokens"] = [token for token in state["added_tokens"] if token["id"] < count]
-    kept = {name: getattr(tokenizer, name) for name in ("bos_token", "eos_token", "unk_token", "pad_token")
-            if getattr(tokenizer, f"{name}_id", None) is not None and getattr(tokenizer, f"{name}_id") < count}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(state)), **kept,
-                                   chat_template=tokenizer.chat_template)
+    kept = {
+        name: getattr(tokenizer, name)
+        for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+        if getattr(tokenizer, f"{name}_id", None) is not None and getattr(tokenizer, f"{name}_id") < count
+    }
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(state)), **kept, chat_template=tokenizer.chat_template
+    )
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
@@ -176,8 +183,10 @@ def gguf_to_hf_dir(path: str | Path) -> Path:
     with gguf_path.open("rb") as handle:
         magic = handle.read(4)
     if magic != GGUF_MAGIC:
-        raise ModelLoadError(f"{gguf_path}: not a GGUF file (it starts with {magic!r}, a GGUF file with "
-                             f"{GGUF_MAGIC!r}); expected a model file in llama.cpp's GGUF format")
+        raise ModelLoadError(
+            f"{gguf_path}: not a GGUF file (it starts with {magic!r}, a GGUF file with "
+            f"{GGUF_MAGIC!r}); expected a model file in llama.cpp's GGUF format"
+        )
     out_dir = _gguf_cache_path(gguf_path)
     if not (out_dir / "config.json").is_file():
         out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -186,8 +195,10 @@ def gguf_to_hf_dir(path: str | Path) -> Path:
         except ModelLoadError:
             raise
         except Exception as exc:  # truncated or unsupported: gguf and transformers raise many types
-            raise ModelLoadError(f"{gguf_path}: cannot read this GGUF file ({type(exc).__name__}: {exc}); "
-                                 "it may be truncated, or its architecture unsupported by transformers") from exc
+            raise ModelLoadError(
+                f"{gguf_path}: cannot read this GGUF file ({type(exc).__name__}: {exc}); "
+                "it may be truncated, or its architecture unsupported by transformers"
+            ) from exc
     return out_dir
 
 
@@ -199,17 +210,23 @@ def resolve_pretrained(spec: str) -> str:
     path = Path(spec).expanduser()
     if path.exists():
         if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
-            raise ModelLoadError(f"'{spec}' is a LoRA adapter directory, not a full model: load its merged model "
-                                 f"({path / 'merged'} with model.lora.save_merged=true, or `lmforge export RUN_DIR "
-                                 "--out DIR`), or the base model with peft.PeftModel.from_pretrained (docs/lora.md)")
+            raise ModelLoadError(
+                f"'{spec}' is a LoRA adapter directory, not a full model: load its merged model "
+                f"({path / 'merged'} with model.lora.save_merged=true, or `lmforge export RUN_DIR "
+                "--out DIR`), or the base model with peft.PeftModel.from_pretrained (docs/lora.md)"
+            )
         if path.is_file():
             hint = f" (here {path.parent})" if (path.parent / "config.json").is_file() else ""
-            raise ModelLoadError(f"'{spec}' is a file, not a model: give the directory that holds config.json, the "
-                                 f"weights and the tokenizer{hint}, or a .gguf file")
+            raise ModelLoadError(
+                f"'{spec}' is a file, not a model: give the directory that holds config.json, the "
+                f"weights and the tokenizer{hint}, or a .gguf file"
+            )
         if not (path / "config.json").is_file():
             inner = path / "model" if (path / "model" / "config.json").is_file() else None  # a checkpoint directory
-            raise ModelLoadError(f"'{spec}' is a path but not a Hugging Face model directory (no config.json)"
-                                 + (f"; it is a checkpoint: its model is {inner}" if inner else ""))
+            raise ModelLoadError(
+                f"'{spec}' is a path but not a Hugging Face model directory (no config.json)"
+                + (f"; it is a checkpoint: its model is {inner}" if inner else "")
+            )
         _check_config_json(path / "config.json")
         return str(path)
     if spec.startswith(("./", "/", "../", "~")) or spec.count("/") > 1:  # a hub id is "owner/name"
@@ -226,8 +243,10 @@ def _maker_hint(spec: str) -> str:
         pattern = re.compile(rf"output_dir[:=]\s*{re.escape(run_dir)}\s*$", re.MULTILINE)
         for example in sorted(examples.glob("*.yaml")) if examples.is_dir() else []:
             if pattern.search(example.read_text(errors="replace")):
-                return (f" (the run directory {run_dir} is written by a command in examples/{example.name}: see "
-                        "its comments; run it first, or point model.name at a model that exists)")
+                return (
+                    f" (the run directory {run_dir} is written by a command in examples/{example.name}: see "
+                    "its comments; run it first, or point model.name at a model that exists)"
+                )
     return ""
 
 
@@ -242,9 +261,11 @@ def _refuse_reward_model(source: str, spec: str) -> None:
     except (OSError, ValueError, AttributeError):
         return  # _check_config_json and transformers say what is wrong with it
     if architectures and all(str(a).endswith("ForSequenceClassification") for a in architectures):
-        raise ModelLoadError(f"'{spec}' is a reward model ({architectures[0]}: a scalar head, no LM head), not a "
-                             "causal language model; give the model it was trained from, or use it as an RL reward "
-                             f"with rewards.functions=[rm:{spec}] (docs/reward-models.md)")
+        raise ModelLoadError(
+            f"'{spec}' is a reward model ({architectures[0]}: a scalar head, no LM head), not a "
+            "causal language model; give the model it was trained from, or use it as an RL reward "
+            f"with rewards.functions=[rm:{spec}] (docs/reward-models.md)"
+        )
 
 
 def _check_config_json(path: Path) -> None:
@@ -254,11 +275,15 @@ def _check_config_json(path: Path) -> None:
     try:
         config = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ModelLoadError(f"{path}:{err.lineno}: model config is not valid JSON ({err.msg}); expected the "
-                             "config.json written by save_pretrained") from None
+        raise ModelLoadError(
+            f"{path}:{err.lineno}: model config is not valid JSON ({err.msg}); expected the "
+            "config.json written by save_pretrained"
+        ) from None
     if not isinstance(config, dict):
-        raise ModelLoadError(f"{path}: model config is a JSON {type(config).__name__}; expected an object "
-                             "(the config.json written by save_pretrained)")
+        raise ModelLoadError(
+            f"{path}: model config is a JSON {type(config).__name__}; expected an object "
+            "(the config.json written by save_pretrained)"
+        )
 
 
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -274,8 +299,9 @@ def missing_model_files(path: Path, tokenizer: bool = True) -> list[str]:
         try:
             shards = sorted(set(json.loads(read_text(index, "weight index", ModelLoadError))["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError):
-            raise ModelLoadError(f"{index}: not a weight index (expected JSON with a 'weight_map' of tensor -> "
-                                 "file)") from None
+            raise ModelLoadError(
+                f"{index}: not a weight index (expected JSON with a 'weight_map' of tensor -> file)"
+            ) from None
         absent = [shard for shard in shards if not (path / shard).is_file()]
         if absent:
             missing.append(f"the weight file(s) {', '.join(absent)} named by {index.name}")
@@ -295,9 +321,11 @@ def require_model_files(path: str | Path, tokenizer: bool = True) -> None:
     missing = missing_model_files(path, tokenizer)
     if missing:
         present = ", ".join(sorted(p.name for p in path.iterdir())[:8]) or "nothing"
-        raise ModelLoadError(f"{path}: not a complete model directory: it lacks {' and '.join(missing)} (it holds "
-                             f"{present}). Point at a directory written by save_pretrained (a run's final/, a "
-                             "checkpoint's model/, or `lmforge export RUN_DIR --out DIR`)")
+        raise ModelLoadError(
+            f"{path}: not a complete model directory: it lacks {' and '.join(missing)} (it holds "
+            f"{present}). Point at a directory written by save_pretrained (a run's final/, a "
+            "checkpoint's model/, or `lmforge export RUN_DIR --out DIR`)"
+        )
 
 
 def _from_hub(loader, spec: str, **kwargs):
@@ -309,7 +337,8 @@ def _from_hub(loader, spec: str, **kwargs):
             raise ModelLoadError(
                 f"{spec}: cannot load this Hugging Face model directory ({type(exc).__name__}: {exc}); "
                 "expected config.json with a 'model_type', weights in *.safetensors (or *.bin) and "
-                "tokenizer files, as written by save_pretrained") from exc
+                "tokenizer files, as written by save_pretrained"
+            ) from exc
         if not isinstance(exc, OSError):
             raise
         raise ModelLoadError(
@@ -338,8 +367,10 @@ def _tokenizer_from(spec: str):
     from transformers import AutoTokenizer
 
     if Path(spec).is_dir() and not any((Path(spec) / name).is_file() for name in TOKENIZER_FILES):
-        raise ModelLoadError(f"{spec}: no tokenizer in this directory (none of {', '.join(TOKENIZER_FILES)}); "
-                             "set model.tokenizer to one, or point at a directory written by save_pretrained")
+        raise ModelLoadError(
+            f"{spec}: no tokenizer in this directory (none of {', '.join(TOKENIZER_FILES)}); "
+            "set model.tokenizer to one, or point at a directory written by save_pretrained"
+        )
     tokenizer = _from_hub(AutoTokenizer, spec)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -395,8 +426,11 @@ def save_model(model, tokenizer, out_dir: str | Path, state_dict: dict | None = 
 
         if getattr(unwrapped.config, "tie_word_embeddings", False):
             state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
-        save_file({k: v.detach().cpu().contiguous() for k, v in state_dict.items()},
-                  str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in state_dict.items()},
+            str(out_dir / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         save_model_config(unwrapped, None, out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)

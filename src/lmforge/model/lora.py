@@ -9,6 +9,7 @@ gradients, so the optimizer (which takes the parameters that require gradients) 
 
 peft is an optional dependency (``pip install 'lmforge[lora]'``), imported only when LoRA is on.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -64,11 +65,15 @@ def check_targets(model: torch.nn.Module, targets: list[str]) -> None:
     choices = ", ".join(sorted(linear - head_names)) + " (or all-linear)"
     for target in targets:
         if target in head_names or other.get(target) == "Embedding":
-            raise ConfigError(f"model.lora.target_modules: {target!r} is an embedding or the LM head, which LoRA "
-                              f"does not adapt here (docs/lora.md); this model's linear layers: {choices}")
+            raise ConfigError(
+                f"model.lora.target_modules: {target!r} is an embedding or the LM head, which LoRA "
+                f"does not adapt here (docs/lora.md); this model's linear layers: {choices}"
+            )
         if target not in linear:
-            raise ConfigError(f"model.lora.target_modules: {target!r} matches no linear layer of this "
-                              f"{type(model).__name__}; its linear layers: {choices}")
+            raise ConfigError(
+                f"model.lora.target_modules: {target!r} matches no linear layer of this "
+                f"{type(model).__name__}; its linear layers: {choices}"
+            )
 
 
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> torch.nn.Module:
@@ -84,8 +89,14 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> torch.
     if targets != ["all-linear"]:
         check_targets(model, list(targets))
     target = "all-linear" if targets == ["all-linear"] else list(targets)
-    config = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha or 2 * cfg.r, lora_dropout=cfg.dropout,
-                             target_modules=target, bias="none", task_type="CAUSAL_LM")
+    config = peft.LoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha or 2 * cfg.r,
+        lora_dropout=cfg.dropout,
+        target_modules=target,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -105,12 +116,16 @@ def check_settings(lora_cfg: LoraConfig | None, train_cfg, ctx=None) -> None:
     if lora_cfg is None or not lora_cfg.r:
         return
     if getattr(train_cfg, "qat", "none") != "none" or getattr(train_cfg, "save_quantized", None):
-        raise ConfigError("model.lora with train.qat or train.save_quantized is not supported: train the adapters, "
-                          "write the merged model (model.lora.save_merged=true) and run `lmforge quantize` on "
-                          "final/merged")
+        raise ConfigError(
+            "model.lora with train.qat or train.save_quantized is not supported: train the adapters, "
+            "write the merged model (model.lora.save_merged=true) and run `lmforge quantize` on "
+            "final/merged"
+        )
     if ctx is not None and ctx.distributed and ctx.strategy == "fsdp2":
-        raise ConfigError("model.lora with parallel.strategy=fsdp2 is not supported: LoRA trains a few MB of "
-                          "adapters, so use parallel.strategy=ddp (each rank holds the frozen base model)")
+        raise ConfigError(
+            "model.lora with parallel.strategy=fsdp2 is not supported: LoRA trains a few MB of "
+            "adapters, so use parallel.strategy=ddp (each rank holds the frozen base model)"
+        )
 
 
 def apply_for_run(model: torch.nn.Module, lora_cfg: LoraConfig | None, train_cfg, ctx=None) -> torch.nn.Module:
@@ -167,8 +182,11 @@ def merged_named_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch
     alive at a time; the trained model is not touched); other parameters are yielded as they are (no
     copy). Tied parameters appear under each of their names. Without adapters: the parameters with
     their own names."""
-    adapted = {f"{name}.base_layer.weight": module for name, module in model.named_modules()
-               if hasattr(module, "get_delta_weight") and ADAPTER in getattr(module, "lora_A", {})}
+    adapted = {
+        f"{name}.base_layer.weight": module
+        for name, module in model.named_modules()
+        if hasattr(module, "get_delta_weight") and ADAPTER in getattr(module, "lora_A", {})
+    }
     for name, param in model.named_parameters(remove_duplicate=False):
         if ".lora_" in name:
             continue
@@ -202,8 +220,11 @@ def strip_adapters(model: torch.nn.Module) -> torch.nn.Module:
 def adapter_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapter weights under the names ``peft.PeftModel.from_pretrained`` reads:
     ``base_model.model.<module>.lora_A.weight`` (the adapter name removed)."""
-    return {f"base_model.model.{name.replace(f'.{ADAPTER}.', '.')}": param.detach().cpu().contiguous()
-            for name, param in model.named_parameters() if ".lora_" in name}
+    return {
+        f"base_model.model.{name.replace(f'.{ADAPTER}.', '.')}": param.detach().cpu().contiguous()
+        for name, param in model.named_parameters()
+        if ".lora_" in name
+    }
 
 
 def save_adapter(model: torch.nn.Module, out_dir: str | Path) -> Path:
@@ -232,15 +253,23 @@ def load_adapter_weights(model: torch.nn.Module, adapter_dir: str | Path) -> Non
         saved = load_file(str(file))
     except Exception as exc:  # safetensors raises SafetensorsError / OSError on a bad file
         raise ConfigError(f"{file}: cannot read the adapter weights ({type(exc).__name__}: {exc})") from exc
-    own = {f"base_model.model.{name.replace(f'.{ADAPTER}.', '.')}": param
-           for name, param in model.named_parameters() if ".lora_" in name}
+    own = {
+        f"base_model.model.{name.replace(f'.{ADAPTER}.', '.')}": param
+        for name, param in model.named_parameters()
+        if ".lora_" in name
+    }
     missing, unexpected = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
-    shapes = [f"{k} {tuple(saved[k].shape)} vs {tuple(own[k].shape)}" for k in sorted(set(own) & set(saved))
-              if saved[k].shape != own[k].shape]
+    shapes = [
+        f"{k} {tuple(saved[k].shape)} vs {tuple(own[k].shape)}"
+        for k in sorted(set(own) & set(saved))
+        if saved[k].shape != own[k].shape
+    ]
     if missing or unexpected or shapes:
-        raise ConfigError(f"{file} does not match this run's adapters (model.lora): missing {missing[:3]}, "
-                          f"unexpected {unexpected[:3]}, shapes (saved vs model) {shapes[:3]}; resume with the "
-                          "model.lora settings it was saved with")
+        raise ConfigError(
+            f"{file} does not match this run's adapters (model.lora): missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}, shapes (saved vs model) {shapes[:3]}; resume with the "
+            "model.lora settings it was saved with"
+        )
     with torch.no_grad():
         for key, param in own.items():
             param.copy_(saved[key])

@@ -7,6 +7,7 @@ Special tokens: ``<pad>`` = 0, ``<bos>`` = 1, ``<eos>`` = 2 in both tokenizers, 
 the default chat template (``<|system|>``, ``<|user|>``, ``<|assistant|>``) as single special tokens.
 No bos is added automatically: callers add what they need.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -50,8 +51,7 @@ DEFAULT_CHAT_TEMPLATE = (
 TOOLS_CHAT_TEMPLATE = (
     "{% if tools %}{{ '<|system|>\n' }}{% for tool in tools %}{% set fn = tool.get('function', tool) %}"
     "{{ fn['name'] + '(' + (fn.get('parameters', {}).get('properties', {}) | join(', ')) + ')' }}"
-    "{% if not loop.last %}{{ ' ' }}{% endif %}{% endfor %}{{ eos_token + '\n' }}{% endif %}"
-    + DEFAULT_CHAT_TEMPLATE
+    "{% if not loop.last %}{{ ' ' }}{% endif %}{% endfor %}{{ eos_token + '\n' }}{% endif %}" + DEFAULT_CHAT_TEMPLATE
 )
 
 
@@ -90,9 +90,7 @@ def char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
     return _wrap(backend, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK)
 
 
-def train_bpe_tokenizer(
-    files: list[Path], vocab_size: int, out_dir: Path | None = None, min_frequency: int = 2
-):
+def train_bpe_tokenizer(files: list[Path], vocab_size: int, out_dir: Path | None = None, min_frequency: int = 2):
     """Train a byte-level BPE tokenizer on text files; save it as an HF tokenizer dir if ``out_dir``.
 
     Ids: ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, the role tokens 3-5, the 256 byte symbols, then merges
@@ -103,9 +101,7 @@ def train_bpe_tokenizer(
     specials = [PAD, BOS, EOS, *ROLE_TOKENS]
     min_vocab = 256 + len(specials)
     if vocab_size < min_vocab:
-        raise ValueError(
-            f"vocab_size must be >= {min_vocab} (256 bytes + {len(specials)} specials), got {vocab_size}"
-        )
+        raise ValueError(f"vocab_size must be >= {min_vocab} (256 bytes + {len(specials)} specials), got {vocab_size}")
     paths = [Path(f) for f in files]
     if not paths:
         raise DataError("train_bpe_tokenizer: no text files given")
@@ -164,9 +160,11 @@ def load_tokenizer(spec: str):
         try:
             return AutoTokenizer.from_pretrained(str(path))
         except Exception as exc:  # a bad file in the directory: json, tokenizers and transformers errors
-            raise ModelLoadError(f"{path}: cannot load a tokenizer from this directory ({type(exc).__name__}: "
-                              f"{exc}); expected a directory written by save_pretrained (tokenizer.json, "
-                              "tokenizer_config.json)") from exc
+            raise ModelLoadError(
+                f"{path}: cannot load a tokenizer from this directory ({type(exc).__name__}: "
+                f"{exc}); expected a directory written by save_pretrained (tokenizer.json, "
+                "tokenizer_config.json)"
+            ) from exc
     raise ConfigError(
         f"tokenizer spec {spec!r} is neither 'char' nor an existing directory; accepted: 'char' "
         "(character-level, synthetic tasks), 'char:ascii' (character-level over printable ASCII: tool calls, "
@@ -273,21 +271,26 @@ def _unknown_fix(model_cfg, source: str) -> str:
     spec = model_cfg.tokenizer or ("char" if model_cfg.name.startswith("tiny:") else "")
     text_file = Path(source).suffix.lower() in (".txt", ".jsonl", ".json", ".ndjson") and Path(source).is_file()
     local = source if text_file else "your_text.txt"  # a file the BPE trainer reads as text
-    bpe = (f"a byte-level BPE trained on the text (it has no unknown tokens): python -c \"from lmforge.model.tokenizer "
-           f"import train_bpe_tokenizer; train_bpe_tokenizer(['{local}'], 2048, 'my_tokenizer')\", then "
-           "model.tokenizer=my_tokenizer (lmforge pretrain tokenizer.train=true also trains one on .txt files)")
+    bpe = (
+        f'a byte-level BPE trained on the text (it has no unknown tokens): python -c "from lmforge.model.tokenizer '
+        f"import train_bpe_tokenizer; train_bpe_tokenizer(['{local}'], 2048, 'my_tokenizer')\", then "
+        "model.tokenizer=my_tokenizer (lmforge pretrain tokenizer.train=true also trains one on .txt files)"
+    )
     pretrained = "or fine-tune a pretrained model with its own tokenizer (e.g. model.name=smollm2-135m-instruct)"
     if spec == "char":
-        return (f"the char tokenizer knows only the characters {CHAR_ALPHABETS['char']!r} of the built-in tasks. "
-                f"For English text set model.tokenizer=char:ascii (every printable ASCII character); for any text, "
-                f"{bpe}; {pretrained}")
+        return (
+            f"the char tokenizer knows only the characters {CHAR_ALPHABETS['char']!r} of the built-in tasks. "
+            f"For English text set model.tokenizer=char:ascii (every printable ASCII character); for any text, "
+            f"{bpe}; {pretrained}"
+        )
     if spec in CHAR_ALPHABETS:
         return f"{spec} knows only printable ASCII and the newline; for other text, {bpe}; {pretrained}"
     return f"use a tokenizer that covers this text, e.g. {bpe}; or clean the data of what it cannot represent"
 
 
-def check_unknown_tokens(tok, texts: list[str], model_cfg, source: str,
-                         say: Callable[[str], None] = print) -> UnknownTokens:
+def check_unknown_tokens(
+    tok, texts: list[str], model_cfg, source: str, say: Callable[[str], None] = print
+) -> UnknownTokens:
     """Measure the unknown tokens of ``tok`` in a sample of ``texts`` (the training data's text) and
     stop above :data:`UNKNOWN_ERROR_SHARE` (ConfigError), or warn through ``say`` above
     :data:`UNKNOWN_WARN_SHARE`. Both name the tokenizer (``model_cfg``: the run's ModelConfig), the
@@ -296,11 +299,17 @@ def check_unknown_tokens(tok, texts: list[str], model_cfg, source: str,
     if found.share <= UNKNOWN_WARN_SHARE:
         return found
     common = ", ".join(f"{piece!r} x{n}" for piece, n in found.pieces.most_common(5))
-    what = (f"{tokenizer_label(model_cfg)} turns {100 * found.share:.1f}% of the tokens of {source} into its "
-            f"unknown token {getattr(tok, 'unk_token', '<unk>')} ({found.num_unknown:,} of {found.num_tokens:,} "
-            f"tokens in {found.num_texts:,} sampled texts; e.g. {found.example!r}; most frequent: {common})")
+    what = (
+        f"{tokenizer_label(model_cfg)} turns {100 * found.share:.1f}% of the tokens of {source} into its "
+        f"unknown token {getattr(tok, 'unk_token', '<unk>')} ({found.num_unknown:,} of {found.num_tokens:,} "
+        f"tokens in {found.num_texts:,} sampled texts; e.g. {found.example!r}; most frequent: {common})"
+    )
     if found.share > UNKNOWN_ERROR_SHARE:
-        raise ConfigError(f"{what}: the model would learn nothing from that text. Fix: {_unknown_fix(model_cfg, source)}")
-    say(f"[data] warning: {what}; above {100 * UNKNOWN_ERROR_SHARE:g}% this stops the run. To avoid it: "
-        f"{_unknown_fix(model_cfg, source)}")
+        raise ConfigError(
+            f"{what}: the model would learn nothing from that text. Fix: {_unknown_fix(model_cfg, source)}"
+        )
+    say(
+        f"[data] warning: {what}; above {100 * UNKNOWN_ERROR_SHARE:g}% this stops the run. To avoid it: "
+        f"{_unknown_fix(model_cfg, source)}"
+    )
     return found

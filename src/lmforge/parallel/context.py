@@ -9,6 +9,7 @@ single-process run executes exactly the code it executed before there was a para
 Data parallelism only: every rank holds (a shard of) the same model and its own slice of each global
 batch. ``mesh`` is the 1-D device mesh FSDP2 shards over; ``group`` the data-parallel process group.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -118,17 +119,24 @@ class ParallelContext:
             groups: dict[str, list[int]] = {}
             for rank, d in enumerate(digests):
                 groups.setdefault(d, []).append(rank)
-            raise ConfigError(f"the ranks resolved different configs (ranks grouped by config: "
-                              f"{list(groups.values())}); give every rank the same config file and overrides")
+            raise ConfigError(
+                f"the ranks resolved different configs (ranks grouped by config: "
+                f"{list(groups.values())}); give every rank the same config file and overrides"
+            )
 
 
 def torchrun_world() -> tuple[int, int, int]:
     """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) outside torchrun."""
-    return (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
-            int(os.environ.get("LOCAL_RANK", "0")))
+    return (
+        int(os.environ.get("RANK", "0")),
+        int(os.environ.get("WORLD_SIZE", "1")),
+        int(os.environ.get("LOCAL_RANK", "0")),
+    )
 
 
-def init_parallel(strategy: str, device: torch.device, timeout_s: float = 600.0) -> tuple[ParallelContext, torch.device]:
+def init_parallel(
+    strategy: str, device: torch.device, timeout_s: float = 600.0
+) -> tuple[ParallelContext, torch.device]:
     """The run's parallel context (starting the process group under torchrun) and its device.
 
     ``strategy``: ``ddp`` or ``fsdp2`` (used only when there is more than one process). On CUDA each
@@ -145,8 +153,11 @@ def init_parallel(strategy: str, device: torch.device, timeout_s: float = 600.0)
     _WHERE["timeout_s"] = timeout_s
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                **({"device_id": device} if device.type == "cuda" else {}))
+        dist.init_process_group(
+            backend,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            **({"device_id": device} if device.type == "cuda" else {}),
+        )
     mesh = None
     if strategy == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -206,8 +217,11 @@ _PEERS: list[tuple[str, int]] = []  # (host, PID) of every rank, gathered at sta
 def _on_signal(signum, _frame) -> None:
     if not _SIGNALS["armed"]:
         if _SIGNALS["stopping"] and not _SIGNALS["deferring"]:  # a second signal: the user insists, stop now
-            os.write(2, f"lmforge: {signal.Signals(signum).name} again: stopping now, without cleaning up "
-                        "(the next run clears what is left)\n".encode())
+            os.write(
+                2,
+                f"lmforge: {signal.Signals(signum).name} again: stopping now, without cleaning up "
+                "(the next run clears what is left)\n".encode(),
+            )
             os._exit(128 + signum)
         return
     if _SIGNALS["deferring"]:
@@ -313,9 +327,12 @@ def peers_note(wait_s: float = 0.0) -> str:
 
 
 # what gloo / NCCL / the store raise when a peer's process is gone
-_PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Connection refused|"
-                        r"NCCL communicator was aborted|Socket Timeout|timed out|Timeout|"
-                        r"failed to recv|failed to send|read error|Connection reset", re.IGNORECASE)
+_PEER_LOST = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|Connection refused|"
+    r"NCCL communicator was aborted|Socket Timeout|timed out|Timeout|"
+    r"failed to recv|failed to send|read error|Connection reset",
+    re.IGNORECASE,
+)
 
 
 # ------------------------------------------------------------------ stalled ranks
@@ -353,8 +370,9 @@ def stall_note(exc: BaseException, grace_s: float = 3.0) -> str:
             if not stalled:
                 return ""
             time.sleep(0.05)
-        last = {r: store.get(f"lmforge/where/{r}").decode() if store.check([f"lmforge/where/{r}"]) else ""
-                for r in stalled}
+        last = {
+            r: store.get(f"lmforge/where/{r}").decode() if store.check([f"lmforge/where/{r}"]) else "" for r in stalled
+        }
     except Exception:  # noqa: BLE001 - the store went with rank 0: say what is known without it
         return ""
     exc.lmforge_report = rank == min(set(range(world)) - set(stalled))
@@ -362,8 +380,9 @@ def stall_note(exc: BaseException, grace_s: float = 3.0) -> str:
     for r in stalled:
         pid = f" (PID {_PEERS[r][1]})" if r < len(_PEERS) else ""
         was = f"; its last mark: {last[r]}" if last[r] else ""
-        notes.append(f"rank {r}{pid} did not reach {_WHERE['phase']} within {_WHERE['timeout_s']:g} s "
-                     f"(parallel.timeout_s){was}")
+        notes.append(
+            f"rank {r}{pid} did not reach {_WHERE['phase']} within {_WHERE['timeout_s']:g} s (parallel.timeout_s){was}"
+        )
     return "; ".join(notes)
 
 

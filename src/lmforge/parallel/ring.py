@@ -27,13 +27,13 @@ waits on its right neighbour's receive before posting its own receive from the l
 Summation order differs from the native collective's, so for floating point inputs the results
 agree to rounding (the bound is derived in ``tests/parallel/test_ring.py``), exactly for integers.
 """
+
 # No `from __future__ import annotations`: DDP's register_comm_hook compares the hooks' evaluated
 # annotations with dist.GradBucket and torch.futures.Future[torch.Tensor], and rejects strings.
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
 
 # Reduce-scatter messages travel in segments of at most this many bytes, so that adding one segment
 # overlaps with receiving the next (gloo's own C++ ring pipelines its segments too). 1 MiB keeps the
@@ -57,28 +57,38 @@ class RingStats:
 def _group_layout(group: dist.ProcessGroup | None) -> tuple[int, int, int, int]:
     """``(group_rank, group_size, global rank of the right neighbour, global rank of the left)``."""
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("ring_all_reduce needs an initialised process group: call "
-                           "torch.distributed.init_process_group (torchrun sets the environment) first")
+        raise RuntimeError(
+            "ring_all_reduce needs an initialised process group: call "
+            "torch.distributed.init_process_group (torchrun sets the environment) first"
+        )
     group = group if group is not None else dist.group.WORLD
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if rank < 0:
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the group "
-                         f"passed to ring_all_reduce; call it only on the group's ranks")
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of the group "
+            f"passed to ring_all_reduce; call it only on the group's ranks"
+        )
     right = dist.get_global_rank(group, (rank + 1) % world)
     left = dist.get_global_rank(group, (rank - 1) % world)
     return rank, world, right, left
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int,
-              group: dist.ProcessGroup | None) -> None:
+def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group: dist.ProcessGroup | None) -> None:
     """Send ``send`` to ``right`` and receive ``recv`` from ``left``, both posted before either waits."""
     ops = [dist.P2POp(dist.isend, send, right, group), dist.P2POp(dist.irecv, recv, left, group)]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
 
 
-def _exchange_and_add(send: torch.Tensor, acc: torch.Tensor, recv: torch.Tensor, seg: int, right: int,
-                      left: int, group: dist.ProcessGroup | None) -> None:
+def _exchange_and_add(
+    send: torch.Tensor,
+    acc: torch.Tensor,
+    recv: torch.Tensor,
+    seg: int,
+    right: int,
+    left: int,
+    group: dist.ProcessGroup | None,
+) -> None:
     """One reduce-scatter step: send ``send`` (c,) to ``right``, receive ``left``'s partial sum of the
     chunk ``acc`` (c,) into ``recv`` (c,) and add it to ``acc``. The chunks travel as segments of
     ``seg`` elements, all posted at once and added in arrival order, so adding segment j overlaps
@@ -86,18 +96,22 @@ def _exchange_and_add(send: torch.Tensor, acc: torch.Tensor, recv: torch.Tensor,
     starts = range(0, send.numel(), seg)
     ops = []
     for tag, start in enumerate(starts):  # a tag per segment: message j can only match receive j
-        ops.append(dist.P2POp(dist.isend, send[start:start + seg], right, group, tag=tag))
-        ops.append(dist.P2POp(dist.irecv, recv[start:start + seg], left, group, tag=tag))
+        ops.append(dist.P2POp(dist.isend, send[start : start + seg], right, group, tag=tag))
+        ops.append(dist.P2POp(dist.irecv, recv[start : start + seg], left, group, tag=tag))
     works = dist.batch_isend_irecv(ops)
     for j, start in enumerate(starts):
         works[2 * j + 1].wait()
-        acc[start:start + seg].add_(recv[start:start + seg])
+        acc[start : start + seg].add_(recv[start : start + seg])
     for work in works[0::2]:
         work.wait()
 
 
-def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
-                    stats: RingStats | None = None, segment_bytes: int = SEGMENT_BYTES) -> torch.Tensor:
+def ring_all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    stats: RingStats | None = None,
+    segment_bytes: int = SEGMENT_BYTES,
+) -> torch.Tensor:
     """In-place SUM all-reduce of ``tensor`` (any shape, same shape and dtype on every rank) over
     ``group`` (``None``: the default group), by reduce-scatter then all-gather round the ring of
     group ranks ``0 -> 1 -> ... -> W-1 -> 0``. Returns ``tensor``.
@@ -122,8 +136,7 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
 
     seg = max(1, segment_bytes // tensor.element_size())  # elements per pipelined segment
     for s in range(world - 1):  # reduce-scatter
-        _exchange_and_add(chunks[(rank - s) % world], chunks[(rank - s - 1) % world], recv, seg,
-                          right, left, group)
+        _exchange_and_add(chunks[(rank - s) % world], chunks[(rank - s - 1) % world], recv, seg, right, left, group)
     for s in range(world - 1):  # all-gather: chunk (rank + 1) % W is complete here
         # The received chunk replaces ours whole, so it lands in place (no staging buffer).
         _exchange(chunks[(rank + 1 - s) % world], chunks[(rank - s) % world], right, left, group)
@@ -142,8 +155,9 @@ def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     return fut
 
 
-def ring_hook(state: dist.ProcessGroup | RingStats | None,
-              bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def ring_hook(
+    state: dist.ProcessGroup | RingStats | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: SUM the bucket's flat gradient buffer ``(bucket_numel,)`` across the
     ranks with ``ring_all_reduce``; no division by the world size (lmforge divides the loss by the
     global token count, so the gradients must be summed, not averaged).

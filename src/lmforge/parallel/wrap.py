@@ -14,12 +14,12 @@ Gradient averaging. lmforge divides each loss by the global count it normalises 
 sequences of the whole step, all ranks), so the gradients must be *summed* across ranks, not
 averaged: DDP gets a summing communication hook (``parallel.ring``), FSDP2 a gradient divide factor of 1.
 """
+
 from __future__ import annotations
 
 import contextlib
 
 import torch
-import torch.distributed as dist
 
 from ..core.errors import ConfigError
 from .context import ParallelContext
@@ -48,13 +48,16 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     body = getattr(model, "model", None)
     layers = getattr(body, "layers", None)
     if layers is None:
-        raise ConfigError(f"parallel.strategy=fsdp2 needs the decoder layers at model.model.layers; "
-                          f"{type(model).__name__} has none (use parallel.strategy=ddp)")
+        raise ConfigError(
+            f"parallel.strategy=fsdp2 needs the decoder layers at model.model.layers; "
+            f"{type(model).__name__} has none (use parallel.strategy=ddp)"
+        )
     return list(layers)
 
 
-def wrap(root: Root, ctx: ParallelContext, device: torch.device, dtype: torch.dtype,
-         grad_sync: str = "native") -> torch.nn.Module:
+def wrap(
+    root: Root, ctx: ParallelContext, device: torch.device, dtype: torch.dtype, grad_sync: str = "native"
+) -> torch.nn.Module:
     """``root`` on ``device``, wrapped for ``ctx.strategy`` (returned as is on one process).
 
     FSDP2: ``fully_shard`` on each decoder layer of ``root.policy`` and on the root (which then holds
@@ -68,8 +71,12 @@ def wrap(root: Root, ctx: ParallelContext, device: torch.device, dtype: torch.dt
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         # Buffers (rotary frequencies) are equal on every rank: synced once at construction, not per forward.
-        wrapped = DDP(root, device_ids=[device.index] if device.type == "cuda" else None,
-                      process_group=ctx.group, forward_sync_buffers=False)
+        wrapped = DDP(
+            root,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            process_group=ctx.group,
+            forward_sync_buffers=False,
+        )
         from .ring import ring_hook, sum_hook
 
         wrapped.register_comm_hook(ctx.group, ring_hook if grad_sync == "ring" else sum_hook)
@@ -126,7 +133,7 @@ def full_state_dict(wrapped: torch.nn.Module, module_name: str = "policy") -> di
 
     state = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True))
     prefix = module_name + "."
-    return {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+    return {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
 
 
 def local_tensor(value: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ Formats are a registry (:data:`FORMATS`), one module per family:
   ternary_format    ternary, ternary-5trit        lmforge's packed BitNet b1.58 absmean checkpoint
 Quantization-aware training lives in :mod:`.qat` (``apply_qat``, ``apply_ternary_qat``, ``bake_qat``).
 """
+
 from __future__ import annotations
 
 import shutil
@@ -17,11 +18,22 @@ from . import ct_formats, gguf_format, ternary_format
 from .common import Format, QuantizeError, load_source, read_config, save_plain, tokenizer_of
 from .qat import apply_qat, apply_ternary_qat, bake_qat
 
-FORMATS: dict[str, Format] = {f.name: f for mod in (ct_formats, gguf_format, ternary_format)
-                              for f in mod.formats()}
+FORMATS: dict[str, Format] = {f.name: f for mod in (ct_formats, gguf_format, ternary_format) for f in mod.formats()}
 
-__all__ = ["FORMATS", "Format", "QuantizeError", "QuantizeResult", "apply_qat", "apply_ternary_qat",
-           "bake_qat", "canonical_format", "dequantize", "quantize", "quantize_model", "save_quantized_copies"]
+__all__ = [
+    "FORMATS",
+    "Format",
+    "QuantizeError",
+    "QuantizeResult",
+    "apply_qat",
+    "apply_ternary_qat",
+    "bake_qat",
+    "canonical_format",
+    "dequantize",
+    "quantize",
+    "quantize_model",
+    "save_quantized_copies",
+]
 
 
 @dataclass(frozen=True)
@@ -55,8 +67,10 @@ def canonical_format(name: str) -> str:
         return name
     if f"gguf-{name.lower()}" in FORMATS:
         return f"gguf-{name.lower()}"
-    raise QuantizeError(f"unknown format {name!r}; valid formats: {', '.join(FORMATS)} "
-                        "(the GGUF ones also as q8_0, q4_0, f16, bf16, tq1_0, tq2_0)")
+    raise QuantizeError(
+        f"unknown format {name!r}; valid formats: {', '.join(FORMATS)} "
+        "(the GGUF ones also as q8_0, q4_0, f16, bf16, tq1_0, tq2_0)"
+    )
 
 
 def get_format(name: str) -> Format:
@@ -136,8 +150,10 @@ def _detect(source: Path) -> str:
     method = read_config(source).get("quantization_config", {}).get("quant_method")
     if method in READERS:
         return method
-    raise QuantizeError(f"{source} is not a quantized checkpoint lmforge knows (quantization_config.quant_method = "
-                        f"{method!r}; expected one of {', '.join(m for m in READERS if m != 'gguf')} or a .gguf file)")
+    raise QuantizeError(
+        f"{source} is not a quantized checkpoint lmforge knows (quantization_config.quant_method = "
+        f"{method!r}; expected one of {', '.join(m for m in READERS if m != 'gguf')} or a .gguf file)"
+    )
 
 
 def dequantize(source: str | Path, out_dir: str | Path) -> Path:

@@ -1,4 +1,5 @@
 """Shared pieces of the quantized formats: the error type, loading a source model, a format record."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,6 +24,7 @@ class Format:
     ``write(model, tokenizer, out_dir) -> list[Path]`` writes the files; ``bits`` is the nominal
     number of bits per weight of the quantized matrices (scales included).
     """
+
     name: str
     family: str
     bits: float
@@ -33,8 +35,9 @@ class Format:
 def require(module: str, extra: str, purpose: str) -> None:
     """Raise an install hint when an optional dependency is missing."""
     if importlib.util.find_spec(module) is None:
-        raise QuantizeError(f"{purpose} needs the Python package '{module}'. Install it with: "
-                            f"pip install 'lmforge[{extra}]'")
+        raise QuantizeError(
+            f"{purpose} needs the Python package '{module}'. Install it with: pip install 'lmforge[{extra}]'"
+        )
 
 
 def read_config(model_dir: Path) -> dict:
@@ -61,13 +64,17 @@ def load_source(spec: str):
 
     source = Path(resolve_pretrained(spec))
     if not source.is_dir():
-        raise QuantizeError(f"model {spec!r} is not a local directory; quantize a local HF directory, "
-                            f"a run's final/ directory, a .gguf file or smollm2-135m-instruct")
+        raise QuantizeError(
+            f"model {spec!r} is not a local directory; quantize a local HF directory, "
+            f"a run's final/ directory, a .gguf file or smollm2-135m-instruct"
+        )
     config = read_config(source)
     if "quantization_config" in config:
         method = config["quantization_config"].get("quant_method", "?")
-        raise QuantizeError(f"{source} is already quantized (quantization_config.quant_method = {method!r}); "
-                            f"run `lmforge dequantize {source} --out DIR` and quantize DIR instead")
+        raise QuantizeError(
+            f"{source} is already quantized (quantization_config.quant_method = {method!r}); "
+            f"run `lmforge dequantize {source} --out DIR` and quantize DIR instead"
+        )
     require_model_files(source, tokenizer=False)  # the formats that need a tokenizer say so themselves
     model = _from_hub(AutoModelForCausalLM, str(source), dtype=torch.float32).eval()
     scheme = getattr(model.config, "lmforge_qat", None)
@@ -92,8 +99,10 @@ def save_plain(state: dict, config, tokenizer, out_dir: Path) -> Path:
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
-        raise QuantizeError(f"dequantized weights do not fit the architecture: missing {sorted(missing)[:5]}, "
-                            f"unexpected {sorted(unexpected)[:5]}")
+        raise QuantizeError(
+            f"dequantized weights do not fit the architecture: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
     model.tie_weights()
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -11,6 +11,7 @@ in the source dtype). The math, per weight matrix W (out, in), all symmetric (ze
 range, 255/2 and 15/2, so the extreme value rounds to 128 or 8 and is clamped.) int8 and int4 are
 stored packed in int32 words ("pack-quantized"), fp8 as float8_e4m3fn ("float-quantized").
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,24 +33,36 @@ _HINT = "quant"
 
 def check_group_size(model, group_size: int) -> None:
     """Every quantized Linear's input width must be a multiple of the group size (no padding)."""
-    bad = [f"{name} (in_features {module.in_features})" for name, module in model.named_modules()
-           if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")
-           and module.in_features % group_size]
+    bad = [
+        f"{name} (in_features {module.in_features})"
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head") and module.in_features % group_size
+    ]
     if bad:
-        raise QuantizeError(f"group size {group_size} does not divide the input width of {len(bad)} layer(s): "
-                            f"{', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}; {_group_hint(model)}")
+        raise QuantizeError(
+            f"group size {group_size} does not divide the input width of {len(bad)} layer(s): "
+            f"{', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}; {_group_hint(model)}"
+        )
 
 
 def _group_hint(model) -> str:
     """The int4 formats whose group size divides every quantized input width, or what to use instead."""
-    widths = {module.in_features for name, module in model.named_modules()
-              if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")}
-    fitting = [name for name, scheme in SCHEMES.items() if scheme.get("group_size")
-               and all(width % scheme["group_size"] == 0 for width in widths)]
+    widths = {
+        module.in_features
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")
+    }
+    fitting = [
+        name
+        for name, scheme in SCHEMES.items()
+        if scheme.get("group_size") and all(width % scheme["group_size"] == 0 for width in widths)
+    ]
     if fitting:
         return f"use {' or '.join(fitting)}, whose group size divides them"
-    return (f"no int4 group size lmforge offers divides the widths {sorted(widths)}: use int8 or fp8 "
-            "(per channel), or a GGUF format")
+    return (
+        f"no int4 group size lmforge offers divides the widths {sorted(widths)}: use int8 or fp8 "
+        "(per channel), or a GGUF format"
+    )
 
 
 def _min_max(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,15 +78,20 @@ def write_compressed(model, tokenizer, out_dir: Path, scheme: str) -> list[Path]
     """Quantize ``model`` in place with ``scheme`` and save it in the compressed-tensors format."""
     require("compressed_tensors", _HINT, "the compressed-tensors formats")
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
-                                                 apply_quantization_config)
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
     args = QuantizationArgs(**SCHEMES[scheme])
     if args.strategy == "group":
         check_group_size(model, args.group_size)
-    config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
-                                ignore=["lm_head"])
+    config = QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)}, ignore=["lm_head"]
+    )
     # A baked int4-QAT model already sits on QAT's grid (max|W_g| / 7 per group of 32): keep that
     # scale, so the codes come back exactly (compressed-tensors' own max / 7.5 would round them again).
     qat_grid = scheme == "int4-g32" and getattr(model, "lmforge_baked_qat", None) == "int4"
@@ -114,8 +132,9 @@ def load_compressed(model_dir: Path):
     with warnings.catch_warnings():  # "loading attributes will be overwritten": that is the point here
         warnings.filterwarnings("ignore", message="You passed `quantization_config`")
         try:
-            return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                        quantization_config=CompressedTensorsConfig(dequantize=True))
+            return AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)
+            )
         except (SafetensorError, OSError) as exc:
             raise QuantizeError(f"{model_dir}: cannot load the compressed-tensors checkpoint: {exc}") from exc
 

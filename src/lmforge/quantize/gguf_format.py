@@ -16,6 +16,7 @@ Architectures: llama and qwen2 (no q/k permutation: llama.cpp runs qwen2 with th
 layout, as transformers does; q/k/v biases are written as ``blk.N.attn_q.bias`` ...). Others raise
 an error naming the model type.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,27 +31,41 @@ from .common import Format, QuantizeError, require
 # transformers model_type -> (gguf.MODEL_ARCH member, permute q/k to llama.cpp's interleaved rotary layout)
 ARCHS = {"llama": ("LLAMA", True), "qwen2": ("QWEN2", False)}
 _TYPES = ("F16", "BF16", "Q8_0", "Q4_0", "TQ1_0", "TQ2_0")
-_FILE_TYPES = {"F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0",
-               "TQ1_0": "MOSTLY_TQ1_0", "TQ2_0": "MOSTLY_TQ2_0"}
+_FILE_TYPES = {
+    "F16": "MOSTLY_F16",
+    "BF16": "MOSTLY_BF16",
+    "Q8_0": "MOSTLY_Q8_0",
+    "Q4_0": "MOSTLY_Q4_0",
+    "TQ1_0": "MOSTLY_TQ1_0",
+    "TQ2_0": "MOSTLY_TQ2_0",
+}
 _PRE_TOKENIZERS = {"bytelevel": "gpt-2", "digits+bytelevel": "smollm"}  # llama.cpp's names (llama-vocab.cpp)
 
 
 def _permute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
     """HF rotary layout (halves) -> llama.cpp's (interleaved pairs), per head; (out, in) -> (out, in)."""
-    return (weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
+    return (
+        weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def _unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of :func:`_permute_qk`."""
-    return (weight.reshape(n_head, weight.shape[0] // n_head // 2, 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
+    return (
+        weight.reshape(n_head, weight.shape[0] // n_head // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def _check_arch(config) -> None:
     if config.model_type not in ARCHS:
-        raise QuantizeError(f"GGUF export supports the model types {', '.join(ARCHS)}; this model is "
-                            f"{config.model_type!r}, whose layout lmforge cannot describe in GGUF")
+        raise QuantizeError(
+            f"GGUF export supports the model types {', '.join(ARCHS)}; this model is "
+            f"{config.model_type!r}, whose layout lmforge cannot describe in GGUF"
+        )
     if getattr(config, "use_sliding_window", False):
         raise QuantizeError("GGUF export: sliding-window attention is not described by this exporter")
     rope = getattr(config, "rope_parameters", None) or {}
@@ -88,8 +103,10 @@ def _pre_tokenizer_name(pre: dict, kinds: list[str]) -> str:
         for name, split in GGUF_PRE_TOKENIZER_SPLITS.items():
             if split == regex:
                 return name
-    raise QuantizeError(f"GGUF export: the pre-tokenizer {kinds or 'none'} has no llama.cpp name that lmforge "
-                        f"knows; llama.cpp could not reproduce this tokenization")
+    raise QuantizeError(
+        f"GGUF export: the pre-tokenizer {kinds or 'none'} has no llama.cpp name that lmforge "
+        f"knows; llama.cpp could not reproduce this tokenization"
+    )
 
 
 def _bytelevel_tokens(tokenizer) -> tuple[list[str], list[str], str]:
@@ -105,9 +122,11 @@ def _bytelevel_tokens(tokenizer) -> tuple[list[str], list[str], str]:
         vocab[added["content"]] = added["id"]
     if not model.get("merges"):
         # gguf cannot store an empty merges list and llama.cpp requires the key (lmforge's char tokenizer)
-        raise QuantizeError("GGUF export: the tokenizer has no BPE merges (a character tokenizer?); GGUF's "
-                            "byte-level BPE needs them. Train a BPE tokenizer (model.tokenizer / pretrain) or "
-                            "use a safetensors format (int8, int4-g32, fp8, ternary)")
+        raise QuantizeError(
+            "GGUF export: the tokenizer has no BPE merges (a character tokenizer?); GGUF's "
+            "byte-level BPE needs them. Train a BPE tokenizer (model.tokenizer / pretrain) or "
+            "use a safetensors format (int8, int4-g32, fp8, ternary)"
+        )
     pre_name = _pre_tokenizer_name(pre, kinds)
     by_id = sorted(vocab.items(), key=lambda kv: kv[1])
     if [i for _, i in by_id] != list(range(len(by_id))):
@@ -130,8 +149,12 @@ def _add_tokenizer(gguf, writer, tokenizer, vocab_size: int) -> None:
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    for name, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
-                      ("unk", writer.add_unk_token_id), ("pad", writer.add_pad_token_id)):
+    for name, add in (
+        ("bos", writer.add_bos_token_id),
+        ("eos", writer.add_eos_token_id),
+        ("unk", writer.add_unk_token_id),
+        ("pad", writer.add_pad_token_id),
+    ):
         token_id = getattr(tokenizer, f"{name}_token_id", None)
         if token_id is not None:
             add(token_id)
@@ -191,8 +214,10 @@ def write_gguf(model, tokenizer, out_dir: Path, qtype_name: str) -> list[Path]:
     writer.write_tensors_to_file()
     writer.close()
     if fallbacks:
-        print(f"[lmforge] {qtype_name}: {len(fallbacks)} matrices have rows not divisible by the block size "
-              f"and are stored as F16: {', '.join(fallbacks[:6])}{' ...' if len(fallbacks) > 6 else ''}")
+        print(
+            f"[lmforge] {qtype_name}: {len(fallbacks)} matrices have rows not divisible by the block size "
+            f"and are stored as F16: {', '.join(fallbacks[:6])}{' ...' if len(fallbacks) > 6 else ''}"
+        )
     return [path]
 
 
@@ -221,8 +246,9 @@ def read_gguf(path: Path):
     except (ValueError, OSError, KeyError, IndexError) as exc:
         raise QuantizeError(f"{path}: not a readable GGUF file (corrupt or truncated?): {exc}") from exc
     if config.model_type not in ARCHS:
-        raise QuantizeError(f"{path}: architecture {config.model_type!r}; lmforge dequantizes "
-                            f"{', '.join(ARCHS)} GGUF files")
+        raise QuantizeError(
+            f"{path}: architecture {config.model_type!r}; lmforge dequantizes {', '.join(ARCHS)} GGUF files"
+        )
     arch, permute = ARCHS[config.model_type]
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch], config.num_hidden_layers)
     with torch.device("meta"):  # the HF names this architecture has, without allocating it
@@ -233,12 +259,15 @@ def read_gguf(path: Path):
         if tensor.name not in to_hf:
             raise QuantizeError(f"{path}: unexpected tensor {tensor.name!r} for a {config.model_type} model")
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(
-            [int(d) for d in reversed(tensor.shape)])
+            [int(d) for d in reversed(tensor.shape)]
+        )
         if permute and tensor.name.endswith("attn_q.weight"):
             array = _unpermute_qk(array, config.num_attention_heads)
         elif permute and tensor.name.endswith("attn_k.weight"):
             array = _unpermute_qk(array, config.num_key_value_heads)
-        state[to_hf[tensor.name]] = torch.tensor(np.asarray(array, dtype=np.float32))  # a copy: reader memory is read-only
+        state[to_hf[tensor.name]] = torch.tensor(
+            np.asarray(array, dtype=np.float32)
+        )  # a copy: reader memory is read-only
     return state, config, tokenizer
 
 

@@ -20,6 +20,7 @@ Contract (what a training loop needs to know):
     attribute ``model.lmforge_baked_qat = "<scheme>"`` (not saved): the ``int4-g32`` writer then
     uses int4 QAT's own grid (``max|W_g| / 7``), so that export is exact too.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -94,8 +95,7 @@ def apply_qat(model: nn.Module, scheme: str) -> list[str]:
         raise ValueError(f"unknown QAT scheme {scheme!r}; valid: {', '.join(QAT_SCHEMES)}")
 
     def make(linear: nn.Linear) -> QATLinear:
-        qat = QATLinear(linear.in_features, linear.out_features, linear.bias is not None, scheme,
-                        device="meta")
+        qat = QATLinear(linear.in_features, linear.out_features, linear.bias is not None, scheme, device="meta")
         qat.weight, qat.bias = linear.weight, linear.bias  # the same Parameter objects
         if scheme == "int4":
             int4_fake_quant(linear.weight.detach())  # fail now, not at the first step, on a bad shape
@@ -117,6 +117,7 @@ def apply_ternary_qat(model: nn.Module) -> list[str]:
 @torch.no_grad()
 def bake_qat(model: nn.Module) -> list[str]:
     """Replace each :class:`QATLinear` by an ``nn.Linear`` holding its fake-quantized weight (in place)."""
+
     def make(qat: QATLinear) -> nn.Linear:
         linear = nn.Linear(qat.in_features, qat.out_features, bias=qat.bias is not None, device="meta")
         linear.weight = nn.Parameter(QAT_SCHEMES[qat.scheme](qat.weight).detach().clone())

@@ -12,6 +12,7 @@ Packing (what makes the file small), codes c = q + 1 in {0, 1, 2}:
     "5trit"  five codes per byte, c0 + 3 c1 + 9 c2 + 27 c3 + 81 c4 <= 242 1.6 bits per weight
 The flattened codes are zero-padded (code 0) to a multiple of 4 or 5; the true shape is stored.
 """
+
 from __future__ import annotations
 
 import torch
@@ -67,7 +68,7 @@ def ternary_fake_quant(weight: torch.Tensor) -> torch.Tensor:
 
 def pack_2bit(q: torch.Tensor) -> torch.Tensor:
     """Ternary ``q`` (any shape) -> uint8 (ceil(numel / 4),): four 2-bit codes per byte."""
-    codes = (q.reshape(-1).to(torch.int32) + 1)
+    codes = q.reshape(-1).to(torch.int32) + 1
     codes = torch.nn.functional.pad(codes, (0, (-codes.numel()) % 4)).reshape(-1, 4)
     return (codes << _SHIFT2).sum(dim=1).to(torch.uint8)
 
@@ -83,7 +84,7 @@ def unpack_2bit(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 def pack_5trit(q: torch.Tensor) -> torch.Tensor:
     """Ternary ``q`` (any shape) -> uint8 (ceil(numel / 5),): five base-3 codes per byte."""
-    codes = (q.reshape(-1).to(torch.int32) + 1)
+    codes = q.reshape(-1).to(torch.int32) + 1
     codes = torch.nn.functional.pad(codes, (0, (-codes.numel()) % 5)).reshape(-1, 5)
     return (codes * _POW3).sum(dim=1).to(torch.uint8)
 
@@ -98,6 +99,6 @@ def unpack_5trit(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 PACKINGS = {
-    "2bit": (pack_2bit, unpack_2bit, 4),    # name -> (pack, unpack, weights per byte)
+    "2bit": (pack_2bit, unpack_2bit, 4),  # name -> (pack, unpack, weights per byte)
     "5trit": (pack_5trit, unpack_5trit, 5),
 }

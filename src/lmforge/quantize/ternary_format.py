@@ -12,6 +12,7 @@ ignore the unknown quant_method and fill the missing matrices with random weight
 Only lmforge reads this directory (``lmforge dequantize``); for llama.cpp use ``gguf-tq2_0`` or
 ``gguf-tq1_0``, which hold the same ternary values.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,12 @@ FORMAT_NAME, VERSION, WEIGHTS = "lmforge-ternary", "1", "ternary.safetensors"
 
 def _linear_weight_names(model) -> list[str]:
     layers = decoder_layers(model)
-    return [f"model.layers.{i}.{name}.weight" for i, layer in enumerate(layers)
-            for name, module in layer.named_modules() if isinstance(module, torch.nn.Linear)]
+    return [
+        f"model.layers.{i}.{name}.weight"
+        for i, layer in enumerate(layers)
+        for name, module in layer.named_modules()
+        if isinstance(module, torch.nn.Linear)
+    ]
 
 
 def write_ternary(model, tokenizer, out_dir: Path, packing: str) -> list[Path]:
@@ -53,8 +58,12 @@ def write_ternary(model, tokenizer, out_dir: Path, packing: str) -> list[Path]:
     path = out_dir / WEIGHTS
     save_file(state, str(path), metadata=metadata)
     config = model.config.to_dict()
-    config["quantization_config"] = {"quant_method": FORMAT_NAME, "packing": packing, "version": VERSION,
-                                     "note": "lmforge's own format: run `lmforge dequantize DIR --out HF_DIR`"}
+    config["quantization_config"] = {
+        "quant_method": FORMAT_NAME,
+        "packing": packing,
+        "version": VERSION,
+        "note": "lmforge's own format: run `lmforge dequantize DIR --out HF_DIR`",
+    }
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
@@ -76,8 +85,10 @@ def read_ternary(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
     except (SafetensorError, OSError, ValueError) as exc:
         raise QuantizeError(f"{path}: cannot read (corrupt or truncated file?): {exc}") from exc
     if metadata.get("format") != FORMAT_NAME or metadata.get("packing") not in PACKINGS:
-        raise QuantizeError(f"{path}: not an {FORMAT_NAME} file (header format={metadata.get('format')!r}, "
-                            f"packing={metadata.get('packing')!r})")
+        raise QuantizeError(
+            f"{path}: not an {FORMAT_NAME} file (header format={metadata.get('format')!r}, "
+            f"packing={metadata.get('packing')!r})"
+        )
     _, unpack, per_byte = PACKINGS[metadata["packing"]]
     state = {}
     for key, tensor in tensors.items():
@@ -92,8 +103,10 @@ def read_ternary(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
         shape = json.loads(metadata[f"shape.{stem}"])
         numel = shape[0] * shape[1]
         if tensor.numel() != -(-numel // per_byte):
-            raise QuantizeError(f"{path}: {key} holds {tensor.numel()} bytes, shape {shape} needs "
-                                f"{-(-numel // per_byte)} (truncated or corrupt)")
+            raise QuantizeError(
+                f"{path}: {key} holds {tensor.numel()} bytes, shape {shape} needs "
+                f"{-(-numel // per_byte)} (truncated or corrupt)"
+            )
         try:
             q = unpack(tensor, numel)
         except ValueError as exc:
@@ -107,5 +120,7 @@ def formats() -> list[Format]:
     def make(packing):
         return lambda model, tok, out: write_ternary(model, tok, out, packing)
 
-    return [Format("ternary", FORMAT_NAME, 2.0, DESCRIPTIONS["ternary"], make("2bit")),
-            Format("ternary-5trit", FORMAT_NAME, 1.6, DESCRIPTIONS["ternary-5trit"], make("5trit"))]
+    return [
+        Format("ternary", FORMAT_NAME, 2.0, DESCRIPTIONS["ternary"], make("2bit")),
+        Format("ternary-5trit", FORMAT_NAME, 1.6, DESCRIPTIONS["ternary-5trit"], make("5trit")),
+    ]

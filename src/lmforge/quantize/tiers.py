@@ -15,10 +15,15 @@ Training, per parameter (AdamW keeps two fp32 moments, m and v: 8 bytes):
                           fp32 AdamW (16 bytes each): 2 + 0.01 * 16                = 2.16
   QAT (fp32 master)       fp32 AdamW + 4 for the fake-quantized copy each Linear keeps for backward = 20
 """
+
 from __future__ import annotations
 
-TRAINING_BYTES_PER_PARAM = {"fp32 AdamW": 16.0, "bf16 + fp32 master AdamW": 16.0, "LoRA on a bf16 base": 2.16,
-                            "QAT (fp32 master AdamW)": 20.0}
+TRAINING_BYTES_PER_PARAM = {
+    "fp32 AdamW": 16.0,
+    "bf16 + fp32 master AdamW": 16.0,
+    "LoRA on a bf16 base": 2.16,
+    "QAT (fp32 master AdamW)": 20.0,
+}
 
 
 def inference_bytes_per_param() -> dict[str, float]:
@@ -39,8 +44,16 @@ def memory_plan(num_params: int, available_bytes: int) -> list[tuple[str, str, f
 
 
 # Reference model sizes (parameters) for the inference table: SmolLM2's and common open-weight sizes.
-MODEL_SIZES = {"135M": 135e6, "360M": 360e6, "1.7B": 1.7e9, "8B": 8e9, "14B": 14e9, "32B": 32e9, "70B": 70e9,
-               "405B": 405e9}
+MODEL_SIZES = {
+    "135M": 135e6,
+    "360M": 360e6,
+    "1.7B": 1.7e9,
+    "8B": 8e9,
+    "14B": 14e9,
+    "32B": 32e9,
+    "70B": 70e9,
+    "405B": 405e9,
+}
 # The formats shown by ``lmforge hardware`` (every registered one is in ``memory_plan``).
 SHOWN_FORMATS = ("fp32", "bf16", "int8", "int4-g32", "gguf-q8_0", "gguf-q4_0", "gguf-tq2_0", "ternary")
 
@@ -70,17 +83,27 @@ def tier_report(available_bytes: float, where: str) -> list[str]:
         if n * smallest > available_bytes:
             break
     gib = available_bytes / 2**30
-    lines.append(f"memory for models: {gib:.1f} GiB ({where}); bytes = parameters x bytes per parameter, "
-                 "before activations and the KV cache")
+    lines.append(
+        f"memory for models: {gib:.1f} GiB ({where}); bytes = parameters x bytes per parameter, "
+        "before activations and the KV cache"
+    )
     lines.append("inference: GiB of weights per format ('-' = does not fit)")
     width = max(len(f) for f in shown) + 1
     lines.append("  " + f"{'model':<7}" + "".join(f"{f:>{width}}" for f in shown))
     for label, n in sizes:
-        cells = "".join(f"{(f'{n * per_param[f] / 2**30:.2f}' if n * per_param[f] <= available_bytes else '-'):>{width}}"
-                        for f in shown)
+        cells = "".join(
+            f"{(f'{n * per_param[f] / 2**30:.2f}' if n * per_param[f] <= available_bytes else '-'):>{width}}"
+            for f in shown
+        )
         lines.append(f"  {label:<7}{cells}")
-    lines.append("  largest: " + ", ".join(f"{f} {human_params(largest_model(available_bytes, per_param[f]))}"
-                                          for f in ("bf16", "int8", "gguf-q4_0", "ternary") if f in per_param))
+    lines.append(
+        "  largest: "
+        + ", ".join(
+            f"{f} {human_params(largest_model(available_bytes, per_param[f]))}"
+            for f in ("bf16", "int8", "gguf-q4_0", "ternary")
+            if f in per_param
+        )
+    )
     lines.append("training (AdamW): bytes per parameter and the largest model that fits")
     for mode, bpp in TRAINING_BYTES_PER_PARAM.items():
         lines.append(f"  {mode:<26}{bpp:>6g} B/param  {human_params(largest_model(available_bytes, bpp)):>8}")

@@ -14,6 +14,7 @@ One config, one work directory (``run.workdir``); each stage reads what the prev
 
 The math and the core functions are in lmforge/antidistill/ads.py and docs/antidistillation.md.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,20 +26,28 @@ from typing import Literal
 
 import torch
 
-from ..runtime import hardware
 from ..antidistill import pipeline as pipe
-from ..antidistill.ads import (ads_generate, check_same_tokenizer, load_gradient, perturbed_copies, proxy_gradient, random_direction, save_gradient)
+from ..antidistill.ads import (
+    ads_generate,
+    check_same_tokenizer,
+    load_gradient,
+    perturbed_copies,
+    proxy_gradient,
+    random_direction,
+    save_gradient,
+)
 from ..core.config import LoggingConfig, ModelConfig, OptimConfig, TrainConfig, opt, refuse_ignored, section, to_dict
+from ..core.errors import ConfigError
 from ..data.rows_task import COLUMN_NAMES as ROWS_COLUMNS
 from ..data.sft import encode_prompt, tokenize_sft, uses_chat_format
 from ..data.tasks import SPLITS, get_task
-from ..core.errors import ConfigError
-from ..rollout.evaluation import task_accuracy
-from ..runtime.metrics import make_console
 from ..model.load import load_model, load_tokenizer_for
 from ..parallel.context import init_parallel, torchrun_world
-from ..runtime.run import local_world_size
 from ..rollout.engine import SamplingParams, generate
+from ..rollout.evaluation import task_accuracy
+from ..runtime import hardware
+from ..runtime.metrics import make_console
+from ..runtime.run import local_world_size
 from ..supervised.sft_data import SFTDataConfig
 from .sft import SFTConfig, run_sft
 
@@ -47,17 +56,27 @@ Split = Literal["train", "val", "test"]
 
 @dataclasses.dataclass
 class AdsDataConfig:
-    task: str = opt("addition", "task with a verifier: built-in (addition, addition:digits=3, ...) or a "
-                    "reasoning-gym dataset, rg:<name>[:key=value,...] (docs/rewards.md)")
-    path: str = opt("", "instead of data.task: rows with a 'prompt' and an 'answer' from any source of docs/data.md "
-                    "(JSONL, Parquet, CSV, Arrow, a save_to_disk dir, a cached hub id); each row's split is a "
-                    "hash of its prompt (80/10/10)")
+    task: str = opt(
+        "addition",
+        "task with a verifier: built-in (addition, addition:digits=3, ...) or a "
+        "reasoning-gym dataset, rg:<name>[:key=value,...] (docs/rewards.md)",
+    )
+    path: str = opt(
+        "",
+        "instead of data.task: rows with a 'prompt' and an 'answer' from any source of docs/data.md "
+        "(JSONL, Parquet, CSV, Arrow, a save_to_disk dir, a cached hub id); each row's split is a "
+        "hash of its prompt (80/10/10)",
+    )
     source_split: str = opt("train", "path: the split of the source to read")
     subset: str = opt("", "path: the hub dataset's config name")
-    columns: dict[str, str] = opt({}, "path: lmforge name -> the data's column, e.g. {prompt: question, answer: solution}",
-                                  keys=ROWS_COLUMNS)
-    reward: str = opt("exact", "path: how a trace is scored: exact (stripped completion == answer), math (math-verify: "
-                      "boxed or last number) or package.module:function; correct = 1")
+    columns: dict[str, str] = opt(
+        {}, "path: lmforge name -> the data's column, e.g. {prompt: question, answer: solution}", keys=ROWS_COLUMNS
+    )
+    reward: str = opt(
+        "exact",
+        "path: how a trace is scored: exact (stripped completion == answer), math (math-verify: "
+        "boxed or last number) or package.module:function; correct = 1",
+    )
     heldout_split: Split = opt("val", "split of the held-out prompts whose teacher traces give the proxy gradient")
     num_heldout: int = opt(256, "held-out prompts (traces stage)")
     prompt_split: Split = opt("train", "split of the prompts the teacher samples for distillation")
@@ -68,17 +87,24 @@ class AdsDataConfig:
     max_new_tokens: int = opt(32, "longest completion (every stage that generates)")
     max_len: int = opt(256, "longest tokenized prompt + completion (proxy gradient and distillation)")
     use_chat_template: Literal["auto", "on", "off"] = opt(
-        "auto", "wrap prompts in the chat template (auto: if the tokenizer has its own)")
+        "auto", "wrap prompts in the chat template (auto: if the tokenizer has its own)"
+    )
     seed: int = opt(0, "seed of the problem draws and of sampling")
 
     def validate(self) -> None:
         if not self.path:
-            refuse_ignored(self, "data", ("source_split", "subset", "columns", "reward"),
-                           f"without data.path (the task {self.task!r} brings its own problems and scorer)")
+            refuse_ignored(
+                self,
+                "data",
+                ("source_split", "subset", "columns", "reward"),
+                f"without data.path (the task {self.task!r} brings its own problems and scorer)",
+            )
         splits = (self.heldout_split, self.prompt_split, self.test_split)
         if len(set(splits)) != 3:
-            raise ConfigError(f"data.heldout_split, data.prompt_split and data.test_split must be three different "
-                              f"splits of {SPLITS}, got {splits}")
+            raise ConfigError(
+                f"data.heldout_split, data.prompt_split and data.test_split must be three different "
+                f"splits of {SPLITS}, got {splits}"
+            )
         for name in ("num_heldout", "num_prompts", "samples_per_prompt", "num_test", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"data.{name} must be >= 1, got {getattr(self, name)}")
@@ -98,26 +124,35 @@ class GradConfig:
 @dataclasses.dataclass
 class SampleConfig:
     temperatures: list[float] = opt([1.0], "sampling temperatures T (> 0); every T is run with every lam")
-    lams: list[float] = opt([0.0, 0.1], "ADS weights lam, paper convention: the term is added after dividing "
-                            "the teacher logits by T (reference-code lam_ref = lam * T); lam = 0 is plain "
-                            "temperature sampling")
+    lams: list[float] = opt(
+        [0.0, 0.1],
+        "ADS weights lam, paper convention: the term is added after dividing "
+        "the teacher logits by T (reference-code lam_ref = lam * T); lam = 0 is plain "
+        "temperature sampling",
+    )
     eps: float = opt(1e-2, "finite-difference step: proxies at theta +- eps * g (keep eps * |g| ~ 1e-2)")
     direction: Literal["proxy", "random"] = opt(
-        "proxy", "proxy: perturb the proxies along the proxy gradient g (ADS); random: along a seeded random "
-        "direction with g's norm (the control; settings are named T<T>-lam<lam>-random)")
+        "proxy",
+        "proxy: perturb the proxies along the proxy gradient g (ADS); random: along a seeded random "
+        "direction with g's norm (the control; settings are named T<T>-lam<lam>-random)",
+    )
     direction_seed: int = opt(0, "seed of the random direction (sample.direction=random)")
     top_k: int = opt(0, "sample only among the k most likely tokens of the (adjusted) distribution (0 = off)")
     top_p: float = opt(1.0, "nucleus sampling on the (adjusted) distribution (1 = off; the reference used 0.95)")
-    seed: int = opt(-1, "seed of the sampling (traces and sample stages); -1 = data.seed. Changes the random "
-                    "numbers only, not the prompts, so seeds can be repeated on the same problems")
+    seed: int = opt(
+        -1,
+        "seed of the sampling (traces and sample stages); -1 = data.seed. Changes the random "
+        "numbers only, not the prompts, so seeds can be repeated on the same problems",
+    )
     batch_size: int = opt(64, "prompts per generation batch")
 
     def validate(self) -> None:
         if not self.temperatures or not self.lams:
             raise ConfigError("sample.temperatures and sample.lams must each hold at least one value")
         if any(not t > 0 for t in self.temperatures):
-            raise ConfigError(f"sample.temperatures must all be > 0 (ADS tilts a distribution), "
-                              f"got {self.temperatures}")
+            raise ConfigError(
+                f"sample.temperatures must all be > 0 (ADS tilts a distribution), got {self.temperatures}"
+            )
         if len(set(self.temperatures)) != len(self.temperatures) or len(set(self.lams)) != len(self.lams):
             raise ConfigError("sample.temperatures and sample.lams must not repeat values")
         if not self.eps > 0:
@@ -139,8 +174,9 @@ class DistillConfig:
 
     def validate(self) -> None:
         if not 0 <= self.val_fraction < 1:
-            raise ConfigError(f"distill.val_fraction must be in [0, 1) (a fraction: 0.05 holds out 5%), got "
-                              f"{self.val_fraction}")
+            raise ConfigError(
+                f"distill.val_fraction must be in [0, 1) (a fraction: 0.05 holds out 5%), got {self.val_fraction}"
+            )
 
 
 @dataclasses.dataclass
@@ -149,8 +185,10 @@ class RunConfig:
     device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps")
     threads: int = opt(0, "CPU threads for torch (0 = all usable cores)")
     dtype: Literal["fp32", "bf16"] = opt(
-        "fp32", "dtype of the teacher and the perturbed proxies while sampling (traces and sample stages); "
-        "the proxy gradient is always computed in fp32 and the proxies perturbed in fp32 before the cast")
+        "fp32",
+        "dtype of the teacher and the perturbed proxies while sampling (traces and sample stages); "
+        "the proxy gradient is always computed in fp32 and the proxies perturbed in fp32 before the cast",
+    )
     progress: bool = opt(True, "show progress bars")
 
 
@@ -169,8 +207,9 @@ class AntidistillConfig:
     def validate(self) -> None:
         for role in ("teacher", "proxy"):  # (ModelConfig has a lora section; only the student trains)
             if getattr(self, role).lora.r:
-                raise ConfigError(f"{role}.lora.r: the {role} is not trained here; LoRA is for the student "
-                                  "(student.lora.r)")
+                raise ConfigError(
+                    f"{role}.lora.r: the {role} is not trained here; LoRA is for the student (student.lora.r)"
+                )
 
 
 # ----------------------------------------------------------------------------- shared pieces
@@ -199,8 +238,11 @@ def _start(cfg: AntidistillConfig, console, stage: str):
     console = console or make_console()
     if not ctx.is_main:
         console.quiet = True
-    console.print(f"[antidistill {stage}] device={device} threads={choices.threads} "
-                  f"workdir={cfg.run.workdir}" + (f" ranks={ctx.world_size}" if ctx.distributed else ""), markup=False)
+    console.print(
+        f"[antidistill {stage}] device={device} threads={choices.threads} "
+        f"workdir={cfg.run.workdir}" + (f" ranks={ctx.world_size}" if ctx.distributed else ""),
+        markup=False,
+    )
     return console, device, ctx
 
 
@@ -229,15 +271,35 @@ def _progress(console, enabled: bool, description: str, total: int):
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as bar:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
         task_id = bar.add_task(description, total=total)
         yield lambda n=1: bar.advance(task_id, n)
 
 
-def _sample_traces(cfg, ctx, teacher, tokenizer, task, problems, temperature: float, lam: float, proxies,
-                   num_samples: int, batch_size: int, console, description: str, top_k: int = 0,
-                   top_p: float = 1.0) -> tuple[list[dict], dict]:
+def _sample_traces(
+    cfg,
+    ctx,
+    teacher,
+    tokenizer,
+    task,
+    problems,
+    temperature: float,
+    lam: float,
+    proxies,
+    num_samples: int,
+    batch_size: int,
+    console,
+    description: str,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> tuple[list[dict], dict]:
     """Sample the teacher (ADS when lam != 0, else plain) on ``problems``; returns (rows, stats).
 
     ``stats["kl_per_token"]`` is the mean over sampled tokens of KL(ADS || tempered teacher) of each
@@ -248,22 +310,35 @@ def _sample_traces(cfg, ctx, teacher, tokenizer, task, problems, temperature: fl
     """
     chat = uses_chat_format(tokenizer, cfg.data.use_chat_template)
     bounds = [len(problems) * r // ctx.world_size for r in range(ctx.world_size + 1)]
-    problems = problems[bounds[ctx.rank]:bounds[ctx.rank + 1]]
+    problems = problems[bounds[ctx.rank] : bounds[ctx.rank + 1]]
     rows, kl_sum, num_tokens = [], 0.0, 0
     start = time.perf_counter()
     with _progress(console, cfg.run.progress and ctx.is_main, description, len(problems)) as advance:
         for index, first in enumerate(range(0, len(problems), batch_size)):
-            chunk = problems[first:first + batch_size]
+            chunk = problems[first : first + batch_size]
             prompts = [encode_prompt(tokenizer, p.prompt, chat) for p in chunk]
-            params = SamplingParams(temperature=temperature, max_new_tokens=cfg.data.max_new_tokens,
-                                    top_k=top_k, top_p=top_p,
-                                    stop_token_ids=[tokenizer.eos_token_id],
-                                    seed=_seed(cfg.sample.seed, cfg) + index + 1_000_003 * ctx.rank)
+            params = SamplingParams(
+                temperature=temperature,
+                max_new_tokens=cfg.data.max_new_tokens,
+                top_k=top_k,
+                top_p=top_p,
+                stop_token_ids=[tokenizer.eos_token_id],
+                seed=_seed(cfg.sample.seed, cfg) + index + 1_000_003 * ctx.rank,
+            )
             if lam == 0:
                 batch = generate(teacher, prompts, params, num_samples=num_samples, pad_token_id=tokenizer.pad_token_id)
             else:
-                batch = ads_generate(teacher, *proxies, prompts, params, lam, cfg.sample.eps, num_samples=num_samples,
-                                     pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer))
+                batch = ads_generate(
+                    teacher,
+                    *proxies,
+                    prompts,
+                    params,
+                    lam,
+                    cfg.sample.eps,
+                    num_samples=num_samples,
+                    pad_token_id=tokenizer.pad_token_id,
+                    vocab_size=len(tokenizer),
+                )
             rows += pipe.trace_rows(batch, chunk, tokenizer, task)
             kl, tokens = pipe.kl_sums(batch)
             kl_sum, num_tokens = kl_sum + kl, num_tokens + tokens
@@ -274,9 +349,15 @@ def _sample_traces(cfg, ctx, teacher, tokenizer, task, problems, temperature: fl
         rows = [row for part in parts for row in part[0]]
         kl_sum, num_tokens = sum(p[1] for p in parts), sum(p[2] for p in parts)
         seconds = max(p[3] for p in parts)
-    stats = {"teacher_accuracy": pipe.accuracy(rows), "num_traces": len(rows),
-             "num_truncated": sum(r["truncated"] for r in rows), "kl_per_token": kl_sum / max(num_tokens, 1),
-             "num_completion_tokens": num_tokens, "seconds": seconds, "tokens_per_s": num_tokens / seconds}
+    stats = {
+        "teacher_accuracy": pipe.accuracy(rows),
+        "num_traces": len(rows),
+        "num_truncated": sum(r["truncated"] for r in rows),
+        "kl_per_token": kl_sum / max(num_tokens, 1),
+        "num_completion_tokens": num_tokens,
+        "seconds": seconds,
+        "tokens_per_s": num_tokens / seconds,
+    }
     return rows, stats
 
 
@@ -298,15 +379,25 @@ def _task(cfg: AntidistillConfig):
         out = rewards([text], [problem])
         if int(out.num_failed.sum()):
             timed_out = int(out.num_timed_out.sum()) if out.num_timed_out.numel() else 0
-            raise RuntimeError("timed out after {:g} s".format(REWARD_TIMEOUT_S) if timed_out
-                               else "it raised (the error is logged above)")
+            raise RuntimeError(
+                "timed out after {:g} s".format(REWARD_TIMEOUT_S)
+                if timed_out
+                else "it raised (the error is logged above)"
+            )
         return float(out.total[0])
 
-    return RowsTask.load(cfg.data.path, cfg.data.source_split, cfg.data.subset, cfg.data.columns,
-                         score_fn=score, score_name=cfg.data.reward)
+    return RowsTask.load(
+        cfg.data.path,
+        cfg.data.source_split,
+        cfg.data.subset,
+        cfg.data.columns,
+        score_fn=score,
+        score_name=cfg.data.reward,
+    )
 
 
 # ----------------------------------------------------------------------------- stages
+
 
 def run_traces(cfg: AntidistillConfig, console=None) -> dict:
     """Teacher traces on the held-out split, scored: traces/heldout.jsonl + traces/summary.json."""
@@ -314,17 +405,34 @@ def run_traces(cfg: AntidistillConfig, console=None) -> dict:
     task = _task(cfg)
     teacher, tokenizer = _load(cfg.teacher, device, "teacher", _DTYPES[cfg.run.dtype])
     problems = task.make_problems(cfg.data.num_heldout, cfg.data.seed, cfg.data.heldout_split)
-    rows, stats = _sample_traces(cfg, ctx, teacher, tokenizer, task, problems, cfg.traces.temperature, 0.0, None,
-                                 1, cfg.traces.batch_size, console, "held-out traces",
-                                 cfg.sample.top_k, cfg.sample.top_p)
+    rows, stats = _sample_traces(
+        cfg,
+        ctx,
+        teacher,
+        tokenizer,
+        task,
+        problems,
+        cfg.traces.temperature,
+        0.0,
+        None,
+        1,
+        cfg.traces.batch_size,
+        console,
+        "held-out traces",
+        cfg.sample.top_k,
+        cfg.sample.top_p,
+    )
     path = pipe.heldout_path(Path(cfg.run.workdir))
     summary = {"split": cfg.data.heldout_split, "temperature": cfg.traces.temperature, **stats, "config": to_dict(cfg)}
     if ctx.is_main:
         pipe.write_jsonl(path, rows)
         pipe.write_json(path.with_name("summary.json"), summary)
     ctx.barrier()
-    console.print(f"[antidistill traces] teacher accuracy {100 * stats['teacher_accuracy']:.1f}% on "
-                  f"{len(rows)} {cfg.data.heldout_split} prompts -> {path}", markup=False)
+    console.print(
+        f"[antidistill traces] teacher accuracy {100 * stats['teacher_accuracy']:.1f}% on "
+        f"{len(rows)} {cfg.data.heldout_split} prompts -> {path}",
+        markup=False,
+    )
     return summary
 
 
@@ -337,22 +445,31 @@ def run_grad(cfg: AntidistillConfig, console=None) -> dict:
     proxy, proxy_tok = _load(cfg.proxy, device, "proxy")
     _check_tokenizers(load_tokenizer_for(cfg.teacher), proxy_tok)
     shard = rows[rank::world]
-    examples = tokenize_sft(shard, proxy_tok, cfg.data.max_len, completion_only=True,
-                            use_chat_template=cfg.data.use_chat_template).examples if shard else []
+    examples = (
+        tokenize_sft(
+            shard, proxy_tok, cfg.data.max_len, completion_only=True, use_chat_template=cfg.data.use_chat_template
+        ).examples
+        if shard
+        else []
+    )
     batches = pipe.gradient_batches(examples, proxy_tok.pad_token_id, cfg.grad.batch_size)
     num_batches = -(-len(examples) // cfg.grad.batch_size)
     with _progress(console, cfg.run.progress and rank == 0, "proxy gradient", num_batches) as advance:
-        grads, meta = proxy_gradient(proxy.requires_grad_(True), batches, model_id=cfg.proxy.name,
-                                     progress=lambda done, _: advance(1))
+        grads, meta = proxy_gradient(
+            proxy.requires_grad_(True), batches, model_id=cfg.proxy.name, progress=lambda done, _: advance(1)
+        )
     summary = {**meta, "config": to_dict(cfg)}
     if rank == 0:
         path = pipe.grad_path(workdir)
         path.parent.mkdir(parents=True, exist_ok=True)
         save_gradient(grads, meta, path)
         pipe.write_json(path.with_name("summary.json"), summary)
-        console.print(f"[antidistill grad] {meta['num_sequences']} traces, {meta['num_tokens']} completion tokens, "
-                      f"world size {world}, |g| = {meta['grad_norm']:.4g} (eps * |g| = "
-                      f"{cfg.sample.eps * meta['grad_norm']:.3g}) -> {path}", markup=False)
+        console.print(
+            f"[antidistill grad] {meta['num_sequences']} traces, {meta['num_tokens']} completion tokens, "
+            f"world size {world}, |g| = {meta['grad_norm']:.4g} (eps * |g| = "
+            f"{cfg.sample.eps * meta['grad_norm']:.3g}) -> {path}",
+            markup=False,
+        )
     ctx.barrier()
     return summary
 
@@ -378,38 +495,78 @@ def run_sample(cfg: AntidistillConfig, console=None) -> list[dict]:
     summaries = []
     for temperature, lam in _settings(cfg):
         name = pipe.setting_name(temperature, lam, direction)
-        rows, stats = _sample_traces(cfg, ctx, teacher, tokenizer, task, problems, temperature, lam, proxies,
-                                     cfg.data.samples_per_prompt, cfg.sample.batch_size, console, f"sample {name}",
-                                     cfg.sample.top_k, cfg.sample.top_p)
+        rows, stats = _sample_traces(
+            cfg,
+            ctx,
+            teacher,
+            tokenizer,
+            task,
+            problems,
+            temperature,
+            lam,
+            proxies,
+            cfg.data.samples_per_prompt,
+            cfg.sample.batch_size,
+            console,
+            f"sample {name}",
+            cfg.sample.top_k,
+            cfg.sample.top_p,
+        )
         out = pipe.sample_dir(workdir, temperature, lam, direction)
-        summary = {"name": name, "temperature": temperature, "lam": lam,
-                   "direction": "none" if lam == 0 else direction, "eps": cfg.sample.eps,
-                   "top_k": cfg.sample.top_k, "top_p": cfg.sample.top_p, "dtype": cfg.run.dtype,
-                   "grad_norm": meta.get("grad_norm"), **stats, "config": to_dict(cfg)}
+        summary = {
+            "name": name,
+            "temperature": temperature,
+            "lam": lam,
+            "direction": "none" if lam == 0 else direction,
+            "eps": cfg.sample.eps,
+            "top_k": cfg.sample.top_k,
+            "top_p": cfg.sample.top_p,
+            "dtype": cfg.run.dtype,
+            "grad_norm": meta.get("grad_norm"),
+            **stats,
+            "config": to_dict(cfg),
+        }
         if ctx.is_main:
             pipe.write_jsonl(out / "traces.jsonl", rows)
             pipe.write_json(out / "summary.json", summary)
         ctx.barrier()
         summaries.append(summary)
-        console.print(f"[antidistill sample] {name}: teacher accuracy {100 * stats['teacher_accuracy']:.1f}%, "
-                      f"KL/token {stats['kl_per_token']:.4f}, {stats['tokens_per_s']:.0f} tok/s -> {out}",
-                      markup=False)
+        console.print(
+            f"[antidistill sample] {name}: teacher accuracy {100 * stats['teacher_accuracy']:.1f}%, "
+            f"KL/token {stats['kl_per_token']:.4f}, {stats['tokens_per_s']:.0f} tok/s -> {out}",
+            markup=False,
+        )
     return summaries
 
 
 def _sft_config(cfg: AntidistillConfig, traces: Path, out: Path) -> SFTConfig:
     d = cfg.distill
-    data = SFTDataConfig(path=str(traces), max_len=cfg.data.max_len, use_chat_template=cfg.data.use_chat_template,
-                         val_fraction=d.val_fraction)
-    train = TrainConfig(output_dir=str(out), max_steps=d.max_steps, batch_size=d.batch_size,
-                        micro_batch_size=d.micro_batch_size, seed=_seed(d.seed, cfg), device=cfg.run.device, threads=cfg.run.threads,
-                        eval_every=0, save_every=0, keep_last=1, log_every=max(d.max_steps // 5, 1),
-                        max_new_tokens=cfg.data.max_new_tokens)
+    data = SFTDataConfig(
+        path=str(traces),
+        max_len=cfg.data.max_len,
+        use_chat_template=cfg.data.use_chat_template,
+        val_fraction=d.val_fraction,
+    )
+    train = TrainConfig(
+        output_dir=str(out),
+        max_steps=d.max_steps,
+        batch_size=d.batch_size,
+        micro_batch_size=d.micro_batch_size,
+        seed=_seed(d.seed, cfg),
+        device=cfg.run.device,
+        threads=cfg.run.threads,
+        eval_every=0,
+        save_every=0,
+        keep_last=1,
+        log_every=max(d.max_steps // 5, 1),
+        max_new_tokens=cfg.data.max_new_tokens,
+    )
     student = cfg.student  # a LoRA student (student.lora.r > 0) also writes final/merged, which eval loads
     if student.lora.r:
         student = dataclasses.replace(student, lora=dataclasses.replace(student.lora, save_merged=True))
-    return SFTConfig(model=student, data=data, optim=d.optim, train=train,
-                     logging=LoggingConfig(progress=cfg.run.progress))
+    return SFTConfig(
+        model=student, data=data, optim=d.optim, train=train, logging=LoggingConfig(progress=cfg.run.progress)
+    )
 
 
 def run_distill(cfg: AntidistillConfig, console=None) -> list[dict]:
@@ -417,8 +574,10 @@ def run_distill(cfg: AntidistillConfig, console=None) -> list[dict]:
     console, _, ctx = _start(cfg, console, "distill")
     workdir = Path(cfg.run.workdir)
     direction = cfg.sample.direction
-    inputs = [(t, lam, pipe.require(pipe.sample_dir(workdir, t, lam, direction) / "traces.jsonl", "sample"))
-              for t, lam in _settings(cfg)]
+    inputs = [
+        (t, lam, pipe.require(pipe.sample_dir(workdir, t, lam, direction) / "traces.jsonl", "sample"))
+        for t, lam in _settings(cfg)
+    ]
     results = []
     for temperature, lam, traces in inputs:
         name = pipe.setting_name(temperature, lam, direction)
@@ -427,8 +586,13 @@ def run_distill(cfg: AntidistillConfig, console=None) -> list[dict]:
             shutil.rmtree(out)
         ctx.barrier()
         metrics = run_sft(_sft_config(cfg, traces, out), console=console, name=f"distill {name}")
-        result = {"name": name, "temperature": temperature, "lam": lam, "val_loss": metrics.get("val_loss"),
-                  "model_dir": str(out / "final")}
+        result = {
+            "name": name,
+            "temperature": temperature,
+            "lam": lam,
+            "val_loss": metrics.get("val_loss"),
+            "model_dir": str(out / "final"),
+        }
         if ctx.is_main:
             pipe.write_json(out / "distill.json", result)
         results.append(result)
@@ -447,8 +611,10 @@ def run_eval(cfg: AntidistillConfig, console=None) -> dict:
     console, device, ctx = _start(cfg, console, "eval")
     workdir = Path(cfg.run.workdir)
     direction = cfg.sample.direction
-    students = [(t, lam, pipe.require(pipe.student_dir(workdir, t, lam, direction) / "final", "distill"))
-                for t, lam in _settings(cfg)]
+    students = [
+        (t, lam, pipe.require(pipe.student_dir(workdir, t, lam, direction) / "final", "distill"))
+        for t, lam in _settings(cfg)
+    ]
     task = _task(cfg)
     problems = task.make_problems(cfg.data.num_test, cfg.data.seed, cfg.data.test_split)
     results = {"split": cfg.data.test_split, "num_test": len(problems)}
@@ -461,15 +627,23 @@ def run_eval(cfg: AntidistillConfig, console=None) -> dict:
         for temperature, lam, model_dir in students:
             merged = model_dir / "merged"  # a LoRA student: its merged model
             spec = dataclasses.replace(cfg.student, name=str(merged if merged.is_dir() else model_dir), tokenizer="")
-            results["students"].append({"name": pipe.setting_name(temperature, lam, direction), "temperature": temperature,
-                                        "lam": lam, "student_accuracy": _accuracy(spec, cfg, task, problems,
-                                                                                  device, "student")})
+            results["students"].append(
+                {
+                    "name": pipe.setting_name(temperature, lam, direction),
+                    "temperature": temperature,
+                    "lam": lam,
+                    "student_accuracy": _accuracy(spec, cfg, task, problems, device, "student"),
+                }
+            )
             advance()
     if ctx.is_main:  # every rank evaluated the same greedy generations; rank 0 writes
         pipe.write_json(pipe.results_path(workdir), {**results, "config": to_dict(cfg)})
-    console.print(f"[antidistill eval] teacher {100 * results['teacher_accuracy']:.1f}%, undistilled student "
-                  f"{100 * results['student_baseline_accuracy']:.1f}% on {len(problems)} {cfg.data.test_split} "
-                  f"prompts", markup=False)
+    console.print(
+        f"[antidistill eval] teacher {100 * results['teacher_accuracy']:.1f}%, undistilled student "
+        f"{100 * results['student_baseline_accuracy']:.1f}% on {len(problems)} {cfg.data.test_split} "
+        f"prompts",
+        markup=False,
+    )
     for s in results["students"]:
         console.print(f"  student {s['name']}: {100 * s['student_accuracy']:.1f}%", markup=False)
     return results
@@ -488,14 +662,25 @@ def run_report(cfg: AntidistillConfig, console=None) -> dict:
     direction = cfg.sample.direction
     for temperature, lam in _settings(cfg):
         name = pipe.setting_name(temperature, lam, direction)
-        sampled = pipe.read_json(pipe.require(pipe.sample_dir(workdir, temperature, lam, direction) / "summary.json",
-                                              "sample"))
+        sampled = pipe.read_json(
+            pipe.require(pipe.sample_dir(workdir, temperature, lam, direction) / "summary.json", "sample")
+        )
         if name not in by_name:
-            raise pipe.StageInputMissing(f"{pipe.results_path(workdir)} has no student {name}: run "
-                                         "`lmforge antidistill distill` and `eval` with this config first")
-        settings.append({"name": name, "temperature": temperature, "lam": lam, "direction": direction,
-                         "teacher_accuracy": sampled["teacher_accuracy"], "kl_per_token": sampled["kl_per_token"],
-                         "student_accuracy": by_name[name]["student_accuracy"]})
+            raise pipe.StageInputMissing(
+                f"{pipe.results_path(workdir)} has no student {name}: run "
+                "`lmforge antidistill distill` and `eval` with this config first"
+            )
+        settings.append(
+            {
+                "name": name,
+                "temperature": temperature,
+                "lam": lam,
+                "direction": direction,
+                "teacher_accuracy": sampled["teacher_accuracy"],
+                "kl_per_token": sampled["kl_per_token"],
+                "student_accuracy": by_name[name]["student_accuracy"],
+            }
+        )
     temperature_curve = [(s["teacher_accuracy"], s["student_accuracy"]) for s in settings if s["lam"] == 0]
     for s in settings:
         if s["lam"] != 0:
@@ -504,10 +689,14 @@ def run_report(cfg: AntidistillConfig, console=None) -> dict:
     out_dir = workdir / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "report.md").write_text(table)
-    png = pipe.plot_report(settings, results["teacher_accuracy"], results["student_baseline_accuracy"],
-                           out_dir / "student_vs_teacher.png")
-    report = {"teacher_accuracy": results["teacher_accuracy"],
-              "student_baseline_accuracy": results["student_baseline_accuracy"], "settings": settings}
+    png = pipe.plot_report(
+        settings, results["teacher_accuracy"], results["student_baseline_accuracy"], out_dir / "student_vs_teacher.png"
+    )
+    report = {
+        "teacher_accuracy": results["teacher_accuracy"],
+        "student_baseline_accuracy": results["student_baseline_accuracy"],
+        "settings": settings,
+    }
     pipe.write_json(out_dir / "report.json", report)
     console.print(table, markup=False)
     console.print(f"[antidistill report] {out_dir / 'report.md'}, {png}", markup=False)

@@ -13,6 +13,7 @@ frozen copy of the starting model, or with LoRA the policy with its adapters off
 divided by the pairs of the whole step over all ranks -> clip, update. The loop around it (log, evaluate,
 checkpoint, resume, summary) is lmforge.runtime.loop. The math: docs/preference.md.
 """
+
 from __future__ import annotations
 
 import copy
@@ -21,39 +22,52 @@ from typing import Literal
 
 import torch
 
-from ..model import lora
 from ..core.config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, section
+from ..core.errors import ConfigError, DataError
 from ..data.preference import PreferenceData
 from ..data.sft import uses_chat_format
 from ..data.tasks import get_task
-from ..core.errors import ConfigError, DataError
-from ..rollout.evaluation import save_samples, task_accuracy
+from ..losses.preference import REFERENCE_FREE, check_settings, preference_loss
+from ..model import lora
 from ..model.load import load_model
 from ..parallel.wrap import run_forward
-from ..losses.preference import REFERENCE_FREE, check_settings, preference_loss
 from ..rl.forward import matmul_weights
+from ..rollout.evaluation import save_samples, task_accuracy
 from ..runtime.loop import Trainer, TrainState, build_state, full_model, train_loop
+from ..runtime.optim import BatchOrder
 from ..runtime.run import start_run
 from ..supervised.pair_forward import PairPack, pack_pairs, pair_logits, side_logps
-from ..supervised.pairs import (PreferenceDataConfig, build_pairs, check_fits_context, choice_seq_len, held_out_pairs,
-                                pairs_step)
-from ..runtime.optim import BatchOrder
+from ..supervised.pairs import (
+    PreferenceDataConfig,
+    build_pairs,
+    check_fits_context,
+    choice_seq_len,
+    held_out_pairs,
+    pairs_step,
+)
 
 METRIC_KEYS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "nll_chosen")
 
 
 @dataclasses.dataclass
 class PreferenceAlgoConfig:
-    loss: Literal["sigmoid", "ipo", "simpo"] = opt("sigmoid", "sigmoid = DPO, ipo = IPO, simpo = SimPO (no reference "
-                                                   "model); docs/preference.md")
+    loss: Literal["sigmoid", "ipo", "simpo"] = opt(
+        "sigmoid", "sigmoid = DPO, ipo = IPO, simpo = SimPO (no reference model); docs/preference.md"
+    )
     beta: float = opt(0.1, "the inverse temperature of the implicit reward (DPO / IPO: 0.01-0.5; SimPO: 2-10)")
     label_smoothing: float = opt(0.0, "sigmoid: the probability that a pair's label is wrong (conservative DPO)")
     gamma: float = opt(0.0, "simpo: the target reward margin (the paper: 0.5-1.5 with beta 2-2.5)")
-    nll_coef: float = opt(0.0, "weight of the chosen completions' mean token NLL added to the loss (RPO; "
-                          "1.0 in the paper): keeps the chosen answers likely")
-    disable_dropout: bool = opt(True, "turn off the model's own dropout (its config's attention / hidden dropout) "
-                                "in the policy's training forwards, as TRL does: the reference runs without it, so "
-                                "with it the log-ratios are noise even at step 1 (LoRA's model.lora.dropout stays)")
+    nll_coef: float = opt(
+        0.0,
+        "weight of the chosen completions' mean token NLL added to the loss (RPO; "
+        "1.0 in the paper): keeps the chosen answers likely",
+    )
+    disable_dropout: bool = opt(
+        True,
+        "turn off the model's own dropout (its config's attention / hidden dropout) "
+        "in the policy's training forwards, as TRL does: the reference runs without it, so "
+        "with it the log-ratios are noise even at step 1 (LoRA's model.lora.dropout stays)",
+    )
 
     def validate(self) -> None:
         try:
@@ -132,9 +146,19 @@ def micro_loss(state: TrainState, algo: PreferenceAlgoConfig, batch: PairPack, r
         logps, lens = policy_logps(state, batch)
     num = logps.shape[0] // 2
     refs = (None, None) if ref_logps is None else (ref_logps[:num], ref_logps[num:])
-    return preference_loss(logps[:num], logps[num:], lens[:num], lens[num:], *refs, loss_type=algo.loss,
-                           beta=algo.beta, label_smoothing=algo.label_smoothing, gamma=algo.gamma,
-                           nll_coef=algo.nll_coef, num_pairs_global=num_pairs_global)
+    return preference_loss(
+        logps[:num],
+        logps[num:],
+        lens[:num],
+        lens[num:],
+        *refs,
+        loss_type=algo.loss,
+        beta=algo.beta,
+        label_smoothing=algo.label_smoothing,
+        gamma=algo.gamma,
+        nll_coef=algo.nll_coef,
+        num_pairs_global=num_pairs_global,
+    )
 
 
 # ----------------------------------------------------------------------------- step and evaluation
@@ -153,22 +177,35 @@ def dpo_step(state: TrainState, data: PreferenceData, algo: PreferenceAlgoConfig
     forwards) and the reference's forward, where there is one."""
     device = state.run.device
     forwards = 3 + (reference is not None)
-    return pairs_step(state, data, step, lambda pairs: pack_pairs(pairs).to(device),
-                      lambda batch, ref, num_pairs: micro_loss(state, algo, batch, ref, num_pairs), METRIC_KEYS,
-                      lambda batch: batch.num_tokens,
-                      before=lambda batch: reference_logps(state, reference, batch),
-                      count_flops=lambda batch: forwards * pack_forward_flops(state.model, batch))
+    return pairs_step(
+        state,
+        data,
+        step,
+        lambda pairs: pack_pairs(pairs).to(device),
+        lambda batch, ref, num_pairs: micro_loss(state, algo, batch, ref, num_pairs),
+        METRIC_KEYS,
+        lambda batch: batch.num_tokens,
+        before=lambda batch: reference_logps(state, reference, batch),
+        count_flops=lambda batch: forwards * pack_forward_flops(state.model, batch),
+    )
 
 
-def held_out_preferences(state: TrainState, data: PreferenceData, algo: PreferenceAlgoConfig, reference,
-                         max_pairs: int = 512) -> dict:
+def held_out_preferences(
+    state: TrainState, data: PreferenceData, algo: PreferenceAlgoConfig, reference, max_pairs: int = 512
+) -> dict:
     """Loss, reward accuracy and margin over the held-out pairs (:func:`held_out_pairs`)."""
+
     def pairs_loss(pairs):
         batch = pack_pairs(pairs).to(state.run.device)
         return micro_loss(state, algo, batch, reference_logps(state, reference, batch), 1)
 
-    return held_out_pairs(state, data, max_pairs, pairs_loss,
-                          {"val_reward_accuracy": "reward_accuracy", "val_reward_margin": "reward_margin"})
+    return held_out_pairs(
+        state,
+        data,
+        max_pairs,
+        pairs_loss,
+        {"val_reward_accuracy": "reward_accuracy", "val_reward_margin": "reward_margin"},
+    )
 
 
 def make_task_eval(cfg: DPOConfig, tokenizer, run):
@@ -182,8 +219,13 @@ def make_task_eval(cfg: DPOConfig, tokenizer, run):
     def evaluate(model, step: int) -> dict:
         accuracy, texts = task_accuracy(model, tokenizer, task, problems, cfg.train.max_new_tokens, chat)
         if run.ctx.is_main:
-            save_samples(run.dir, step, [p.prompt for p in problems[:cfg.train.num_samples]],
-                         texts[:cfg.train.num_samples], run.print)
+            save_samples(
+                run.dir,
+                step,
+                [p.prompt for p in problems[: cfg.train.num_samples]],
+                texts[: cfg.train.num_samples],
+                run.print,
+            )
         return {"accuracy": accuracy}
 
     return evaluate
@@ -207,8 +249,10 @@ def run_dpo(cfg: DPOConfig, model=None, tokenizer=None, console=None) -> dict:
     check_fits_context(model, train_data, val_data)
     run.print(f"[data] {len(train_data)} training pairs, {len(val_data)} held-out pairs")
     if len(train_data) < run.train.batch_size:
-        raise DataError(f"{len(train_data)} training pairs are fewer than one batch (train.batch_size="
-                        f"{run.train.batch_size}); lower train.batch_size or add data")
+        raise DataError(
+            f"{len(train_data)} training pairs are fewer than one batch (train.batch_size="
+            f"{run.train.batch_size}); lower train.batch_size or add data"
+        )
     model = lora.apply_for_run(model, cfg.model.lora, run.train, run.ctx).to(run.device)
     if cfg.algo.disable_dropout and (num_disabled := disable_dropout(model)):
         run.print(f"[algo] dropout off in the policy ({num_disabled} rate(s) set to 0; algo.disable_dropout)")
@@ -226,6 +270,10 @@ def run_dpo(cfg: DPOConfig, model=None, tokenizer=None, console=None) -> dict:
             state.model.train()
         return metrics
 
-    trainer = Trainer(step=lambda step: dpo_step(state, train_data, cfg.algo, reference, step), evaluate=evaluate,
-                      evaluate_at_start=True, best_metric="val_loss" if len(val_data) else None)
+    trainer = Trainer(
+        step=lambda step: dpo_step(state, train_data, cfg.algo, reference, step),
+        evaluate=evaluate,
+        evaluate_at_start=True,
+        best_metric="val_loss" if len(val_data) else None,
+    )
     return train_loop(state, trainer)

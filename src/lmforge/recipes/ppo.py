@@ -11,6 +11,7 @@ The critic is a linear value head on the policy's last hidden state (shared body
 RLHF implementations): cheap, and one forward gives logits and values. It is saved in each
 checkpoint's trainer state and as ``final/value_head.pt``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,11 +22,11 @@ from typing import Callable
 import torch
 
 from .. import rl
-from ..losses.advantages import gae, whiten_advantages
 from ..core.config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, section
 from ..core.errors import ConfigError
-from ..losses.policy import Counts, PolicyLossSpec, kl_per_token, policy_loss, value_loss
 from ..core.ops import masked_mean, masked_sum
+from ..losses.advantages import gae, whiten_advantages
+from ..losses.policy import Counts, PolicyLossSpec, kl_per_token, policy_loss, value_loss
 from ..parallel.context import ParallelContext
 from ..parallel.wrap import full_state_dict, is_sharded, run_forward
 from ..rl import config as rl_config
@@ -37,8 +38,9 @@ PER_TOKEN_ADVANTAGE_LOSSES = ("token_clip", "gspo_token")
 
 @dataclasses.dataclass
 class PPOAlgoConfig(rl_config.PolicyConfig):
-    kl_coef: float | None = opt(None, "per-token KL penalty in the reward, against the starting policy "
-                                "(loaded only when > 0; unset: 0)")
+    kl_coef: float | None = opt(
+        None, "per-token KL penalty in the reward, against the starting policy (loaded only when > 0; unset: 0)"
+    )
     kl_estimator: str = opt("k1", "estimator of the KL penalty in the reward: k1, k2, k3")
     gamma: float = opt(1.0, "GAE discount")
     lam: float = opt(0.95, "GAE lambda")
@@ -49,8 +51,10 @@ class PPOAlgoConfig(rl_config.PolicyConfig):
     def resolved(self) -> "PPOAlgoConfig":
         algo = rl_config.resolve_algo(self, rl_config.POLICY_DEFAULTS)
         if algo.loss_type not in PER_TOKEN_ADVANTAGE_LOSSES:
-            raise ConfigError(f"ppo has per-token advantages; algo.loss_type must be one of "
-                              f"{', '.join(PER_TOKEN_ADVANTAGE_LOSSES)}, got {algo.loss_type!r}")
+            raise ConfigError(
+                f"ppo has per-token advantages; algo.loss_type must be one of "
+                f"{', '.join(PER_TOKEN_ADVANTAGE_LOSSES)}, got {algo.loss_type!r}"
+            )
         if not (0.0 <= algo.gamma <= 1.0 and 0.0 <= algo.lam <= 1.0):
             raise ConfigError(f"algo.gamma and algo.lam must lie in [0, 1], got {algo.gamma}, {algo.lam}")
         if algo.value_clip is not None and algo.value_clip <= 0:
@@ -64,8 +68,9 @@ class PPOConfig:
     data: rl_config.RLDataConfig = section(rl_config.RLDataConfig, "prompts")
     rollout: rl_config.RolloutConfig = section(rl_config.RolloutConfig, "sampling")
     rewards: rl_config.RewardsConfig = section(rl_config.RewardsConfig, "reward functions")
-    env: rl_config.EnvConfig = section(rl_config.EnvConfig, "multi-turn environment and its limits "
-                                       "(env.name '' = single-turn; docs/environments.md)")
+    env: rl_config.EnvConfig = section(
+        rl_config.EnvConfig, "multi-turn environment and its limits (env.name '' = single-turn; docs/environments.md)"
+    )
     algo: PPOAlgoConfig = section(PPOAlgoConfig, "GAE, policy and value losses")
     optim: OptimConfig = section(OptimConfig, "optimizer and LR schedule (one scheduler step per update)")
     train: TrainConfig = section(TrainConfig, "loop, evaluation and checkpoints (max_steps = RL steps)")
@@ -93,8 +98,15 @@ def _hidden_and_logits(model, value_head: ValueHead, batch: rl.TrainBatch) -> tu
     return model.get_output_embeddings()(hidden), value_head(hidden)  # (N, V), (N,)
 
 
-def policy_and_values(model, value_head: ValueHead, batch: rl.TrainBatch, temperature: float, precision,
-                      entropy_grad: bool = False, wrapped=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def policy_and_values(
+    model,
+    value_head: ValueHead,
+    batch: rl.TrainBatch,
+    temperature: float,
+    precision,
+    entropy_grad: bool = False,
+    wrapped=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logprobs, entropy and values, each (B, C), of the completion tokens from one forward pass
     (through ``wrapped``, the parallel root, when given).
 
@@ -102,8 +114,10 @@ def policy_and_values(model, value_head: ValueHead, batch: rl.TrainBatch, temper
     V(s_t) before emitting it, as ``gae`` expects.
     """
     if decoder_of(model) is None or model.config.model_type not in PLAIN_HEAD_MODELS:
-        raise ConfigError(f"ppo's value head needs a model whose logits are lm_head(last hidden state) "
-                          f"({', '.join(sorted(PLAIN_HEAD_MODELS))}); got {model.config.model_type!r}")
+        raise ConfigError(
+            f"ppo's value head needs a model whose logits are lm_head(last hidden state) "
+            f"({', '.join(sorted(PLAIN_HEAD_MODELS))}); got {model.config.model_type!r}"
+        )
     with precision.autocast():
         if wrapped is None:
             logits, values = _hidden_and_logits(model, value_head, batch)
@@ -119,11 +133,13 @@ def terminal_rewards(rewards: torch.Tensor, trained_mask: torch.Tensor) -> torch
     trained token puts it on column 0, which GAE skips as it skips every untrained position."""
     last = rl.trained_ends(trained_mask).clamp(min=1) - 1  # (B,) index of the last trained token
     return torch.zeros(trained_mask.shape, dtype=torch.float32, device=trained_mask.device).scatter(
-        1, last[:, None], rewards.float()[:, None])
+        1, last[:, None], rewards.float()[:, None]
+    )
 
 
-def episode_rewards(rewards: torch.Tensor, turn_rewards: torch.Tensor | None,
-                    trained_mask: torch.Tensor) -> torch.Tensor:
+def episode_rewards(
+    rewards: torch.Tensor, turn_rewards: torch.Tensor | None, trained_mask: torch.Tensor
+) -> torch.Tensor:
     """(B,) rewards -> (B, C) per-token rewards: an environment's per-turn parts ``turn_rewards`` (B, C),
     already on the last policy token of their turn, and the rest of each reward on the row's last
     trained token (:func:`terminal_rewards`). Without per-turn parts (None), all at the end."""
@@ -134,10 +150,20 @@ def episode_rewards(rewards: torch.Tensor, turn_rewards: torch.Tensor | None,
 
 
 @torch.no_grad()
-def add_targets(model, value_head: ValueHead, ref_model, algo: PPOAlgoConfig, batch: rl.TrainBatch,
-                rewards: torch.Tensor, temperature: float, micro_batch_size: int, precision, wrapped=None,
-                ctx: ParallelContext | None = None, turn_rewards: torch.Tensor | None = None
-                ) -> tuple[rl.TrainBatch, dict]:
+def add_targets(
+    model,
+    value_head: ValueHead,
+    ref_model,
+    algo: PPOAlgoConfig,
+    batch: rl.TrainBatch,
+    rewards: torch.Tensor,
+    temperature: float,
+    micro_batch_size: int,
+    precision,
+    wrapped=None,
+    ctx: ParallelContext | None = None,
+    turn_rewards: torch.Tensor | None = None,
+) -> tuple[rl.TrainBatch, dict]:
     """``batch`` with its old logprobs and values, advantages and returns from (B,) ``rewards`` (an
     environment's per-turn parts of them, ``turn_rewards`` (B, C), credited on their turns).
 
@@ -147,8 +173,10 @@ def add_targets(model, value_head: ValueHead, ref_model, algo: PPOAlgoConfig, ba
     trained tokens (``ctx``). Returns the new batch and KL / advantage metrics.
     """
     ctx = ctx or ParallelContext()
-    parts = [policy_and_values(model, value_head, batch.select(rows), temperature, precision, wrapped=wrapped)
-             for rows in torch.arange(batch.num_rows).split(micro_batch_size)]
+    parts = [
+        policy_and_values(model, value_head, batch.select(rows), temperature, precision, wrapped=wrapped)
+        for rows in torch.arange(batch.num_rows).split(micro_batch_size)
+    ]
     old_logprobs = torch.cat([p[0] for p in parts])
     old_values = torch.cat([p[2] for p in parts])
     mask = batch.trained_mask
@@ -164,12 +192,14 @@ def add_targets(model, value_head: ValueHead, ref_model, algo: PPOAlgoConfig, ba
     metrics["return_mean"] = masked_mean(returns, mask.float())
     if algo.whiten:
         advantages = whiten_over_ranks(advantages, mask, ctx)
-    return batch.with_(old_logprobs=old_logprobs, old_values=old_values, advantages=advantages,
-                       returns=returns), metrics
+    return batch.with_(
+        old_logprobs=old_logprobs, old_values=old_values, advantages=advantages, returns=returns
+    ), metrics
 
 
-def whiten_over_ranks(advantages: torch.Tensor, mask: torch.Tensor, ctx: ParallelContext,
-                      std_eps: float = 1e-8) -> torch.Tensor:
+def whiten_over_ranks(
+    advantages: torch.Tensor, mask: torch.Tensor, ctx: ParallelContext, std_eps: float = 1e-8
+) -> torch.Tensor:
     """``whiten_advantages`` with the mean and the sample std of every rank's valid tokens (two
     all-reduces); one process calls ``whiten_advantages`` itself."""
     if not ctx.distributed:
@@ -184,20 +214,43 @@ def whiten_over_ranks(advantages: torch.Tensor, mask: torch.Tensor, ctx: Paralle
     return torch.where(valid, centred / (std + std_eps), 0.0)
 
 
-def micro_loss(logprobs: torch.Tensor, entropy: torch.Tensor | None, values: torch.Tensor, batch: rl.TrainBatch,
-               spec: PolicyLossSpec, algo: PPOAlgoConfig, counts: Counts) -> tuple[torch.Tensor, dict]:
+def micro_loss(
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor | None,
+    values: torch.Tensor,
+    batch: rl.TrainBatch,
+    spec: PolicyLossSpec,
+    algo: PPOAlgoConfig,
+    counts: Counts,
+) -> tuple[torch.Tensor, dict]:
     """Clipped policy loss + value_coef x clipped value loss of one micro-batch from its forward's (B, C)
     ``logprobs``, ``entropy`` and ``values`` (global ``counts``; ``spec`` without a KL term: PPO's KL to
     the reference is in the reward)."""
-    pg_loss, metrics = policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.trained_mask, spec, counts,
-                                   rollout_logprobs=batch.rollout_logprobs, entropy=entropy)
-    v_loss, v_metrics = value_loss(values, batch.returns, batch.trained_mask, aggregation=spec.aggregation,
-                                   old_values=batch.old_values, clip_eps=algo.value_clip, counts=counts)
+    pg_loss, metrics = policy_loss(
+        logprobs,
+        batch.old_logprobs,
+        batch.advantages,
+        batch.trained_mask,
+        spec,
+        counts,
+        rollout_logprobs=batch.rollout_logprobs,
+        entropy=entropy,
+    )
+    v_loss, v_metrics = value_loss(
+        values,
+        batch.returns,
+        batch.trained_mask,
+        aggregation=spec.aggregation,
+        old_values=batch.old_values,
+        clip_eps=algo.value_clip,
+        counts=counts,
+    )
     return pg_loss + algo.value_coef * v_loss, {**metrics, **v_metrics}
 
 
-def ppo_step(state: rl.RLState, value_head: ValueHead, algo: PPOAlgoConfig, spec: PolicyLossSpec,
-             plan: rl.UpdatePlan, step: int) -> dict:
+def ppo_step(
+    state: rl.RLState, value_head: ValueHead, algo: PPOAlgoConfig, spec: PolicyLossSpec, plan: rl.UpdatePlan, step: int
+) -> dict:
     """Sample, score, pack, GAE targets (pi_old and values from one no-grad pass), then the updates: for
     each update, for each micro-batch, forward, loss and backward; then the optimizer step. Returns the
     step's metrics."""
@@ -208,22 +261,44 @@ def ppo_step(state: rl.RLState, value_head: ValueHead, algo: PPOAlgoConfig, spec
     start = time.perf_counter()
     batch = rl.pack_rollout(scored.rollout, state.tokenizer.pad_token_id, need_rollout_logprobs=algo.is_level != "none")
     batch = batch.to(state.run.device)
-    batch, target_metrics = add_targets(model, value_head, state.ref_model, algo, batch, scored.rewards.total,
-                                        temperature, state.micro_batch_size, precision, wrapped=wrapped,
-                                        ctx=state.run.ctx, turn_rewards=scored.rewards.turn_rewards)
+    batch, target_metrics = add_targets(
+        model,
+        value_head,
+        state.ref_model,
+        algo,
+        batch,
+        scored.rewards.total,
+        temperature,
+        state.micro_batch_size,
+        precision,
+        wrapped=wrapped,
+        ctx=state.run.ctx,
+        turn_rewards=scored.rewards.turn_rewards,
+    )
     metrics.update(rl.reduce_rollout_metrics(target_metrics, state.run.ctx))
     updates = rl.Updates(batch, plan, state.updater, step, state.run.ctx, wrapped)
     for update in updates:
         for micro in update:
-            logprobs, entropy, values = policy_and_values(model, value_head, micro, temperature, precision,
-                                                          entropy_grad=spec.entropy_coef != 0, wrapped=wrapped)
+            logprobs, entropy, values = policy_and_values(
+                model, value_head, micro, temperature, precision, entropy_grad=spec.entropy_coef != 0, wrapped=wrapped
+            )
             loss, micro_metrics = micro_loss(logprobs, entropy, values, micro, spec, algo, update.counts)
             update.backward(loss, micro_metrics)
         update.step()
-    return {**metrics, **updates.metrics(), "time_training": time.perf_counter() - start,
-            "num_tokens": int(batch.attention_mask.sum()) * algo.num_iterations,
-            "num_flops": rl.step_flops(model, batch, state.micro_batch_size, algo.num_iterations,
-                                       1 + int(state.ref_model is not None), share_prompts=False)}
+    return {
+        **metrics,
+        **updates.metrics(),
+        "time_training": time.perf_counter() - start,
+        "num_tokens": int(batch.attention_mask.sum()) * algo.num_iterations,
+        "num_flops": rl.step_flops(
+            model,
+            batch,
+            state.micro_batch_size,
+            algo.num_iterations,
+            1 + int(state.ref_model is not None),
+            share_prompts=False,
+        ),
+    }
 
 
 def make_step(state: rl.RLState, value_head: ValueHead, algo: PPOAlgoConfig) -> Callable[[int], dict]:
@@ -231,8 +306,9 @@ def make_step(state: rl.RLState, value_head: ValueHead, algo: PPOAlgoConfig) -> 
     spec has no KL term: the KL to the reference is in the reward (``add_targets``), never also in the loss.
     pi_old comes from ``add_targets``'s pass for every update."""
     spec = dataclasses.replace(rl_config.policy_spec(algo), kl_coef=0.0)
-    plan = rl.UpdatePlan(algo.num_iterations, algo.num_mini_batches, state.micro_batch_size,
-                         state.rollout.max_new_tokens)
+    plan = rl.UpdatePlan(
+        algo.num_iterations, algo.num_mini_batches, state.micro_batch_size, state.rollout.max_new_tokens
+    )
     return lambda step: ppo_step(state, value_head, algo, spec, plan, step)
 
 
@@ -264,5 +340,4 @@ def run_ppo(cfg: PPOConfig, model=None, tokenizer=None, console=None, name: str 
         final_value_head = value_head_state()
         return {} if sharded else {"value_head": final_value_head}
 
-    return rl.train_rl(state, make_step(state, value_head, algo),
-                       extra_state=extra_state, save_extra=save_value_head)
+    return rl.train_rl(state, make_step(state, value_head, algo), extra_state=extra_state, save_extra=save_value_head)

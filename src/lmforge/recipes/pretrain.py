@@ -6,6 +6,7 @@ of docs/data.md), read whole, or, with ``data.streaming``, packed as training co
 Optionally trains its own byte-level BPE tokenizer on the same files first, so a model can be
 built from nothing but text.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,14 +17,14 @@ from typing import Iterator
 import torch
 
 from ..core.config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, opt, section
+from ..core.errors import ConfigError, DataError
 from ..data.source import TEXT_COLUMN_NAMES, read_text_column
 from ..data.stream import StreamingBlocks, first_blocks, held_out
 from ..data.text import load_text_files, pack_documents
-from ..core.errors import ConfigError, DataError
-from ..rollout.evaluation import save_samples
 from ..model.load import cache_dir, context_length, load_model
-from ..rollout.engine import SamplingParams, generate
 from ..model.tokenizer import SAMPLE_TEXTS, check_unknown_tokens, train_bpe_tokenizer
+from ..rollout.engine import SamplingParams, generate
+from ..rollout.evaluation import save_samples
 from ..runtime.run import start_run
 from ..supervised.step import SupervisedData, train_supervised
 
@@ -31,23 +32,34 @@ from ..supervised.step import SupervisedData, train_supervised
 @dataclasses.dataclass
 class TextDataConfig:
     files: list[str] = opt([], "text files or directories (searched recursively for .txt)")
-    path: str = opt("", "instead of files: a dataset with a 'text' column: JSONL, Parquet, CSV, Arrow, a save_to_disk "
-                    "dir or a cached hub id (docs/data.md)")
+    path: str = opt(
+        "",
+        "instead of files: a dataset with a 'text' column: JSONL, Parquet, CSV, Arrow, a save_to_disk "
+        "dir or a cached hub id (docs/data.md)",
+    )
     split: str = opt("train", "path: the split to train on (a single file is split 'train')")
     eval_split: str = opt("", "path: a named split for the validation text instead of data.val_fraction")
     subset: str = opt("", "path: the hub dataset's config name")
-    columns: dict[str, str] = opt({}, "path: {text: <column>} when the text column is named otherwise",
-                                  keys=TEXT_COLUMN_NAMES)
-    streaming: bool = opt(False, "path: read and pack the text as training consumes it (corpora larger than "
-                          "memory; no shuffle, no disk cache; docs/data.md)")
-    val_blocks: int = opt(64, "streaming: validation blocks, packed from the first held-out documents", free_on_resume=True)
+    columns: dict[str, str] = opt(
+        {}, "path: {text: <column>} when the text column is named otherwise", keys=TEXT_COLUMN_NAMES
+    )
+    streaming: bool = opt(
+        False,
+        "path: read and pack the text as training consumes it (corpora larger than "
+        "memory; no shuffle, no disk cache; docs/data.md)",
+    )
+    val_blocks: int = opt(
+        64, "streaming: validation blocks, packed from the first held-out documents", free_on_resume=True
+    )
     seq_len: int = opt(128, "tokens per packed training block")
     val_fraction: float = opt(0.05, "fraction of documents held out for validation")
     cache: bool = opt(True, "cache tokenized blocks on disk ($LMFORGE_CACHE/text)", free_on_resume=True)
 
     def validate(self) -> None:
         if not 0 <= self.val_fraction < 1:
-            raise ConfigError(f"data.val_fraction must be in [0, 1) (a fraction: 0.05 holds out 5%), got {self.val_fraction}")
+            raise ConfigError(
+                f"data.val_fraction must be in [0, 1) (a fraction: 0.05 holds out 5%), got {self.val_fraction}"
+            )
         if self.seq_len < 8:
             raise ConfigError(f"data.seq_len must be >= 8, got {self.seq_len}")
         if self.files and self.path:
@@ -119,8 +131,10 @@ def streaming_data(cfg: PretrainConfig, tokenizer, run) -> SupervisedData:
     if d.eval_split or fraction > 0:
         val_rows = list(first_blocks(val_docs, tokenizer, d.seq_len, d.val_blocks))
     blocks = StreamingBlocks(train_docs, tokenizer, d.seq_len, run.train.batch_size)
-    run.print(f"[data] streaming {d.path} (split {d.split!r}) in blocks of {d.seq_len} tokens; "
-              f"{len(val_rows)} validation blocks")
+    run.print(
+        f"[data] streaming {d.path} (split {d.split!r}) in blocks of {d.seq_len} tokens; "
+        f"{len(val_rows)} validation blocks"
+    )
     return SupervisedData(blocks, val_rows, collate_blocks, order=blocks)  # indexed by the indices it hands out
 
 
@@ -128,11 +142,15 @@ def run_pretrain(cfg: PretrainConfig, console=None) -> dict:
     d = cfg.data
     d.validate()
     if not d.files and not d.path:
-        raise ConfigError("pretraining needs text: set data.files to .txt files or directories, or data.path to a "
-                          "dataset with a text column (docs/data.md)")
+        raise ConfigError(
+            "pretraining needs text: set data.files to .txt files or directories, or data.path to a "
+            "dataset with a text column (docs/data.md)"
+        )
     if cfg.tokenizer.train and not d.files:
-        raise ConfigError("tokenizer.train learns from the .txt files of data.files; with data.path, train a "
-                          "tokenizer separately and set model.tokenizer")
+        raise ConfigError(
+            "tokenizer.train learns from the .txt files of data.files; with data.path, train a "
+            "tokenizer separately and set model.tokenizer"
+        )
     docs = val_docs = None
     if d.files:
         docs = load_text_files(d.files)
@@ -149,9 +167,11 @@ def run_pretrain(cfg: PretrainConfig, console=None) -> dict:
     model, tokenizer = load_model(cfg.model, tokenizer)
     context = context_length(model)
     if context is not None and cfg.data.seq_len + 1 > context:  # a block is seq_len + 1 tokens (inputs + last target)
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len}: a training block of {cfg.data.seq_len + 1} tokens does not "
-                          f"fit the model's context of {context} (model.max_position_embeddings); set "
-                          f"data.seq_len <= {context - 1}")
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len}: a training block of {cfg.data.seq_len + 1} tokens does not "
+            f"fit the model's context of {context} (model.max_position_embeddings); set "
+            f"data.seq_len <= {context - 1}"
+        )
     run = start_run(cfg, "pretrain", model, seq_len=cfg.data.seq_len, console=console)
     if cfg.tokenizer.train and run.ctx.is_main:
         tokenizer.save_pretrained(str(run.dir / "tokenizer"))
@@ -166,7 +186,9 @@ def run_pretrain(cfg: PretrainConfig, console=None) -> dict:
     packed = pack_documents(docs, tokenizer, cfg.data.seq_len, fraction, cfg.train.seed, cache)
     if val_docs is not None:  # a named split: its blocks are the validation set
         packed.val = pack_documents(val_docs, tokenizer, cfg.data.seq_len, 0.0, cfg.train.seed, cache).train
-    run.print(f"[data] {len(docs)} documents -> {len(packed.train)} train / {len(packed.val)} val blocks "
-              f"of {cfg.data.seq_len} tokens")
+    run.print(
+        f"[data] {len(docs)} documents -> {len(packed.train)} train / {len(packed.val)} val blocks "
+        f"of {cfg.data.seq_len} tokens"
+    )
     data = SupervisedData(list(packed.train), list(packed.val), collate_blocks)
     return train_supervised(run, model, tokenizer, data, make_sampler(cfg, tokenizer, packed.val, run))

@@ -5,6 +5,7 @@ addition (answer written least-significant digit first), fine-tunes it with SFT,
 with GRPO against the task's exact-answer reward, measuring held-out accuracy after each stage.
 Each stage saves its run (checkpoints, metrics.jsonl, samples.jsonl, curves.png).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,13 +14,13 @@ from pathlib import Path
 
 from ..core.config import LoggingConfig, ModelConfig, OptimConfig, TrainConfig, opt
 from ..data.tasks import get_task
-from ..rollout.evaluation import task_accuracy
-from ..runtime.metrics import make_console
 from ..model.load import load_model
 from ..model.tokenizer import char_tokenizer
 from ..rl.config import RLDataConfig, RolloutConfig
-from .grpo import GRPOConfig, run_grpo
+from ..rollout.evaluation import task_accuracy
+from ..runtime.metrics import make_console
 from ..supervised.sft_data import SFTDataConfig
+from .grpo import GRPOConfig, run_grpo
 from .sft import SFTConfig, run_sft
 
 
@@ -46,15 +47,30 @@ def sft_config(cfg: QuickstartConfig, run_dir: Path) -> SFTConfig:
     seed 0 run gave 69% on an AVX-512 machine), 600 steps 67-95.5%, 800 steps 87-98.5%. 600 is the
     default: a model that is right most of the time, with room left for the GRPO stage."""
     return SFTConfig(
-        model=ModelConfig(name="tiny:llama", tokenizer="char", hidden_size=cfg.hidden_size,
-                          num_layers=cfg.num_layers, num_heads=4, max_position_embeddings=64,
-                          init_seed=cfg.seed),
+        model=ModelConfig(
+            name="tiny:llama",
+            tokenizer="char",
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_layers,
+            num_heads=4,
+            max_position_embeddings=64,
+            init_seed=cfg.seed,
+        ),
         data=SFTDataConfig(task=cfg.task, num_train=8000, num_val=200, num_eval=cfg.num_eval, max_len=32),
         optim=OptimConfig(lr=cfg.sft_lr, warmup_steps=100, min_lr_ratio=0.5, weight_decay=0.01, beta2=0.99),
-        train=TrainConfig(output_dir=str(run_dir / "sft"), max_steps=cfg.sft_steps, batch_size=cfg.sft_batch,
-                          micro_batch_size=cfg.sft_batch,
-                          seed=cfg.seed, eval_every=max(cfg.sft_steps // 4, 1), save_every=max(cfg.sft_steps // 2, 1),
-                          log_every=50, max_new_tokens=6, num_samples=3, dtype="fp32"),
+        train=TrainConfig(
+            output_dir=str(run_dir / "sft"),
+            max_steps=cfg.sft_steps,
+            batch_size=cfg.sft_batch,
+            micro_batch_size=cfg.sft_batch,
+            seed=cfg.seed,
+            eval_every=max(cfg.sft_steps // 4, 1),
+            save_every=max(cfg.sft_steps // 2, 1),
+            log_every=50,
+            max_new_tokens=6,
+            num_samples=3,
+            dtype="fp32",
+        ),
         logging=LoggingConfig(progress=cfg.progress),
     )
 
@@ -69,9 +85,18 @@ def grpo_config(cfg: QuickstartConfig, run_dir: Path) -> GRPOConfig:
         data=RLDataConfig(task=cfg.task, num_train=4000, num_eval=cfg.num_eval),
         rollout=RolloutConfig(num_prompts=8, group_size=8, temperature=1.0, max_new_tokens=6),
         optim=OptimConfig(lr=cfg.grpo_lr, schedule="constant", weight_decay=0.0),
-        train=TrainConfig(output_dir=str(run_dir / "grpo"), max_steps=cfg.grpo_steps, micro_batch_size=64,
-                          seed=cfg.seed, eval_every=max(cfg.grpo_steps // 4, 1), save_every=cfg.grpo_steps,
-                          log_every=10, max_new_tokens=6, num_samples=3, dtype="fp32"),
+        train=TrainConfig(
+            output_dir=str(run_dir / "grpo"),
+            max_steps=cfg.grpo_steps,
+            micro_batch_size=64,
+            seed=cfg.seed,
+            eval_every=max(cfg.grpo_steps // 4, 1),
+            save_every=cfg.grpo_steps,
+            log_every=10,
+            max_new_tokens=6,
+            num_samples=3,
+            dtype="fp32",
+        ),
         logging=LoggingConfig(progress=cfg.progress),
     )
 
@@ -97,10 +122,11 @@ def run_quickstart(cfg: QuickstartConfig, console=None) -> dict:
         result["after_grpo"] = rl_metrics.get("accuracy", 0.0)
         line += f" -> after GRPO {result['after_grpo']:.1%}"
     elapsed = time.perf_counter() - start
-    console.print(f"[quickstart] held-out accuracy ({len(problems)} problems): {line}  ({elapsed:.0f} s)",
-                  markup=False)
+    console.print(f"[quickstart] held-out accuracy ({len(problems)} problems): {line}  ({elapsed:.0f} s)", markup=False)
     stages = ["sft"] + (["grpo"] if cfg.grpo_steps > 0 else [])
     for stage in stages:
-        console.print(f"[quickstart] {stage}: model {run_dir / stage / 'final'}, curves {run_dir / stage / 'curves.png'}",
-                      markup=False)
+        console.print(
+            f"[quickstart] {stage}: model {run_dir / stage / 'final'}, curves {run_dir / stage / 'curves.png'}",
+            markup=False,
+        )
     return result

@@ -5,6 +5,7 @@ id) of chat (``messages``) or ``prompt``/``completion`` rows, or a
 built-in synthetic task (``data.task=addition``), whose held-out accuracy is then reported, or an
 environment's scripted demonstrations of a task's problems (``data.env=calculator``, lmforge.envs.demos).
 """
+
 from __future__ import annotations
 
 import dataclasses

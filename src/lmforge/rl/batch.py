@@ -19,6 +19,7 @@ those N logits, taken in row-major order, line up with the true entries of ``tra
 importance weight and aggregation count is then defined on ``trained_mask``: an environment token
 inside a row is an input to the forward and nothing else.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,7 +44,8 @@ class ScoredRollout:
 
 def reduce_rollout_metrics(metrics: dict, ctx: ParallelContext) -> dict:
     """A rank's rollout / advantage metrics -> the step's over all ranks (every rank holds the same
-    number of rows and groups): ``num_*``, ``*_failures``, ``*_errors`` and ``*_timeouts`` are summed, ``*_max`` / ``time_*`` take
+    number of rows and groups): ``num_*``, ``*_failures``, ``*_errors`` and ``*_timeouts`` are summed, ``*_max`` /
+    ``time_*`` take
     the maximum, ``reward_std`` is recombined from the ranks' means and variances, the rest are means."""
     if not ctx.distributed:
         return metrics
@@ -60,8 +62,9 @@ def reduce_rollout_metrics(metrics: dict, ctx: ParallelContext) -> dict:
         else:
             out[key] = float(summed[i]) / ctx.world_size
     if "reward_std" in metrics and "reward" in metrics:
-        second = ctx.all_reduce(torch.tensor([float(metrics["reward_std"]) ** 2 + float(metrics["reward"]) ** 2],
-                                             dtype=torch.float64))
+        second = ctx.all_reduce(
+            torch.tensor([float(metrics["reward_std"]) ** 2 + float(metrics["reward"]) ** 2], dtype=torch.float64)
+        )
         out["reward_std"] = max(float(second) / ctx.world_size - out["reward"] ** 2, 0.0) ** 0.5
     return out
 
@@ -115,13 +118,21 @@ class TrainBatch:
         return dataclasses.replace(self, **fields)
 
     def to(self, device) -> "TrainBatch":
-        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device)
-                                            for f in dataclasses.fields(self) if getattr(self, f.name) is not None})
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).to(device)
+                for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None
+            },
+        )
 
     def select(self, rows: Tensor) -> "TrainBatch":
         """The rows ``rows`` (1-D index tensor), with packed columns that are padding in all of them cut."""
-        picked = {f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
-                  for f in dataclasses.fields(self)}
+        picked = {
+            f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
+            for f in dataclasses.fields(self)
+        }
         width = int(picked["attention_mask"].sum(1).max())
         for name in ("input_ids", "attention_mask", "positions"):
             picked[name] = picked[name][:, :width]
@@ -134,11 +145,14 @@ def pack_rollout(rollout: RolloutBatch, pad_token_id: int, need_rollout_logprobs
         raise TrainingError(
             "algo.is_level weights by the sampler's logprobs, but this rollout carries none "
             "(RolloutBatch.logprobs is None); use a rollout engine that reports them, or set "
-            "algo.is_level=none")
+            "algo.is_level=none"
+        )
     trained = rollout.trained
     if bool((trained.bool() & ~rollout.completion_mask.bool()).any()):
-        raise TrainingError("RolloutBatch.trained_mask marks tokens outside completion_mask (padding); a rollout "
-                            "source must train only on tokens of its rows")
+        raise TrainingError(
+            "RolloutBatch.trained_mask marks tokens outside completion_mask (padding); a rollout "
+            "source must train only on tokens of its rows"
+        )
     ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)  # (B, P + C)
     mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], dim=1)
     is_trained = torch.cat([torch.zeros_like(rollout.prompt_mask), trained], dim=1)
@@ -148,10 +162,16 @@ def pack_rollout(rollout: RolloutBatch, pad_token_id: int, need_rollout_logprobs
     positions = torch.zeros_like(mask, dtype=torch.bool)
     positions[:, :-1] = is_trained[:, 1:].bool()  # logits at t predict token t + 1
     width = int(mask.sum(1).max())
-    return TrainBatch(input_ids=ids[:, :width], attention_mask=mask[:, :width], positions=positions[:, :width],
-                      completion_ids=rollout.completion_ids, trained_mask=trained,
-                      rollout_logprobs=rollout.logprobs, group_index=rollout.group_index,
-                      prompt_lens=rollout.prompt_lens)
+    return TrainBatch(
+        input_ids=ids[:, :width],
+        attention_mask=mask[:, :width],
+        positions=positions[:, :width],
+        completion_ids=rollout.completion_ids,
+        trained_mask=trained,
+        rollout_logprobs=rollout.logprobs,
+        group_index=rollout.group_index,
+        prompt_lens=rollout.prompt_lens,
+    )
 
 
 def scatter_completion(flat: Tensor, mask: Tensor) -> Tensor:

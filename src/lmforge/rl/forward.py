@@ -5,6 +5,7 @@ reference policy; the FLOP counts of what ran.
 Everything here reads ``batch.trained_mask`` and ``batch.positions`` (``lmforge.rl.batch``): the
 tokens the policy sampled, one span or several per row.
 """
+
 from __future__ import annotations
 
 import copy
@@ -21,8 +22,9 @@ from .batch import TrainBatch, scatter_completion, trained_ends
 Tensor = torch.Tensor
 
 
-def completion_logprobs(logits: Tensor, batch: TrainBatch, temperature: float,
-                        entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
+def completion_logprobs(
+    logits: Tensor, batch: TrainBatch, temperature: float, entropy_grad: bool = False
+) -> tuple[Tensor, Tensor]:
     """Logits (N, V) at ``batch.positions`` -> logprobs and entropy (B, C) of softmax(logits / T) on
     the trained tokens, 0 elsewhere.
 
@@ -43,10 +45,14 @@ def completion_logprobs(logits: Tensor, batch: TrainBatch, temperature: float,
 def shares_prompts(model, batch: TrainBatch) -> bool:
     """Whether :func:`shared_prompt_logits` applies: a plain-head model without gradient checkpointing
     (which turns the KV cache off in training), and rows that share a prompt."""
-    return (batch.group_index is not None and batch.prompt_lens is not None
-            and getattr(getattr(model, "config", None), "model_type", "") in PLAIN_HEAD_MODELS
-            and decoder_of(model) is not None and not getattr(model, "is_gradient_checkpointing", False)
-            and len(torch.unique(batch.group_index)) < batch.num_rows)
+    return (
+        batch.group_index is not None
+        and batch.prompt_lens is not None
+        and getattr(getattr(model, "config", None), "model_type", "") in PLAIN_HEAD_MODELS
+        and decoder_of(model) is not None
+        and not getattr(model, "is_gradient_checkpointing", False)
+        and len(torch.unique(batch.group_index)) < batch.num_rows
+    )
 
 
 def trained_width(trained_mask: Tensor) -> int:
@@ -87,17 +93,29 @@ def shared_prompt_logits(model, batch: TrainBatch) -> Tensor:
     prompt_ids = batch.input_ids[first].gather(1, source.clamp(min=0)) * prompt_mask
     cache = DynamicCache()  # filled in place by the model
     cache_kwarg = {"cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values": cache}
-    prompt_out = body(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=source.clamp(min=0),
-                      use_cache=True, **cache_kwarg)
+    prompt_out = body(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        position_ids=source.clamp(min=0),
+        use_cache=True,
+        **cache_kwarg,
+    )
     hidden = prompt_out.last_hidden_state[inverse, -1:]  # (B, 1, H): predicts completion token 0
     extent = completion_extent(batch)  # C' <= C
-    completion_in = batch.completion_ids[:, :extent - 1].clone()  # (B, C' - 1); a copy: the sampler's may be inference tensors
+    completion_in = batch.completion_ids[
+        :, : extent - 1
+    ].clone()  # (B, C' - 1); a copy: the sampler's may be inference tensors
     if completion_in.shape[1]:
         cache.batch_select_indices(inverse)  # differentiable gather: each row gets its prompt's keys / values
         steps = torch.arange(completion_in.shape[1], device=lens.device)
         mask = torch.cat([prompt_mask[inverse], torch.ones_like(completion_in)], dim=1)
-        out = body(input_ids=completion_in, attention_mask=mask, position_ids=lens[:, None] + steps,
-                   use_cache=True, **cache_kwarg)
+        out = body(
+            input_ids=completion_in,
+            attention_mask=mask,
+            position_ids=lens[:, None] + steps,
+            use_cache=True,
+            **cache_kwarg,
+        )
         hidden = torch.cat([hidden, out.last_hidden_state], dim=1)  # (B, C', H)
     return model.get_output_embeddings()(hidden[batch.trained_mask[:, :extent].bool()])
 
@@ -110,8 +128,9 @@ def completion_logits(model, batch: TrainBatch) -> Tensor:
     return logits_at(model, batch.input_ids, batch.attention_mask, batch.positions)
 
 
-def policy_logprobs(model, batch: TrainBatch, temperature: float, precision: Precision,
-                    entropy_grad: bool = False, wrapped=None) -> tuple[Tensor, Tensor]:
+def policy_logprobs(
+    model, batch: TrainBatch, temperature: float, precision: Precision, entropy_grad: bool = False, wrapped=None
+) -> tuple[Tensor, Tensor]:
     """One forward of ``model`` on ``batch`` -> logprobs and entropy (B, C) of the trained tokens.
 
     ``wrapped``: the parallel root that holds ``model`` (training forwards go through it, so DDP and
@@ -129,8 +148,9 @@ def matmul_weights(model) -> tuple[int, int]:
     """(body, head): weights of the linear layers a token goes through in the transformer body, and
     the LM head's. Norm weights and the embedding lookup do no matmul and are not counted."""
     head_weight = model.get_output_embeddings().weight
-    body = sum(m.weight.numel() for m in model.modules()
-               if isinstance(m, torch.nn.Linear) and m.weight is not head_weight)
+    body = sum(
+        m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight is not head_weight
+    )
     return body, head_weight.numel()
 
 
@@ -156,8 +176,10 @@ def forward_flops(model, micro: TrainBatch, share_prompts: bool = True) -> float
 
 def batch_forward_flops(model, batch: TrainBatch, micro_batch_size: int, share_prompts: bool = True) -> float:
     """:func:`forward_flops` of ``batch`` run in micro-batches of ``micro_batch_size`` rows."""
-    return sum(forward_flops(model, batch.select(rows), share_prompts)
-               for rows in torch.arange(batch.num_rows).split(micro_batch_size))
+    return sum(
+        forward_flops(model, batch.select(rows), share_prompts)
+        for rows in torch.arange(batch.num_rows).split(micro_batch_size)
+    )
 
 
 def sampling_flops(model, batch: TrainBatch) -> float:
@@ -173,8 +195,9 @@ def sampling_flops(model, batch: TrainBatch) -> float:
     return 2.0 * (body * distinct * longest + head * distinct) + 2.0 * (body + head) * num_rows * (width - 1)
 
 
-def step_flops(model, batch: TrainBatch, micro_batch_size: int, train_passes: int, forward_passes: int,
-               share_prompts: bool = True) -> float:
+def step_flops(
+    model, batch: TrainBatch, micro_batch_size: int, train_passes: int, forward_passes: int, share_prompts: bool = True
+) -> float:
     """Matmul FLOPs of one RL step as lmforge runs it when every row is trained (attention scores
     are left out): :func:`sampling_flops`, then ``train_passes`` forward + backward (3x a forward)
     and ``forward_passes`` forward-only passes (old logprobs, reference model, values) over the batch
@@ -187,15 +210,18 @@ def step_flops(model, batch: TrainBatch, micro_batch_size: int, train_passes: in
 
 
 @torch.no_grad()
-def batch_logprobs(model, batch: TrainBatch, micro_batch_size: int, temperature: float,
-                   precision: Precision, wrapped=None) -> Tensor:
+def batch_logprobs(
+    model, batch: TrainBatch, micro_batch_size: int, temperature: float, precision: Precision, wrapped=None
+) -> Tensor:
     """(B, C) logprobs of ``model`` on the whole batch, in micro-batches, without gradients.
     ``model`` may be a LoRA policy's reference (:class:`model.lora.DisabledAdapters`): its base model."""
     if isinstance(model, lora.DisabledAdapters):
         with lora.adapters_disabled(model.model):
             return batch_logprobs(model.model, batch, micro_batch_size, temperature, precision, wrapped)
-    parts = [policy_logprobs(model, batch.select(rows), temperature, precision, wrapped=wrapped)[0]
-             for rows in torch.arange(batch.num_rows).split(micro_batch_size)]
+    parts = [
+        policy_logprobs(model, batch.select(rows), temperature, precision, wrapped=wrapped)[0]
+        for rows in torch.arange(batch.num_rows).split(micro_batch_size)
+    ]
     return torch.cat(parts)
 
 
@@ -211,14 +237,16 @@ def reference_model(model, kl_coef: float):
     return ref
 
 
-def old_logprobs(model, batch: TrainBatch, need: torch.Tensor, micro_batch_size: int, temperature: float, precision,
-                 wrapped=None) -> tuple[torch.Tensor, float]:
+def old_logprobs(
+    model, batch: TrainBatch, need: torch.Tensor, micro_batch_size: int, temperature: float, precision, wrapped=None
+) -> tuple[torch.Tensor, float]:
     """pi_old of the rows ``need`` ((B,) bool, :meth:`lmforge.rl.updates.UpdatePlan.pi_old_rows`) for an update
     phase of several updates -> ((B, C) fp32 logprobs, their forward FLOPs). Other rows hold 0, never read."""
     out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=batch.completion_ids.device)
     if not need.any():
         return out, 0.0
     part = batch.select(need.nonzero()[:, 0].to(batch.input_ids.device))
-    out[need.to(out.device)] = batch_logprobs(model, part, micro_batch_size, temperature, precision,
-                                              wrapped=wrapped).float()
+    out[need.to(out.device)] = batch_logprobs(
+        model, part, micro_batch_size, temperature, precision, wrapped=wrapped
+    ).float()
     return out, batch_forward_flops(model, part, micro_batch_size)

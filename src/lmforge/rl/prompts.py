@@ -1,14 +1,15 @@
 """The prompts of an RL run: a task's or a file's rows, tokenized once, with the held-out problems;
 the share of a step's prompts each rank samples (groups whole); the sampler's seed of a step."""
+
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
+from ..core.errors import ConfigError, DataError
 from ..data.prompts import held_out_split, load_prompt_rows
 from ..data.sft import encode_prompt, uses_chat_format
 from ..data.tasks import get_task
-from ..core.errors import ConfigError, DataError
 from ..model.load import context_length
 from ..parallel.context import ParallelContext
 from .config import RLDataConfig
@@ -53,9 +54,11 @@ def build_prompts(data: RLDataConfig, tokenizer, seed: int, max_prompt_len: int 
             problems = [p for p, too_long in zip(problems, long) if not too_long]
             prompt_ids = [ids for ids, too_long in zip(prompt_ids, long) if not too_long]
         if not prompt_ids:
-            raise DataError(f"every one of the {len(long)} prompts is longer than data.max_prompt_len="
-                            f"{max_prompt_len} tokens; raise it (with a longer-context model) or use "
-                            "data.prompt_truncation=left")
+            raise DataError(
+                f"every one of the {len(long)} prompts is longer than data.max_prompt_len="
+                f"{max_prompt_len} tokens; raise it (with a longer-context model) or use "
+                "data.prompt_truncation=left"
+            )
     prompts = PromptSet(prompt_ids, problems, task, eval_problems, chat, dropped, truncated)
     if not data.task:
         hold_out_rows(prompts, data, seed)
@@ -66,7 +69,7 @@ def hold_out_rows(prompts: PromptSet, data: RLDataConfig, seed: int) -> None:
     """Fill ``prompts.eval_problems`` from a prompts source (``lmforge.data.prompts`` module doc):
     a named split, or rows moved out of the training prompts."""
     if data.eval_split:
-        rows = load_prompt_rows(data.path, data.eval_split, data.subset, data.columns)[:data.num_eval]
+        rows = load_prompt_rows(data.path, data.eval_split, data.subset, data.columns)[: data.num_eval]
         prompts.eval_problems = rows
         prompts.eval_note = f"{len(rows)} held-out rows from split {data.eval_split!r}"
         return
@@ -83,11 +86,15 @@ def prompt_budget(max_prompt_len: int, max_new_tokens: int, model) -> int:
     if context is None:
         return max_prompt_len
     if max_new_tokens >= context:
-        raise ConfigError(f"rollout.max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
-                          f"context of {context} tokens")
+        raise ConfigError(
+            f"rollout.max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
+            f"context of {context} tokens"
+        )
     if max_prompt_len and max_prompt_len + max_new_tokens > context:
-        raise ConfigError(f"data.max_prompt_len={max_prompt_len} + rollout.max_new_tokens={max_new_tokens} exceeds "
-                          f"the model's context of {context} tokens; lower one of them")
+        raise ConfigError(
+            f"data.max_prompt_len={max_prompt_len} + rollout.max_new_tokens={max_new_tokens} exceeds "
+            f"the model's context of {context} tokens; lower one of them"
+        )
     return max_prompt_len or context - max_new_tokens
 
 

@@ -17,6 +17,7 @@ the loop itself::
 Every count is of trained tokens (``TrainBatch.trained_mask``): a multi-turn row's environment
 tokens are in no normaliser, whichever aggregation the loss uses.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,14 +33,18 @@ from .batch import TrainBatch
 Tensor = torch.Tensor
 
 
-def global_counts(batch: TrainBatch, max_new_tokens: int, num_micro_batches: int = 1,
-                  ctx: ParallelContext | None = None) -> Counts:
+def global_counts(
+    batch: TrainBatch, max_new_tokens: int, num_micro_batches: int = 1, ctx: ParallelContext | None = None
+) -> Counts:
     """The aggregation counts of one optimizer update: summed over its micro-batches and all ranks, once."""
     ctx = ctx or ParallelContext()
-    num_seqs, num_tokens, num_micro = ctx.sum_counts(batch.num_rows, int(batch.trained_mask.sum()),
-                                                     num_micro_batches)
-    return Counts(num_seqs_global=num_seqs, num_loss_tokens_global=num_tokens, max_completion_len=max_new_tokens,
-                  num_micro_batches_global=num_micro)
+    num_seqs, num_tokens, num_micro = ctx.sum_counts(batch.num_rows, int(batch.trained_mask.sum()), num_micro_batches)
+    return Counts(
+        num_seqs_global=num_seqs,
+        num_loss_tokens_global=num_tokens,
+        max_completion_len=max_new_tokens,
+        num_micro_batches_global=num_micro,
+    )
 
 
 def reduce_metrics(records: list[tuple[dict, int]], ctx: ParallelContext | None = None) -> dict:
@@ -54,8 +59,10 @@ def reduce_metrics(records: list[tuple[dict, int]], ctx: ParallelContext | None 
     maxima = [k for k in keys if k.endswith("_max")]
     minima = [k for k in keys if k.endswith("_min")]
     means = [k for k in keys if k not in maxima and k not in minima]
-    sums = torch.tensor([x for k in means for x in (sum(v * w for v, w in values[k]), sum(w for _, w in values[k]))],
-                        dtype=torch.float64)
+    sums = torch.tensor(
+        [x for k in means for x in (sum(v * w for v, w in values[k]), sum(w for _, w in values[k]))],
+        dtype=torch.float64,
+    )
     highs = torch.tensor([max(v for v, _ in values[k]) for k in maxima], dtype=torch.float64)
     lows = torch.tensor([min(v for v, _ in values[k]) for k in minima], dtype=torch.float64)
     if ctx.distributed:
@@ -84,8 +91,14 @@ def micro_batch_order(batch: TrainBatch, informative: Tensor | None = None) -> T
     return torch.sort(key, stable=True).indices
 
 
-def _micro_batch_plan(mini: TrainBatch, micro_batch_size: int, informative: Tensor | None, ctx: ParallelContext,
-                      length_order: bool, flops_of: Callable[[TrainBatch], float] | None) -> tuple[int, list[Tensor]]:
+def _micro_batch_plan(
+    mini: TrainBatch,
+    micro_batch_size: int,
+    informative: Tensor | None,
+    ctx: ParallelContext,
+    length_order: bool,
+    flops_of: Callable[[TrainBatch], float] | None,
+) -> tuple[int, list[Tensor]]:
     """(number of micro-batches, the row sets that run) for a mini-batch: contiguous rows, or with
     ``length_order`` (one process, ``flops_of`` given) the rows of :func:`micro_batch_order` when its
     micro-batches' forwards cost fewer FLOPs."""
@@ -144,9 +157,14 @@ class UpdatePlan:
         """The plan of a resolved policy-gradient algo section: pi_old from the first update's own forward
         when several updates follow it; length-ordered micro-batches unless the loss is a mean per
         micro-batch (``token_mean``)."""
-        return cls(algo.num_iterations, algo.num_mini_batches, micro_batch_size, max_new_tokens,
-                   first_on_policy=algo.num_iterations > 1 or algo.num_mini_batches > 1,
-                   length_order=algo.aggregation != "token_mean")
+        return cls(
+            algo.num_iterations,
+            algo.num_mini_batches,
+            micro_batch_size,
+            max_new_tokens,
+            first_on_policy=algo.num_iterations > 1 or algo.num_mini_batches > 1,
+            length_order=algo.aggregation != "token_mean",
+        )
 
     def pi_old_rows(self, rows: Tensor, distributed: bool) -> Tensor:
         """(B,) bool: the rows whose pi_old an update phase of several updates reads, of ``rows`` (the rows
@@ -183,9 +201,18 @@ class Updates:
     length-ordered cut (``plan.length_order``) and counts :attr:`flops`.
     """
 
-    def __init__(self, batch: TrainBatch, plan: UpdatePlan, updater, step: int, ctx: ParallelContext | None = None,
-                 wrapped=None, *, rows_to_train: Tensor | None = None,
-                 flops_of: Callable[[TrainBatch], float] | None = None):
+    def __init__(
+        self,
+        batch: TrainBatch,
+        plan: UpdatePlan,
+        updater,
+        step: int,
+        ctx: ParallelContext | None = None,
+        wrapped=None,
+        *,
+        rows_to_train: Tensor | None = None,
+        flops_of: Callable[[TrainBatch], float] | None = None,
+    ):
         self.batch, self.plan, self.updater, self.step_index = batch, plan, updater, step
         self.ctx, self.wrapped, self.flops_of = ctx or ParallelContext(), wrapped, flops_of
         self.informative = None if rows_to_train is None else rows_to_train.cpu()
@@ -207,14 +234,17 @@ class Updates:
                     mini = mini.with_(old_logprobs=None)
                 if m not in self._plans:
                     informative = None if self.informative is None else self.informative[mini_rows]
-                    num_micro, run = _micro_batch_plan(mini, self.plan.micro_batch_size, informative, self.ctx,
-                                                       self.plan.length_order, self.flops_of)
+                    num_micro, run = _micro_batch_plan(
+                        mini, self.plan.micro_batch_size, informative, self.ctx, self.plan.length_order, self.flops_of
+                    )
                     self._plans[m] = (global_counts(mini, self.plan.max_completion_len, num_micro, self.ctx), run)
                 update = Update(self, mini, *self._plans[m])
                 yield update
                 if not update.stepped:
-                    raise RuntimeError("an update's loop ended without update.step(): call it after the "
-                                       "micro-batch loop, once per update")
+                    raise RuntimeError(
+                        "an update's loop ended without update.step(): call it after the "
+                        "micro-batch loop, once per update"
+                    )
 
     @property
     def flops(self) -> float:
@@ -226,9 +256,14 @@ class Updates:
         (:func:`reduce_metrics`), the mean loss and gradient norm of the updates, the largest norm,
         the learning rate, the updates skipped as non-finite, and (rows skipped) the rows trained."""
         grad_norms = torch.stack(self.grad_norms)
-        out = {**(reduce_metrics(self.records, self.ctx) if self.records else {}),
-               "loss": torch.stack(self.losses).mean(), "grad_norm": grad_norms.mean(),
-               "grad_norm_max": grad_norms.max(), "lr": self.lr, "skipped_updates": self.updater.num_skipped}
+        out = {
+            **(reduce_metrics(self.records, self.ctx) if self.records else {}),
+            "loss": torch.stack(self.losses).mean(),
+            "grad_norm": grad_norms.mean(),
+            "grad_norm_max": grad_norms.max(),
+            "lr": self.lr,
+            "skipped_updates": self.updater.num_skipped,
+        }
         if self.informative is not None:
             out["frac_rows_trained"] = self.trained_rows / (self.batch.num_rows * self.plan.num_iterations)
         return out
@@ -271,8 +306,9 @@ class Update:
         """Close the update: zero gradients where none ran, sum the loss over ranks, check it, clip
         and step (``updater.step``: a non-finite norm stops, or skips this update: train.on_nonfinite)."""
         if self.stepped:
-            raise RuntimeError("update.step() was called twice for one update: call it once per update, after "
-                               "its micro-batches")
+            raise RuntimeError(
+                "update.step() was called twice for one update: call it once per update, after its micro-batches"
+            )
         updates = self.updates
         if not self.micro_rows:  # every advantage of this update is 0: the full computation's gradient is 0
             _zero_missing_grads(updates.updater.module)

@@ -1,4 +1,5 @@
 """Rollouts: the in-process sampling engine and reward functions."""
+
 from .engine import (
     CastEngine,
     RolloutBatch,

@@ -45,6 +45,7 @@ masked out, until ``RunningBatch.compact`` moves each row's real positions toget
 Shapes: B = running rows, L = cached positions (left-padded), V = vocabulary size, H = KV heads,
 D = head dim; N = rows admitted in one prefill.
 """
+
 from __future__ import annotations
 
 import collections
@@ -111,9 +112,15 @@ class ContinuousDecoder:
     bounds the kept caches (the oldest key goes first; None: until ``release``).
     """
 
-    def __init__(self, model: torch.nn.Module, pad_token_id: int, keep_cache: bool = True,
-                 drafter: NgramDrafter | None = None, decode_fn: Callable[[list[int]], str] | None = None,
-                 max_kept: int | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pad_token_id: int,
+        keep_cache: bool = True,
+        drafter: NgramDrafter | None = None,
+        decode_fn: Callable[[list[int]], str] | None = None,
+        max_kept: int | None = None,
+    ):
         self.model, self.pad_token_id, self.keep_cache, self.drafter = model, pad_token_id, keep_cache, drafter
         self.decode_fn, self.max_kept = decode_fn, max_kept
         self.device = next(model.parameters()).device
@@ -141,19 +148,32 @@ class ContinuousDecoder:
         """The rows running, then those waiting to join (a copy)."""
         return self._rows + self._queue
 
-    def admit(self, key: Hashable, ids: list[int], params: SamplingParams, n: int = 1, *,
-              cache_key: Hashable | None = None, processors: Callable[[], list] | None = None, min_tokens: int = 0,
-              top_logprobs: int = 0, cancelled: threading.Event | None = None) -> list[Row]:
+    def admit(
+        self,
+        key: Hashable,
+        ids: list[int],
+        params: SamplingParams,
+        n: int = 1,
+        *,
+        cache_key: Hashable | None = None,
+        processors: Callable[[], list] | None = None,
+        min_tokens: int = 0,
+        top_logprobs: int = 0,
+        cancelled: threading.Event | None = None,
+    ) -> list[Row]:
         """Queue ``n`` samples of ``ids``; they join at the next ``step``. ``params.seed`` seeds one generator
         that the n samples draw from in turn. ``cache_key`` keys a single sample's kept KV entries (default:
         ``key``, when ``keep_cache``); ``processors()`` makes each sample's own logits processors (serve's
         ``RowProcessor``s); the other keywords are ``Row``'s fields. Returns the queued rows."""
         if params.stop_strings and self.decode_fn is None:
-            raise ValueError("ContinuousDecoder stops on stop_token_ids only without a decode_fn; stop_strings "
-                             "are not supported")
+            raise ValueError(
+                "ContinuousDecoder stops on stop_token_ids only without a decode_fn; stop_strings are not supported"
+            )
         if self.drafter is not None and (params.stop_strings or processors or min_tokens or top_logprobs):
-            raise ValueError("a ContinuousDecoder with a drafter checks drafts against plain draws: no stop_strings, "
-                             "processors, min_tokens or top_logprobs")
+            raise ValueError(
+                "a ContinuousDecoder with a drafter checks drafts against plain draws: no stop_strings, "
+                "processors, min_tokens or top_logprobs"
+            )
         if not ids:
             raise ValueError(f"row {key!r} has no ids; every row needs at least one token (e.g. BOS)")
         generator = None
@@ -161,8 +181,22 @@ class ContinuousDecoder:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if cache_key is None and self.keep_cache:
             cache_key = key
-        rows = [Row(key, i, n, list(ids), params, generator, cache_key, processors() if processors else [],
-                    min_tokens, top_logprobs, cancelled) for i in range(n)]
+        rows = [
+            Row(
+                key,
+                i,
+                n,
+                list(ids),
+                params,
+                generator,
+                cache_key,
+                processors() if processors else [],
+                min_tokens,
+                top_logprobs,
+                cancelled,
+            )
+            for i in range(n)
+        ]
         self._queue += rows
         return rows
 
@@ -198,8 +232,9 @@ class ContinuousDecoder:
                 finished += self._retire(fed_all=True)[0]  # rows that accepted drafts up to their end
             self.num_model_calls += 1
             self.num_steps += 1
-        return [FinishedRow(row.key, row.tokens, row.logprobs, truncated=row.finish_reason != "stop")
-                for row in finished]
+        return [
+            FinishedRow(row.key, row.tokens, row.logprobs, truncated=row.finish_reason != "stop") for row in finished
+        ]
 
     # ------------------------------------------------------------------ internals
 
@@ -217,7 +252,7 @@ class ContinuousDecoder:
             tail = self.decode_fn(row.tokens[start:])
             # with min_tokens, a stop string counts only if it ends past the first min_tokens tokens' text
             after = len(self.decode_fn(row.tokens[start:least])) if start < least else 0
-            if any(s in tail[max(0, after - len(s) + 1):] for s in params.stop_strings):
+            if any(s in tail[max(0, after - len(s) + 1) :] for s in params.stop_strings):
                 return "stop"
         if len(row.tokens) >= params.max_new_tokens:
             return "length"
@@ -244,7 +279,7 @@ class ContinuousDecoder:
             if row.cache_key is not None and row.n == 1 and row.finish_reason != "cancelled":
                 self._keep(b, row, fed_all)
             if self.drafter is not None:
-                self.drafter.observe(row.ids[-self.drafter.n:] + row.tokens)
+                self.drafter.observe(row.ids[-self.drafter.n :] + row.tokens)
         self._rows = [self._rows[b] for b in keep]
         self._batch.keep(keep)
         return finished, keep
@@ -260,15 +295,16 @@ class ContinuousDecoder:
             # at most max_new_tokens - 1 sampled tokens are ever fed, as without drafts: no position goes
             # past what the plain loop feeds (the model's context)
             limit = min(self.drafter.max_tokens, row.params.max_new_tokens - len(row.tokens) - 1)
-            context = row.tokens[-n:] if len(row.tokens) >= n else row.ids[len(row.tokens) - n:] + row.tokens
+            context = row.tokens[-n:] if len(row.tokens) >= n else row.ids[len(row.tokens) - n :] + row.tokens
             if limit <= 0:
                 drafts.append([])
                 continue
             if row.ngram_index is None:
                 row.ngram_index = self.drafter.index(row.ids)
             # cut to the limit whatever the drafter returns (a subclass's propose may overrun it)
-            drafts.append(list(self.drafter.propose(context, limit, row.params.stop_token_ids, row.ids,
-                                                    row.ngram_index))[:limit])
+            drafts.append(
+                list(self.drafter.propose(context, limit, row.params.stop_token_ids, row.ids, row.ngram_index))[:limit]
+            )
         width = max(len(d) for d in drafts)
         if not width:
             batch.decode(self.model, tokens)
@@ -278,15 +314,16 @@ class ContinuousDecoder:
         fed[:, 0] = 1
         for b, draft in enumerate(drafts):
             if draft:
-                ids[b, 1:1 + len(draft)], fed[b, 1:1 + len(draft)] = torch.tensor(draft), 1
+                ids[b, 1 : 1 + len(draft)], fed[b, 1 : 1 + len(draft)] = torch.tensor(draft), 1
         self.num_draft_tokens += int(fed.sum()) - len(rows)
         ids, fed = ids.to(self.device), fed.to(self.device)
         ids[:, 0] = tokens  # the sampled tokens stay on the device
         # padding columns repeat their row's last fed position: masked, and never past the row's own
         offsets = torch.minimum(torch.arange(1 + width)[None], torch.tensor([[len(d)] for d in drafts]))
         positions = batch.positions[:, None] + offsets.to(self.device)  # (B, 1 + width)
-        logits, batch.cache = verify_step(self.model, ids, batch.cache,
-                                          torch.cat([batch.mask, fed], 1), positions)  # (B, 1 + width, V)
+        logits, batch.cache = verify_step(
+            self.model, ids, batch.cache, torch.cat([batch.mask, fed], 1), positions
+        )  # (B, 1 + width, V)
         accepted = torch.tensor(self._accept(drafts, logits), dtype=torch.long, device=self.device)  # (B,)
         self.num_accepted_tokens += int(accepted.sum())
         kept = fed * (torch.arange(1 + width, device=self.device)[None] <= accepted[:, None])
@@ -325,7 +362,7 @@ class ContinuousDecoder:
                     states.append(None if row.generator is None else row.generator.get_state())
                     # one draw per position, as ``_draw`` makes them (a (k,) draw need not equal k (1,)
                     # draws: CUDA's generator), kept on the device (no sync per row)
-                    uniforms[r, :len(drafts[b])] = torch.cat([self._draw(row) for _ in drafts[b]])
+                    uniforms[r, : len(drafts[b])] = torch.cat([self._draw(row) for _ in drafts[b]])
                 uniforms = uniforms.reshape(-1, 1)
             drawn, logprobs = sample_token(block.reshape(-1, block.shape[-1]), params, uniforms=uniforms)
             drawn, logprobs = drawn.view(len(members), width).tolist(), logprobs.view(len(members), width).tolist()
@@ -339,14 +376,14 @@ class ContinuousDecoder:
                 row.logprobs += logprobs[r][:kept]
                 accepted[b] = kept
                 if temperature > 0 and kept < len(draft):
-                    self._rewind(row, states[r], uniforms[r * width:r * width + len(draft)], kept)
+                    self._rewind(row, states[r], uniforms[r * width : r * width + len(draft)], kept)
         return accepted
 
     def _rewind(self, row: Row, state: torch.Tensor | None, uniforms: torch.Tensor, kept: int) -> None:
         """After ``kept`` drafts of a row were kept: the draws past ``kept`` never happened. The draw at
         ``kept`` (a rejection's, which the next step repeats, or one a kept stop token left unused) waits
         in ``pending``; the generator goes back to just after it."""
-        row.pending = uniforms[kept:kept + 1].view(1, 1)
+        row.pending = uniforms[kept : kept + 1].view(1, 1)
         if state is not None:
             row.generator.set_state(state)
             for _ in range(kept + 1):
@@ -377,10 +414,14 @@ class ContinuousDecoder:
         rows, num_cached = [batch[n] for n in unique], [cached[n] for n in unique]
         if self.drafter is not None:
             for row, c in zip(rows, num_cached):
-                self.drafter.observe(row.ids[max(0, c - self.drafter.n):])
+                self.drafter.observe(row.ids[max(0, c - self.drafter.n) :])
         logits, cache, mask, prefilled = prefill_after_kept(
-            self.model, self.pad_token_id, [row.ids for row in rows],
-            [self._kept.get(row.cache_key) if c else None for row, c in zip(rows, num_cached)], num_cached)
+            self.model,
+            self.pad_token_id,
+            [row.ids for row in rows],
+            [self._kept.get(row.cache_key) if c else None for row, c in zip(rows, num_cached)],
+            num_cached,
+        )
         self.num_model_calls += 1
         self.num_prefilled_tokens += prefilled
         self.num_cached_tokens += sum(cached)
@@ -426,7 +467,7 @@ class ContinuousDecoder:
                 row.tokens.append(token)
                 row.logprobs.append(logprob)
                 if row.num_top_logprobs:
-                    row.top_logprobs.append(top[i][:row.num_top_logprobs])
+                    row.top_logprobs.append(top[i][: row.num_top_logprobs])
         self.num_sampled_tokens += len(self._rows)
         return tokens
 

@@ -1,6 +1,7 @@
 """Draft tokens for speculative decoding in the continuous-batching engine (``continuous.ContinuousDecoder``,
 ``env.draft_tokens``): guesses from token n-grams seen before, which the engine checks in one forward and
 keeps only where the row's own draw gives them (``continuous`` module doc)."""
+
 from __future__ import annotations
 
 
@@ -19,8 +20,15 @@ class NgramDrafter:
     two tokens (``index``): a number copied from the question or from a tool's result.
     """
 
-    def __init__(self, max_tokens: int, n: int = 4, min_count: int = 2, min_share: float = 0.75,
-                 max_count: int = 64, max_contexts: int = 1_000_000):
+    def __init__(
+        self,
+        max_tokens: int,
+        n: int = 4,
+        min_count: int = 2,
+        min_share: float = 0.75,
+        max_count: int = 64,
+        max_contexts: int = 1_000_000,
+    ):
         if max_tokens < 1 or n < 1:
             raise ValueError(f"NgramDrafter needs max_tokens >= 1 and n >= 1, got {max_tokens}, {n}")
         self.max_tokens, self.n, self.min_count, self.min_share = max_tokens, n, min_count, min_share
@@ -32,7 +40,7 @@ class NgramDrafter:
         if len(table) > self.max_contexts:
             self._prune()
         for i in range(n, len(tokens)):
-            counts = table.setdefault(tuple(tokens[i - n:i]), {})
+            counts = table.setdefault(tuple(tokens[i - n : i]), {})
             token = tokens[i]
             counts[token] = counts.get(token, 0) + 1
             if counts[token] > self.max_count:
@@ -54,8 +62,14 @@ class NgramDrafter:
         tokens that some token follows."""
         return {(ids[i - 1], ids[i]): i for i in range(1, len(ids) - 1)}
 
-    def propose(self, context: list[int], limit: int, stop_ids: list[int], ids: list[int] | None = None,
-                index: dict | None = None) -> list[int]:
+    def propose(
+        self,
+        context: list[int],
+        limit: int,
+        stop_ids: list[int],
+        ids: list[int] | None = None,
+        index: dict | None = None,
+    ) -> list[int]:
         """Up to ``limit`` tokens to follow ``context`` (its last ``n`` tokens are what counts). When the
         table has nothing confident and the row's ``ids`` and their ``index`` are given: what followed the
         last occurrence in ``ids`` of the context's last two tokens (a copy from the prompt or a tool's
@@ -66,7 +80,7 @@ class NgramDrafter:
         at = index.get(tuple(context[-2:])) if len(context) > 1 else None
         if at is None:
             return draft
-        for token in ids[at + 1:at + 1 + limit]:
+        for token in ids[at + 1 : at + 1 + limit]:
             draft.append(token)
             if token in stop_ids:
                 break
@@ -75,7 +89,7 @@ class NgramDrafter:
     def _from_table(self, context: list[int], limit: int, stop_ids: list[int]) -> list[int]:
         if len(context) < self.n:
             return []
-        key, draft = tuple(context[-self.n:]), []
+        key, draft = tuple(context[-self.n :]), []
         while len(draft) < limit:
             counts = self.table.get(key)
             if not counts:

@@ -21,6 +21,7 @@ For T = 0 (greedy) the token is the argmax and the stored logprob is ``log_softm
 Shapes: N = number of prompts, G = samples per prompt, B = N * G rows, P = padded prompt length,
 C = completion length (decode steps run, <= max_new_tokens), V = vocabulary size.
 """
+
 from __future__ import annotations
 
 import copy
@@ -127,12 +128,17 @@ def prefill(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
     the last position (the last real token of every row) and the model's KV cache. Position ids
     count real tokens only (the cached ones too), so padding does not shift RoPE.
     """
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]  # (N, P)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1] :]  # (N, P)
     return _forward(model, input_ids, attention_mask, position_ids, cache, last_only=True)
 
 
-def decode_step(model: torch.nn.Module, token_ids: torch.Tensor, cache: Any,
-                attention_mask: torch.Tensor, position_ids: torch.Tensor):
+def decode_step(
+    model: torch.nn.Module,
+    token_ids: torch.Tensor,
+    cache: Any,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+):
     """Feed one token per row and return ``(logits, cache)``.
 
     token_ids: (B,) long; attention_mask: (B, L + 1) covering the cached L positions plus this one;
@@ -142,8 +148,13 @@ def decode_step(model: torch.nn.Module, token_ids: torch.Tensor, cache: Any,
     return _forward(model, token_ids[:, None], attention_mask, position_ids[:, None], cache, last_only=False)
 
 
-def verify_step(model: torch.nn.Module, token_ids: torch.Tensor, cache: Any, attention_mask: torch.Tensor,
-                position_ids: torch.Tensor):
+def verify_step(
+    model: torch.nn.Module,
+    token_ids: torch.Tensor,
+    cache: Any,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+):
     """Feed T tokens per row after the cached ones and return the logits after each: ``(logits, cache)``
     (speculative decoding checks drafted tokens this way).
 
@@ -201,8 +212,9 @@ def make_cache(model: torch.nn.Module, capacity: int | None = None) -> DynamicCa
     ``capacity=None``, keep transformers' own layers."""
     cache = DynamicCache(config=model.config)
     if capacity is not None and cache.layers:
-        cache.layers = [_PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer
-                        for layer in cache.layers]
+        cache.layers = [
+            _PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers
+        ]
     return cache
 
 
@@ -214,6 +226,7 @@ def expand_cache(cache: Cache, repeats: int) -> Cache:
 
 
 # ----------------------------------------------------------------------------- sampling
+
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Log-probabilities of the distribution ``sample_token`` draws from (see the module doc).
@@ -241,8 +254,12 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return logprobs
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-                 uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_token(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row. logits: (B, V). Returns (tokens (B,) long, logprobs (B,) float32).
 
     Inverse-CDF sampling: one uniform per row from ``generator`` (reproducible) and a binary search in
@@ -260,8 +277,11 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         probs = process_logits(logits, params).exp()  # 0 outside the top-k / top-p set
     cdf = probs.cumsum(-1)  # (B, V)
     total = cdf[:, -1:].contiguous()  # (B, 1), 1 up to rounding
-    u = torch.rand(total.shape, generator=generator, device=cdf.device, dtype=cdf.dtype) if uniforms is None \
+    u = (
+        torch.rand(total.shape, generator=generator, device=cdf.device, dtype=cdf.dtype)
+        if uniforms is None
         else uniforms.to(cdf.dtype)
+    )
     tokens = torch.searchsorted(cdf, u * total, right=True)  # first index with cdf > u * total: p > 0
     # u * total can round up to total; the last token with p > 0 is then the right answer.
     last_positive = torch.searchsorted(cdf, total)  # first index with cdf >= total
@@ -271,6 +291,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
 
 
 # ----------------------------------------------------------------------------- generate
+
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token lists -> (ids (N, P), mask (N, P)), left-padded."""
@@ -283,27 +304,38 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch
     ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p) :] = 1
     return ids, mask
 
 
-def _hits_stop_string(rows: list[int], completion_ids: torch.Tensor, step: int,
-                      stop_strings: list[str], decode_fn: Callable[[list[int]], str]) -> list[int]:
+def _hits_stop_string(
+    rows: list[int],
+    completion_ids: torch.Tensor,
+    step: int,
+    stop_strings: list[str],
+    decode_fn: Callable[[list[int]], str],
+) -> list[int]:
     """Rows (of ``rows``) whose completion text now contains a stop string.
 
     Rows are checked every step, so a match must end in the newest token; decoding only a tail
     window of (longest stop string + 8) tokens keeps the cost per step independent of the length.
     """
     window = max(map(len, stop_strings)) + 8
-    tails = completion_ids[rows, max(0, step + 1 - window): step + 1].tolist()
+    tails = completion_ids[rows, max(0, step + 1 - window) : step + 1].tolist()
     return [b for b, tail in zip(rows, tails) if any(s in decode_fn(tail) for s in stop_strings)]
 
 
 @torch.inference_mode()
-def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], params: SamplingParams,
-             num_samples: int = 1, pad_token_id: int = 0,
-             decode_fn: Callable[[list[int]], str] | None = None, check_every: int = 4) -> RolloutBatch:
+def generate(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    num_samples: int = 1,
+    pad_token_id: int = 0,
+    decode_fn: Callable[[list[int]], str] | None = None,
+    check_every: int = 4,
+) -> RolloutBatch:
     """Sample ``num_samples`` completions for each prompt (token id lists) with a shared-prefix KV cache.
 
     The model runs in eval mode (no dropout) and inference mode; its train/eval mode is restored.
@@ -332,21 +364,28 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], params: S
         prompt_ids = prompt_ids.repeat_interleave(num_samples, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
         completion_ids, completion_mask, logprobs, finished = _decode_loop(
-            model, cache, last_logits, prompt_mask.to(device), params, pad_token_id, generator, decode_fn,
-            check_every)
+            model, cache, last_logits, prompt_mask.to(device), params, pad_token_id, generator, decode_fn, check_every
+        )
     finally:
         model.train(was_training)
 
     group_index = torch.arange(len(prompts)).repeat_interleave(num_samples)
     return RolloutBatch(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids.cpu(),
-        completion_mask=completion_mask.cpu(), logprobs=logprobs.cpu(), group_index=group_index,
-        prompt_lens=prompt_mask.sum(1), completion_lens=completion_mask.sum(1).cpu(), truncated=~finished.cpu(),
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids.cpu(),
+        completion_mask=completion_mask.cpu(),
+        logprobs=logprobs.cpu(),
+        group_index=group_index,
+        prompt_lens=prompt_mask.sum(1),
+        completion_lens=completion_mask.sum(1).cpu(),
+        truncated=~finished.cpu(),
     )
 
 
-def _decode_loop(model, cache, logits, prompt_mask, params: SamplingParams, pad_token_id: int,
-                 generator, decode_fn, check_every: int):
+def _decode_loop(
+    model, cache, logits, prompt_mask, params: SamplingParams, pad_token_id: int, generator, decode_fn, check_every: int
+):
     """Sample tokens until every row stopped or max_new_tokens. Returns (ids, mask, logprobs, finished)."""
     state = {"logits": logits, "cache": cache}
 
@@ -357,13 +396,22 @@ def _decode_loop(model, cache, logits, prompt_mask, params: SamplingParams, pad_
     def advance(tokens, attention_mask, positions):
         state["logits"], state["cache"] = decode_step(model, tokens, state["cache"], attention_mask, positions)
 
-    ids, mask, logprobs, _, finished = lockstep_decode(pick, advance, prompt_mask, params, pad_token_id,
-                                                       decode_fn, check_every)
+    ids, mask, logprobs, _, finished = lockstep_decode(
+        pick, advance, prompt_mask, params, pad_token_id, decode_fn, check_every
+    )
     return ids, mask, logprobs, finished
 
 
-def lockstep_decode(pick: Callable, advance: Callable, prompt_mask: torch.Tensor, params: SamplingParams,
-                    pad_token_id: int, decode_fn=None, check_every: int = 4, num_extras: int = 0):
+def lockstep_decode(
+    pick: Callable,
+    advance: Callable,
+    prompt_mask: torch.Tensor,
+    params: SamplingParams,
+    pad_token_id: int,
+    decode_fn=None,
+    check_every: int = 4,
+    num_extras: int = 0,
+):
     """The sampling loop every sampler here shares: all B rows advance one token per step.
 
     ``pick(step) -> (tokens (B,), logprobs (B,), extras)`` chooses this step's tokens from the current
@@ -405,11 +453,17 @@ def lockstep_decode(pick: Callable, advance: Callable, prompt_mask: torch.Tensor
             num_steps = step + 1
             break
         advance(tokens, attention_mask[:, : prompt_width + step + 1], positions + step)
-    return (completion_ids[:, :num_steps], completion_mask[:, :num_steps], logprobs[:, :num_steps],
-            [e[:, :num_steps] for e in extras], finished)
+    return (
+        completion_ids[:, :num_steps],
+        completion_mask[:, :num_steps],
+        logprobs[:, :num_steps],
+        [e[:, :num_steps] for e in extras],
+        finished,
+    )
 
 
 # ----------------------------------------------------------------------------- a sampler in another dtype
+
 
 class CastEngine:
     """The in-process sampler on a copy of the policy whose weights are cast to ``dtype`` (e.g. bf16
@@ -453,7 +507,14 @@ class CastEngine:
             if name in self._names:
                 mine[name].copy_(src)
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, num_samples: int = 1,
-                 pad_token_id: int = 0, decode_fn: Callable[[list[int]], str] | None = None) -> RolloutBatch:
-        return generate(self.model, prompts, params, num_samples=num_samples, pad_token_id=pad_token_id,
-                        decode_fn=decode_fn)
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        num_samples: int = 1,
+        pad_token_id: int = 0,
+        decode_fn: Callable[[list[int]], str] | None = None,
+    ) -> RolloutBatch:
+        return generate(
+            self.model, prompts, params, num_samples=num_samples, pad_token_id=pad_token_id, decode_fn=decode_fn
+        )

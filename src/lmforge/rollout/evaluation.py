@@ -1,5 +1,6 @@
 """Held-out evaluation: exact-match accuracy on a synthetic task, accuracy / reward / pass@k of held-out
 prompt rows under the configured rewards, and sampled generations."""
+
 from __future__ import annotations
 
 import json
@@ -13,22 +14,33 @@ from .engine import SamplingParams, generate
 
 def completion_texts(tokenizer, rollout) -> list[str]:
     """The generated text of each row of a ``RolloutBatch`` (masked tokens, no special tokens)."""
-    return [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
-            for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+    return [
+        tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+        for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)
+    ]
 
 
 @torch.no_grad()
-def complete_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 64,
-                 temperature: float = 0.0, seed: int = 0, lengths: list[int] | None = None) -> list[str]:
+def complete_ids(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    batch_size: int = 64,
+    temperature: float = 0.0,
+    seed: int = 0,
+    lengths: list[int] | None = None,
+) -> list[str]:
     """Greedy (or sampled) completions of token-id prompts, decoded without special tokens. Each
     completion's length in tokens (stop token included) is appended to ``lengths`` when it is given."""
     was_training = model.training
     model.eval()
-    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
-                            stop_token_ids=[tokenizer.eos_token_id], seed=seed)
+    params = SamplingParams(
+        temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=[tokenizer.eos_token_id], seed=seed
+    )
     texts = []
     for start in range(0, len(prompts), batch_size):
-        out = generate(model, prompts[start:start + batch_size], params, pad_token_id=tokenizer.pad_token_id)
+        out = generate(model, prompts[start : start + batch_size], params, pad_token_id=tokenizer.pad_token_id)
         texts.extend(completion_texts(tokenizer, out))
         if lengths is not None:
             lengths.extend(out.completion_lens.tolist())
@@ -36,8 +48,16 @@ def complete_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens: int
     return texts
 
 
-def complete(model, tokenizer, prompts: list[str], max_new_tokens: int, chat: bool = False,
-             batch_size: int = 64, temperature: float = 0.0, seed: int = 0) -> list[str]:
+def complete(
+    model,
+    tokenizer,
+    prompts: list[str],
+    max_new_tokens: int,
+    chat: bool = False,
+    batch_size: int = 64,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> list[str]:
     """Completions of text prompts (raw, or as one user turn through the chat template)."""
     ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
     return complete_ids(model, tokenizer, ids, max_new_tokens, batch_size, temperature, seed)
@@ -58,10 +78,21 @@ def save_samples(run_dir: Path, step: int, prompts: list[str], texts: list[str],
             printer(f"  sample | {prompt!r} -> {text!r}")
 
 
-def held_out_evaluator(tokenizer, problems: list, chat: bool, max_new_tokens: int, task=None,
-                       reward_specs: list[tuple] | None = None, pass_k: int = 0, temperature: float = 1.0,
-                       seed: int = 0, max_prompt_len: int = 0, reward_kwargs: dict | None = None,
-                       reward_timeout_s: float = 10.0, reward_workers: int = 0):
+def held_out_evaluator(
+    tokenizer,
+    problems: list,
+    chat: bool,
+    max_new_tokens: int,
+    task=None,
+    reward_specs: list[tuple] | None = None,
+    pass_k: int = 0,
+    temperature: float = 1.0,
+    seed: int = 0,
+    max_prompt_len: int = 0,
+    reward_kwargs: dict | None = None,
+    reward_timeout_s: float = 10.0,
+    reward_workers: int = 0,
+):
     """``evaluate(model, step) -> (metrics, prompt texts, greedy completions)`` on held-out problems.
 
     ``problems`` are task Problems (``task`` given: correct = ``task.is_correct``) or data rows with a
@@ -81,8 +112,16 @@ def held_out_evaluator(tokenizer, problems: list, chat: bool, max_new_tokens: in
     prompt_ids = [encode_prompt(tokenizer, text, chat) for text in texts_in]
     if max_prompt_len:
         prompt_ids = [ids[-max_prompt_len:] for ids in prompt_ids]
-    rewards = None if task is not None else RewardSet(reward_specs or [("exact", 1.0)], max_failure_fraction=1.0,
-                                                      timeout_s=reward_timeout_s, workers=reward_workers)
+    rewards = (
+        None
+        if task is not None
+        else RewardSet(
+            reward_specs or [("exact", 1.0)],
+            max_failure_fraction=1.0,
+            timeout_s=reward_timeout_s,
+            workers=reward_workers,
+        )
+    )
 
     def score(texts: list[str], rows: list, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(correct (N,) bool, weighted reward (N,) or None)."""
@@ -101,8 +140,15 @@ def held_out_evaluator(tokenizer, problems: list, chat: bool, max_new_tokens: in
         if pass_k > 0:
             repeated = [ids for ids in prompt_ids for _ in range(pass_k)]
             sample_lengths: list[int] = []
-            samples = complete_ids(model, tokenizer, repeated, max_new_tokens, temperature=temperature,
-                                   seed=seed + step, lengths=sample_lengths)
+            samples = complete_ids(
+                model,
+                tokenizer,
+                repeated,
+                max_new_tokens,
+                temperature=temperature,
+                seed=seed + step,
+                lengths=sample_lengths,
+            )
             hits, _ = score(samples, [p for p in problems for _ in range(pass_k)], sample_lengths)
             metrics["pass_at_k"] = hits.view(len(problems), pass_k).any(dim=1).float().mean().item()
         return metrics, texts_in, texts

@@ -10,6 +10,7 @@ and what ``AutoModelForSequenceClassification.from_pretrained(DIR)`` computes ar
 ``prompt + completion + eos``, or the chat template), so the reward of an RL completion is read at
 the same place as in training. The math and its tests: docs/reward-models.md.
 """
+
 from __future__ import annotations
 
 import copy
@@ -21,9 +22,9 @@ from pathlib import Path
 import torch
 
 from ..core.config import ModelConfig
+from ..core.errors import ConfigError
 from ..data.preference import encode_side
 from ..data.sft import collate_sft, uses_chat_format
-from ..core.errors import ConfigError
 from ..model.load import context_length, load_tokenizer_for
 
 HEAD = "ForSequenceClassification"
@@ -38,16 +39,18 @@ def from_causal_lm(model: torch.nn.Module, tokenizer) -> torch.nn.Module:
     from transformers import AutoModelForSequenceClassification
 
     if tokenizer.pad_token_id is None:
-        raise ConfigError("a reward model needs a pad token (its reward is read at the last non-pad token); "
-                          "the tokenizer has none")
+        raise ConfigError(
+            "a reward model needs a pad token (its reward is read at the last non-pad token); the tokenizer has none"
+        )
     config = copy.deepcopy(model.config)
     config.num_labels, config.pad_token_id = 1, tokenizer.pad_token_id
     config.id2label, config.label2id = {0: "reward"}, {"reward": 0}
     try:
         reward_model = AutoModelForSequenceClassification.from_config(config)
     except ValueError as exc:
-        raise ConfigError(f"transformers has no sequence-classification head for model type "
-                          f"{config.model_type!r}: {exc}") from exc
+        raise ConfigError(
+            f"transformers has no sequence-classification head for model type {config.model_type!r}: {exc}"
+        ) from exc
     config.architectures = [type(reward_model).__name__]
     body = getattr(model, model.base_model_prefix)
     getattr(reward_model, reward_model.base_model_prefix).load_state_dict(body.state_dict())
@@ -66,8 +69,10 @@ def sequence_rewards(model: torch.nn.Module, input_ids: torch.Tensor, attention_
 def check_reward_model_dir(path: str | Path) -> dict:
     """The config.json of a reward-model directory; ConfigError saying why ``path`` is not one."""
     path = Path(path)
-    what = ("a reward model is a directory written by `lmforge rm` (or any transformers "
-            "AutoModelForSequenceClassification with num_labels=1): config.json, weights, tokenizer")
+    what = (
+        "a reward model is a directory written by `lmforge rm` (or any transformers "
+        "AutoModelForSequenceClassification with num_labels=1): config.json, weights, tokenizer"
+    )
     if not path.is_dir():
         raise ConfigError(f"reward model {str(path)!r}: no such directory; {what}")
     config_file = path / "config.json"
@@ -79,12 +84,16 @@ def check_reward_model_dir(path: str | Path) -> dict:
         raise ConfigError(f"reward model {str(path)!r}: cannot read config.json ({exc}); {what}") from None
     architectures = config.get("architectures") or []
     if not any(str(a).endswith(HEAD) for a in architectures):
-        raise ConfigError(f"reward model {str(path)!r} is not one: its config.json names architectures "
-                          f"{architectures} (a causal LM?), not a *{HEAD}; {what}")
+        raise ConfigError(
+            f"reward model {str(path)!r} is not one: its config.json names architectures "
+            f"{architectures} (a causal LM?), not a *{HEAD}; {what}"
+        )
     num_labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
     if num_labels != 1:
-        raise ConfigError(f"reward model {str(path)!r} is a classifier with {num_labels} labels, not a scalar "
-                          f"reward (num_labels=1); {what}")
+        raise ConfigError(
+            f"reward model {str(path)!r} is a classifier with {num_labels} labels, not a scalar "
+            f"reward (num_labels=1); {what}"
+        )
     return config
 
 
@@ -95,29 +104,36 @@ def load_reward_model(path: str | Path, dtype: torch.dtype = torch.float32):
     check_reward_model_dir(path)
     tokenizer = load_tokenizer_for(ModelConfig(name=str(path)))
     try:
-        model, info = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=dtype,
-                                                                         output_loading_info=True)
-    except Exception as exc:  # noqa: BLE001 - any failure here is about the directory's files
-        raise ConfigError(f"reward model {str(path)!r}: transformers cannot load it "
-                          f"({type(exc).__name__}: {exc})") from exc
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            str(path), dtype=dtype, output_loading_info=True
+        )
+    except Exception as exc:
+        raise ConfigError(
+            f"reward model {str(path)!r}: transformers cannot load it ({type(exc).__name__}: {exc})"
+        ) from exc
     missing = sorted(info.get("missing_keys") or [])
     if missing:  # transformers fills them with random values: a random head scores noise, and the run exits 0
-        raise ConfigError(f"reward model {str(path)!r}: its weights lack {len(missing)} tensor(s) the config's "
-                          f"{model.config.architectures} needs ({', '.join(missing[:5])}), which would be random; "
-                          "its config names a scoring head its weights do not hold (a causal LM's weights under a "
-                          "reward model's config.json?). Point rm: at the directory `lmforge rm` wrote (its final/ "
-                          "or a step-N/model/), or train one with `lmforge rm CONFIG`")
+        raise ConfigError(
+            f"reward model {str(path)!r}: its weights lack {len(missing)} tensor(s) the config's "
+            f"{model.config.architectures} needs ({', '.join(missing[:5])}), which would be random; "
+            "its config names a scoring head its weights do not hold (a causal LM's weights under a "
+            "reward model's config.json?). Point rm: at the directory `lmforge rm` wrote (its final/ "
+            "or a step-N/model/), or train one with `lmforge rm CONFIG`"
+        )
     if model.config.pad_token_id is None:
-        raise ConfigError(f"reward model {str(path)!r}: config.json has no pad_token_id (the reward is read at "
-                          "the last non-pad token)")
+        raise ConfigError(
+            f"reward model {str(path)!r}: config.json has no pad_token_id (the reward is read at "
+            "the last non-pad token)"
+        )
     return model.eval().requires_grad_(False), tokenizer
 
 
 def _prompt_of(problem) -> str | list[dict]:
     prompt = problem.get("prompt") if isinstance(problem, dict) else getattr(problem, "prompt", None)
     if not isinstance(prompt, (str, list)):
-        raise ValueError(f"the rm reward scores prompt + completion, but this problem has no 'prompt' "
-                         f"({type(problem).__name__})")
+        raise ValueError(
+            f"the rm reward scores prompt + completion, but this problem has no 'prompt' ({type(problem).__name__})"
+        )
     return prompt
 
 
@@ -135,8 +151,9 @@ class RewardModelReward:
         self.model, self.tokenizer = load_reward_model(path)
         self.lock = threading.Lock()  # a call abandoned at its timeout may still be running
 
-    def __call__(self, completions: list[str], problems: list, batch_size: int = 32,
-                 use_chat_template: str = "auto") -> list[float]:
+    def __call__(
+        self, completions: list[str], problems: list, batch_size: int = 32, use_chat_template: str = "auto"
+    ) -> list[float]:
         chat = uses_chat_format(self.tokenizer, use_chat_template)
         limit = context_length(self.model) or None
         sides = []
@@ -147,7 +164,7 @@ class RewardModelReward:
         rewards = []
         with self.lock, torch.no_grad():
             for k in range(0, len(sides), batch_size):
-                batch = collate_sft(sides[k:k + batch_size], self.tokenizer.pad_token_id)
+                batch = collate_sft(sides[k : k + batch_size], self.tokenizer.pad_token_id)
                 rewards += sequence_rewards(self.model, batch["input_ids"], batch["attention_mask"]).float().tolist()
         return rewards
 

@@ -25,6 +25,7 @@ and counted; one broken sample does not stop a run, but a function that fails on
 and its first error. :meth:`RewardSet.close` stops the workers (the RL runs call it at the end and
 on errors).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,6 +54,7 @@ EXECUTORS = ("thread", "process")
 
 # ----------------------------------------------------------------------------- built-ins
 
+
 def _field(problem: Any, name: str) -> Any:
     """``problem.name`` or ``problem[name]``; a clear error when neither exists."""
     if isinstance(problem, dict):
@@ -74,8 +76,9 @@ def _task_from_spec(spec: str) -> Any:
 def _as_problem(row: dict) -> Any:
     from ..data.tasks import Problem
 
-    return Problem(prompt=str(row.get("prompt", "")), completion=str(row.get("completion", "")),
-                   answer=str(_field(row, "answer")))
+    return Problem(
+        prompt=str(row.get("prompt", "")), completion=str(row.get("completion", "")), answer=str(_field(row, "answer"))
+    )
 
 
 def exact_reward(completion: str, problem: Any, task: Any = None) -> float:
@@ -161,7 +164,9 @@ def _compiled(pattern: str) -> re.Pattern:
     return re.compile(pattern, flags=re.DOTALL)
 
 
-def format_reward(completion: str, problem: Any, pattern: str = r"<answer>.*?</answer>", match: str = "search") -> float:
+def format_reward(
+    completion: str, problem: Any, pattern: str = r"<answer>.*?</answer>", match: str = "search"
+) -> float:
     """1.0 if the regular expression ``pattern`` (DOTALL: ``.`` spans lines) matches, else 0.0.
 
     ``match="search"`` looks anywhere in the completion; ``match="full"`` needs the whole completion
@@ -185,8 +190,14 @@ def _check_format(pattern: str = r"<answer>.*?</answer>", match: str = "search")
 format_reward.check_kwargs = _check_format
 
 
-def overlong_reward(completion: str, problem: Any, completion_len: int | None = None, max_new_tokens: int | None = None,
-                    max_len: int = 0, cache: int = 0) -> float:
+def overlong_reward(
+    completion: str,
+    problem: Any,
+    completion_len: int | None = None,
+    max_new_tokens: int | None = None,
+    max_len: int = 0,
+    cache: int = 0,
+) -> float:
     """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) of a completion of ``L`` tokens:
 
         0                                   if L <= max_len - cache
@@ -220,8 +231,12 @@ def _check_overlong(max_len: int = 0, cache: int = 0, **_: Any) -> None:
 
 overlong_reward.check_kwargs = _check_overlong
 
-BUILTIN_REWARDS: dict[str, RewardFn] = {"exact": exact_reward, "math": math_reward, "format": format_reward,
-                                        "overlong": overlong_reward}
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "exact": exact_reward,
+    "math": math_reward,
+    "format": format_reward,
+    "overlong": overlong_reward,
+}
 
 
 def resolve_reward(name: str) -> RewardFn:
@@ -234,9 +249,7 @@ def resolve_reward(name: str) -> RewardFn:
             raise ConfigError("reward 'rm:': name the reward model's directory, e.g. rm:runs/rm/final")
         return reward_model_reward(name[3:])
     if ":" not in name:
-        raise ConfigError(
-            f"unknown reward {name!r}: use one of {sorted(BUILTIN_REWARDS)} or 'package.module:function'"
-        )
+        raise ConfigError(f"unknown reward {name!r}: use one of {sorted(BUILTIN_REWARDS)} or 'package.module:function'")
     fn, where = import_object(name, f"reward {name!r}", "function")
     if not callable(fn):
         raise ConfigError(f"reward {name!r}: module {where} has no callable {name.partition(':')[2]!r}")
@@ -244,6 +257,7 @@ def resolve_reward(name: str) -> RewardFn:
 
 
 # ----------------------------------------------------------------------------- combining
+
 
 @dataclass
 class RewardOutput:
@@ -254,7 +268,8 @@ class RewardOutput:
     names: list[str]  # (F,) names for logging, e.g. "exact", "mypkg.rewards:length"
     num_failed: torch.Tensor  # (F,) int64: failures per function in this batch (timeouts included)
     num_timed_out: torch.Tensor = dataclasses.field(  # (F,) int64: the failures that were timeouts
-        default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+        default_factory=lambda: torch.zeros(0, dtype=torch.int64)
+    )
     # (B, C) float32 or None: the parts of ``total`` an environment gave after each turn, on that turn's last
     # policy token (PPO credits them there; the rest of ``total`` goes on the last one). None: all at the end.
     turn_rewards: torch.Tensor | None = None
@@ -310,8 +325,9 @@ class RewardSet:
     workers: threads, and processes for process functions (0 = :func:`default_workers`).
     """
 
-    def __init__(self, specs: Sequence[tuple], max_failure_fraction: float = 0.5, timeout_s: float = 10.0,
-                 workers: int = 0):
+    def __init__(
+        self, specs: Sequence[tuple], max_failure_fraction: float = 0.5, timeout_s: float = 10.0, workers: int = 0
+    ):
         if not specs:
             raise ConfigError("RewardSet needs at least one (name, weight) spec")
         if not 0.0 <= max_failure_fraction <= 1.0:
@@ -329,8 +345,10 @@ class RewardSet:
         weights = []
         for spec in specs:
             if len(spec) not in (2, 3, 4) or not isinstance(spec[0], str):
-                raise ConfigError(f"reward spec {spec!r}: expected (name, weight), (name, weight, kwargs) or "
-                                  "(name, weight, kwargs, options)")
+                raise ConfigError(
+                    f"reward spec {spec!r}: expected (name, weight), (name, weight, kwargs) or "
+                    "(name, weight, kwargs, options)"
+                )
             name = spec[0]
             fn = resolve_reward(name)
             if not isinstance(spec[1], (int, float)) or not math.isfinite(spec[1]):
@@ -341,13 +359,17 @@ class RewardSet:
             self._check_kwargs(name, fn, fn_kwargs, accepts)
             unknown = set(options) - {"executor", "failure_value"}
             if unknown:
-                raise ConfigError(f"reward {name!r}: unknown option(s) {sorted(unknown)}; valid: executor, failure_value")
+                raise ConfigError(
+                    f"reward {name!r}: unknown option(s) {sorted(unknown)}; valid: executor, failure_value"
+                )
             executor = options.get("executor") or getattr(fn, "executor", "thread")
             if executor not in EXECUTORS:
                 raise ConfigError(f"reward {name!r}: executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
             if getattr(fn, "batched", False) and executor != "thread":
-                raise ConfigError(f"reward {name!r} is batched (one call per batch, e.g. a reward model): it runs in "
-                                  "a thread; drop executor=process")
+                raise ConfigError(
+                    f"reward {name!r} is batched (one call per batch, e.g. a reward model): it runs in "
+                    "a thread; drop executor=process"
+                )
             failure_value = options.get("failure_value", 0.0)
             if not isinstance(failure_value, (int, float)) or not math.isfinite(failure_value):
                 raise ConfigError(f"reward {name!r}: failure_value must be a finite number, got {failure_value!r}")
@@ -415,25 +437,35 @@ class RewardSet:
         return self.fns[f], completions[i], problems[i], self._kwargs(f, shared, lengths[i])
 
     def _run_inline(self, jobs: list[tuple[int, int]], completions, problems, shared, lengths) -> dict:
-        return {job: call_outcome(_score, self._job_args(job, completions, problems, shared, lengths))
-                for job in jobs}
+        return {job: call_outcome(_score, self._job_args(job, completions, problems, shared, lengths)) for job in jobs}
 
     def _run_parallel(self, jobs: list[tuple[int, int]], completions, problems, shared, lengths) -> dict:
         """Every job's ``(status, value_or_text)`` from the pool (``TimedCalls``: a job running longer
         than the timeout is ``timeout``)."""
         with self._scoring:  # waits at most for the other batch's calls, each bounded by the timeout
             for job in jobs:
-                self.calls.submit(job, _score, *self._job_args(job, completions, problems, shared, lengths),
-                                  process=self.executors[job[1]] == "process")
+                self.calls.submit(
+                    job,
+                    _score,
+                    *self._job_args(job, completions, problems, shared, lengths),
+                    process=self.executors[job[1]] == "process",
+                )
             return self.calls.wait_all()
 
-    def __call__(self, completions: Sequence[str], problems: Sequence[Any], *,
-                 completion_lens: Sequence[int] | None = None, **shared: Any) -> RewardOutput:
+    def __call__(
+        self,
+        completions: Sequence[str],
+        problems: Sequence[Any],
+        *,
+        completion_lens: Sequence[int] | None = None,
+        **shared: Any,
+    ) -> RewardOutput:
         """Score a batch. ``shared`` keywords (e.g. ``task=``, ``max_new_tokens=``) go to every function
         that accepts them; ``completion_lens`` (tokens per completion) reaches them as ``completion_len``."""
         if len(completions) != len(problems):
-            raise ValueError(f"{len(completions)} completions but {len(problems)} problems; "
-                             "pass one problem per completion")
+            raise ValueError(
+                f"{len(completions)} completions but {len(problems)} problems; pass one problem per completion"
+            )
         num_rows, num_fns = len(completions), len(self.fns)
         lengths = [None] * num_rows if completion_lens is None else [int(n) for n in completion_lens]
         if len(lengths) != num_rows:
@@ -465,17 +497,35 @@ class RewardSet:
                 num_timed_out[f] += status == "timeout"
                 if first_error is None:  # one detailed warning per function and batch, then a count
                     first_error = value
-                    logger.warning("reward %r failed on sample %d (%r), scored %g: %s", name, i,
-                                   completions[i][:200], self.failure_values[f], value)
+                    logger.warning(
+                        "reward %r failed on sample %d (%r), scored %g: %s",
+                        name,
+                        i,
+                        completions[i][:200],
+                        self.failure_values[f],
+                        value,
+                    )
             if int(num_failed[f]) > 1:
-                logger.warning("reward %r failed on %d of %d samples in this batch (%d timed out; all scored %g)",
-                               name, int(num_failed[f]), num_rows, int(num_timed_out[f]), self.failure_values[f])
+                logger.warning(
+                    "reward %r failed on %d of %d samples in this batch (%d timed out; all scored %g)",
+                    name,
+                    int(num_failed[f]),
+                    num_rows,
+                    int(num_timed_out[f]),
+                    self.failure_values[f],
+                )
             self.total_failures[f] += int(num_failed[f])
             self.total_timeouts[f] += int(num_timed_out[f])
             if num_rows and int(num_failed[f]) > self.max_failure_fraction * num_rows:
                 raise TrainingError(
                     f"reward {name!r} failed on {int(num_failed[f])}/{num_rows} samples (more than "
-                    f"max_failure_fraction={self.max_failure_fraction}); first error: {first_error}")
+                    f"max_failure_fraction={self.max_failure_fraction}); first error: {first_error}"
+                )
         total = per_function @ self.weights  # (B,)
-        return RewardOutput(total=total, per_function=per_function, names=list(self.names), num_failed=num_failed,
-                            num_timed_out=num_timed_out)
+        return RewardOutput(
+            total=total,
+            per_function=per_function,
+            names=list(self.names),
+            num_failed=num_failed,
+            num_timed_out=num_timed_out,
+        )

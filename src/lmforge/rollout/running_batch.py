@@ -6,6 +6,7 @@ module doc, "How rows share the batch" and "Kept caches").
 Shapes: B = running rows, L = cached positions (left-padded), V = vocabulary size, H = KV heads,
 D = head dim; N = rows admitted in one prefill.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,8 +39,10 @@ def trim_cache(cache: DynamicCache, start: int) -> None:
 
 def check_full_attention(cache: DynamicCache, who: str) -> None:
     if any(type(layer) is not DynamicLayer for layer in cache.layers):
-        raise ValueError(f"{who} merges full-attention KV caches between rows; this model has sliding-window or "
-                         "other special cache layers, which are not supported")
+        raise ValueError(
+            f"{who} merges full-attention KV caches between rows; this model has sliding-window or "
+            "other special cache layers, which are not supported"
+        )
 
 
 Kept = tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]  # (ids fed, per layer (1, H, len, D) keys, values)
@@ -50,13 +53,13 @@ def kept_entries(batch: "RunningBatch", b: int, fed: list[int]) -> Kept:
     prompt and its sampled tokens but the last, which was never fed to the model)."""
     real = batch.mask[b].bool()
     assert int(real.sum()) == len(fed), "the row's cached positions do not match its tokens"
-    return fed, [(layer.keys[b:b + 1, :, real], layer.values[b:b + 1, :, real]) for layer in batch.cache.layers]
+    return fed, [(layer.keys[b : b + 1, :, real], layer.values[b : b + 1, :, real]) for layer in batch.cache.layers]
 
 
 def reusable(kept: Kept | None, ids: list[int]) -> int:
     """How many leading ``ids`` have ``kept`` entries: all of the kept ones when ``ids`` continue them,
     else 0 (prefill them whole)."""
-    if kept is None or len(kept[0]) >= len(ids) or ids[:len(kept[0])] != kept[0]:
+    if kept is None or len(kept[0]) >= len(ids) or ids[: len(kept[0])] != kept[0]:
         return 0
     return len(kept[0])
 
@@ -76,8 +79,9 @@ def distinct_rows(ids: list[list[int]], num_cached: list[int]) -> tuple[list[int
     return unique, source
 
 
-def prefill_after_kept(model: torch.nn.Module, pad_token_id: int, rows: list[list[int]], kept: list[Kept | None],
-                       num_cached: list[int]) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, int]:
+def prefill_after_kept(
+    model: torch.nn.Module, pad_token_id: int, rows: list[list[int]], kept: list[Kept | None], num_cached: list[int]
+) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, int]:
     """One prefill of ``rows`` (ids), each after its first ``num_cached`` ids' ``kept`` entries (0: none):
     the kept entries right-aligned before the new ids (left-padded), the padding between masked.
     Returns (last logits (N, V), the cache, its mask (N, width + P), the number of ids prefilled)."""
@@ -89,7 +93,7 @@ def prefill_after_kept(model: torch.nn.Module, pad_token_id: int, rows: list[lis
     past_mask = torch.zeros((len(rows), width), dtype=torch.long)  # (N, width): the kept entries, right-aligned
     for n, c in enumerate(num_cached):
         if c:
-            past_mask[n, width - c:] = 1
+            past_mask[n, width - c :] = 1
     if width:
         layers = _right_aligned(kept, num_cached, width)
         assert len(layers) == len(cache.layers), "the kept caches do not have the model's layers"
@@ -100,8 +104,9 @@ def prefill_after_kept(model: torch.nn.Module, pad_token_id: int, rows: list[lis
     return logits, cache, mask, int(new_mask.sum())
 
 
-def _right_aligned(kept: list[Kept | None], num_cached: list[int], width: int
-                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _right_aligned(
+    kept: list[Kept | None], num_cached: list[int], width: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, (N, H, width, D) keys and values: each row's kept entries right-aligned, zeros before."""
     example = next(k[1] for k, c in zip(kept, num_cached) if c)
     out = []
@@ -110,8 +115,8 @@ def _right_aligned(kept: list[Kept | None], num_cached: list[int], width: int
         all_values = values.new_zeros((len(kept), values.shape[1], width, values.shape[-1]))
         for n, (entry, c) in enumerate(zip(kept, num_cached)):
             if c:
-                all_keys[n, :, width - c:] = entry[1][i][0][0]
-                all_values[n, :, width - c:] = entry[1][i][1][0]
+                all_keys[n, :, width - c :] = entry[1][i][0][0]
+                all_values[n, :, width - c :] = entry[1][i][1][0]
         out.append((all_keys, all_values))
     return out
 

@@ -28,6 +28,7 @@ exception type may not unpickle). An error reads ``Type: message (at file.py:lin
 raised; a timeout ``timed out after T s (KEY; what became of the call)``, KEY being the setting that
 chose T (``rewards.timeout_s``, ``env.tool_timeout_s``).
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -52,7 +53,7 @@ class CallTimeout(Exception):
     """Raised inside a worker process when a call overruns its timeout."""
 
 
-def _on_alarm(signum, frame):  # noqa: ARG001 - signal handler signature
+def _on_alarm(signum, frame):
     raise CallTimeout("timed out")
 
 
@@ -100,6 +101,7 @@ def _drain(reports) -> list[tuple[int, float]]:
 
 # ----------------------------------------------------------------------------- the workers
 
+
 class DaemonThreadPool:
     """A minimal executor on daemon threads (``ThreadPoolExecutor``'s threads are joined at exit, so
     one hung call would keep the process alive). Each call's ``(token, start time)`` goes to
@@ -109,13 +111,15 @@ class DaemonThreadPool:
     def __init__(self, workers: int, name: str, started: queue.SimpleQueue):
         self.started = started
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"lmforge-{name}-{i}", daemon=True)
-                         for i in range(workers)]
+        self._threads = [
+            threading.Thread(target=self._work, name=f"lmforge-{name}-{i}", daemon=True) for i in range(workers)
+        ]
         for thread in self._threads:
             thread.start()
 
     def _work(self) -> None:
         from ..core.ops import adopt_thread_count
+
         adopt_thread_count()  # a reward model's forward may run here: its OpenMP team as set (ops.py)
         while True:
             item = self._queue.get()
@@ -180,8 +184,9 @@ class ProcessPool:
     def __init__(self, workers: int, name: str):
         context = _process_context()
         self.started = context.Queue()  # (token, start time) of each call, from the workers
-        self._pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker,
-                                            initargs=(self.started,))
+        self._pool = cf.ProcessPoolExecutor(
+            max_workers=workers, mp_context=context, initializer=_init_worker, initargs=(self.started,)
+        )
         warm = [self._pool.submit(_ping) for _ in range(workers)]
         done, not_done = cf.wait(warm, timeout=self.STARTUP_TIMEOUT_S)
         if not_done:
@@ -225,6 +230,7 @@ class ProcessPool:
 
 
 # ----------------------------------------------------------------------------- the pool
+
 
 @dataclasses.dataclass
 class _Call:
@@ -285,8 +291,11 @@ class TimedCalls:
     def _run(self, key: Any, call: _Call) -> None:
         workers = self._executors.get(call.kind)
         if workers is None:
-            workers = (DaemonThreadPool(self.workers, self.name, self._thread_starts) if call.kind == "thread"
-                       else ProcessPool(self.workers, self.name))
+            workers = (
+                DaemonThreadPool(self.workers, self.name, self._thread_starts)
+                if call.kind == "thread"
+                else ProcessPool(self.workers, self.name)
+            )
             self._executors[call.kind] = workers
         call.token, call.workers, call.start = next(self._tokens), workers, None
         alarm_s = self.timeout_s if call.kind == "process" else 0.0
@@ -304,8 +313,11 @@ class TimedCalls:
         timed out, when any is pending (with ``timeout_s`` 0: as long as the calls run)."""
         while True:
             if wait and self._pending:
-                cf.wait([call.future for call in self._pending.values()], return_when=cf.FIRST_COMPLETED,
-                        timeout=TICK_S if self.timeout_s else None)
+                cf.wait(
+                    [call.future for call in self._pending.values()],
+                    return_when=cf.FIRST_COMPLETED,
+                    timeout=TICK_S if self.timeout_s else None,
+                )
             ended = self._collect()
             if ended or not wait or not self._pending:
                 return ended
@@ -354,8 +366,11 @@ class TimedCalls:
         thread finishes in the background), a process pool is killed. Its calls still queued (for a
         process pool, also those running) move to fresh workers; running threads go on being timed."""
         workers = self._executors.pop(kind)
-        moved = [key for key, call in self._pending.items()
-                 if call.workers is workers and (kind == "process" or call.future.cancel())]
+        moved = [
+            key
+            for key, call in self._pending.items()
+            if call.workers is workers and (kind == "process" or call.future.cancel())
+        ]
         workers.kill()
         for key in moved:
             self._run(key, self._forget(key))
@@ -363,8 +378,11 @@ class TimedCalls:
     def abandon(self) -> None:
         """Forget the pending calls (a batch that failed): the queued ones never run, and workers busy
         with one are given up as at a timeout, so no result of this batch reaches a later one."""
-        busy = {call.kind for call in self._pending.values() if not (call.future.cancel() or call.future.done())
-                and self._executors.get(call.kind) is call.workers}
+        busy = {
+            call.kind
+            for call in self._pending.values()
+            if not (call.future.cancel() or call.future.done()) and self._executors.get(call.kind) is call.workers
+        }
         for kind in busy:
             self._executors.pop(kind).kill()
         self._pending.clear()

@@ -31,6 +31,7 @@ importance weight; vLLM < 0.10.2 has no ``logprobs_mode`` and is refused.) vLLM 
 float32 from its own bf16 forward pass, so they differ from the trainer's recomputation by
 numerical noise: exactly what ``algo.is_level`` corrects for.
 """
+
 from __future__ import annotations
 
 import copy
@@ -42,12 +43,14 @@ from typing import Any, Sequence
 
 import torch
 
-from ..model import lora
 from ..core.errors import ConfigError
+from ..model import lora
 from .engine import RolloutBatch, SamplingParams, left_pad
 
-INSTALL_HINT = ("the vLLM rollout backend needs vLLM >= 0.10.2 on a CUDA machine: pip install vllm "
-                "(it brings its own CUDA build of torch); or use rollout.backend=inprocess")
+INSTALL_HINT = (
+    "the vLLM rollout backend needs vLLM >= 0.10.2 on a CUDA machine: pip install vllm "
+    "(it brings its own CUDA build of torch); or use rollout.backend=inprocess"
+)
 # Name fragments that wrappers add to parameter names and vLLM's checkpoint names lack.
 _WRAPPER_FRAGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
@@ -59,17 +62,20 @@ def import_vllm():
     afterwards runs in this process, which the weight sync relies on.
     """
     if not torch.cuda.is_available():
-        raise ConfigError("rollout.backend=vllm needs a CUDA GPU and this machine has none; "
-                          "use rollout.backend=inprocess")
+        raise ConfigError(
+            "rollout.backend=vllm needs a CUDA GPU and this machine has none; use rollout.backend=inprocess"
+        )
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
         import vllm
     except ImportError as exc:
         raise ImportError(f"vLLM is not installed: {INSTALL_HINT}") from exc
     if "logprobs_mode" not in {f.name for f in dataclasses.fields(vllm.EngineArgs)}:
-        raise ImportError(f"vLLM {getattr(vllm, '__version__', '?')} is too old: it has no logprobs_mode, so "
-                          "its logprobs are of the untempered distribution, not the one it samples from; "
-                          f"{INSTALL_HINT}")
+        raise ImportError(
+            f"vLLM {getattr(vllm, '__version__', '?')} is too old: it has no logprobs_mode, so "
+            "its logprobs are of the untempered distribution, not the one it samples from; "
+            f"{INSTALL_HINT}"
+        )
     return vllm
 
 
@@ -89,14 +95,30 @@ def vllm_sampling_params(vllm, params: SamplingParams, num_rows: int) -> list:
         text = {"detokenize": False}  # nothing reads the text; spare the CPU
     # top_k "off" is -1 in older vLLM and 0 in newer: take the installed version's default.
     top_k = params.top_k if params.top_k > 0 else vllm.SamplingParams().top_k
-    return [vllm.SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p, top_k=top_k,
-                                max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids),
-                                ignore_eos=True, logprobs=0, seed=seed, **text)
-            for seed in row_seeds(params.seed, num_rows)]
+    return [
+        vllm.SamplingParams(
+            n=1,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=top_k,
+            max_tokens=params.max_new_tokens,
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=True,
+            logprobs=0,
+            seed=seed,
+            **text,
+        )
+        for seed in row_seeds(params.seed, num_rows)
+    ]
 
 
-def to_rollout_batch(outputs: Sequence[Any], prompts: Sequence[Sequence[int]], num_samples: int,
-                     stop_token_ids: Sequence[int], pad_token_id: int) -> RolloutBatch:
+def to_rollout_batch(
+    outputs: Sequence[Any],
+    prompts: Sequence[Sequence[int]],
+    num_samples: int,
+    stop_token_ids: Sequence[int],
+    pad_token_id: int,
+) -> RolloutBatch:
     """vLLM ``RequestOutput`` list -> :class:`RolloutBatch` with the in-process engine's layout.
 
     ``outputs`` in request order: either one request per row (B outputs of one completion each)
@@ -110,8 +132,10 @@ def to_rollout_batch(outputs: Sequence[Any], prompts: Sequence[Sequence[int]], n
     completions = [c for request in outputs for c in request.outputs]
     num_rows = len(prompts) * num_samples
     if len(completions) != num_rows:
-        raise ValueError(f"expected {num_rows} completions ({len(prompts)} prompts x {num_samples}), "
-                         f"vLLM returned {len(completions)}")
+        raise ValueError(
+            f"expected {num_rows} completions ({len(prompts)} prompts x {num_samples}), "
+            f"vLLM returned {len(completions)}"
+        )
     width = max((len(c.token_ids) for c in completions), default=0)
     completion_ids = torch.full((num_rows, width), pad_token_id, dtype=torch.long)
     completion_mask = torch.zeros((num_rows, width), dtype=torch.long)
@@ -124,8 +148,8 @@ def to_rollout_batch(outputs: Sequence[Any], prompts: Sequence[Sequence[int]], n
             raise RuntimeError(f"vLLM ended row {row} with finish_reason={c.finish_reason!r} (aborted?)")
         if tokens and c.logprobs is None:
             raise RuntimeError("vLLM returned no logprobs; requests must set logprobs=0")
-        completion_ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        completion_mask[row, :len(tokens)] = 1
+        completion_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        completion_mask[row, : len(tokens)] = 1
         for t, token in enumerate(tokens):
             entry = c.logprobs[t]
             if token not in entry:
@@ -135,10 +159,13 @@ def to_rollout_batch(outputs: Sequence[Any], prompts: Sequence[Sequence[int]], n
     return RolloutBatch(
         prompt_ids=prompt_ids.repeat_interleave(num_samples, dim=0),
         prompt_mask=prompt_mask.repeat_interleave(num_samples, dim=0),
-        completion_ids=completion_ids, completion_mask=completion_mask, logprobs=logprobs,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        logprobs=logprobs,
         group_index=torch.arange(len(prompts)).repeat_interleave(num_samples),
         prompt_lens=prompt_mask.sum(1).repeat_interleave(num_samples),
-        completion_lens=completion_mask.sum(1), truncated=truncated,
+        completion_lens=completion_mask.sum(1),
+        truncated=truncated,
     )
 
 
@@ -209,17 +236,30 @@ class VLLMEngine:
     ``llm_kwargs`` go to ``vllm.LLM`` unchanged (e.g. ``enforce_eager=True``).
     """
 
-    def __init__(self, model: torch.nn.Module | str, tokenizer, gpu_memory_utilization: float = 0.3,
-                 dtype: str = "bfloat16", seed: int = 0, max_model_len: int | None = None,
-                 enable_sleep_mode: bool = False, **llm_kwargs):
+    def __init__(
+        self,
+        model: torch.nn.Module | str,
+        tokenizer,
+        gpu_memory_utilization: float = 0.3,
+        dtype: str = "bfloat16",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        enable_sleep_mode: bool = False,
+        **llm_kwargs,
+    ):
         vllm = import_vllm()
         self._vllm, self.tokenizer, self.max_model_len = vllm, tokenizer, max_model_len
         self.enable_sleep_mode = enable_sleep_mode
         self._awake, self._weights_valid = True, True
         self._model_dir = None  # keeps the temporary directory alive as long as the engine
-        kwargs: dict[str, Any] = dict(dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
-                                      max_model_len=max_model_len, enable_sleep_mode=enable_sleep_mode,
-                                      logprobs_mode="processed_logprobs")
+        kwargs: dict[str, Any] = dict(
+            dtype=dtype,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            enable_sleep_mode=enable_sleep_mode,
+            logprobs_mode="processed_logprobs",
+        )
         if isinstance(model, torch.nn.Module):
             self._model_dir = tempfile.TemporaryDirectory(prefix="lmforge-vllm-")
             _write_model_files(model, tokenizer, self._model_dir.name)
@@ -231,12 +271,18 @@ class VLLMEngine:
             raise RuntimeError(
                 "vLLM runs its engine core in a separate process here, so sync_weights cannot reach its "
                 "model; build the engine before anything else uses vLLM in this process, with "
-                "VLLM_ENABLE_V1_MULTIPROCESSING unset or 0")
+                "VLLM_ENABLE_V1_MULTIPROCESSING unset or 0"
+            )
         if isinstance(model, torch.nn.Module):
             self.sync_weights(model)
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, num_samples: int = 1,
-                 pad_token_id: int | None = None) -> RolloutBatch:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        num_samples: int = 1,
+        pad_token_id: int | None = None,
+    ) -> RolloutBatch:
         """Sample ``num_samples`` completions per prompt; the same batch as ``engine.generate``.
 
         ``pad_token_id`` defaults to the tokenizer's pad token (else 0). Stop strings are matched
@@ -245,13 +291,17 @@ class VLLMEngine:
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
         if not self._awake or not self._weights_valid:
-            raise RuntimeError("the vLLM engine is asleep or its weights were discarded; call "
-                               "sync_weights(model) (or wake_up() after a level-1 sleep) before generate")
+            raise RuntimeError(
+                "the vLLM engine is asleep or its weights were discarded; call "
+                "sync_weights(model) (or wake_up() after a level-1 sleep) before generate"
+            )
         if self.max_model_len is not None and prompts:
             longest = max(len(p) for p in prompts) + params.max_new_tokens
             if longest > self.max_model_len:
-                raise ValueError(f"a prompt plus max_new_tokens is {longest} tokens, over the engine's "
-                                 f"max_model_len={self.max_model_len}")
+                raise ValueError(
+                    f"a prompt plus max_new_tokens is {longest} tokens, over the engine's "
+                    f"max_model_len={self.max_model_len}"
+                )
         if pad_token_id is None:
             pad_token_id = getattr(self.tokenizer, "pad_token_id", None)
             pad_token_id = 0 if pad_token_id is None else pad_token_id
@@ -271,8 +321,10 @@ class VLLMEngine:
         """
         rpc = getattr(self.llm, "collective_rpc", None)
         if rpc is None:
-            raise RuntimeError(f"this vLLM ({getattr(self._vllm, '__version__', '?')}) has no "
-                               f"LLM.collective_rpc to load weights with; {INSTALL_HINT}")
+            raise RuntimeError(
+                f"this vLLM ({getattr(self._vllm, '__version__', '?')}) has no "
+                f"LLM.collective_rpc to load weights with; {INSTALL_HINT}"
+            )
         weights = vllm_named_weights(model)
         if not self._awake:
             self.llm.wake_up(tags=["weights"])
@@ -283,8 +335,10 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
         if missing:
             self._weights_valid = False
-            raise RuntimeError(f"vLLM parameters not reached by the trainer's weights: {missing[:8]}"
-                               f"{' ...' if len(missing) > 8 else ''}; the trainer and vLLM models differ")
+            raise RuntimeError(
+                f"vLLM parameters not reached by the trainer's weights: {missing[:8]}"
+                f"{' ...' if len(missing) > 8 else ''}; the trainer and vLLM models differ"
+            )
         self._weights_valid = True
 
     def sleep(self, level: int = 2) -> None:

@@ -11,6 +11,7 @@ mid-save leaves the previous checkpoints intact and never a half-written one und
 ``trainer_state.pt`` holds the optimizer, scheduler, RNG states, data position and step, which is
 what makes a resumed run reproduce the uninterrupted one exactly on CPU.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -90,8 +91,9 @@ def _cleaned_on_failure(tmp: Path, final: Path):
         if ours:
             raise
         if code is None:
-            exc.add_note(f"while writing {final}: its temporary directory {tmp} was removed; what was there "
-                         "before is intact")
+            exc.add_note(
+                f"while writing {final}: its temporary directory {tmp} was removed; what was there before is intact"
+            )
             raise
         raise SaveError(save_failure_message(final, code, exc)) from exc
 
@@ -100,11 +102,16 @@ def save_failure_message(final: Path, code: int, exc: BaseException) -> str:
     """'disk full while writing PATH (cause); ...; what to do': the message of a SaveError."""
     head = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded"}.get(code)
     what = f"{head} while writing {final}" if head else f"could not write {final}: {describe_errno(code)}"
-    fix = (f"Free space on the file system of {final.parent}" if head else
-           f"Make {final.parent} writable (or choose another directory)")
-    return (f"{what} ({type(exc).__name__}: {str(exc).strip()[:200]}); nothing was written under that name, its "
-            f"temporary directory was removed and the last checkpoint is intact. {fix}, then run the command "
-            "again (a training run continues with train.resume=auto)")
+    fix = (
+        f"Free space on the file system of {final.parent}"
+        if head
+        else f"Make {final.parent} writable (or choose another directory)"
+    )
+    return (
+        f"{what} ({type(exc).__name__}: {str(exc).strip()[:200]}); nothing was written under that name, its "
+        f"temporary directory was removed and the last checkpoint is intact. {fix}, then run the command "
+        "again (a training run continues with train.resume=auto)"
+    )
 
 
 def _fsync_tree(root: Path) -> None:
@@ -120,23 +127,27 @@ def _on_main(ctx, work) -> None:
     if ctx.is_main:
         try:
             work()
-        except Exception as exc:  # re-raised on rank 0 by check_all_ok, after the others know
+        except Exception as exc:  # noqa: BLE001 - re-raised on rank 0 by check_all_ok, after the others know
             error = exc
     ctx.check_all_ok(error)
 
 
 def parameters_finite(state) -> bool:
     """Whether every parameter of the trained modules is finite, on every rank (one flag all-reduced)."""
-    norms = [torch.linalg.vector_norm(p.detach().to_local() if hasattr(p, "to_local") else p.detach())
-             for p in state.wrapped.parameters()]
+    norms = [
+        torch.linalg.vector_norm(p.detach().to_local() if hasattr(p, "to_local") else p.detach())
+        for p in state.wrapped.parameters()
+    ]
     bad = torch.tensor([0 if not norms or bool(torch.isfinite(torch.stack(norms)).all()) else 1])
     return int(state.run.ctx.all_reduce(bad)) == 0
 
 
 def _refuse_nonfinite(state, what: Path) -> None:
     if not parameters_finite(state):
-        raise TrainingError(f"the parameters are not finite after step {state.step}: {what} was not written. "
-                            "Lower optim.lr or set train.on_nonfinite; the last checkpoint is intact.")
+        raise TrainingError(
+            f"the parameters are not finite after step {state.step}: {what} was not written. "
+            "Lower optim.lr or set train.on_nonfinite; the last checkpoint is intact."
+        )
 
 
 def save_model_dir(final: Path, state, extra: Callable[[Path], object] | None = None) -> Path:
@@ -180,8 +191,15 @@ def save_checkpoint(state, extra: dict, keep_last: int) -> Path:
     ctx.mark(f"the checkpoint save at step {state.step}")
     _refuse_nonfinite(state, final)
     rngs = ctx.gather_objects(rng_state())
-    trainer_state = {"data": state.order.state_dict(), **extra, "step": state.step, "rng": rngs[0],
-                     "rng_ranks": rngs, "world_size": ctx.world_size, "strategy": ctx.strategy}
+    trainer_state = {
+        "data": state.order.state_dict(),
+        **extra,
+        "step": state.step,
+        "rng": rngs[0],
+        "rng_ranks": rngs,
+        "world_size": ctx.world_size,
+        "strategy": ctx.strategy,
+    }
     tmp = ctx.broadcast_object(_tmp_dir(final))
     sharded = is_sharded(state.wrapped)
 
@@ -203,10 +221,16 @@ def save_checkpoint(state, extra: dict, keep_last: int) -> Path:
         except TrainingError as exc:  # every rank learns that a rank's shard could not be written
             error = exc
         ctx.check_all_ok(error)
-        trainer_state.update({"scheduler": state.updater.scheduler.state_dict(),
-                              "precision": state.updater.precision.state_dict(),
-                              "nonfinite": {"num_skipped": state.updater.num_skipped,
-                                            "skipped_in_a_row": state.updater.skipped_in_a_row}})
+        trainer_state.update(
+            {
+                "scheduler": state.updater.scheduler.state_dict(),
+                "precision": state.updater.precision.state_dict(),
+                "nonfinite": {
+                    "num_skipped": state.updater.num_skipped,
+                    "skipped_in_a_row": state.updater.skipped_in_a_row,
+                },
+            }
+        )
     else:
         trainer_state.update(state.updater.state_dict())
 
@@ -287,7 +311,7 @@ def checkpoint_problem(path: Path) -> str | None:
     """Why ``path`` cannot be resumed (incomplete, unreadable or non-finite), or None if it can."""
     try:
         saved = load_trainer_state(path)
-    except Exception as exc:  # truncated / corrupt file: reported, never resumed
+    except Exception as exc:  # noqa: BLE001 - truncated / corrupt file: reported, never resumed
         return f"trainer_state.pt unreadable ({type(exc).__name__})"
     if not isinstance(saved, dict) or "step" not in saved or "data" not in saved:
         return "trainer_state.pt incomplete"
@@ -304,7 +328,7 @@ def checkpoint_problem(path: Path) -> str | None:
                 for key in handle.keys():
                     if not bool(torch.isfinite(handle.get_tensor(key)).all()):
                         return f"non-finite weights ({key})"
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever safetensors raises: reported, never resumed
         return f"model weights unreadable ({type(exc).__name__})"
     return None
 
@@ -316,8 +340,11 @@ def resolve_resume(resume: str, run_dir: Path, printer=print) -> Path | None:
         return None
     if resume == "auto":
         root = Path(run_dir) / "checkpoints"
-        candidates = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))),
-                            reverse=True) if root.is_dir() else []
+        candidates = (
+            sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))), reverse=True)
+            if root.is_dir()
+            else []
+        )
         skipped = []
         for _, path in candidates:
             problem = checkpoint_problem(path)
@@ -327,9 +354,11 @@ def resolve_resume(resume: str, run_dir: Path, printer=print) -> Path | None:
                 return path
             skipped.append((path.name, problem))
         if skipped:
-            raise ConfigError(f"train.resume=auto: no usable checkpoint in {root} ("
-                              + "; ".join(f"{name}: {why}" for name, why in skipped)
-                              + "); nothing was overwritten. Resume one explicitly, or start a new train.output_dir")
+            raise ConfigError(
+                f"train.resume=auto: no usable checkpoint in {root} ("
+                + "; ".join(f"{name}: {why}" for name, why in skipped)
+                + "); nothing was overwritten. Resume one explicitly, or start a new train.output_dir"
+            )
         return None
     path = Path(resume)
     if not (path / "trainer_state.pt").is_file():
@@ -367,8 +396,10 @@ def resume_training(resume: str, run_dir: Path, state, printer) -> dict:
         state.updater.precision.load_state_dict(saved["precision"])
         state.updater.load_counters(saved)
     elif is_sharded(state.wrapped):
-        raise ConfigError(f"checkpoint {path} was written without FSDP2 (no dcp/ directory): resume it with "
-                          f"parallel.strategy=ddp, or start a new run from its weights (model.name={path}/model)")
+        raise ConfigError(
+            f"checkpoint {path} was written without FSDP2 (no dcp/ directory): resume it with "
+            f"parallel.strategy=ddp, or start a new run from its weights (model.name={path}/model)"
+        )
     else:
         load_model_weights(state.model, path)
         state.updater.load_state_dict(saved)
@@ -380,9 +411,11 @@ def resume_training(resume: str, run_dir: Path, state, printer) -> dict:
         reseed = state.run.train.seed + 1_000_003 * ctx.rank + 7919 * saved["step"]
         random.seed(reseed)
         torch.manual_seed(reseed)
-        printer(f"[resume] the checkpoint was written by {len(rngs)} ranks, this run has {ctx.world_size}: "
-                "weights, optimizer and data position are restored, the RNG streams restart from "
-                "(seed, rank, step)")
+        printer(
+            f"[resume] the checkpoint was written by {len(rngs)} ranks, this run has {ctx.world_size}: "
+            "weights, optimizer and data position are restored, the RNG streams restart from "
+            "(seed, rank, step)"
+        )
     printer(f"[resume] from {path} at step {saved['step']}")
     return saved
 
@@ -395,8 +428,9 @@ def _load_sharded(path: Path, state) -> None:
     model_state, optim_state = get_state_dict(state.wrapped, state.updater.optimizer)
     loaded = {"model": model_state, "optim": optim_state}
     dcp.load(loaded, checkpoint_id=str(path / "dcp"))
-    set_state_dict(state.wrapped, state.updater.optimizer, model_state_dict=loaded["model"],
-                   optim_state_dict=loaded["optim"])
+    set_state_dict(
+        state.wrapped, state.updater.optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+    )
 
 
 def load_trainer_state(path: Path) -> dict:
@@ -407,8 +441,10 @@ def load_trainer_state(path: Path) -> dict:
     except FileNotFoundError:
         raise ConfigError(f"{file}: checkpoint has no trainer state (not a complete checkpoint)") from None
     except Exception as exc:  # torch.load raises RuntimeError, EOFError, UnpicklingError, ... on bad files
-        raise ConfigError(f"{file}: cannot read the trainer state ({type(exc).__name__}: {exc}); the file is "
-                          "truncated or corrupt: resume from another checkpoint") from exc
+        raise ConfigError(
+            f"{file}: cannot read the trainer state ({type(exc).__name__}: {exc}); the file is "
+            "truncated or corrupt: resume from another checkpoint"
+        ) from exc
     if not isinstance(state, dict):
         raise ConfigError(f"{file}: expected a dict of trainer state, found a {type(state).__name__}")
     return state
@@ -422,8 +458,10 @@ def load_model_weights(model, path: Path) -> None:
 
     if has_adapters(model) or is_adapter_dir(Path(path) / "model"):
         if not (has_adapters(model) and is_adapter_dir(Path(path) / "model")):
-            raise ConfigError(f"checkpoint {path} was written {'without' if has_adapters(model) else 'with'} LoRA "
-                              "adapters: resume it with the model.lora settings it was saved with")
+            raise ConfigError(
+                f"checkpoint {path} was written {'without' if has_adapters(model) else 'with'} LoRA "
+                "adapters: resume it with the model.lora settings it was saved with"
+            )
         load_adapter_weights(model, Path(path) / "model")
         return
     files = sorted((Path(path) / "model").glob("*.safetensors"))
@@ -434,18 +472,25 @@ def load_model_weights(model, path: Path) -> None:
         try:
             state.update(load_file(str(file)))
         except Exception as exc:  # safetensors raises SafetensorsError (and OSError) on a bad file
-            raise ConfigError(f"{file}: cannot read the checkpoint weights ({type(exc).__name__}: {exc}); the "
-                              "file is truncated or corrupt: resume from another checkpoint") from exc
+            raise ConfigError(
+                f"{file}: cannot read the checkpoint weights ({type(exc).__name__}: {exc}); the "
+                "file is truncated or corrupt: resume from another checkpoint"
+            ) from exc
     # Checked before loading: load_state_dict copies the matching tensors before it complains, and
     # reports a shape mismatch as a bare RuntimeError.
     own = model.state_dict()
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     missing, unexpected = sorted(set(own) - set(state) - tied), sorted(set(state) - set(own))
-    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in sorted(set(own) & set(state))
-              if state[k].shape != own[k].shape]
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
+        for k in sorted(set(own) & set(state))
+        if state[k].shape != own[k].shape
+    ]
     if missing or unexpected or shapes:
-        raise ConfigError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}, "
-                          f"shapes (checkpoint vs model) {shapes}; resume with the model config it was saved with")
+        raise ConfigError(
+            f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}, "
+            f"shapes (checkpoint vs model) {shapes}; resume with the model config it was saved with"
+        )
     model.load_state_dict(state, strict=False)
     if tied:
         model.tie_weights()
@@ -458,8 +503,9 @@ def latest_or_given(run_or_checkpoint: Path) -> Path:
         return path
     found = list_checkpoints(path)
     if not found:
-        raise ConfigError(f"{path} is neither a checkpoint (no trainer_state.pt) nor a run directory with "
-                          "checkpoints/step-*")
+        raise ConfigError(
+            f"{path} is neither a checkpoint (no trainer_state.pt) nor a run directory with checkpoints/step-*"
+        )
     return found[-1]
 
 
@@ -475,8 +521,10 @@ def export_checkpoint(run_or_checkpoint: Path, out: Path) -> Path:
     path = latest_or_given(run_or_checkpoint)
     problem = None if is_adapter_dir(path / "model") else checkpoint_problem(path)
     if problem is not None:  # a weightless or non-finite export would look like a model
-        raise ConfigError(f"cannot export checkpoint {path}: {problem}; export another checkpoint of the run "
-                          "(lmforge export RUN_DIR/checkpoints/step-N)")
+        raise ConfigError(
+            f"cannot export checkpoint {path}: {problem}; export another checkpoint of the run "
+            "(lmforge export RUN_DIR/checkpoints/step-N)"
+        )
     out = Path(out)
     _check_replaceable(out)
 
@@ -515,8 +563,10 @@ def _check_replaceable(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; give a directory to create (or an earlier export to replace)")
     if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
-        raise ConfigError(f"--out {out} is a directory that holds other things (no config.json): an export replaces "
-                          "its target whole, so it is left alone; give a new or empty directory, or an earlier export")
+        raise ConfigError(
+            f"--out {out} is a directory that holds other things (no config.json): an export replaces "
+            "its target whole, so it is left alone; give a new or empty directory, or an earlier export"
+        )
 
 
 def _export_merged_lora(path: Path, out: Path) -> None:
@@ -525,13 +575,15 @@ def _export_merged_lora(path: Path, out: Path) -> None:
     import yaml
 
     from ..core.config import ModelConfig, _build
-    from ..model.lora import apply_lora, load_adapter_weights
     from ..model.load import load_model
+    from ..model.lora import apply_lora, load_adapter_weights
 
     run_config = path.parent.parent / "config.yaml"
     if not run_config.is_file():
-        raise ConfigError(f"{path} holds LoRA adapters; merging them needs the base model named in the run's "
-                          f"config ({run_config}), which is missing")
+        raise ConfigError(
+            f"{path} holds LoRA adapters; merging them needs the base model named in the run's "
+            f"config ({run_config}), which is missing"
+        )
     values = yaml.safe_load(run_config.read_text()) or {}
     model_cfg = _build(ModelConfig, values.get("model") or {}, "model.")
     model, tokenizer = load_model(model_cfg)

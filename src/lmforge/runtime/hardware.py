@@ -7,13 +7,18 @@ Each automatic choice comes with the reason it was made; every choice can be ove
 Importing this module does not import torch: the CLI asks :func:`prepare_process` for the OpenMP wait
 policy before torch loads its OpenMP runtime, which reads the policy once.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 import os
+from typing import TYPE_CHECKING
 
 from ..core.errors import ConfigError
+
+if TYPE_CHECKING:  # the annotations only: importing this module must not import torch (module doc)
+    import torch
 
 # The 1-minute load average at or above this fraction of the cores makes the machine busy (thread choice)
 BUSY_LOAD_FRACTION = 0.5
@@ -36,6 +41,9 @@ class Hardware:
         if self.device == "cpu":
             return "laptop-cpu" if self.num_cores <= 8 else "workstation-cpu"
         return "small-gpu" if self.accel_mem_gb < 24 else "large-gpu"
+
+
+BF16_HERE = ": this one has it, and train.dtype=bf16 is faster on models the size of SmolLM2"
 
 
 @dataclasses.dataclass
@@ -83,8 +91,11 @@ def choose_threads(cores: int, load: float, local_ranks: int = 1, threads: int =
     if threads > 0:
         return ThreadChoice(threads, busy, f"set in config (train.threads); {state}{wait}")
     share = f", shared by the {ranks} ranks on this machine" if ranks > 1 else ""
-    return ThreadChoice(max(1, free // ranks), busy,
-                        f"{state}, {free} core{'s' * (free > 1)} to use{share}{wait} (train.threads sets it)")
+    return ThreadChoice(
+        max(1, free // ranks),
+        busy,
+        f"{state}, {free} core{'s' * (free > 1)} to use{share}{wait} (train.threads sets it)",
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -158,8 +169,15 @@ def detect(device: str = "auto") -> Hardware:
     if want in ("auto", "cuda") and torch.cuda.is_available():
         index = int(device.split(":")[1]) if ":" in device else 0
         props = torch.cuda.get_device_properties(index)
-        return Hardware(f"cuda:{index}", props.name, _num_cores(), _ram_gb(), props.total_memory / 2**30,
-                        torch.cuda.is_bf16_supported(), start_load())
+        return Hardware(
+            f"cuda:{index}",
+            props.name,
+            _num_cores(),
+            _ram_gb(),
+            props.total_memory / 2**30,
+            torch.cuda.is_bf16_supported(),
+            start_load(),
+        )
     if want in ("auto", "mps") and getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
         return Hardware("mps", "Apple GPU", _num_cores(), _ram_gb(), _ram_gb() / 2, False, start_load())
     if want == "mps":
@@ -167,8 +185,9 @@ def detect(device: str = "auto") -> Hardware:
     return Hardware("cpu", "none", _num_cores(), _ram_gb(), 0.0, cpu_has_bf16(), start_load())
 
 
-def estimate_train_memory_gb(num_params: int, seq_len: int, hidden: int, layers: int, batch: int,
-                             checkpointing: bool, bytes_per_act: int = 4) -> float:
+def estimate_train_memory_gb(
+    num_params: int, seq_len: int, hidden: int, layers: int, batch: int, checkpointing: bool, bytes_per_act: int = 4
+) -> float:
     """Rough training memory: fp32 weights + grads + 2 AdamW moments, plus activations.
 
     Activations per layer and token are ~ 34 * hidden values without checkpointing (attention
@@ -179,9 +198,19 @@ def estimate_train_memory_gb(num_params: int, seq_len: int, hidden: int, layers:
     return (states + per_token * seq_len * batch) / 2**30
 
 
-def choose(hw: Hardware, *, dtype: str = "auto", threads: int = 0, micro_batch_size: int = 0,
-           gradient_checkpointing: str = "auto", num_params: int = 0, seq_len: int = 256,
-           hidden: int = 128, layers: int = 4, local_ranks: int = 1) -> Choices:
+def choose(
+    hw: Hardware,
+    *,
+    dtype: str = "auto",
+    threads: int = 0,
+    micro_batch_size: int = 0,
+    gradient_checkpointing: str = "auto",
+    num_params: int = 0,
+    seq_len: int = 256,
+    hidden: int = 128,
+    layers: int = 4,
+    local_ranks: int = 1,
+) -> Choices:
     """Pick settings for ``hw``; explicit (non-auto) arguments always win. ``local_ranks``: processes of
     the run sharing this machine's cores (torchrun)."""
     import torch
@@ -193,10 +222,15 @@ def choose(hw: Hardware, *, dtype: str = "auto", threads: int = 0, micro_batch_s
         elif hw.device.startswith("cuda"):
             chosen_dtype, reasons["dtype"] = torch.float16, "CUDA without bf16: fp16 autocast + grad scaler"
         else:
-            chosen_dtype, reasons["dtype"] = torch.float32, (
-                f"{hw.device}: fp32, the safe default (bf16 matmul is fast only on CPUs with AVX512-BF16 "
-                f"or AMX{': this one has it, and train.dtype=bf16 is faster on models the size of SmolLM2' if hw.bf16_supported else ''}; "
-                f"on 11 seeds of the addition SFT example bf16 autocast reached >= 98.5% on 5, fp32 on 10, docs/training.md)")
+            chosen_dtype, reasons["dtype"] = (
+                torch.float32,
+                (
+                    f"{hw.device}: fp32, the safe default (bf16 matmul is fast only on CPUs with AVX512-BF16 "
+                    f"or AMX{BF16_HERE if hw.bf16_supported else ''}; "
+                    "on 11 seeds of the addition SFT example bf16 autocast reached >= 98.5% on 5, fp32 on 10, "
+                    "docs/training.md)"
+                ),
+            )
     else:
         chosen_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
         reasons["dtype"] = "set in config"
@@ -215,15 +249,15 @@ def choose(hw: Hardware, *, dtype: str = "auto", threads: int = 0, micro_batch_s
         # CPU: small batches keep the step short and the progress visible; GPUs: fill memory.
         cap = 8 if hw.device == "cpu" else 64
         batch = cap
-        while batch > 1 and estimate_train_memory_gb(num_params, seq_len, hidden, layers, batch,
-                                                     ckpt) > budget_gb:
+        while batch > 1 and estimate_train_memory_gb(num_params, seq_len, hidden, layers, batch, ckpt) > budget_gb:
             batch //= 2
-        reasons["micro_batch_size"] = f"largest power of two <= {cap} fitting 70% of {budget_gb / 0.7:.0f} GB ({hw.tier})"
+        reasons["micro_batch_size"] = (
+            f"largest power of two <= {cap} fitting 70% of {budget_gb / 0.7:.0f} GB ({hw.tier})"
+        )
     if not ckpt_fixed:
         need = estimate_train_memory_gb(num_params, seq_len, hidden, layers, batch, False)
         ckpt = need > budget_gb
-        reasons["gradient_checkpointing"] = (
-            f"estimated {need:.1f} GB {'>' if ckpt else '<='} budget {budget_gb:.1f} GB")
+        reasons["gradient_checkpointing"] = f"estimated {need:.1f} GB {'>' if ckpt else '<='} budget {budget_gb:.1f} GB"
     else:
         reasons["gradient_checkpointing"] = "set in config"
     return Choices(torch.device(hw.device), chosen_dtype, chosen_threads, batch, ckpt, reasons)
@@ -238,9 +272,11 @@ def apply(choices: Choices) -> None:
 
 
 def describe(hw: Hardware) -> str:
-    return (f"device={hw.device} accelerator={hw.accelerator} cores={hw.num_cores} load={hw.load:.2f} "
-            f"ram={hw.ram_gb:.1f}GB accel_mem={hw.accel_mem_gb:.1f}GB bf16={hw.bf16_supported} tier={hw.tier} "
-            f"omp_wait={wait_setting() or 'default'}")
+    return (
+        f"device={hw.device} accelerator={hw.accelerator} cores={hw.num_cores} load={hw.load:.2f} "
+        f"ram={hw.ram_gb:.1f}GB accel_mem={hw.accel_mem_gb:.1f}GB bf16={hw.bf16_supported} tier={hw.tier} "
+        f"omp_wait={wait_setting() or 'default'}"
+    )
 
 
 def matmul_peak_gflops(dtype=None, size: int = 1024, reps: int = 5, device: str = "cpu") -> float:

@@ -6,6 +6,7 @@ the optimizer and resumes -> :func:`train_loop` runs ``step(n)`` for n = resumed
 max_steps, logs each step's metrics, evaluates and checkpoints on their cadence, then writes the
 final model, the summary and the curves. Only rank 0 writes to the console and to files.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,10 +16,10 @@ from typing import Any, Callable
 
 import torch
 
-from . import checkpoint as ckpt
 from ..model import lora
-from .metrics import RunLogger, StepTimer, plot_run, print_summary, summary, truncate_metrics
 from ..parallel.wrap import Root, full_state_dict, is_sharded, unwrap, wrap
+from . import checkpoint as ckpt
+from .metrics import RunLogger, StepTimer, plot_run, print_summary, summary, truncate_metrics
 from .optim import BatchOrder, Precision, Updater
 from .quant_hooks import apply_train_qat, write_quantized_copies
 from .run import Run, release_run_lock
@@ -69,14 +70,22 @@ def full_model(state: TrainState) -> torch.nn.Module:
     return state._full
 
 
-def build_state(run: Run, model, tokenizer, order: BatchOrder, num_updates: int,
-                extra_modules: dict[str, torch.nn.Module] | None = None) -> TrainState:
+def build_state(
+    run: Run,
+    model,
+    tokenizer,
+    order: BatchOrder,
+    num_updates: int,
+    extra_modules: dict[str, torch.nn.Module] | None = None,
+) -> TrainState:
     """Move to the device, turn on gradient checkpointing where chosen, wrap (DDP / FSDP2), build the
     optimizer (AdamW, schedule over ``num_updates``, precision) and resume as ``train.resume`` says.
 
     ``extra_modules`` (PPO's value head) are trained, clipped and checkpointed with the model.
     """
-    model = lora.apply_for_run(model, run.model_cfg.lora, run.train, run.ctx).to(run.device)  # LoRA: adapters only train
+    model = lora.apply_for_run(model, run.model_cfg.lora, run.train, run.ctx).to(
+        run.device
+    )  # LoRA: adapters only train
     apply_train_qat(run, model)  # train.qat: before the optimizer and the wrapping
     if run.choices.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -86,14 +95,23 @@ def build_state(run: Run, model, tokenizer, order: BatchOrder, num_updates: int,
             model.enable_input_require_grads()
     if lora.has_adapters(model):
         trainable, total = lora.count_trainable(model)
-        run.print(f"[lora] training {trainable:,} adapter parameters of {total:,} ({100 * trainable / total:.2f}%); "
-                  "the base model is frozen")
+        run.print(
+            f"[lora] training {trainable:,} adapter parameters of {total:,} ({100 * trainable / total:.2f}%); "
+            "the base model is frozen"
+        )
     model.train()
-    wrapped = wrap(Root(policy=model, **(extra_modules or {})), run.ctx, run.device, run.choices.dtype,
-                   run.parallel.grad_sync)
+    wrapped = wrap(
+        Root(policy=model, **(extra_modules or {})), run.ctx, run.device, run.choices.dtype, run.parallel.grad_sync
+    )
     tcfg = run.train
-    updater = Updater.build(wrapped, run.optim, num_updates, Precision(run.device, run.choices.dtype),
-                            tcfg.on_nonfinite, tcfg.max_nonfinite_skips)
+    updater = Updater.build(
+        wrapped,
+        run.optim,
+        num_updates,
+        Precision(run.device, run.choices.dtype),
+        tcfg.on_nonfinite,
+        tcfg.max_nonfinite_skips,
+    )
     state = TrainState(run, wrapped, model, tokenizer, updater, order)
     state.saved = ckpt.resume_training(run.train.resume, run.dir, state, run.print)
     state.step = state.saved.get("step", 0)
@@ -160,13 +178,17 @@ def train_loop(state: TrainState, trainer: Trainer) -> dict:
                 run.ctx.mark(f"the collectives of training step {done}")  # named if a rank stalls here
                 metrics = trainer.step(done)
                 step_time = time.perf_counter() - start
-                work = run.ctx.all_reduce(torch.tensor([metrics.pop("num_tokens"), metrics.pop("num_flops", 0.0)],
-                                                       dtype=torch.float64))  # over all ranks
+                work = run.ctx.all_reduce(
+                    torch.tensor([metrics.pop("num_tokens"), metrics.pop("num_flops", 0.0)], dtype=torch.float64)
+                )  # over all ranks
                 num_tokens = int(work[0])
                 timer.record(step_time, metrics.pop("data_time", 0.0), num_tokens, float(work[1]))
                 totals = {key: totals[key] + metrics[key] for key in trainer.time_keys}
-                logger.log(done, {**metrics, "tokens_per_s": num_tokens / step_time, "step_time": step_time},
-                           echo=done % tcfg.log_every == 0 or done == 1)
+                logger.log(
+                    done,
+                    {**metrics, "tokens_per_s": num_tokens / step_time, "step_time": step_time},
+                    echo=done % tcfg.log_every == 0 or done == 1,
+                )
                 logger.advance(done)
                 state.step = done
                 last = done == tcfg.max_steps
@@ -179,8 +201,16 @@ def train_loop(state: TrainState, trainer: Trainer) -> dict:
                         best = evaluation[trainer.best_metric]
                         ckpt.save_model_dir(run.dir / "best", state, quantized_copies(state, run.dir / "best"))
                 if due(tcfg.save_every, done, last):
-                    ckpt.save_checkpoint(state, {**trainer.extra_state(), "best_metric": best, "timer": timer.state_dict(),
-                                                 "time_totals": dict(totals)}, tcfg.keep_last)
+                    ckpt.save_checkpoint(
+                        state,
+                        {
+                            **trainer.extra_state(),
+                            "best_metric": best,
+                            "timer": timer.state_dict(),
+                            "time_totals": dict(totals),
+                        },
+                        tcfg.keep_last,
+                    )
             run.ctx.mark("the save of final/")
             ckpt.save_model_dir(run.dir / "final", state, quantized_copies(state, run.dir / "final"))
             if lora.has_adapters(state.model) and run.model_cfg.lora.save_merged:
@@ -204,8 +234,9 @@ def quantized_copies(state: TrainState, checkpoint_dir: Path):
     if not formats:
         return None
     model = full_model(state)
-    return lambda directory: write_quantized_copies(model, state.tokenizer, directory, formats, state.run.print,
-                                                    shown_as=checkpoint_dir)
+    return lambda directory: write_quantized_copies(
+        model, state.tokenizer, directory, formats, state.run.print, shown_as=checkpoint_dir
+    )
 
 
 def finish(state: TrainState, timer: StepTimer, totals: dict, logger) -> None:
@@ -217,7 +248,9 @@ def finish(state: TrainState, timer: StepTimer, totals: dict, logger) -> None:
     figures.update({f"{key}_s": value for key, value in totals.items()})
     print_summary(logger, figures)
     if totals:
-        run.print("[summary] time split: " + " | ".join(
-            f"{key.removeprefix('time_')} {value:.1f}s" for key, value in totals.items()))
+        run.print(
+            "[summary] time split: "
+            + " | ".join(f"{key.removeprefix('time_')} {value:.1f}s" for key, value in totals.items())
+        )
     plot_run(run.dir)
     run.print(f"[done] run directory: {run.dir}")

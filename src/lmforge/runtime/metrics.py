@@ -1,5 +1,6 @@
 """Observability: console lines, a progress bar, metrics.jsonl, optional TensorBoard / wandb,
 the end-of-run summary and ``lmforge plot``."""
+
 from __future__ import annotations
 
 import json
@@ -69,11 +70,25 @@ class RunLogger:
     def start_progress(self, description: str, completed: int = 0) -> None:
         if not self.logging.progress:
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
-        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                                 console=self.console, transient=True)
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=True,
+        )
         self.progress.start()
         self.task = self.progress.add_task(description, total=self.total_steps, completed=completed)
 
@@ -96,9 +111,14 @@ class RunLogger:
             self.wandb.log({f"{kind}/{k}": v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
         if echo:
             shown = [_fmt(k, record[k]) for k in self.CONSOLE_KEYS if k in record]
-            shown += [_fmt(k, v) for k, v in record.items()
-                      if k not in self.CONSOLE_KEYS and k not in ("step", "kind", "time") and kind != "train"
-                      and isinstance(v, (int, float))]
+            shown += [
+                _fmt(k, v)
+                for k, v in record.items()
+                if k not in self.CONSOLE_KEYS
+                and k not in ("step", "kind", "time")
+                and kind != "train"
+                and isinstance(v, (int, float))
+            ]
             self.print(f"[{kind} {step:>5}/{self.total_steps}] " + " ".join(shown))
 
     def close(self) -> None:
@@ -132,8 +152,14 @@ class StepTimer:
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps, so that a resumed run's summary covers the whole run."""
-        return {"step_times": list(self.step_times), "data_times": list(self.data_times), "tokens": self.tokens,
-                "flops": self.flops, "train_time": self.train_time, "elapsed": time.perf_counter() - self.start}
+        return {
+            "step_times": list(self.step_times),
+            "data_times": list(self.data_times),
+            "tokens": self.tokens,
+            "flops": self.flops,
+            "train_time": self.train_time,
+            "elapsed": time.perf_counter() - self.start,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.step_times, self.data_times = list(state["step_times"]), list(state["data_times"])
@@ -223,8 +249,10 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 PLOT_KEYS = ("loss", "val_loss", "lr", "accuracy", "pass_at_k", "eval_reward", "reward", "grad_norm")
 # An RL run's loss panel: near 0 by construction, which reads like a bug without a word.
-RL_LOSS_NOTE = ("RL: the policy loss is ~0 by construction (advantages are centred per group and the ratio is 1 "
-                "on-policy);\nits gradient is not. Follow reward and accuracy.")
+RL_LOSS_NOTE = (
+    "RL: the policy loss is ~0 by construction (advantages are centred per group and the ratio is 1 "
+    "on-policy);\nits gradient is not. Follow reward and accuracy."
+)
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:

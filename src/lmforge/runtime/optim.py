@@ -1,5 +1,6 @@
 """The shared pieces of every optimisation loop: optimizer, LR schedule, precision, forward on loss
 positions only, accumulation-normalised steps, global-norm clipping and a resumable batch order."""
+
 from __future__ import annotations
 
 import contextlib
@@ -18,6 +19,7 @@ PLAIN_HEAD_MODELS = {"llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "smo
 
 
 # ----------------------------------------------------------------------------- optimizer
+
 
 def param_groups(model: torch.nn.Module, weight_decay: float, no_decay: list[str]) -> list[dict]:
     """Two AdamW groups: decayed weights, and parameters whose name contains a ``no_decay`` substring."""
@@ -64,6 +66,7 @@ def build_scheduler(optimizer, cfg: OptimConfig, max_steps: int):
 
 # ----------------------------------------------------------------------------- precision
 
+
 class Precision:
     """Autocast context and (fp16 only) a gradient scaler. fp32 is a no-op."""
 
@@ -88,8 +91,9 @@ class Precision:
             self.scaler.load_state_dict(state)
 
 
-def optimizer_step(model, optimizer, scheduler, precision: Precision, max_grad_norm: float,
-                   skip_nonfinite: bool = False) -> torch.Tensor:
+def optimizer_step(
+    model, optimizer, scheduler, precision: Precision, max_grad_norm: float, skip_nonfinite: bool = False
+) -> torch.Tensor:
     """Unscale, clip by global norm, step, zero grads. Returns the pre-clip global grad norm.
 
     ``skip_nonfinite``: when the norm is nan / inf (and no fp16 grad scaler handles it), drop the
@@ -139,12 +143,20 @@ class Updater:
     skipped_in_a_row: int = 0
 
     @classmethod
-    def build(cls, module, optim_cfg, num_updates: int, precision: Precision, on_nonfinite: str = "stop",
-              max_skips: int = 3) -> "Updater":
+    def build(
+        cls, module, optim_cfg, num_updates: int, precision: Precision, on_nonfinite: str = "stop", max_skips: int = 3
+    ) -> "Updater":
         """``module``: what the optimizer trains (the wrapped root, so DDP / FSDP2 parameters)."""
         optimizer = build_optimizer(module, optim_cfg)
-        return cls(module, optimizer, build_scheduler(optimizer, optim_cfg, num_updates), precision,
-                   optim_cfg.max_grad_norm, on_nonfinite, max_skips)
+        return cls(
+            module,
+            optimizer,
+            build_scheduler(optimizer, optim_cfg, num_updates),
+            precision,
+            optim_cfg.max_grad_norm,
+            on_nonfinite,
+            max_skips,
+        )
 
     def check_loss(self, loss: torch.Tensor, step: int) -> None:
         """Before the update: a non-finite loss stops the run under ``stop`` (under ``skip`` its
@@ -153,27 +165,35 @@ class Updater:
             check_finite(loss, step)
 
     def step(self, step: int = 0) -> torch.Tensor:
-        norm = optimizer_step(self.module, self.optimizer, self.scheduler, self.precision, self.max_grad_norm,
-                              skip_nonfinite=True)
+        norm = optimizer_step(
+            self.module, self.optimizer, self.scheduler, self.precision, self.max_grad_norm, skip_nonfinite=True
+        )
         if self.precision.scaler or torch.isfinite(norm):  # (fp16: the grad scaler skips overflows itself)
             self.skipped_in_a_row = 0
             return norm
         if self.on_nonfinite == "stop":
-            raise TrainingError(f"non-finite gradient norm ({norm.item()}) at step {step}: the update was not "
-                                "applied. Lower optim.lr, or set train.on_nonfinite=skip to skip such updates; "
-                                "the last checkpoint is intact.")
+            raise TrainingError(
+                f"non-finite gradient norm ({norm.item()}) at step {step}: the update was not "
+                "applied. Lower optim.lr, or set train.on_nonfinite=skip to skip such updates; "
+                "the last checkpoint is intact."
+            )
         self.num_skipped += 1
         self.skipped_in_a_row += 1
         if self.skipped_in_a_row > self.max_skips:
-            raise TrainingError(f"{self.skipped_in_a_row} updates in a row had a non-finite gradient norm (last at "
-                                f"step {step}; train.max_nonfinite_skips={self.max_skips}); stopping. Lower "
-                                "optim.lr; the last checkpoint is intact.")
+            raise TrainingError(
+                f"{self.skipped_in_a_row} updates in a row had a non-finite gradient norm (last at "
+                f"step {step}; train.max_nonfinite_skips={self.max_skips}); stopping. Lower "
+                "optim.lr; the last checkpoint is intact."
+            )
         return norm
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "precision": self.precision.state_dict(),
-                "nonfinite": {"num_skipped": self.num_skipped, "skipped_in_a_row": self.skipped_in_a_row}}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "precision": self.precision.state_dict(),
+            "nonfinite": {"num_skipped": self.num_skipped, "skipped_in_a_row": self.skipped_in_a_row},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
@@ -189,6 +209,7 @@ class Updater:
 
 # ----------------------------------------------------------------------------- forward
 
+
 def decoder_of(model):
     """The transformer body (without LM head) of an HF causal LM, or None if unknown."""
     getter = getattr(model, "get_decoder", None)
@@ -196,8 +217,7 @@ def decoder_of(model):
     return body if body is not None and body is not model else getattr(model, "model", None)
 
 
-def logits_at(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-              positions: torch.Tensor) -> torch.Tensor:
+def logits_at(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Logits at the selected positions only: (B, T) bool ``positions`` -> (N, V).
 
     For plain-head models the LM head (the largest matmul of a small model: V x H per token) runs
@@ -237,6 +257,7 @@ def check_finite(loss: torch.Tensor, step: int) -> None:
 
 # ----------------------------------------------------------------------------- batch order
 
+
 class BatchOrder:
     """Shuffled row indices, reshuffled every epoch from (seed, epoch); resumable from a position."""
 
@@ -255,7 +276,7 @@ class BatchOrder:
         if self.pos + self.batch_rows > self.num_rows:
             self.epoch, self.pos = self.epoch + 1, 0
             self._perm = self._permutation()
-        rows = self._perm[self.pos:self.pos + self.batch_rows].tolist()
+        rows = self._perm[self.pos : self.pos + self.batch_rows].tolist()
         self.pos += self.batch_rows
         return rows
 

@@ -11,6 +11,7 @@
 
 :func:`check_quant_settings` runs when the run starts, so a bad format name fails before training.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -33,9 +34,11 @@ def check_quant_settings(tcfg, rollout_backend: str | None = None) -> None:
     backend = rollout_backend
     if tcfg.qat != QAT_OFF and backend in ("vllm", "atropos"):
         sampler = "vLLM" if backend == "vllm" else "the inference server the environments call"
-        raise ConfigError(f"train.qat needs rollout.backend=inprocess: with rollout.backend={backend}, {sampler} "
-                          "would sample from the full-precision master weights, not from the fake-quantized "
-                          "model that is trained")
+        raise ConfigError(
+            f"train.qat needs rollout.backend=inprocess: with rollout.backend={backend}, {sampler} "
+            "would sample from the full-precision master weights, not from the fake-quantized "
+            "model that is trained"
+        )
 
 
 def apply_train_qat(run, model) -> list[str]:
@@ -54,8 +57,10 @@ def apply_train_qat(run, model) -> list[str]:
         if present:  # applied by the caller (e.g. apply_qat before run_sft): keep it
             run.print(f"[qat] the model already computes with {'/'.join(sorted(present))} fake-quantized weights")
         elif getattr(config, "lmforge_qat", None):
-            run.print(f"[qat] the model comes from a {config.lmforge_qat} QAT run but train.qat=none: training "
-                      "its full-precision master weights without fake quantization")
+            run.print(
+                f"[qat] the model comes from a {config.lmforge_qat} QAT run but train.qat=none: training "
+                "its full-precision master weights without fake quantization"
+            )
             del config.lmforge_qat
         return []
     if present:
@@ -67,14 +72,17 @@ def apply_train_qat(run, model) -> list[str]:
     except ValueError as exc:
         raise ConfigError(f"train.qat={scheme}: {exc}") from None
     dtype = next(model.parameters()).dtype
-    run.print(f"[qat] {scheme}: {len(replaced)} linear layers of the decoder compute with fake-quantized weights "
-              f"(straight-through gradients); master weights stay {str(dtype).removeprefix('torch.')}; "
-              "embeddings, norms and lm_head are not quantized")
+    run.print(
+        f"[qat] {scheme}: {len(replaced)} linear layers of the decoder compute with fake-quantized weights "
+        f"(straight-through gradients); master weights stay {str(dtype).removeprefix('torch.')}; "
+        "embeddings, norms and lm_head are not quantized"
+    )
     return replaced
 
 
-def write_quantized_copies(model, tokenizer, checkpoint_dir: Path, formats: list[str], printer=print,
-                           shown_as: Path | None = None) -> list[Path]:
+def write_quantized_copies(
+    model, tokenizer, checkpoint_dir: Path, formats: list[str], printer=print, shown_as: Path | None = None
+) -> list[Path]:
     """``checkpoint_dir/quantized-<format>/`` for each format, from ``model`` (left untouched).
 
     Call on rank 0 once the model files of ``checkpoint_dir`` are written (``shown_as``: the name
@@ -91,10 +99,14 @@ def write_quantized_copies(model, tokenizer, checkpoint_dir: Path, formats: list
         try:
             (result,) = save_quantized_copies(model, tokenizer, checkpoint_dir, [name])
         except Exception as exc:  # noqa: BLE001 - a failed copy must never cost the checkpoint or the run
-            printer(f"[quantize] could not write the {name} copy of {shown}: {type(exc).__name__}: {exc} "
-                    f"(the checkpoint itself is complete)")
+            printer(
+                f"[quantize] could not write the {name} copy of {shown}: {type(exc).__name__}: {exc} "
+                f"(the checkpoint itself is complete)"
+            )
             continue
-        printer(f"[quantize] wrote {shown / f'quantized-{name}'} ({result.num_bytes / 2**20:.2f} MiB, "
-                f"{result.seconds:.1f} s)")
+        printer(
+            f"[quantize] wrote {shown / f'quantized-{name}'} ({result.num_bytes / 2**20:.2f} MiB, "
+            f"{result.seconds:.1f} s)"
+        )
         written.append(Path(checkpoint_dir) / f"quantized-{name}")
     return written

@@ -8,6 +8,7 @@ The settings marked ``opt(free_on_resume=...)`` on their field only decide what 
 saved, when, and how fast the same computation runs; they may change freely. Every other key is
 compared, so a key added later is compared until someone marks it.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -16,9 +17,9 @@ from typing import Any, Callable
 
 import yaml
 
-from .checkpoint import STEP_DIR, list_checkpoints
 from ..core.config import describe, parse_yaml, read_yaml, resume_free_keys, to_dict
 from ..core.errors import ConfigError
+from .checkpoint import STEP_DIR, list_checkpoints
 
 UNREPORTED = frozenset({"train.resume", "train.resume_accept", "train.output_dir"})  # differ by design
 
@@ -69,8 +70,10 @@ def check_resume_settings(cfg: Any, run_dir: Path, say: Callable[[str], None]) -
     new = flat_settings(cfg)
     accept = _checked_accept(list(getattr(train, "resume_accept", [])), new)
     if not saved_path.is_file():
-        say(f"[resume] no saved config at {saved_path}: the settings cannot be compared with the run's; "
-            "make sure they are the ones it ran with")
+        say(
+            f"[resume] no saved config at {saved_path}: the settings cannot be compared with the run's; "
+            "make sure they are the ones it ran with"
+        )
         return
     old = _flatten(read_yaml(saved_path), set(new))
     free = resume_free_keys(cfg)
@@ -82,7 +85,8 @@ def check_resume_settings(cfg: Any, run_dir: Path, say: Callable[[str], None]) -
             f"train.resume={train.resume}: these settings differ from the run's saved config ({saved_path}) and change "
             f"the computation, so the resumed run would not continue the same run:\n{lines}\nSet them back, or accept "
             f"the change deliberately with train.resume_accept=[{','.join(refused)}] (a key or a whole section; "
-            "docs/training.md, 'Resuming with changed settings'). Nothing was written.")
+            "docs/training.md, 'Resuming with changed settings'). Nothing was written."
+        )
     for key, (a, b) in changed.items():
         if key in UNREPORTED:
             continue
@@ -104,7 +108,9 @@ def _checked_accept(accept: list[str], settings: dict[str, Any]) -> list[str]:
         if entry not in valid:
             close = difflib.get_close_matches(entry, valid, n=3, cutoff=0.6)
             hint = f" Did you mean: {', '.join(close)}?" if close else ""
-            raise ConfigError(f"train.resume_accept names {entry!r}, which is no setting or section of this recipe.{hint}")
+            raise ConfigError(
+                f"train.resume_accept names {entry!r}, which is no setting or section of this recipe.{hint}"
+            )
     return accept
 
 

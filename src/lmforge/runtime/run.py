@@ -1,5 +1,6 @@
 """What every recipe does first: start the parallel context, pick hardware settings, split the
 batch, make the run directory, write the resolved config, seed every rank's RNG."""
+
 from __future__ import annotations
 
 import atexit
@@ -13,14 +14,14 @@ from pathlib import Path
 import torch
 import yaml
 
-from . import hardware
-from ..model import lora
-from .checkpoint import list_checkpoints, pid_alive
 from ..core.config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, save_config, to_dict
 from ..core.errors import ConfigError
-from .metrics import make_console
+from ..model import lora
 from ..model.load import count_parameters
 from ..parallel.context import ParallelContext, init_parallel
+from . import hardware
+from .checkpoint import list_checkpoints, pid_alive
+from .metrics import make_console
 from .quant_hooks import check_quant_settings
 from .resume_check import check_resume_settings
 
@@ -101,8 +102,10 @@ def split_batch(global_rows: int, micro_batch_size: int, world_size: int, what: 
     per_rank = global_rows // world_size
     micro = min(micro_batch_size, per_rank)
     if per_rank % micro:
-        raise ConfigError(f"{what}={global_rows} rows is not divisible by micro_batch_size={micro} x "
-                          f"world size={world_size}; choose numbers with {what} = micro x ranks x accumulation")
+        raise ConfigError(
+            f"{what}={global_rows} rows is not divisible by micro_batch_size={micro} x "
+            f"world size={world_size}; choose numbers with {what} = micro x ranks x accumulation"
+        )
     return per_rank // micro
 
 
@@ -110,8 +113,16 @@ def largest_divisor_at_most(n: int, cap: int) -> int:
     return max(d for d in range(1, min(n, max(cap, 1)) + 1) if n % d == 0)
 
 
-def start_run(cfg, name: str, model=None, seq_len: int = 256, console=None, update_rows: int | None = None,
-              update_label: str = "train.batch_size", rollout_backend: str | None = None) -> Run:
+def start_run(
+    cfg,
+    name: str,
+    model=None,
+    seq_len: int = 256,
+    console=None,
+    update_rows: int | None = None,
+    update_label: str = "train.batch_size",
+    rollout_backend: str | None = None,
+) -> Run:
     """Start the parallel context, choose hardware settings (printing each with its reason), split the
     batch, prepare ``train.output_dir``, write the resolved config.
 
@@ -138,10 +149,16 @@ def start_run(cfg, name: str, model=None, seq_len: int = 256, console=None, upda
     # Several ranks on one CPU share its cores: each gets its part unless threads are set.
     ranks = local_world_size() if hw.device == "cpu" and ctx.distributed else 1
     choices = hardware.choose(
-        hw, dtype=tcfg.dtype, threads=tcfg.threads, local_ranks=ranks, micro_batch_size=tcfg.micro_batch_size,
+        hw,
+        dtype=tcfg.dtype,
+        threads=tcfg.threads,
+        local_ranks=ranks,
+        micro_batch_size=tcfg.micro_batch_size,
         gradient_checkpointing=tcfg.gradient_checkpointing,
-        num_params=count_parameters(model) if model is not None else 0, seq_len=seq_len,
-        hidden=getattr(mcfg, "hidden_size", 128), layers=getattr(mcfg, "num_hidden_layers", 4),
+        num_params=count_parameters(model) if model is not None else 0,
+        seq_len=seq_len,
+        hidden=getattr(mcfg, "hidden_size", 128),
+        layers=getattr(mcfg, "num_hidden_layers", 4),
     )
     choices.device = device
     batch_size = tcfg.batch_size or DEFAULT_BATCH_SIZE
@@ -154,12 +171,17 @@ def start_run(cfg, name: str, model=None, seq_len: int = 256, console=None, upda
     choices.micro_batch_size = micro
     hardware.apply(choices)
     train = dataclasses.replace(
-        tcfg, batch_size=batch_size, micro_batch_size=micro, threads=choices.threads,
+        tcfg,
+        batch_size=batch_size,
+        micro_batch_size=micro,
+        threads=choices.threads,
         dtype={torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[choices.dtype],
-        gradient_checkpointing="on" if choices.gradient_checkpointing else "off")
+        gradient_checkpointing="on" if choices.gradient_checkpointing else "off",
+    )
     resolved = dataclasses.replace(cfg, train=train)  # what config.yaml holds
-    run = Run(name, cfg.model, train, cfg.optim, cfg.parallel, cfg.logging, run_dir, hw, choices, console, ctx,
-              micro, accum)
+    run = Run(
+        name, cfg.model, train, cfg.optim, cfg.parallel, cfg.logging, run_dir, hw, choices, console, ctx, micro, accum
+    )
     ctx.check_same_config(yaml.safe_dump({k: v for k, v in to_dict(resolved).items()}, sort_keys=True))
     error = None
     if ctx.is_main:
@@ -167,15 +189,21 @@ def start_run(cfg, name: str, model=None, seq_len: int = 256, console=None, upda
             check_resume_settings(resolved, run_dir, run.print)  # before config.yaml is overwritten below
             acquire_run_lock(run_dir, run.print)
         except (ConfigError, OSError) as exc:
-            error = exc if isinstance(exc, ConfigError) else ConfigError(
-                f"train.output_dir={run_dir}: cannot be used as a run directory ({exc})")
+            error = (
+                exc
+                if isinstance(exc, ConfigError)
+                else ConfigError(f"train.output_dir={run_dir}: cannot be used as a run directory ({exc})")
+            )
     ctx.check_all_ok(error)
     if ctx.is_main:
         console.print(f"[hardware] {hardware.describe(hw)}", markup=False)
         choices.report(lambda text: console.print(text, markup=False))
         if ctx.distributed:
-            console.print(f"[parallel] {ctx.world_size} ranks, {ctx.strategy}; {update_label}={update_rows} rows "
-                          f"= {micro} per micro-batch x {ctx.world_size} ranks x {accum} accumulation", markup=False)
+            console.print(
+                f"[parallel] {ctx.world_size} ranks, {ctx.strategy}; {update_label}={update_rows} rows "
+                f"= {micro} per micro-batch x {ctx.world_size} ranks x {accum} accumulation",
+                markup=False,
+            )
         save_config(resolved, run_dir / "config.yaml")
     ctx.barrier()
     seed_everything(tcfg.seed, ctx.rank)
@@ -206,11 +234,15 @@ def acquire_run_lock(run_dir: Path, printer=print) -> Path:
             if pid == me["pid"] and host == me["host"]:
                 return lock
             if host != me["host"]:
-                raise ConfigError(f"{run_dir} is locked by process {pid} on host {host} ({lock}); if that run is "
-                                  f"over, delete {lock}, or choose another train.output_dir")
+                raise ConfigError(
+                    f"{run_dir} is locked by process {pid} on host {host} ({lock}); if that run is "
+                    f"over, delete {lock}, or choose another train.output_dir"
+                )
             if pid_alive(pid):
-                raise ConfigError(f"{run_dir} is in use by a running lmforge process (PID {pid}, lock {lock}); "
-                                  "wait for it to finish or choose another train.output_dir")
+                raise ConfigError(
+                    f"{run_dir} is in use by a running lmforge process (PID {pid}, lock {lock}); "
+                    "wait for it to finish or choose another train.output_dir"
+                )
             printer(f"[run] taking over the stale lock of process {pid} (no longer running): {lock}")
             lock.unlink(missing_ok=True)
             continue

@@ -4,12 +4,20 @@ of a served rollout loop (``push_weights``; ``atropos.pull_batch``).
 Importing this package needs neither FastAPI nor uvicorn; ``app.build_app`` / ``command`` import them
 lazily with an install hint (``pip install 'lmforge[serve]'``). See docs/serving.md.
 """
+
 import importlib
 
 # name -> the module that defines it, imported on first use: ``lmforge serve --help`` builds its parser from
 # ``serve.command`` without loading torch (which the scheduler imports)
-_EXPORTS = {"BatchScheduler": "scheduler", "GenerationRequest": "scheduler", "GenerationResult": "scheduler",
-            "Sample": "scheduler", "ServeError": "scheduler", "WeightsError": "weights", "push_weights": "weights"}
+_EXPORTS = {
+    "BatchScheduler": "scheduler",
+    "GenerationRequest": "scheduler",
+    "GenerationResult": "scheduler",
+    "Sample": "scheduler",
+    "ServeError": "scheduler",
+    "WeightsError": "weights",
+    "push_weights": "weights",
+}
 __all__ = list(_EXPORTS)
 
 

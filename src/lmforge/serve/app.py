@@ -14,6 +14,7 @@ when the server is shutting down. Handlers never run the model: they tokenise, c
 scheduler thread and await its future, so the event loop keeps accepting requests that join the
 running batch.
 """
+
 # No ``from __future__ import annotations`` here: FastAPI reads the route signatures at runtime, and
 # ``Request``, imported lazily inside the functions that add the routes, could not be resolved from a
 # string annotation.
@@ -22,6 +23,9 @@ import contextlib
 import time
 from typing import Any
 
+from .extras import extra_processors
+from .grammar import ConstraintError, Grammars, chat_processors
+from .middleware import Guard, RequestCounts, client_gone, exposition
 from .protocol import (
     ChatRequest,
     CompletionRequest,
@@ -35,13 +39,10 @@ from .protocol import (
     sampling_params,
     stop_ids_of,
 )
-from .extras import extra_processors
-from .grammar import ConstraintError, Grammars, chat_processors
-from .middleware import Guard, RequestCounts, client_gone, exposition
 from .responses import add_responses_routes
 from .scheduler import BatchScheduler, GenerationRequest, GenerationResult, Sample, ServeError
-from .sessions import SessionNotFound, SessionPaths, SessionRecorder, call_context
 from .scoring import PromptScores, add_prompt_logprobs, prompt_logprobs_entries, score_prompts
+from .sessions import SessionNotFound, SessionPaths, SessionRecorder, call_context
 from .stream import feed, sse_events
 from .tools import ToolRequestError, continue_prompt, encode_chat, request_tools
 from .weights import WeightsError, check_state, copy_state, read_checkpoint_dir, read_tensor_bytes
@@ -70,8 +71,16 @@ def _require_fastapi():
 class ServedModel:
     """The model, its tokenizer and the scheduler, plus the checks that need the model's limits."""
 
-    def __init__(self, model, tokenizer, name: str, max_batch_rows: int = 64, gather_s: float = 0.005,
-                 aliases: tuple[str, ...] = (), sessions: SessionRecorder | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        name: str,
+        max_batch_rows: int = 64,
+        gather_s: float = 0.005,
+        aliases: tuple[str, ...] = (),
+        sessions: SessionRecorder | None = None,
+    ):
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.sessions = sessions  # an agent gateway's: calls under /sessions/<id>/ are recorded (sessions.py)
         self.aliases = {name, *aliases}  # the names a request's `model` may give (check_model)
@@ -108,8 +117,9 @@ class ServedModel:
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def check_prompt(self, prompt: list[int], max_tokens: int | None, default_max_tokens: int | None,
-                     index: int = 0) -> int:
+    def check_prompt(
+        self, prompt: list[int], max_tokens: int | None, default_max_tokens: int | None, index: int = 0
+    ) -> int:
         """Validate one prompt; return its max_tokens (the default filled in; an explicit 0, echo's
         scoring-only request, stays 0)."""
         where = "" if index == 0 else f" (prompt {index})"
@@ -121,8 +131,9 @@ class ServedModel:
             raise RequestError(f"the prompt{where} is empty", param="prompt")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
-            raise RequestError(f"prompt{where} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
-                               param="prompt")
+            raise RequestError(
+                f"prompt{where} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}", param="prompt"
+            )
         room = self.max_model_len - len(prompt)
         if max_tokens is None:
             max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
@@ -132,7 +143,9 @@ class ServedModel:
                 f"{len(prompt) + max(max_tokens, least)} tokens ({len(prompt)} in the prompt{where}, "
                 f"{max(max_tokens, least)} "
                 f"for the completion). Shorten the prompt or lower max_tokens.",
-                param="max_tokens" if room > 0 else "prompt", code="context_length_exceeded")
+                param="max_tokens" if room > 0 else "prompt",
+                code="context_length_exceeded",
+            )
         return max_tokens
 
     def request(self, prompt: list[int], body, max_tokens: int, on_token=None) -> GenerationRequest:
@@ -150,17 +163,26 @@ class ServedModel:
         for field in ("logit_bias", "stop_token_ids"):
             bad = [t for t in getattr(body, field) if not 0 <= t < self.vocab_size]
             if bad:
-                raise RequestError(f"{field} names token ids outside the vocabulary [0, {self.vocab_size}): "
-                                   f"{bad[:5]}", param=field)
+                raise RequestError(
+                    f"{field} names token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}", param=field
+                )
         if body.min_tokens > max_tokens:
-            raise RequestError(f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})",
-                               param="min_tokens")
-        request = GenerationRequest(prompt, sampling_params(body, max_tokens, self.stop_token_ids), n=body.n,
-                                    frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
-                                    repetition_penalty=body.repetition_penalty,
-                                    logit_bias=dict(body.logit_bias), top_logprobs=body.top_logprobs or 0,
-                                    processors=[*processors, *extra_processors(body, self.stop_ids(body))],
-                                    min_tokens=body.min_tokens, on_token=on_token)
+            raise RequestError(
+                f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})", param="min_tokens"
+            )
+        request = GenerationRequest(
+            prompt,
+            sampling_params(body, max_tokens, self.stop_token_ids),
+            n=body.n,
+            frequency_penalty=body.frequency_penalty,
+            presence_penalty=body.presence_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logit_bias=dict(body.logit_bias),
+            top_logprobs=body.top_logprobs or 0,
+            processors=[*processors, *extra_processors(body, self.stop_ids(body))],
+            min_tokens=body.min_tokens,
+            on_token=on_token,
+        )
         if session is not None:
             session.attach(request)
         return request
@@ -200,8 +222,9 @@ class ServedModel:
         job = self.scheduler.run_job(lambda model: score_prompts(model, prompts, top_n))
         return await asyncio.wrap_future(job)
 
-    async def generate_all(self, prompts: list[list[int]], budgets: list[int], body, score_top: int | None = None
-                           ) -> tuple[list[GenerationResult], list[PromptScores] | None]:
+    async def generate_all(
+        self, prompts: list[list[int]], budgets: list[int], body, score_top: int | None = None
+    ) -> tuple[list[GenerationResult], list[PromptScores] | None]:
         """Every prompt's samples (none where its budget is 0: finish_reason "length") and, unless
         ``score_top`` is None, the prompts' own logprobs, all from one weight version: the prompts run
         as separate rows (and the scoring as a job), so if a weight update fell between them the whole
@@ -229,12 +252,24 @@ class ServedModel:
 
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         callbacks = [feed(queue, loop, index, self.scheduler) for index in range(len(prompts))]
-        requests = [self.request(prompt, body, budget, on_token)
-                    for prompt, budget, (on_token, _) in zip(prompts, budgets, callbacks)]
+        requests = [
+            self.request(prompt, body, budget, on_token)
+            for prompt, budget, (on_token, _) in zip(prompts, budgets, callbacks)
+        ]
         for request, (_, on_done) in zip(requests, callbacks):  # all checked before any is submitted
             self.submit(request).add_done_callback(on_done)
-        events = sse_events(kind, self.name, requests, body, prompts, self.decoder(body), self.decode_token, queue,
-                            parse_tools, self.stop_ids(body))
+        events = sse_events(
+            kind,
+            self.name,
+            requests,
+            body,
+            prompts,
+            self.decoder(body),
+            self.decode_token,
+            queue,
+            parse_tools,
+            self.stop_ids(body),
+        )
         return StreamingResponse(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
 
@@ -291,12 +326,16 @@ def add_error_handlers(app) -> None:
         param = ".".join(loc) or None
         message = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
-            return JSONResponse(error_body(f"the request body is not valid JSON ({message}, at character "
-                                           f"{loc[0] if loc else '?'})"), status_code=400)
+            return JSONResponse(
+                error_body(f"the request body is not valid JSON ({message}, at character {loc[0] if loc else '?'})"),
+                status_code=400,
+            )
         if first.get("type") == "missing" and param is None:  # no body at all
             needs = "'messages'" if request.url.path.endswith("/chat/completions") else "'prompt'"
-            return JSONResponse(error_body(f"the request body is missing: send a JSON object with {needs}",
-                                           param=needs.strip("'")), status_code=400)
+            return JSONResponse(
+                error_body(f"the request body is missing: send a JSON object with {needs}", param=needs.strip("'")),
+                status_code=400,
+            )
         if first.get("type") == "extra_forbidden":
             message = f"unknown or unsupported field '{param}'"
         elif param:
@@ -305,8 +344,10 @@ def add_error_handlers(app) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException):
-        return JSONResponse(error_body(str(exc.detail), kind="not_found_error" if exc.status_code == 404
-                                       else "invalid_request_error"), status_code=exc.status_code)
+        return JSONResponse(
+            error_body(str(exc.detail), kind="not_found_error" if exc.status_code == 404 else "invalid_request_error"),
+            status_code=exc.status_code,
+        )
 
     @app.exception_handler(RequestError)
     async def _bad_request(request: Request, exc: RequestError):
@@ -330,22 +371,32 @@ def add_error_handlers(app) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):  # still JSON, and the server log has the traceback
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", kind="server_error"),
-                            status_code=500)
+        return JSONResponse(
+            error_body(f"internal error: {type(exc).__name__}: {exc}", kind="server_error"), status_code=500
+        )
 
 
 def add_generation_routes(app, served: ServedModel) -> None:
     """/health, /v1/models, /v1/completions and /v1/chat/completions."""
+
     @app.get("/health")
     async def health():
         if not served.scheduler.alive:  # a probe must see that nothing will be generated any more
             raise ServeError("the generation thread has stopped (see the server log): restart the server")
-        return {"status": "ok", "weight_version": served.scheduler.weight_version,
-                "running_rows": served.scheduler.num_running}
+        return {
+            "status": "ok",
+            "weight_version": served.scheduler.weight_version,
+            "running_rows": served.scheduler.num_running,
+        }
 
     def model_object() -> dict:
-        return {"id": served.name, "object": "model", "created": served.created, "owned_by": "lmforge",
-                "max_model_len": served.max_model_len}
+        return {
+            "id": served.name,
+            "object": "model",
+            "created": served.created,
+            "owned_by": "lmforge",
+            "max_model_len": served.max_model_len,
+        }
 
     @app.get("/v1/models")
     async def models():
@@ -367,19 +418,24 @@ def add_generation_routes(app, served: ServedModel) -> None:
         if session is not None:
             prompts = session_completion_prompts(served, session, body, prompts)
         if body.max_tokens == 0 and not body.echo:
-            raise RequestError("max_tokens 0 needs echo=true (it scores the prompt and generates nothing)",
-                               param="max_tokens")
-        budgets = [served.check_prompt(p, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, i)
-                   for i, p in enumerate(prompts)]
+            raise RequestError(
+                "max_tokens 0 needs echo=true (it scores the prompt and generates nothing)", param="max_tokens"
+            )
+        budgets = [
+            served.check_prompt(p, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, i) for i, p in enumerate(prompts)
+        ]
         if body.stream and body.scores_prompt:
-            raise RequestError("prompt logprobs (echo with logprobs, prompt_logprobs) are not streamed; send "
-                               "stream=false", param="stream")
+            raise RequestError(
+                "prompt logprobs (echo with logprobs, prompt_logprobs) are not streamed; send stream=false",
+                param="stream",
+            )
         if body.stream:  # one version per request is not retried here: each chunk names its weight_version
             return served.stream("completion", prompts, budgets, body)
         top = max(body.prompt_logprobs or 0, body.logprobs or 0) if body.scores_prompt else None
         results, scores = await served.generate_all(prompts, budgets, body, top)
-        reply = completion_body(served.name, prompts, results, body, served.decoder(body), served.decode_token,
-                                served.stop_ids(body))
+        reply = completion_body(
+            served.name, prompts, results, body, served.decoder(body), served.decode_token, served.stop_ids(body)
+        )
         if scores is not None:
             add_prompt_logprobs(reply, scores, body, served.decoder(body), served.decode_token)
         return _reply(reply)
@@ -396,12 +452,17 @@ async def chat_completion(served: ServedModel, body: ChatRequest):
     served.check_model(body.model)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]  # echoed fields left out (protocol.py)
     if body.continue_final_message and body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
-        raise RequestError("continue_final_message and add_generation_prompt cannot both be true (the last message "
-                           "is either continued or closed and answered)", param="continue_final_message")
+        raise RequestError(
+            "continue_final_message and add_generation_prompt cannot both be true (the last message "
+            "is either continued or closed and answered)",
+            param="continue_final_message",
+        )
     if body.continue_final_message and body.prefix_token_ids is not None:
-        raise RequestError("continue_final_message with prefix_token_ids: the ids already end the last assistant "
-                           "message; send its continuation as a completion of those ids instead",
-                           param="continue_final_message")
+        raise RequestError(
+            "continue_final_message with prefix_token_ids: the ids already end the last assistant "
+            "message; send its continuation as a completion of those ids instead",
+            param="continue_final_message",
+        )
     try:
         tools, parse_tools = request_tools(body)
         session = served.session()
@@ -410,8 +471,15 @@ async def chat_completion(served: ServedModel, body: ChatRequest):
         elif body.prefix_token_ids is None:
             prompt = encode_chat(served.tokenizer, messages, tools, **body.template_kwargs)  # text as text
         else:  # token-in: the conversation so far as ids, only the new messages rendered (tools.py)
-            prompt = continue_prompt(served.tokenizer, messages, tools, body.prefix_token_ids,
-                                     served.stop_token_ids, served.encode, body.template_kwargs)
+            prompt = continue_prompt(
+                served.tokenizer,
+                messages,
+                tools,
+                body.prefix_token_ids,
+                served.stop_token_ids,
+                served.encode,
+                body.template_kwargs,
+            )
     except ToolRequestError as exc:
         raise RequestError(str(exc), param=exc.param) from exc
     max_tokens = served.check_prompt(prompt, body.max_completion_tokens or body.max_tokens, None)
@@ -420,44 +488,72 @@ async def chat_completion(served: ServedModel, body: ChatRequest):
     if body.stream:
         return served.stream("chat", [prompt], [max_tokens], body, parse_tools)
     results, scores = await served.generate_all([prompt], [max_tokens], body, body.prompt_logprobs)
-    reply = chat_body(served.name, prompt, results[0], body, served.decoder(body), served.decode_token, parse_tools,
-                      served.stop_ids(body))
+    reply = chat_body(
+        served.name,
+        prompt,
+        results[0],
+        body,
+        served.decoder(body),
+        served.decode_token,
+        parse_tools,
+        served.stop_ids(body),
+    )
     if scores is not None:  # vLLM's extension, for the rendered prompt
         reply["prompt_logprobs"] = prompt_logprobs_entries(scores[0], body.prompt_logprobs, served.decode_token)
     return reply
 
 
-def session_chat_prompt(served: ServedModel, session, body: ChatRequest, messages: list[dict],
-                        tools: list[dict] | None, parse_tools: bool) -> list[int]:
+def session_chat_prompt(
+    served: ServedModel, session, body: ChatRequest, messages: list[dict], tools: list[dict] | None, parse_tools: bool
+) -> list[int]:
     """A chat call's prompt in an agent session: earlier replies of the session from their sampled ids
     (``sessions.py``, rule 1); the call recorded with its conversation and its reply as the client gets it."""
     stop_ids, decode = served.stop_ids(body), served.decoder(body)
-    call_context(endpoint="chat", reply=lambda ids, finish: chat_choice(
-        0, reply_text(ids, finish, body, decode, stop_ids), finish, parse_tools)["message"])
+    call_context(
+        endpoint="chat",
+        reply=lambda ids, finish: chat_choice(0, reply_text(ids, finish, body, decode, stop_ids), finish, parse_tools)[
+            "message"
+        ],
+    )
     if body.prefix_token_ids is not None:  # token-in: the client's ids, as without a session
         session.note_history(messages, tools, body.template_kwargs)
-        return continue_prompt(served.tokenizer, messages, tools, body.prefix_token_ids, served.stop_token_ids,
-                               served.encode, body.template_kwargs)
-    prompt = session.chat_prompt(messages, tools, body.template_kwargs, served.tokenizer, served.stop_token_ids,
-                                 served.encode)
+        return continue_prompt(
+            served.tokenizer,
+            messages,
+            tools,
+            body.prefix_token_ids,
+            served.stop_token_ids,
+            served.encode,
+            body.template_kwargs,
+        )
+    prompt = session.chat_prompt(
+        messages, tools, body.template_kwargs, served.tokenizer, served.stop_token_ids, served.encode
+    )
     return prompt if prompt is not None else encode_chat(served.tokenizer, messages, tools, **body.template_kwargs)
 
 
-def session_completion_prompts(served: ServedModel, session, body: CompletionRequest,
-                               prompts: list[list[int]]) -> list[list[int]]:
+def session_completion_prompts(
+    served: ServedModel, session, body: CompletionRequest, prompts: list[list[int]]
+) -> list[list[int]]:
     """A completions call's prompt in an agent session: one prompt; text that continues an earlier call's
     prompt and returned text continues its ids (``sessions.py``, rule 1)."""
     if len(prompts) != 1:
-        raise RequestError(f"a training session takes one prompt per completions call, got {len(prompts)}",
-                           param="prompt")
+        raise RequestError(
+            f"a training session takes one prompt per completions call, got {len(prompts)}", param="prompt"
+        )
     stop_ids, decode = served.stop_ids(body), served.decoder(body)
-    if not isinstance(body.prompt, str) and not (isinstance(body.prompt, list) and len(body.prompt) == 1
-                                                 and isinstance(body.prompt[0], str)):
+    if not isinstance(body.prompt, str) and not (
+        isinstance(body.prompt, list) and len(body.prompt) == 1 and isinstance(body.prompt[0], str)
+    ):
         call_context(endpoint="completions")  # token ids: as sent
         return prompts
     text = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-    call_context(endpoint="completions", text=text, stop_ids=stop_ids,
-                 reply=lambda ids, finish: reply_text(ids, finish, body, decode, stop_ids))
+    call_context(
+        endpoint="completions",
+        text=text,
+        stop_ids=stop_ids,
+        reply=lambda ids, finish: reply_text(ids, finish, body, decode, stop_ids),
+    )
     return [session.completion_prompt(text, served.encode) or prompts[0]]
 
 
@@ -476,7 +572,8 @@ def add_weight_routes(app, served: ServedModel) -> None:
         try:
             check_state(served.model, state)
             new_version = await asyncio.wrap_future(
-                served.scheduler.update_weights(lambda model: copy_state(model, state), version))
+                served.scheduler.update_weights(lambda model: copy_state(model, state), version)
+            )
         except (WeightsError, ValueError) as exc:
             raise RequestError(str(exc), param="weights") from exc
         return _reply({"weight_version": new_version})
@@ -486,7 +583,7 @@ def add_weight_routes(app, served: ServedModel) -> None:
         try:
             body = await request.json()
         except ValueError as exc:
-            raise RequestError(f"the body must be JSON {{\"checkpoint_dir\": ..., \"version\": ...}}: {exc}") from exc
+            raise RequestError(f'the body must be JSON {{"checkpoint_dir": ..., "version": ...}}: {exc}') from exc
         if not isinstance(body, dict) or not isinstance(body.get("checkpoint_dir"), str):
             raise RequestError("the body must be a JSON object with a string 'checkpoint_dir'", param="checkpoint_dir")
         version = body.get("version")
@@ -531,8 +628,9 @@ class ThreadedServer:
 
         self.served, self.port = served, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(build_app(served), host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(build_app(served), host="127.0.0.1", port=self.port, log_level="warning")
+        )
         self.thread = threading.Thread(target=self.server.run, name=name, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + start_timeout_s
@@ -548,8 +646,9 @@ class ThreadedServer:
         return not self.thread.is_alive()
 
 
-def run_server(served: ServedModel, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-               api_key: str | None = None) -> None:
+def run_server(
+    served: ServedModel, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", api_key: str | None = None
+) -> None:
     """Serve until SIGINT / SIGTERM; open requests finish first, then the scheduler thread stops and the
     process exits 0 on either signal.
 

@@ -21,6 +21,7 @@ mask must come first: the most likely token it forbids must not set the threshol
 first truncation, so top-k and top-p then cut what it left, as in vLLM. Greedy requests skip it: it
 never changes the argmax (vLLM's greedy path skips it too).
 """
+
 from __future__ import annotations
 
 import math
@@ -68,7 +69,7 @@ class Penalties:
             if self.repetition != 1.0:
                 self.seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
                 self.seen[prompt_ids] = True
-        for token in tokens[self.num_counted:]:
+        for token in tokens[self.num_counted :]:
             self.counts[token] += 1
             if self.seen is not None:
                 self.seen[token] = True
@@ -100,4 +101,3 @@ def extra_processors(body, stop_ids: list[int]) -> list[Callable[[], object]]:
     if body.min_p > 0 and body.temperature > 0:
         made.append(lambda: MinP(body.min_p, body.temperature))
     return made
-

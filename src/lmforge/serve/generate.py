@@ -22,6 +22,7 @@ scheduler's request (``GenerationRequest.session_id``); nothing schedules by it 
 ``POST /detokenize`` (``{"tokens"}``) and ``GET /tokenizer_info`` (the special tokens and the chat
 template): what lm-eval's remote tokenizer (``tokenizer_backend="remote"``) calls.
 """
+
 # No ``from __future__ import annotations``: FastAPI reads the route signatures at runtime (app.py).
 # ``served`` below is app.py's ServedModel, not imported: app.py imports this module (no import cycles).
 import time
@@ -35,8 +36,11 @@ from .tools import ToolRequestError, encode_chat, request_tools
 
 # Fields of CompletionRequest that are not sampling options, refused in sampling_params, and why.
 _NOT_SAMPLING = {
-    "model": "send it at the top level", "prompt": "the prompt is token_ids", "echo": "this route returns no text",
-    "stream": "this route does not stream", "stream_options": "this route does not stream",
+    "model": "send it at the top level",
+    "prompt": "the prompt is token_ids",
+    "echo": "this route returns no text",
+    "stream": "this route does not stream",
+    "stream_options": "this route does not stream",
     "prompt_logprobs": "not computed on this route; /v1/completions returns them for a prompt of token ids",
 }
 
@@ -89,12 +93,16 @@ def generate_params(body: GenerateRequest) -> CompletionRequest:
     params = dict(body.sampling_params)
     for name in _NOT_SAMPLING:
         if name in params:
-            raise RequestError(f"unknown or unsupported field 'sampling_params.{name}': {_NOT_SAMPLING[name]}",
-                               param=f"sampling_params.{name}")
+            raise RequestError(
+                f"unknown or unsupported field 'sampling_params.{name}': {_NOT_SAMPLING[name]}",
+                param=f"sampling_params.{name}",
+            )
     start = params.pop("routed_experts_prompt_start", None)  # accepted, no effect (module doc)
     if start is not None and type(start) is not int:
-        raise RequestError("sampling_params.routed_experts_prompt_start must be an integer",
-                           param="sampling_params.routed_experts_prompt_start")
+        raise RequestError(
+            "sampling_params.routed_experts_prompt_start must be an integer",
+            param="sampling_params.routed_experts_prompt_start",
+        )
     if type(params.get("max_tokens")) is int and params["max_tokens"] == 0:  # completions' scoring-only request
         raise RequestError("sampling_params.max_tokens must be >= 1", param="sampling_params.max_tokens")
     try:
@@ -103,23 +111,34 @@ def generate_params(body: GenerateRequest) -> CompletionRequest:
         raise _invalid(exc, "sampling_params") from exc
 
 
-def token_logprobs(token_ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]],
-                   wanted: int | None) -> dict[str, Any] | None:
+def token_logprobs(
+    token_ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]], wanted: int | None
+) -> dict[str, Any] | None:
     """A choice's ``logprobs``: ``{"content": [{"token": "token_id:<id>", "logprob", "top_logprobs"}]}``."""
     if wanted is None:
         return None
     alternatives = top if wanted else [[] for _ in token_ids]
-    return {"content": [{"token": f"token_id:{t}", "logprob": lp,
-                         "top_logprobs": [{"token": f"token_id:{i}", "logprob": v} for i, v in alt]}
-                        for t, lp, alt in zip(token_ids, logprobs, alternatives)]}
+    return {
+        "content": [
+            {
+                "token": f"token_id:{t}",
+                "logprob": lp,
+                "top_logprobs": [{"token": f"token_id:{i}", "logprob": v} for i, v in alt],
+            }
+            for t, lp, alt in zip(token_ids, logprobs, alternatives)
+        ]
+    }
 
 
 async def generate_tokens(served, body: GenerateRequest, session_id: str | None) -> dict[str, Any]:
     """The ``/inference/v1/generate`` response body for ``body``."""
     served.check_model(body.model)
     if body.priority != 0:
-        raise RequestError(f"priority {body.priority} needs priority scheduling, which this server does not do; "
-                           "send 0 or leave it out", param="priority")
+        raise RequestError(
+            f"priority {body.priority} needs priority scheduling, which this server does not do; "
+            "send 0 or leave it out",
+            param="priority",
+        )
     sampling = generate_params(body)
     prompt = list(body.token_ids)
     try:  # the same checks as completions, naming this route's fields
@@ -130,13 +149,25 @@ async def generate_tokens(served, body: GenerateRequest, session_id: str | None)
     except RequestError as exc:
         exc.param = "token_ids" if exc.param == "prompt" else exc.param and f"sampling_params.{exc.param}"
         raise
-    choices = [{"index": i, "token_ids": s.token_ids, "finish_reason": s.finish_reason,
-                "logprobs": token_logprobs(s.token_ids, s.logprobs, s.top_logprobs, sampling.logprobs)}
-               for i, s in enumerate(result.samples)]
-    return {"request_id": body.request_id or f"generate-{uuid.uuid4().hex}", "object": "generate",
-            "created": int(time.time()), "model": served.name, "choices": choices, "prompt_token_ids": prompt,
-            "usage": usage(len(prompt), sum(len(s.token_ids) for s in result.samples)),
-            "weight_version": result.weight_version}
+    choices = [
+        {
+            "index": i,
+            "token_ids": s.token_ids,
+            "finish_reason": s.finish_reason,
+            "logprobs": token_logprobs(s.token_ids, s.logprobs, s.top_logprobs, sampling.logprobs),
+        }
+        for i, s in enumerate(result.samples)
+    ]
+    return {
+        "request_id": body.request_id or f"generate-{uuid.uuid4().hex}",
+        "object": "generate",
+        "created": int(time.time()),
+        "model": served.name,
+        "choices": choices,
+        "prompt_token_ids": prompt,
+        "usage": usage(len(prompt), sum(len(s.token_ids) for s in result.samples)),
+        "weight_version": result.weight_version,
+    }
 
 
 def tokenize(served, raw: Any) -> dict[str, Any]:
@@ -162,18 +193,25 @@ def tokenize(served, raw: Any) -> dict[str, Any]:
 def _around(tokenizer, ids: list[int]) -> list[int]:
     """``ids`` between the special tokens the tokenizer adds around a text (e.g. a Llama-style BOS)."""
     plain, full = tokenizer.encode("a", add_special_tokens=False), tokenizer.encode("a", add_special_tokens=True)
-    start = next(i for i in range(len(full)) if full[i:i + len(plain)] == plain)
-    return full[:start] + ids + full[start + len(plain):]
+    start = next(i for i in range(len(full)) if full[i : i + len(plain)] == plain)
+    return full[:start] + ids + full[start + len(plain) :]
 
 
 def chat_ids(served, body: TokenizeChat) -> list[int]:
     """The chat route's prompt ids of ``body``'s conversation: its fields as the ChatRequest's (protocol.py),
     the messages' text encoded as text (``tools.encode_chat``)."""
     if body.continue_final_message and body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
-        raise RequestError("continue_final_message and add_generation_prompt cannot both be true (the last message "
-                           "is either continued or closed and answered)", param="continue_final_message")
-    fields = body.model_fields_set & {"tools", "add_generation_prompt", "continue_final_message",
-                                      "chat_template_kwargs"}
+        raise RequestError(
+            "continue_final_message and add_generation_prompt cannot both be true (the last message "
+            "is either continued or closed and answered)",
+            param="continue_final_message",
+        )
+    fields = body.model_fields_set & {
+        "tools",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template_kwargs",
+    }
     try:
         chat = ChatRequest.model_validate({"messages": body.messages, **{f: getattr(body, f) for f in fields}})
     except ValidationError as exc:
@@ -220,8 +258,9 @@ def add_token_routes(app, served) -> None:
         served.check_model(body.model)
         bad = [t for t in body.tokens if not 0 <= t < served.vocab_size]
         if bad:
-            raise RequestError(f"tokens has token ids outside the vocabulary [0, {served.vocab_size}): {bad[:5]}",
-                               param="tokens")
+            raise RequestError(
+                f"tokens has token ids outside the vocabulary [0, {served.vocab_size}): {bad[:5]}", param="tokens"
+            )
         return {"prompt": served.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.get("/tokenizer_info")

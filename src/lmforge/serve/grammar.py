@@ -31,6 +31,7 @@ structural tags express free text in which every tool call must follow a schema,
 tools under ``tool_choice: "auto"`` need. It is an optional extra, imported when a request first needs
 it: ``pip install 'lmforge[grammar]'``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -58,8 +59,10 @@ class ConstraintError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Constraint:
     """What a reply must match: a JSON schema, or an xgrammar structural tag (``kind``), as JSON (``spec``,
-    the cache key; keys in the request's order, since properties are generated in the schema's order); ``param`` is the request field that asked for it, ``schemas`` the fields
+    the cache key; keys in the request's order, since properties are generated in the schema's order); ``param`` is
+    the request field that asked for it, ``schemas`` the fields
     whose schemas a structural tag holds (an error names the one that does not compile)."""
+
     kind: str  # "json_schema" | "structural_tag"
     spec: str
     param: str
@@ -70,14 +73,16 @@ def _xgrammar(param: str):
     try:
         import xgrammar
     except ImportError as exc:
-        raise ConstraintError(f"{param} needs constrained decoding, which needs the xgrammar package on the "
-                              f"server: {INSTALL_HINT}", param) from exc
+        raise ConstraintError(
+            f"{param} needs constrained decoding, which needs the xgrammar package on the server: {INSTALL_HINT}", param
+        ) from exc
     return xgrammar
 
 
 # ---------------------------------------------------------------------------------------------------
 # What a chat request asks for
 # ---------------------------------------------------------------------------------------------------
+
 
 def reply_schema(response_format) -> dict | None:
     """The JSON schema a ``response_format`` asks the reply to match (None: plain text)."""
@@ -98,8 +103,10 @@ def chat_constraint(body) -> Constraint | None:
         return _tag(*call_format(tools, body, text=False), "tool_choice")
     if schema is not None and parse_tools:  # the JSON answer, or calls
         calls, schemas = call_format(tools, body, text=False, force=False)
-        either = {"type": "or", "elements": [{"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1},
-                                             calls]}
+        either = {
+            "type": "or",
+            "elements": [{"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}, calls],
+        }
         return _tag(either, [(reply_param, schema), *schemas], "response_format")
     if schema is not None:
         return Constraint("json_schema", json.dumps(schema), reply_param)
@@ -117,6 +124,7 @@ def _tag(fmt: dict, schemas: list[tuple[str, dict]], param: str) -> Constraint:
 # ---------------------------------------------------------------------------------------------------
 # Compiling, per tokenizer
 # ---------------------------------------------------------------------------------------------------
+
 
 class Grammars:
     """The compiled grammars of one tokenizer (thread-safe): xgrammar's vocabulary description is built
@@ -145,8 +153,9 @@ class Grammars:
             except ConstraintError:
                 raise
             except Exception as exc:  # xgrammar raises RuntimeError / its own errors
-                raise ConstraintError(f"{constraint.param}: this cannot be compiled to a grammar: {_reason(exc)}",
-                                      constraint.param) from exc
+                raise ConstraintError(
+                    f"{constraint.param}: this cannot be compiled to a grammar: {_reason(exc)}", constraint.param
+                ) from exc
             self._compiled[constraint] = grammar
             if len(self._compiled) > MAX_CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
@@ -159,8 +168,7 @@ class Grammars:
 
     def _make_compiler(self, param: str):
         xgr = _xgrammar(param)
-        self._compiler = xgr.GrammarCompiler(tokenizer_info(xgr, self.tokenizer, self.vocab_size,
-                                                            self.stop_token_ids))
+        self._compiler = xgr.GrammarCompiler(tokenizer_info(xgr, self.tokenizer, self.vocab_size, self.stop_token_ids))
         return self._compiler
 
 
@@ -168,8 +176,9 @@ def _compile_schema(compiler, schema: str, param: str):
     try:
         return compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
     except Exception as exc:  # RuntimeError for a schema xgrammar does not support or cannot resolve
-        raise ConstraintError(f"{param}: this JSON schema cannot be compiled to a grammar: {_reason(exc)}",
-                              param) from exc
+        raise ConstraintError(
+            f"{param}: this JSON schema cannot be compiled to a grammar: {_reason(exc)}", param
+        ) from exc
 
 
 def _reason(exc: Exception) -> str:
@@ -191,13 +200,19 @@ def tokenizer_info(xgr, tokenizer, vocab_size: int, stop_token_ids: list[int]):
     for index in special:
         if index < vocab_size:
             vocab[index] = ""
-    return xgr.TokenizerInfo(vocab, detected.vocab_type, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
-                             add_prefix_space=detected.add_prefix_space)
+    return xgr.TokenizerInfo(
+        vocab,
+        detected.vocab_type,
+        vocab_size=vocab_size,
+        stop_token_ids=stop_token_ids,
+        add_prefix_space=detected.add_prefix_space,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
 # The per-row processor
 # ---------------------------------------------------------------------------------------------------
+
 
 class GrammarProcessor:
     """A ``RowProcessor``: masks one row's logits (V,) to the tokens ``grammar`` allows next.
@@ -218,11 +233,14 @@ class GrammarProcessor:
         self.broken = False
 
     def process(self, logits, prompt_ids: list[int], tokens: list[int]) -> None:
-        for token in tokens[self.seen:]:
+        for token in tokens[self.seen :]:
             if not self.broken and not self.matcher.accept_token(token):
                 self.broken = True
-                log.warning("a sampled token (%d) does not follow the request's grammar; the rest of this sample "
-                            "is not constrained", token)
+                log.warning(
+                    "a sampled token (%d) does not follow the request's grammar; the rest of this sample "
+                    "is not constrained",
+                    token,
+                )
         self.seen = len(tokens)
         if self.broken or self.matcher.is_terminated():
             return
@@ -246,13 +264,21 @@ def chat_processors(grammars: Grammars, body) -> list[Callable[[], GrammarProces
     if constraint is None:
         return []
     if body.ignore_eos:
-        raise ConstraintError("ignore_eos cannot be combined with a structured reply (response_format, a forced "
-                              "or strict tool call): the grammar ends the reply with a stop token", "ignore_eos")
+        raise ConstraintError(
+            "ignore_eos cannot be combined with a structured reply (response_format, a forced "
+            "or strict tool call): the grammar ends the reply with a stop token",
+            "ignore_eos",
+        )
     if getattr(body, "continue_final_message", False):
-        raise ConstraintError("continue_final_message cannot be combined with a structured reply: the grammar "
-                              "starts at the reply's first token, not inside the message continued",
-                              "continue_final_message")
+        raise ConstraintError(
+            "continue_final_message cannot be combined with a structured reply: the grammar "
+            "starts at the reply's first token, not inside the message continued",
+            "continue_final_message",
+        )
     if getattr(body, "min_tokens", 0):
-        raise ConstraintError("min_tokens cannot be combined with a structured reply (response_format, a forced "
-                              "or strict tool call): a complete reply may be shorter", "min_tokens")
+        raise ConstraintError(
+            "min_tokens cannot be combined with a structured reply (response_format, a forced "
+            "or strict tool call): a complete reply may be shorter",
+            "min_tokens",
+        )
     return grammars.processors(constraint)

@@ -18,6 +18,7 @@ waiting requests, the running rows, the batch's row limit and occupancy, and the
 A route is labelled by its path template (``/v1/models/{model_id:path}``), a path no route matches
 by ``other``, so the label set stays bounded.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -118,12 +119,28 @@ async def _watch(receive, gone: asyncio.Event) -> None:
 
 
 async def _unauthorized(send) -> None:
-    body = json.dumps({"error": {"message": "missing or wrong API key: send the header 'Authorization: Bearer "
-                                            "<key>' with the key lmforge serve was started with (--api-key)",
-                                 "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}).encode()
-    await send({"type": "http.response.start", "status": 401,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"www-authenticate", b"Bearer")]})
+    body = json.dumps(
+        {
+            "error": {
+                "message": "missing or wrong API key: send the header 'Authorization: Bearer "
+                "<key>' with the key lmforge serve was started with (--api-key)",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "invalid_api_key",
+            }
+        }
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 401,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"www-authenticate", b"Bearer"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -133,19 +150,33 @@ def _escape(value: str) -> str:
 
 def exposition(counts: RequestCounts, scheduler) -> str:
     """The Prometheus text format (version 0.0.4) of the request counts and the scheduler's state."""
-    lines = ["# HELP lmforge_requests_total HTTP requests answered, by route template and status.",
-             "# TYPE lmforge_requests_total counter"]
+    lines = [
+        "# HELP lmforge_requests_total HTTP requests answered, by route template and status.",
+        "# TYPE lmforge_requests_total counter",
+    ]
     for (route, status), number in sorted(counts.snapshot().items()):
         lines.append(f'lmforge_requests_total{{route="{_escape(route)}",status="{status}"}} {number}')
     running, limit = scheduler.num_running, scheduler.max_batch_rows
     metrics = [
-        ("prompt_tokens_total", "counter", "Prompt tokens prefilled (once per request, whatever its n).",
-         scheduler.num_prompt_tokens),
-        ("cached_prompt_tokens_total", "counter", "Prompt tokens whose KV entries an agent session's previous "
-         "call left (not prefilled again).", scheduler.num_cached_tokens),
+        (
+            "prompt_tokens_total",
+            "counter",
+            "Prompt tokens prefilled (once per request, whatever its n).",
+            scheduler.num_prompt_tokens,
+        ),
+        (
+            "cached_prompt_tokens_total",
+            "counter",
+            "Prompt tokens whose KV entries an agent session's previous call left (not prefilled again).",
+            scheduler.num_cached_tokens,
+        ),
         ("generation_tokens_total", "counter", "Tokens sampled, over all rows.", scheduler.num_generated_tokens),
-        ("decode_steps_total", "counter", "Decode steps run (one model call for all running rows).",
-         scheduler.num_steps),
+        (
+            "decode_steps_total",
+            "counter",
+            "Decode steps run (one model call for all running rows).",
+            scheduler.num_steps,
+        ),
         ("requests_waiting", "gauge", "Requests submitted and not yet decoding (the queue).", scheduler.num_waiting),
         ("rows_running", "gauge", "Sequences decoding now.", running),
         ("batch_rows_max", "gauge", "Most sequences decoded in one step (--max-batch-rows).", limit),

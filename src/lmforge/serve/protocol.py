@@ -33,6 +33,7 @@ chat's ``logprobs.content`` hold the logprob of each sampled token under the sam
 (see ``rollout/engine.py``). A chat request may carry ``prefix_token_ids``: the conversation's ids
 through its last assistant message, to which only the newer messages' tokens are added (``tools.py``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -55,9 +56,23 @@ class _Strict(BaseModel):
 
 
 # apply_chat_template's own arguments: not template variables a request may set in chat_template_kwargs
-RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
-                            "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
-                            "padding", "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"}
+RESERVED_TEMPLATE_KWARGS = {
+    "conversation",
+    "messages",
+    "tools",
+    "documents",
+    "chat_template",
+    "tokenize",
+    "add_generation_prompt",
+    "continue_final_message",
+    "return_dict",
+    "return_tensors",
+    "padding",
+    "truncation",
+    "max_length",
+    "tokenizer_kwargs",
+    "return_assistant_tokens_mask",
+}
 
 
 class StreamOptions(_Strict):
@@ -72,10 +87,12 @@ class _Sampling(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)
     stop: Union[str, list[str], None] = Field(default_factory=list)  # validated into a list
-    seed: int | None = Field(None, ge=-2**63, lt=2**64)  # what torch.Generator.manual_seed takes
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = Field(default_factory=dict)  # token id (as a string, OpenAI's JSON) -> added to its logit
+    logit_bias: dict[str, float] | None = Field(
+        default_factory=dict
+    )  # token id (as a string, OpenAI's JSON) -> added to its logit
     ignore_eos: bool = False  # vLLM's extension: the model's end-of-sequence ids do not stop a sample
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -191,11 +208,12 @@ class ChatMessage(_Strict):
         for i, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text":
-                raise ValueError(f"part {i} is {json.dumps(kind) if kind else 'not a content part'}: this model "
-                                 "reads text only, so content parts must be {\"type\": \"text\", \"text\": ...}")
+                raise ValueError(
+                    f"part {i} is {json.dumps(kind) if kind else 'not a content part'}: this model "
+                    'reads text only, so content parts must be {"type": "text", "text": ...}'
+                )
             if set(part) != {"type", "text"} or not isinstance(part["text"], str):
-                raise ValueError(f"part {i} must be {{\"type\": \"text\", \"text\": <string>}}, got keys "
-                                 f"{sorted(part)}")
+                raise ValueError(f'part {i} must be {{"type": "text", "text": <string>}}, got keys {sorted(part)}')
             texts.append(part["text"])
         return "\n".join(texts)
 
@@ -247,8 +265,9 @@ class FunctionSpec(_Strict):
         if value is None:
             return value
         if value.get("type", "object") != "object":
-            raise ValueError(f"a function's parameters are an object schema (type \"object\"), got type "
-                             f"{json.dumps(value['type'])}")
+            raise ValueError(
+                f'a function\'s parameters are an object schema (type "object"), got type {json.dumps(value["type"])}'
+            )
         error = _schema_error(json.dumps(value, sort_keys=True))
         if error:
             raise ValueError(error)
@@ -286,13 +305,14 @@ class JsonSchemaFormat(_Strict):
 
 class ResponseFormat(_Strict):
     """``response_format``: "text" (nothing), "json_object" (any JSON object), "json_schema" (grammar.py)."""
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
     @model_validator(mode="after")
     def _schema_with_its_type(self):
         if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("json_schema is required with type \"json_schema\", and only with it")
+            raise ValueError('json_schema is required with type "json_schema", and only with it')
         return self
 
 
@@ -319,15 +339,18 @@ class ChatRequest(_Sampling):
     def _template_variables(cls, value):
         taken = sorted(set(value or {}) & RESERVED_TEMPLATE_KWARGS)
         if taken:
-            raise ValueError(f"{taken} are set by the server (send add_generation_prompt, continue_final_message "
-                             "or tools as request fields)")
+            raise ValueError(
+                f"{taken} are set by the server (send add_generation_prompt, continue_final_message "
+                "or tools as request fields)"
+            )
         return value or {}
 
     @property
     def template_kwargs(self) -> dict[str, Any]:
         """What the chat template gets besides messages and tools (module doc)."""
-        opening = self.add_generation_prompt and not (self.continue_final_message
-                                                      and "add_generation_prompt" not in self.model_fields_set)
+        opening = self.add_generation_prompt and not (
+            self.continue_final_message and "add_generation_prompt" not in self.model_fields_set
+        )
         extra = {"continue_final_message": True} if self.continue_final_message else {}
         return {**(self.chat_template_kwargs or {}), "add_generation_prompt": opening, **extra}
 
@@ -363,9 +386,15 @@ def stop_ids_of(request: _Sampling, eos_ids: list[int]) -> list[int]:
 
 def sampling_params(request: _Sampling, max_tokens: int, stop_token_ids: list[int]) -> SamplingParams:
     """The engine's settings for ``request``; ``stop_token_ids``: the model's end-of-sequence ids."""
-    return SamplingParams(temperature=request.temperature, top_k=max(request.top_k, 0), top_p=request.top_p,
-                          max_new_tokens=max_tokens, stop_token_ids=stop_ids_of(request, stop_token_ids),
-                          stop_strings=list(request.stop), seed=request.seed)
+    return SamplingParams(
+        temperature=request.temperature,
+        top_k=max(request.top_k, 0),
+        top_p=request.top_p,
+        max_new_tokens=max_tokens,
+        stop_token_ids=stop_ids_of(request, stop_token_ids),
+        stop_strings=list(request.stop),
+        seed=request.seed,
+    )
 
 
 def cut_at_stop(text: str, stops: list[str], after: int = 0, include: bool = False) -> str:
@@ -376,22 +405,24 @@ def cut_at_stop(text: str, stops: list[str], after: int = 0, include: bool = Fal
     if not found:
         return text
     start, length = min(found)
-    return text[:start + length] if include else text[:start]
+    return text[: start + length] if include else text[:start]
 
 
-def reply_text(token_ids: list[int], finish_reason: str, request: _Sampling, decode,
-               stop_ids: list[int] = ()) -> str:
+def reply_text(token_ids: list[int], finish_reason: str, request: _Sampling, decode, stop_ids: list[int] = ()) -> str:
     """A sample's text as returned: the text of a stop id that ended it left out (unless
     ``include_stop_str_in_output``, as vLLM), then cut at the first stop string (``cut_at_stop``)."""
     if finish_reason == "stop" and token_ids and token_ids[-1] in stop_ids and not request.include_stop_str_in_output:
         token_ids = token_ids[:-1]
-    after = len(decode(token_ids[:request.min_tokens])) if request.min_tokens and request.stop else 0
+    after = len(decode(token_ids[: request.min_tokens])) if request.min_tokens and request.stop else 0
     return cut_at_stop(decode(token_ids), request.stop, after, request.include_stop_str_in_output)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def possible(alternatives: list[tuple[int, float]]) -> list[tuple[int, float]]:
@@ -400,29 +431,51 @@ def possible(alternatives: list[tuple[int, float]]) -> list[tuple[int, float]]:
     return [(i, lp) for i, lp in alternatives if lp > -math.inf]
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]],
-                        request: CompletionRequest, decode_token) -> dict[str, Any] | None:
+def completion_logprobs(
+    token_ids: list[int],
+    logprobs: list[float],
+    top: list[list[tuple[int, float]]],
+    request: CompletionRequest,
+    decode_token,
+) -> dict[str, Any] | None:
     """A completion choice's ``logprobs`` object (None unless the request asked for logprobs)."""
     if request.logprobs is None:
         return None
-    return {"tokens": [decode_token(t) for t in token_ids], "token_logprobs": logprobs,
-            "top_logprobs": [{decode_token(i): lp for i, lp in possible(alternatives)} for alternatives in top]
-            if request.logprobs else None, "text_offset": None}
+    return {
+        "tokens": [decode_token(t) for t in token_ids],
+        "token_logprobs": logprobs,
+        "top_logprobs": [{decode_token(i): lp for i, lp in possible(alternatives)} for alternatives in top]
+        if request.logprobs
+        else None,
+        "text_offset": None,
+    }
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]],
-                  request: ChatRequest, decode_token) -> dict[str, Any] | None:
+def chat_logprobs(
+    token_ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]], request: ChatRequest, decode_token
+) -> dict[str, Any] | None:
     """A chat choice's ``logprobs`` object (None unless the request asked for logprobs)."""
     if not request.logprobs:
         return None
     entry = lambda t, lp: {"token": decode_token(t), "logprob": lp, "bytes": list(decode_token(t).encode())}  # noqa: E731
     alternatives = top if request.top_logprobs else [[] for _ in token_ids]
-    return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in possible(alt)]}
-                        for t, lp, alt in zip(token_ids, logprobs, alternatives)]}
+    return {
+        "content": [
+            {**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in possible(alt)]}
+            for t, lp, alt in zip(token_ids, logprobs, alternatives)
+        ]
+    }
 
 
-def completion_body(model_name: str, prompts: list[list[int]], results: list[GenerationResult],
-                    request: CompletionRequest, decode, decode_token, stop_ids: list[int] = ()) -> dict[str, Any]:
+def completion_body(
+    model_name: str,
+    prompts: list[list[int]],
+    results: list[GenerationResult],
+    request: CompletionRequest,
+    decode,
+    decode_token,
+    stop_ids: list[int] = (),
+) -> dict[str, Any]:
     """The /v1/completions response for ``results[i]`` = the n samples of ``prompts[i]``; ``stop_ids``
     as ``stop_ids_of`` gives them (``reply_text``)."""
     choices, completion_tokens = [], 0
@@ -431,20 +484,39 @@ def completion_body(model_name: str, prompts: list[list[int]], results: list[Gen
         for sample in result.samples:
             completion_tokens += len(sample.token_ids)
             text = reply_text(sample.token_ids, sample.finish_reason, request, decode, stop_ids)
-            choice = {"index": len(choices), "text": echoed + text,
-                      "finish_reason": sample.finish_reason, "token_ids": sample.token_ids,
-                      "prompt_index": prompt_index,
-                      "logprobs": completion_logprobs(sample.token_ids, sample.logprobs, sample.top_logprobs,
-                                                      request, decode_token)}
+            choice = {
+                "index": len(choices),
+                "text": echoed + text,
+                "finish_reason": sample.finish_reason,
+                "token_ids": sample.token_ids,
+                "prompt_index": prompt_index,
+                "logprobs": completion_logprobs(
+                    sample.token_ids, sample.logprobs, sample.top_logprobs, request, decode_token
+                ),
+            }
             choices.append(choice)
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": model_name, "choices": choices, "prompt_token_ids": prompts,
-            "usage": usage(sum(map(len, prompts)), completion_tokens),
-            "weight_version": results[0].weight_version}
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": choices,
+        "prompt_token_ids": prompts,
+        "usage": usage(sum(map(len, prompts)), completion_tokens),
+        "weight_version": results[0].weight_version,
+    }
 
 
-def chat_body(model_name: str, prompt: list[int], result: GenerationResult, request: ChatRequest,
-              decode, decode_token, parse_tools: bool = False, stop_ids: list[int] = ()) -> dict[str, Any]:
+def chat_body(
+    model_name: str,
+    prompt: list[int],
+    result: GenerationResult,
+    request: ChatRequest,
+    decode,
+    decode_token,
+    parse_tools: bool = False,
+    stop_ids: list[int] = (),
+) -> dict[str, Any]:
     """The /v1/chat/completions response for the n samples of one conversation; with ``parse_tools``
     each reply's ``<tool_call>`` blocks become ``tool_calls`` (``tools.tool_reply``)."""
     choices = []
@@ -452,13 +524,20 @@ def chat_body(model_name: str, prompt: list[int], result: GenerationResult, requ
         text = reply_text(sample.token_ids, sample.finish_reason, request, decode, stop_ids)
         choice = chat_choice(len(choices), text, sample.finish_reason, parse_tools)
         choice["token_ids"] = sample.token_ids
-        choice["logprobs"] = chat_logprobs(sample.token_ids, sample.logprobs, sample.top_logprobs, request,
-                                           decode_token)
+        choice["logprobs"] = chat_logprobs(
+            sample.token_ids, sample.logprobs, sample.top_logprobs, request, decode_token
+        )
         choices.append(choice)
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": model_name, "choices": choices, "prompt_token_ids": prompt,
-            "usage": usage(len(prompt), sum(len(s.token_ids) for s in result.samples)),
-            "weight_version": result.weight_version}
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": choices,
+        "prompt_token_ids": prompt,
+        "usage": usage(len(prompt), sum(len(s.token_ids) for s in result.samples)),
+        "weight_version": result.weight_version,
+    }
 
 
 def chat_choice(index: int, text: str, finish_reason: str, parse_tools: bool) -> dict[str, Any]:
@@ -482,7 +561,8 @@ class RequestError(ValueError):
         self.param, self.code = param, code
 
 
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

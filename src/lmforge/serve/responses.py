@@ -22,6 +22,7 @@ State: the last ``STORE_SIZE`` responses with ``store`` true (the default) are k
 with the conversation they ended, for ``previous_response_id`` and ``GET /v1/responses/{id}``; nothing is
 written to disk and a restart forgets them.
 """
+
 from __future__ import annotations
 
 import collections
@@ -38,18 +39,31 @@ STORE_SIZE = 256  # responses kept per server for previous_response_id
 LOGPROBS = "message.output_text.logprobs"
 # include values about output items this server never produces (web search, files, images, reasoning):
 # accepted, and they change nothing
-INCLUDE_IGNORED = {"reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
-                   "web_search_call.action.sources", "message.input_image.image_url",
-                   "computer_call_output.output.image_url", "code_interpreter_call.outputs"}
+INCLUDE_IGNORED = {
+    "reasoning.encrypted_content",
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+}
 # Responses fields this server cannot honour, and why
-UNSUPPORTED = {"conversation": "server-side conversations are not kept; send the items in input, or "
-                               "previous_response_id",
-               "prompt": "stored prompt templates are not kept; send instructions and input",
-               "max_tool_calls": "the number of tool calls is not limited; leave max_tool_calls out",
-               "context_management": "the context is not compacted; leave context_management out"}
+UNSUPPORTED = {
+    "conversation": "server-side conversations are not kept; send the items in input, or previous_response_id",
+    "prompt": "stored prompt templates are not kept; send instructions and input",
+    "max_tool_calls": "the number of tool calls is not limited; leave max_tool_calls out",
+    "context_management": "the context is not compacted; leave context_management out",
+}
 # Chat Completions spellings: the Responses field to use instead
-CHAT_ONLY = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-             "response_format": "text.format", "logprobs": f"include: ['{LOGPROBS}']", "n": None}
+CHAT_ONLY = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "logprobs": f"include: ['{LOGPROBS}']",
+    "n": None,
+}
 
 
 class _Strict(BaseModel):
@@ -121,6 +135,7 @@ class StreamOptions(_Strict):
 class ResponsesRequest(BaseModel):
     """A ``POST /v1/responses`` body. Fields it does not declare are chat sampling options (``seed``,
     ``stop``, vLLM's extras, ...): they go to the ChatRequest, which refuses what it does not know."""
+
     model_config = ConfigDict(extra="allow", strict=True)
 
     input: Any  # a string, or a list of items (checked by input_messages)
@@ -179,15 +194,21 @@ def input_messages(items: str | list[dict], call_ids: set[str], param: str = "in
     for i, raw in enumerate(items):
         kind = raw.get("type", "message")
         if kind not in ITEMS:
-            raise RequestError(f"input item type {kind!r} is not supported: send message, function_call and "
-                               "function_call_output items", param=f"{param}.{i}.type")
+            raise RequestError(
+                f"input item type {kind!r} is not supported: send message, function_call and "
+                "function_call_output items",
+                param=f"{param}.{i}.type",
+            )
         item = _validated(ITEMS[kind], raw, f"{param}.{i}")
         if isinstance(item, _Message):
             role = "system" if item.role == "developer" else item.role
             messages.append({"role": role, "content": "\n".join(p.text for p in item.content)})
         elif isinstance(item, _FunctionCall):
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name,
-                                                                         "arguments": item.arguments}}
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
@@ -196,10 +217,12 @@ def input_messages(items: str | list[dict], call_ids: set[str], param: str = "in
             call_ids.add(item.call_id)
         else:
             if item.call_id not in call_ids:
-                raise RequestError(f"no function_call with call_id {item.call_id!r} precedes this output",
-                                   param=f"{param}.{i}.call_id")
-            messages.append({"role": "tool", "tool_call_id": item.call_id,
-                             "content": "\n".join(p.text for p in item.output)})
+                raise RequestError(
+                    f"no function_call with call_id {item.call_id!r} precedes this output", param=f"{param}.{i}.call_id"
+                )
+            messages.append(
+                {"role": "tool", "tool_call_id": item.call_id, "content": "\n".join(p.text for p in item.output)}
+            )
     return messages
 
 
@@ -208,16 +231,21 @@ def _tool_choice(choice: str | dict | None) -> str | dict | None:
         return choice  # "auto", "none", "required": the chat path checks them
     if choice.get("type") == "function" and set(choice) == {"type", "name"}:
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise RequestError(f"tool_choice {json.dumps(choice)} is not supported: send \"auto\", \"none\", \"required\" "
-                       "or {\"type\": \"function\", \"name\": ...}", param="tool_choice")
+    raise RequestError(
+        f'tool_choice {json.dumps(choice)} is not supported: send "auto", "none", "required" '
+        'or {"type": "function", "name": ...}',
+        param="tool_choice",
+    )
 
 
 def _text_format(text: dict | None) -> dict | None:
     """The chat ``response_format`` of Responses ``text`` (None: plain text)."""
     text = dict(text or {})
     if text.pop("verbosity", None) not in (None, "medium"):
-        raise RequestError("text.verbosity other than \"medium\" is not supported: the model is not steered "
-                           "to a length; leave it out", param="text.verbosity")
+        raise RequestError(
+            'text.verbosity other than "medium" is not supported: the model is not steered to a length; leave it out',
+            param="text.verbosity",
+        )
     fmt = text.pop("format", None)
     if text:
         raise RequestError(f"unknown or unsupported field 'text.{next(iter(text))}'", param=f"text.{next(iter(text))}")
@@ -238,16 +266,19 @@ def _check_unsupported(body: ResponsesRequest) -> None:
             hint = f"; the Responses API's is {instead}" if instead else ""
             raise RequestError(f"'{name}' is a Chat Completions field{hint}", param=name)
     if body.background:
-        raise RequestError("background responses are not supported; leave background out or false",
-                           param="background")
+        raise RequestError("background responses are not supported; leave background out or false", param="background")
     if body.truncation == "auto":
-        raise RequestError("truncation \"auto\" (dropping input items to fit the context) is not supported: an "
-                           "input over the context length is a 400; leave truncation out or \"disabled\"",
-                           param="truncation")
+        raise RequestError(
+            'truncation "auto" (dropping input items to fit the context) is not supported: an '
+            'input over the context length is a 400; leave truncation out or "disabled"',
+            param="truncation",
+        )
     for key, value in (body.reasoning or {}).items():
         if value is not None and not (key == "effort" and value == "none"):
-            raise RequestError(f"reasoning.{key} is not supported: the model is not a reasoning model here; "
-                               "leave reasoning out", param=f"reasoning.{key}")
+            raise RequestError(
+                f"reasoning.{key} is not supported: the model is not a reasoning model here; leave reasoning out",
+                param=f"reasoning.{key}",
+            )
     for i, name in enumerate(body.include or []):
         if name != LOGPROBS and name not in INCLUDE_IGNORED:
             raise RequestError(f"include value {name!r} is not known", param=f"include.{i}")
@@ -258,14 +289,24 @@ def chat_request(body: ResponsesRequest, messages: list[dict]) -> ChatRequest:
     _check_unsupported(body)
     logprobs = LOGPROBS in (body.include or [])
     fields: dict[str, Any] = {
-        **(body.model_extra or {}), "model": body.model, "messages": messages, "stream": body.stream,
+        **(body.model_extra or {}),
+        "model": body.model,
+        "messages": messages,
+        "stream": body.stream,
         "stream_options": {"include_usage": True} if body.stream else None,
-        "max_completion_tokens": body.max_output_tokens, "user": body.user,
-        "tools": [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-                  for t in body.tools] if body.tools else None,
-        "tool_choice": _tool_choice(body.tool_choice), "parallel_tool_calls": body.parallel_tool_calls,
-        "logprobs": logprobs, "top_logprobs": body.top_logprobs if logprobs else None,
-        "response_format": _text_format(body.text)}
+        "max_completion_tokens": body.max_output_tokens,
+        "user": body.user,
+        "tools": [
+            {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in body.tools
+        ]
+        if body.tools
+        else None,
+        "tool_choice": _tool_choice(body.tool_choice),
+        "parallel_tool_calls": body.parallel_tool_calls,
+        "logprobs": logprobs,
+        "top_logprobs": body.top_logprobs if logprobs else None,
+        "response_format": _text_format(body.text),
+    }
     if body.temperature is not None:
         fields["temperature"] = body.temperature
     if body.top_p is not None:
@@ -290,7 +331,7 @@ def responses_param(param: str | None) -> str | None:
     if head in ("max_tokens", "max_completion_tokens"):
         return "max_output_tokens"
     if head == "response_format":  # json_schema's fields sit in text.format itself
-        return "text.format" + param[len("response_format"):].replace(".json_schema", "", 1)
+        return "text.format" + param[len("response_format") :].replace(".json_schema", "", 1)
     if head == "tools":
         return param.replace(".function.", ".", 1)
     return param
@@ -299,15 +340,28 @@ def responses_param(param: str | None) -> str | None:
 def message_item(text: str, finish_reason: str, logprobs: list | None) -> dict:
     """A ``message`` output item holding one ``output_text``."""
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
-    return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
-            "status": "incomplete" if finish_reason == "length" else "completed", "content": [part]}
+    return {
+        "id": f"msg_{uuid.uuid4().hex}",
+        "type": "message",
+        "role": "assistant",
+        "status": "incomplete" if finish_reason == "length" else "completed",
+        "content": [part],
+    }
 
 
 def call_items(calls: list[dict]) -> list[dict]:
     """``function_call`` output items of chat ``tool_calls`` (the chat call's id is the ``call_id``)."""
-    return [{"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "call_id": call["id"],
-             "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
-            for call in calls]
+    return [
+        {
+            "id": f"fc_{uuid.uuid4().hex}",
+            "type": "function_call",
+            "call_id": call["id"],
+            "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"],
+            "status": "completed",
+        }
+        for call in calls
+    ]
 
 
 def output_items(message: dict, finish_reason: str, logprobs: list | None) -> list[dict]:
@@ -320,29 +374,51 @@ def output_items(message: dict, finish_reason: str, logprobs: list | None) -> li
 
 def response_shell(body: ResponsesRequest, model_name: str) -> dict[str, Any]:
     """The Responses object of ``body`` before its output: status in_progress, the request's settings."""
-    return {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
-            "status": "in_progress", "error": None, "incomplete_details": None, "instructions": body.instructions,
-            "metadata": body.metadata or {}, "model": model_name, "output": [],
-            "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "temperature": 1.0 if body.temperature is None else body.temperature,
-            "top_p": 1.0 if body.top_p is None else body.top_p,
-            "tool_choice": body.tool_choice or "auto",
-            "tools": [t.model_dump() for t in body.tools or []], "max_output_tokens": body.max_output_tokens,
-            "previous_response_id": body.previous_response_id, "store": body.store,
-            "text": {"format": {"type": "text"}, **(body.text or {})}, "truncation": "disabled",
-            "reasoning": {"effort": None, "summary": None}, "background": False, "user": body.user,
-            "usage": None}
+    return {
+        "id": f"resp_{uuid.uuid4().hex}",
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "in_progress",
+        "error": None,
+        "incomplete_details": None,
+        "instructions": body.instructions,
+        "metadata": body.metadata or {},
+        "model": model_name,
+        "output": [],
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "tool_choice": body.tool_choice or "auto",
+        "tools": [t.model_dump() for t in body.tools or []],
+        "max_output_tokens": body.max_output_tokens,
+        "previous_response_id": body.previous_response_id,
+        "store": body.store,
+        "text": {"format": {"type": "text"}, **(body.text or {})},
+        "truncation": "disabled",
+        "reasoning": {"effort": None, "summary": None},
+        "background": False,
+        "user": body.user,
+        "usage": None,
+    }
 
 
 def finish(response: dict, output: list[dict], finish_reason: str, usage: dict | None, extras: dict) -> dict:
     """``response`` (a shell) completed with its ``output``, ``usage`` (chat's) and lmforge's ``extras``."""
     incomplete = finish_reason == "length"
-    response.update(status="incomplete" if incomplete else "completed", output=output,
-                    incomplete_details={"reason": "max_output_tokens"} if incomplete else None, **extras)
+    response.update(
+        status="incomplete" if incomplete else "completed",
+        output=output,
+        incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
+        **extras,
+    )
     if usage is not None:
-        response["usage"] = {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
-                             "output_tokens": usage["completion_tokens"],
-                             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": usage["total_tokens"]}
+        response["usage"] = {
+            "input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage["total_tokens"],
+        }
     return response
 
 
@@ -386,9 +462,16 @@ class EventStream:
         self.message = {**message_item("", "stop", None), "status": "in_progress", "content": []}
         self.output.append(self.message)
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return [self.event("response.output_item.added", output_index=len(self.output) - 1, item=self.message),
-                self.event("response.content_part.added", item_id=self.message["id"], output_index=len(self.output) - 1,
-                           content_index=0, part=part)]
+        return [
+            self.event("response.output_item.added", output_index=len(self.output) - 1, item=self.message),
+            self.event(
+                "response.content_part.added",
+                item_id=self.message["id"],
+                output_index=len(self.output) - 1,
+                content_index=0,
+                part=part,
+            ),
+        ]
 
     def chunk(self, chunk: dict) -> list[str]:
         """The events of one chat chunk."""
@@ -409,9 +492,16 @@ class EventStream:
                 if self.message is None:
                     events += self.open_message()
                 self.text += delta["content"]
-                events.append(self.event("response.output_text.delta", item_id=self.message["id"],
-                                         output_index=len(self.output) - 1, content_index=0, delta=delta["content"],
-                                         logprobs=token_logprobs if self.with_logprobs else []))
+                events.append(
+                    self.event(
+                        "response.output_text.delta",
+                        item_id=self.message["id"],
+                        output_index=len(self.output) - 1,
+                        content_index=0,
+                        delta=delta["content"],
+                        logprobs=token_logprobs if self.with_logprobs else [],
+                    )
+                )
         return events
 
     def close(self) -> list[str]:
@@ -422,20 +512,39 @@ class EventStream:
             logprobs = self.logprobs if self.with_logprobs else []
             part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": logprobs}
             self.message.update(content=[part], status="incomplete" if self.finish_reason == "length" else "completed")
-            events += [self.event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
-                                  text=self.text, logprobs=logprobs),
-                       self.event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
-                                  part=part),
-                       self.event("response.output_item.done", output_index=index, item=self.message)]
+            events += [
+                self.event(
+                    "response.output_text.done",
+                    item_id=item_id,
+                    output_index=index,
+                    content_index=0,
+                    text=self.text,
+                    logprobs=logprobs,
+                ),
+                self.event(
+                    "response.content_part.done", item_id=item_id, output_index=index, content_index=0, part=part
+                ),
+                self.event("response.output_item.done", output_index=index, item=self.message),
+            ]
         for item in call_items(self.calls):
             self.output.append(item)
             index, added = len(self.output) - 1, {**item, "arguments": "", "status": "in_progress"}
-            events += [self.event("response.output_item.added", output_index=index, item=added),
-                       self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                  delta=item["arguments"]),
-                       self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                  arguments=item["arguments"]),
-                       self.event("response.output_item.done", output_index=index, item=item)]
+            events += [
+                self.event("response.output_item.added", output_index=index, item=added),
+                self.event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=index,
+                    delta=item["arguments"],
+                ),
+                self.event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    arguments=item["arguments"],
+                ),
+                self.event("response.output_item.done", output_index=index, item=item),
+            ]
         extras = {"weight_version": self.version, "token_ids": self.token_ids}
         if self.with_logprobs:
             extras["logprobs"] = self.logprobs
@@ -486,9 +595,12 @@ def add_responses_routes(app, served, chat_completion) -> None:
         if body.previous_response_id is not None:
             stored = store.get(body.previous_response_id)
             if stored is None:
-                raise RequestError(f"previous response {body.previous_response_id!r} is not stored here (this "
-                                   f"server keeps its last {store.size} responses with store true, in memory)",
-                                   param="previous_response_id", code="previous_response_not_found")
+                raise RequestError(
+                    f"previous response {body.previous_response_id!r} is not stored here (this "
+                    f"server keeps its last {store.size} responses with store true, in memory)",
+                    param="previous_response_id",
+                    code="previous_response_not_found",
+                )
             history = stored[1]
         call_ids = {c["id"] for m in history for c in m.get("tool_calls") or []}
         messages = input_messages(body.input, call_ids)
@@ -509,8 +621,11 @@ def add_responses_routes(app, served, chat_completion) -> None:
             return StreamingResponse(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
         choice = reply["choices"][0]
         logprobs = (choice.get("logprobs") or {}).get("content")
-        extras = {"weight_version": reply["weight_version"], "prompt_token_ids": reply["prompt_token_ids"],
-                  "token_ids": choice["token_ids"]}
+        extras = {
+            "weight_version": reply["weight_version"],
+            "prompt_token_ids": reply["prompt_token_ids"],
+            "token_ids": choice["token_ids"],
+        }
         if logprobs is not None:
             extras["logprobs"] = logprobs
         if choice.get("tool_call_errors"):

@@ -21,7 +21,8 @@ by its ``seed``. OpenAI's logit adjustments come first, per row, on the raw logi
 logits processors: ``logit_bias[j]`` is added (``extras.LogitBias``), then the penalties
 (``extras.Penalties``): vLLM's ``repetition_penalty`` over the prompt and the output, then
 ``frequency_penalty * c[j] + presence_penalty * (c[j] > 0)`` subtracted, where c[j] counts token j
-among the row's sampled tokens so far; the stored logprobs (and ``top_logprobs`` alternatives) are of the distribution after
+among the row's sampled tokens so far; the stored logprobs (and ``top_logprobs`` alternatives) are of the
+distribution after
 them, the one the token was drawn from. A request's ``processors`` (``RowProcessor``: structured
 outputs, vLLM's sampling extras) run after them, per sample row, on the same raw logits. A request's
 ``min_tokens`` keeps stop tokens and stop strings from ending a sample before it has that many tokens.
@@ -46,6 +47,7 @@ result carries the version of the weights that produced all of its tokens.
 A forward pass outside the batch (prompt logprobs, ``scoring.py``) is a job: ``run_job(fn)`` runs
 ``fn(model)`` on this thread between two decode steps, one job per step while rows decode.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -59,8 +61,8 @@ import torch
 
 from ..core.ops import adopt_thread_count
 from ..rollout.continuous import ContinuousDecoder, Row, has_full_attention_caches
-from .extras import LogitBias, Penalties
 from ..rollout.engine import SamplingParams
+from .extras import LogitBias, Penalties
 
 
 class ServeError(RuntimeError):
@@ -159,8 +161,15 @@ class BatchScheduler:
     in one prefill. ``decode_fn(ids) -> str`` is needed for stop strings.
     """
 
-    def __init__(self, model: torch.nn.Module, pad_token_id: int, decode_fn: Callable[[list[int]], str],
-                 max_batch_rows: int = 64, gather_s: float = 0.005, weight_version: int = 0):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pad_token_id: int,
+        decode_fn: Callable[[list[int]], str],
+        max_batch_rows: int = 64,
+        gather_s: float = 0.005,
+        weight_version: int = 0,
+    ):
         if max_batch_rows < 1:
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
         self.model = model.eval().requires_grad_(False)
@@ -171,8 +180,9 @@ class BatchScheduler:
         self.weight_version = weight_version
         self.num_prompt_tokens = 0  # prompt tokens prefilled (once per request, whatever its n)
         # the rows, their KV cache, sampling and kept entries (rollout/continuous.py); cache keys are the requests'
-        self._engine = ContinuousDecoder(self.model, pad_token_id, keep_cache=False, decode_fn=decode_fn,
-                                         max_kept=max_batch_rows)
+        self._engine = ContinuousDecoder(
+            self.model, pad_token_id, keep_cache=False, decode_fn=decode_fn, max_kept=max_batch_rows
+        )
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: list[GenerationRequest] = []
         self._updates: list[_WeightUpdate] = []
@@ -222,8 +232,9 @@ class BatchScheduler:
         self._inbox.put(request)
         return request.future
 
-    def update_weights(self, load: Callable[[torch.nn.Module], None], version: int | None = None
-                       ) -> concurrent.futures.Future:
+    def update_weights(
+        self, load: Callable[[torch.nn.Module], None], version: int | None = None
+    ) -> concurrent.futures.Future:
         """Queue a weight update; the future gives the new version once no row of the old weights runs."""
         if self._stopping.is_set():
             raise ServeError("the server is shutting down (or its generation thread stopped: see the server log)")
@@ -308,7 +319,7 @@ class BatchScheduler:
             return
         try:
             job.future.set_result((job.run(self.model), self.weight_version))
-        except Exception as exc:  # a job that fails (a bad prompt, out of memory) fails its request only
+        except Exception as exc:  # noqa: BLE001 - a job that fails (a bad prompt, out of memory) fails its request only
             job.future.set_exception(exc)
 
     def _apply_update(self, update: _WeightUpdate) -> None:
@@ -316,13 +327,15 @@ class BatchScheduler:
             return
         try:
             if update.version is not None and update.version <= self.weight_version:
-                raise ValueError(f"weight version must increase: the server is at {self.weight_version}, "
-                                 f"the update asks for {update.version}")
+                raise ValueError(
+                    f"weight version must increase: the server is at {self.weight_version}, "
+                    f"the update asks for {update.version}"
+                )
             update.load(self.model)
             self._engine.release_all()  # entries of the old weights
             self.weight_version = self.weight_version + 1 if update.version is None else update.version
             update.future.set_result(self.weight_version)
-        except Exception as exc:  # a bad checkpoint leaves the old weights serving; the caller sees why
+        except Exception as exc:  # noqa: BLE001 - a bad checkpoint leaves the old weights serving; the caller sees why
             update.future.set_exception(exc)
 
     def _admit(self) -> None:
@@ -340,14 +353,23 @@ class BatchScheduler:
         self._admitting = batch
         self.num_prompt_tokens += sum(len(r.prompt_ids) for r in batch)
         if not self._full_attention:
-            raise ServeError("lmforge serve batches requests by merging full-attention KV caches; this model "
-                             "has sliding-window or other special cache layers, which are not supported")
+            raise ServeError(
+                "lmforge serve batches requests by merging full-attention KV caches; this model "
+                "has sliding-window or other special cache layers, which are not supported"
+            )
         for request in batch:
             admitted = _Admitted(request)
             admitted.rows = self._engine.admit(
-                admitted, request.prompt_ids, request.params, request.n, cache_key=request.cache_key,
-                processors=lambda r=request: _processors(r), min_tokens=request.min_tokens,
-                top_logprobs=request.top_logprobs, cancelled=request.cancelled)
+                admitted,
+                request.prompt_ids,
+                request.params,
+                request.n,
+                cache_key=request.cache_key,
+                processors=lambda r=request: _processors(r),
+                min_tokens=request.min_tokens,
+                top_logprobs=request.top_logprobs,
+                cancelled=request.cancelled,
+            )
         self._admitting = []
 
     def _step(self) -> None:

@@ -19,6 +19,7 @@ right-padded, which causal attention never sees), run on the scheduler thread be
 (``BatchScheduler.run_job``), since that thread owns the model. Prompts are chunked so that one chunk's
 logits stay under ``LOGITS_BUDGET`` floats; a prompt longer than that is scored alone.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -67,8 +68,9 @@ def _score_one(logits: torch.Tensor, prompt: list[int], top_n: int) -> PromptSco
 
 
 @torch.inference_mode()
-def score_prompts(model: torch.nn.Module, prompts: list[list[int]], top_n: int,
-                  budget: int = LOGITS_BUDGET) -> list[PromptScores]:
+def score_prompts(
+    model: torch.nn.Module, prompts: list[list[int]], top_n: int, budget: int = LOGITS_BUDGET
+) -> list[PromptScores]:
     """The prompt logprobs of ``prompts`` (each at least one token) with their ``top_n`` best alternatives."""
     device = next(model.parameters()).device
     vocab_size = int(model.config.vocab_size)  # for the budget only: the logits' last dimension may be padded
@@ -77,10 +79,10 @@ def score_prompts(model: torch.nn.Module, prompts: list[list[int]], top_n: int,
         width = max(len(prompts[i]) for i in group)
         ids = torch.zeros((len(group), width), dtype=torch.long)  # right-padded with token 0
         for row, i in enumerate(group):
-            ids[row, :len(prompts[i])] = torch.tensor(prompts[i], dtype=torch.long)
+            ids[row, : len(prompts[i])] = torch.tensor(prompts[i], dtype=torch.long)
         logits = model(input_ids=ids.to(device), use_cache=False).logits  # (G, width, V)
         for row, i in enumerate(group):
-            scores[i] = _score_one(logits[row, :len(prompts[i])], prompts[i], top_n)
+            scores[i] = _score_one(logits[row, : len(prompts[i])], prompts[i], top_n)
     return scores  # type: ignore[return-value]
 
 
@@ -91,7 +93,7 @@ def text_offsets(token_ids: list[int], decode: Callable[[list[int]], str], start
     offsets, at = [], start
     for i in range(len(token_ids)):
         offsets.append(at)
-        window = token_ids[max(0, i - OFFSET_WINDOW):i]
+        window = token_ids[max(0, i - OFFSET_WINDOW) : i]
         at += len(decode([*window, token_ids[i]])) - len(decode(window)) if window else len(decode([token_ids[i]]))
     return offsets
 
@@ -100,9 +102,15 @@ def _floor(value: float) -> float:
     return max(value, MIN_LOGPROB)
 
 
-def echo_logprobs(scores: PromptScores, sampled: dict[str, Any] | None, top_n: int, text: str,
-                  decode_text: Callable[[list[int]], str], decode_token: Callable[[int], str],
-                  completion_ids: list[int]) -> dict[str, Any]:
+def echo_logprobs(
+    scores: PromptScores,
+    sampled: dict[str, Any] | None,
+    top_n: int,
+    text: str,
+    decode_text: Callable[[list[int]], str],
+    decode_token: Callable[[int], str],
+    completion_ids: list[int],
+) -> dict[str, Any]:
     """A completion choice's ``logprobs`` with the prompt's tokens first (``echo`` with ``logprobs``).
 
     ``sampled`` is the completion's own logprobs object (``protocol.completion_logprobs``; None when
@@ -110,8 +118,10 @@ def echo_logprobs(scores: PromptScores, sampled: dict[str, Any] | None, top_n: i
     likely tokens, as vLLM's do. ``text_offset`` indexes ``text``, the choice's text.
     """
     tokens = [decode_token(t) for t in scores.token_ids]
-    top = [None] + [{decode_token(t): _floor(lp) for t, lp in [(tid, lp), *alternatives[:top_n]]}
-                    for tid, lp, alternatives in zip(scores.token_ids[1:], scores.logprobs[1:], scores.top[1:])]
+    top = [None] + [
+        {decode_token(t): _floor(lp) for t, lp in [(tid, lp), *alternatives[:top_n]]}
+        for tid, lp, alternatives in zip(scores.token_ids[1:], scores.logprobs[1:], scores.top[1:])
+    ]
     token_logprobs = [None, *(_floor(lp) for lp in scores.logprobs[1:])]
     offsets = text_offsets(scores.token_ids, decode_text)
     echoed = len(decode_text(scores.token_ids))
@@ -119,37 +129,60 @@ def echo_logprobs(scores: PromptScores, sampled: dict[str, Any] | None, top_n: i
         tokens += sampled["tokens"]
         token_logprobs += sampled["token_logprobs"]
         alternatives = sampled["top_logprobs"] or [{} for _ in sampled["tokens"]]
-        top += [{token: lp, **alts} for token, lp, alts in zip(sampled["tokens"], sampled["token_logprobs"],
-                                                               alternatives)]
+        top += [
+            {token: lp, **alts} for token, lp, alts in zip(sampled["tokens"], sampled["token_logprobs"], alternatives)
+        ]
         offsets += text_offsets(completion_ids, decode_text, echoed)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
-            "text_offset": [min(o, len(text)) for o in offsets]}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": [min(o, len(text)) for o in offsets],
+    }
 
 
-def prompt_logprobs_entries(scores: PromptScores, top_n: int, decode_token: Callable[[int], str]
-                            ) -> list[dict[str, dict[str, Any]] | None]:
+def prompt_logprobs_entries(
+    scores: PromptScores, top_n: int, decode_token: Callable[[int], str]
+) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's ``prompt_logprobs``: per position ``{str(id): {"logprob", "rank", "decoded_token"}}``, the
     prompt token first, then the ``top_n`` best (ranks 1..N); ``None`` for the first token."""
     entries: list[dict[str, dict[str, Any]] | None] = [None]
     for i in range(1, len(scores.token_ids)):
         token = scores.token_ids[i]
-        entry = {str(token): {"logprob": _floor(scores.logprobs[i]), "rank": scores.ranks[i],
-                              "decoded_token": decode_token(token)}}
+        entry = {
+            str(token): {
+                "logprob": _floor(scores.logprobs[i]),
+                "rank": scores.ranks[i],
+                "decoded_token": decode_token(token),
+            }
+        }
         for rank, (tid, lp) in enumerate(scores.top[i][:top_n], start=1):
             entry.setdefault(str(tid), {"logprob": _floor(lp), "rank": rank, "decoded_token": decode_token(tid)})
         entries.append(entry)
     return entries
 
 
-def add_prompt_logprobs(response: dict[str, Any], scores: list[PromptScores], request: Any,
-                        decode_text: Callable[[list[int]], str], decode_token: Callable[[int], str]) -> None:
+def add_prompt_logprobs(
+    response: dict[str, Any],
+    scores: list[PromptScores],
+    request: Any,
+    decode_text: Callable[[list[int]], str],
+    decode_token: Callable[[int], str],
+) -> None:
     """Put the prompts' logprobs into a /v1/completions ``response`` (``protocol.completion_body``'s):
     the echoed prompt's in ``logprobs`` with ``echo`` and ``logprobs``, vLLM's ``prompt_logprobs`` when
     asked. ``scores[i]`` is of prompt i (each choice's ``prompt_index``)."""
     for choice in response["choices"]:
         prompt_scores = scores[choice["prompt_index"]]
         if request.echo and request.logprobs is not None:
-            choice["logprobs"] = echo_logprobs(prompt_scores, choice["logprobs"], request.logprobs, choice["text"],
-                                               decode_text, decode_token, choice["token_ids"])
+            choice["logprobs"] = echo_logprobs(
+                prompt_scores,
+                choice["logprobs"],
+                request.logprobs,
+                choice["text"],
+                decode_text,
+                decode_token,
+                choice["token_ids"],
+            )
         if request.prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs_entries(prompt_scores, request.prompt_logprobs, decode_token)

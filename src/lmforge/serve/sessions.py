@@ -33,6 +33,7 @@ version. Three rules make the record exact by construction:
 
 How calls become training samples is the trainer's business (``lmforge.rl.sources.agent``).
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -51,12 +52,17 @@ _SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("lmforge_s
 _CALL: contextvars.ContextVar[dict | None] = contextvars.ContextVar("lmforge_session_call", default=None)
 FORGOTTEN_KEPT = 65536  # ended sessions' ids a recorder remembers after forgetting them (SessionRecorder.forget)
 # The logit changes a session's calls run without (their trainer scores logits / T only), and their off values.
-NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-           "logit_bias": {}}
+NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {}}
 # Every count a session or the recorder keeps (Session.counts, SessionRecorder.counts): a trainer logs each at
 # every step, so that under torchrun all ranks log the same metric keys.
-COUNTS = ("text_rendered_turns", "cancelled_calls", "refused_calls", "late_calls", "unknown_session_calls",
-          *(f"override_{field}" for field in ("temperature", "top_p", "top_k", *NEUTRAL, "seed", "max_tokens")))
+COUNTS = (
+    "text_rendered_turns",
+    "cancelled_calls",
+    "refused_calls",
+    "late_calls",
+    "unknown_session_calls",
+    *(f"override_{field}" for field in ("temperature", "top_p", "top_k", *NEUTRAL, "seed", "max_tokens")),
+)
 
 
 class SessionNotFound(LookupError):
@@ -73,7 +79,7 @@ class SessionPaths:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith(PREFIX):
             return await self.app(scope, receive, send)
-        session, _, route = scope["path"][len(PREFIX):].partition("/")
+        session, _, route = scope["path"][len(PREFIX) :].partition("/")
         scope = {**scope, "path": "/" + route, "raw_path": ("/" + route).encode()}
         token = _SESSION.set(session)
 
@@ -136,10 +142,17 @@ def canonical(message: dict) -> tuple:
     """A chat message as compared with a recorded one: role, content (stripped), the calls' names and
     arguments (parsed JSON), and a tool message's call id. Call ids of assistant messages are not
     compared (each response makes new ones); what the template renders from them is in the history."""
-    calls = tuple((c.get("function", c).get("name"), _arguments(c.get("function", c).get("arguments") or {}))
-                  for c in message.get("tool_calls") or [])
-    return (message.get("role"), (message.get("content") or "").strip(), calls, message.get("tool_call_id") or "",
-            message.get("name") or "" if message.get("role") != "assistant" else "")
+    calls = tuple(
+        (c.get("function", c).get("name"), _arguments(c.get("function", c).get("arguments") or {}))
+        for c in message.get("tool_calls") or []
+    )
+    return (
+        message.get("role"),
+        (message.get("content") or "").strip(),
+        calls,
+        message.get("tool_call_id") or "",
+        message.get("name") or "" if message.get("role") != "assistant" else "",
+    )
 
 
 def _text_ids(sample, stop_ids) -> list[int]:
@@ -164,14 +177,19 @@ class Session:
         """A copy of ``body`` (a CompletionRequest or ChatRequest) with the run's sampling (module doc,
         rule 2); the fields that differed counted in ``overrides``."""
         if body.n != 1:  # counted with the other 400s (SessionRecorder.refused)
-            raise RequestError(f"n={body.n}: a training session samples one reply per call (send n=1 and call again "
-                               "for more)", param="n")
+            raise RequestError(
+                f"n={body.n}: a training session samples one reply per call (send n=1 and call again for more)",
+                param="n",
+            )
         run = self.sampling
         wanted = {"temperature": run.temperature, "top_p": run.top_p, "top_k": run.top_k, **NEUTRAL}
         with self._lock:
             for field, value in wanted.items():
-                if field in body.model_fields_set and getattr(body, field) != value and not (
-                        field == "top_k" and value == 0 and getattr(body, field) == -1):
+                if (
+                    field in body.model_fields_set
+                    and getattr(body, field) != value
+                    and not (field == "top_k" and value == 0 and getattr(body, field) == -1)
+                ):
                     self.counts[f"override_{field}"] += 1
             if body.seed is not None:
                 self.counts["override_seed"] += 1
@@ -214,12 +232,19 @@ class Session:
                 return
         reply = meta.get("reply")
         returned = None if reply is None else reply(sample.token_ids, sample.finish_reason)
-        call = Call(index, meta.get("endpoint", "generate"), list(request.prompt_ids), list(sample.token_ids),
-                    list(sample.logprobs), sample.finish_reason, future.result().weight_version,
-                    history=meta.get("history"),
-                    reply=canonical(returned) if isinstance(returned, dict) else None,
-                    text=meta["text"] + returned if isinstance(returned, str) and "text" in meta else None,
-                    text_ids=_text_ids(sample, meta.get("stop_ids", ())))
+        call = Call(
+            index,
+            meta.get("endpoint", "generate"),
+            list(request.prompt_ids),
+            list(sample.token_ids),
+            list(sample.logprobs),
+            sample.finish_reason,
+            future.result().weight_version,
+            history=meta.get("history"),
+            reply=canonical(returned) if isinstance(returned, dict) else None,
+            text=meta["text"] + returned if isinstance(returned, str) and "text" in meta else None,
+            text_ids=_text_ids(sample, meta.get("stop_ids", ())),
+        )
         with self._lock:
             self.calls.append(call)
 
@@ -232,8 +257,9 @@ class Session:
             request.cancel()
         return sorted(self.calls, key=lambda c: c.index)
 
-    def chat_prompt(self, messages: list[dict], tools: list[dict] | None, template: dict, tokenizer,
-                    stop_ids: list[int], encode) -> list[int] | None:
+    def chat_prompt(
+        self, messages: list[dict], tools: list[dict] | None, template: dict, tokenizer, stop_ids: list[int], encode
+    ) -> list[int] | None:
         """The prompt ids of a chat request whose conversation continues a recorded reply (module doc,
         rule 1), or None (render the whole conversation from text). Sets the call's ``history``."""
         key, history = self.note_history(messages, tools, template)
@@ -241,12 +267,19 @@ class Session:
         with self._lock:
             calls = list(self.calls)
         for i in reversed(assistant):
-            match = next((c for c in reversed(calls) if c.endpoint == "chat" and c.history == (key, history[:i])
-                          and c.reply == history[i]), None)
+            match = next(
+                (
+                    c
+                    for c in reversed(calls)
+                    if c.endpoint == "chat" and c.history == (key, history[:i]) and c.reply == history[i]
+                ),
+                None,
+            )
             if match is not None:
                 self._count_text_rendered(sum(j > i for j in assistant))
-                return continue_prompt(tokenizer, messages, tools, match.prompt_ids + match.token_ids, stop_ids,
-                                       encode, template, last=i)
+                return continue_prompt(
+                    tokenizer, messages, tools, match.prompt_ids + match.token_ids, stop_ids, encode, template, last=i
+                )
         self._count_text_rendered(len(assistant))
         return None
 
@@ -268,7 +301,7 @@ class Session:
         if not calls:
             return None
         match = max(calls, key=lambda c: (len(c.text), c.index))
-        return match.prompt_ids + match.text_ids + encode(text[len(match.text):])
+        return match.prompt_ids + match.text_ids + encode(text[len(match.text) :])
 
     def _count_text_rendered(self, number: int) -> None:
         if number:
@@ -337,6 +370,5 @@ class SessionRecorder:
         if ended:
             raise SessionNotFound(f"session {session_id} has ended (its episode is over)")
         if session is None:
-            raise SessionNotFound(f"no session {session_id!r} on this server: use the base URL your episode was "
-                                  "given")
+            raise SessionNotFound(f"no session {session_id!r} on this server: use the base URL your episode was given")
         return session

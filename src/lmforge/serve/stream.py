@@ -21,6 +21,7 @@ last chunk carries the whole reply as the non-streamed response has it: ``delta.
 A client that disconnects closes the generator: its requests are cancelled and their rows leave the
 batch at the next step. A generation failure mid-stream ends the stream with an ``error`` event.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -53,14 +54,14 @@ class ChoiceText:
         text = self.decode(self.tokens)
         if finish is not None:
             final = self.final(finish)
-            delta, self.sent = final[self.sent:], max(self.sent, len(final))
+            delta, self.sent = final[self.sent :], max(self.sent, len(final))
             return delta
         safe = len(text) - self.hold
         if text.endswith("\ufffd"):  # a character whose remaining bytes come with the next token
             safe = min(safe, len(text.rstrip("\ufffd")))
         if safe <= self.sent:
             return ""
-        delta, self.sent = text[self.sent:safe], safe
+        delta, self.sent = text[self.sent : safe], safe
         return delta
 
 
@@ -78,9 +79,18 @@ def tool_delta(index: int, text: ChoiceText, finish: str) -> dict[str, Any]:
     return {"delta": delta, **{k: v for k, v in choice.items() if k != "index"}}
 
 
-async def sse_events(kind: str, model_name: str, requests: list[GenerationRequest], body, prompts: list[list[int]],
-                     decode: Callable, decode_token: Callable, queue: asyncio.Queue,
-                     parse_tools: bool = False, stop_ids: list[int] = ()) -> AsyncIterator[str]:
+async def sse_events(
+    kind: str,
+    model_name: str,
+    requests: list[GenerationRequest],
+    body,
+    prompts: list[list[int]],
+    decode: Callable,
+    decode_token: Callable,
+    queue: asyncio.Queue,
+    parse_tools: bool = False,
+    stop_ids: list[int] = (),
+) -> AsyncIterator[str]:
     """The event stream of ``requests`` (one per prompt, each with ``body.n`` samples), whose
     ``on_token`` callbacks feed ``queue`` with ``(prompt, sample, token, logprob, top, finish, version)``
     and whose futures add ``("done", prompt, future)`` when they end. ``parse_tools``: chat replies
@@ -96,16 +106,23 @@ async def sse_events(kind: str, model_name: str, requests: list[GenerationReques
         choice = {"index": index, **piece, "finish_reason": finish}
         if token is not None:
             choice["token_ids"] = [token]
-        return {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                "model": model_name, "choices": [choice], "weight_version": version}
+        return {
+            "id": ident,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": model_name,
+            "choices": [choice],
+            "weight_version": version,
+        }
 
     try:
         if chat:
-            for (p, i) in texts:  # OpenAI opens each choice with its role
-                yield _sse(chunk(p * n + i, {"delta": {"role": "assistant", "content": ""}, "logprobs": None}, None,
-                                 None, 0))
+            for p, i in texts:  # OpenAI opens each choice with its role
+                yield _sse(
+                    chunk(p * n + i, {"delta": {"role": "assistant", "content": ""}, "logprobs": None}, None, None, 0)
+                )
         elif body.echo:
-            for (p, i) in texts:
+            for p, i in texts:
                 yield _sse(chunk(p * n + i, {"text": decode(prompts[p]), "logprobs": None}, None, None, 0))
         version = 0
         while open_choices or finished_requests < len(requests):
@@ -115,16 +132,26 @@ async def sse_events(kind: str, model_name: str, requests: list[GenerationReques
                 finished_requests += 1
                 if not future.cancelled() and future.exception() is not None:
                     error = future.exception()
-                    yield _sse({"error": {"message": f"generation failed: {type(error).__name__}: {error}",
-                                          "type": "server_error", "param": None, "code": None}})
+                    yield _sse(
+                        {
+                            "error": {
+                                "message": f"generation failed: {type(error).__name__}: {error}",
+                                "type": "server_error",
+                                "param": None,
+                                "code": None,
+                            }
+                        }
+                    )
                     return
                 continue
             p, i, token, logprob, top, finish, version = event
             completion_tokens += 1
             delta = texts[(p, i)].push(token, finish)
             if chat:
-                piece = {"delta": {"content": "" if parse_tools else delta},
-                         "logprobs": chat_logprobs([token], [logprob], [top], body, decode_token)}
+                piece = {
+                    "delta": {"content": "" if parse_tools else delta},
+                    "logprobs": chat_logprobs([token], [logprob], [top], body, decode_token),
+                }
                 if parse_tools and finish is not None:
                     piece.update(tool_delta(p * n + i, texts[(p, i)], finish))
                     finish = piece.pop("finish_reason")
@@ -134,9 +161,17 @@ async def sse_events(kind: str, model_name: str, requests: list[GenerationReques
             if finish is not None:
                 open_choices.discard((p, i))
         if body.include_usage:
-            yield _sse({"id": ident, "object": "chat.completion.chunk" if chat else "text_completion",
-                        "created": created, "model": model_name, "choices": [], "weight_version": version,
-                        "usage": usage(sum(map(len, prompts)), completion_tokens)})
+            yield _sse(
+                {
+                    "id": ident,
+                    "object": "chat.completion.chunk" if chat else "text_completion",
+                    "created": created,
+                    "model": model_name,
+                    "choices": [],
+                    "weight_version": version,
+                    "usage": usage(sum(map(len, prompts)), completion_tokens),
+                }
+            )
         yield _sse("[DONE]")
     finally:  # the client left (or the stream ended): free whatever still runs
         for request in requests:
@@ -147,9 +182,11 @@ async def sse_events(kind: str, model_name: str, requests: list[GenerationReques
 def feed(queue: asyncio.Queue, loop: asyncio.AbstractEventLoop, prompt_index: int, scheduler) -> tuple:
     """(on_token callback, future done-callback) that put a prompt's events on ``queue`` from the
     scheduler thread."""
+
     def on_token(sample: int, token: int, logprob: float, top: list, finish: str | None) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, (prompt_index, sample, token, logprob, top, finish,
-                                                     scheduler.weight_version))
+        loop.call_soon_threadsafe(
+            queue.put_nowait, (prompt_index, sample, token, logprob, top, finish, scheduler.weight_version)
+        )
 
     def on_done(future) -> None:
         loop.call_soon_threadsafe(queue.put_nowait, ("done", prompt_index, future))

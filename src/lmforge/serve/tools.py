@@ -19,6 +19,7 @@ renders only the messages after that assistant message, as the template's text a
 their tokens: the sampled ids are never decoded and tokenized again, so a trainer fed from this
 server's ``prompt_token_ids`` / ``token_ids`` scores exactly the tokens that were sampled.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,16 +48,20 @@ def request_tools(body) -> tuple[list[dict] | None, bool]:
     names = [t["function"]["name"] for t in tools]
     for i, name in enumerate(names):
         if name in names[:i]:  # which one a call names would be ambiguous
-            raise ToolRequestError(f"two tools are named {name!r}: tools {names.index(name)} and {i}",
-                                   f"tools.{i}.function.name")
+            raise ToolRequestError(
+                f"two tools are named {name!r}: tools {names.index(name)} and {i}", f"tools.{i}.function.name"
+            )
     choice = body.tool_choice
     if choice is not None and not tools:
         raise ToolRequestError("tool_choice needs tools: send tools, or leave tool_choice out", "tool_choice")
     if isinstance(choice, dict):
         _named_tool(choice, tools)
     elif choice not in (None, "auto", "none", "required"):
-        raise ToolRequestError(f"tool_choice {json.dumps(choice)} is not one of \"auto\", \"none\", \"required\" "
-                               "or {\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+        raise ToolRequestError(
+            f'tool_choice {json.dumps(choice)} is not one of "auto", "none", "required" '
+            'or {"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
     return tools or None, bool(tools) and choice != "none"
 
 
@@ -65,12 +70,17 @@ def _named_tool(choice: dict, tools: list[dict]) -> str:
     function = choice.get("function")
     name = function.get("name") if isinstance(function, dict) else None
     if choice.get("type") != "function" or set(choice) != {"type", "function"} or not isinstance(name, str):
-        raise ToolRequestError("a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": ...}}, "
-                               f"got {json.dumps(choice)[:200]}", "tool_choice")
+        raise ToolRequestError(
+            'a named tool_choice is {"type": "function", "function": {"name": ...}}, '
+            f"got {json.dumps(choice)[:200]}",
+            "tool_choice",
+        )
     names = [t["function"]["name"] for t in tools]
     if name not in names:
-        raise ToolRequestError(f"tool_choice names the function {name!r}, which is not among the tools {names}",
-                               "tool_choice.function.name")
+        raise ToolRequestError(
+            f"tool_choice names the function {name!r}, which is not among the tools {names}",
+            "tool_choice.function.name",
+        )
     return name
 
 
@@ -79,8 +89,7 @@ def forces_call(body) -> bool:
     return body.tool_choice == "required" or isinstance(body.tool_choice, dict)
 
 
-def call_format(tools: list[dict], body, text: bool, force: bool | None = None
-                ) -> tuple[dict, list[tuple[str, dict]]]:
+def call_format(tools: list[dict], body, text: bool, force: bool | None = None) -> tuple[dict, list[tuple[str, dict]]]:
     """(the reply's calls as an xgrammar structural-tag format, [(field, arguments schema)] it uses).
 
     ``text``: free text in which every ``<tool_call>`` block must be a well-formed call (tool_choice
@@ -99,17 +108,27 @@ def call_format(tools: list[dict], body, text: bool, force: bool | None = None
         if force or function.get("strict"):
             arguments = {**{"type": "object"}, **(function.get("parameters") or {"properties": {}})}
             schemas.append((f"tools.{i}.function.parameters", arguments))
-        tags.append({"type": "tag", "begin": f'{CALL_OPEN}\n{{"name": {json.dumps(function["name"])}, "arguments": ',
-                     "content": {"type": "json_schema", "json_schema": arguments, "max_whitespace_cnt": 1},
-                     "end": f"}}\n{CALL_CLOSE}"})
+        tags.append(
+            {
+                "type": "tag",
+                "begin": f'{CALL_OPEN}\n{{"name": {json.dumps(function["name"])}, "arguments": ',
+                "content": {"type": "json_schema", "json_schema": arguments, "max_whitespace_cnt": 1},
+                "end": f"}}\n{CALL_CLOSE}",
+            }
+        )
     single = named is not None or body.parallel_tool_calls is False
     if text:
         fmt = {"type": "triggered_tags", "triggers": [CALL_OPEN], "tags": tags, "stop_after_first": single}
     elif named is not None:
         fmt = tags[0]
     else:
-        fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
-               "stop_after_first": single}
+        fmt = {
+            "type": "tags_with_separator",
+            "tags": tags,
+            "separator": "\n",
+            "at_least_one": True,
+            "stop_after_first": single,
+        }
     return fmt, schemas
 
 
@@ -128,8 +147,9 @@ def render_chat_marked(tokenizer, messages: list[dict], tools: list[dict] | None
     """:func:`render_chat`'s text and where the messages' special-token strings landed in it
     (``envs.safe_encode``); one the template does not write as given is the request's error."""
     try:
-        return render_marked(tokenizer, lambda msgs, tls: render_chat(tokenizer, msgs, tls, **template), messages,
-                             tools)
+        return render_marked(
+            tokenizer, lambda msgs, tls: render_chat(tokenizer, msgs, tls, **template), messages, tools
+        )
     except ControlTextError as exc:
         raise ToolRequestError(str(exc), exc.field) from exc
 
@@ -140,9 +160,16 @@ def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None, **tem
     return encode_rendered(tokenizer, render_chat_marked(tokenizer, messages, tools, **template))
 
 
-def continue_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, prefix_ids: list[int],
-                    stop_token_ids: list[int], encode, template: dict | None = None,
-                    last: int | None = None) -> list[int]:
+def continue_prompt(
+    tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None,
+    prefix_ids: list[int],
+    stop_token_ids: list[int],
+    encode,
+    template: dict | None = None,
+    last: int | None = None,
+) -> list[int]:
     """``prefix_ids`` + the tokens of the messages after the last assistant message (module doc), or
     after message ``last`` (an assistant message) when given: the agent gateway's (``sessions.py``).
 
@@ -154,24 +181,29 @@ def continue_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, p
     if last is None:
         last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
     if last is None:
-        raise ToolRequestError("prefix_token_ids stand for the conversation through its last assistant message, "
-                               "but messages has none; send the first turn without prefix_token_ids",
-                               "prefix_token_ids")
+        raise ToolRequestError(
+            "prefix_token_ids stand for the conversation through its last assistant message, "
+            "but messages has none; send the first turn without prefix_token_ids",
+            "prefix_token_ids",
+        )
     if not prefix_ids:
         raise ToolRequestError("prefix_token_ids is empty", "prefix_token_ids")
-    history, template = messages[:last + 1], template or {}
+    history, template = messages[: last + 1], template or {}
     variables = {k: v for k, v in template.items() if k != "add_generation_prompt"}
     head = _render(tokenizer, history, tools, **variables)
     full = render_chat_marked(tokenizer, messages, tools, **template)
     if not full.text.startswith(head):
-        raise ToolRequestError("this chat template does not render the conversation prefix by prefix (it rewrites "
-                               "earlier turns), so new messages have no token delta; send the whole conversation "
-                               "without prefix_token_ids", "prefix_token_ids")
+        raise ToolRequestError(
+            "this chat template does not render the conversation prefix by prefix (it rewrites "
+            "earlier turns), so new messages have no token delta; send the whole conversation "
+            "without prefix_token_ids",
+            "prefix_token_ids",
+        )
     closing = _assistant_closing(tokenizer, history, tools, variables)
     if prefix_ids[-1] in stop_token_ids:
         stop_text = tokenizer.decode(prefix_ids[-1:], skip_special_tokens=False)
         if closing.startswith(stop_text):
-            closing = closing[len(stop_text):]
+            closing = closing[len(stop_text) :]
     return list(prefix_ids) + encode_rendered(tokenizer, as_template(tokenizer, closing) + full.cut(len(head)), encode)
 
 
@@ -187,10 +219,13 @@ def _assistant_closing(tokenizer, history: list[dict], tools: list[dict] | None,
     stand_in = [*history[:-1], {"role": "assistant", "content": _SENTINEL}]
     text = _render(tokenizer, stand_in, tools, **variables)
     if _SENTINEL not in text:
-        raise ToolRequestError("this chat template does not write an assistant message's content as given, so "
-                               "the end of the last turn cannot be found; send the conversation without "
-                               "prefix_token_ids", "prefix_token_ids")
-    return text[text.rindex(_SENTINEL) + len(_SENTINEL):]
+        raise ToolRequestError(
+            "this chat template does not write an assistant message's content as given, so "
+            "the end of the last turn cannot be found; send the conversation without "
+            "prefix_token_ids",
+            "prefix_token_ids",
+        )
+    return text[text.rindex(_SENTINEL) + len(_SENTINEL) :]
 
 
 def tool_reply(text: str, finish_reason: str) -> tuple[dict[str, Any], str, list[str]]:
@@ -207,9 +242,13 @@ def tool_reply(text: str, finish_reason: str) -> tuple[dict[str, Any], str, list
         return {"role": "assistant", "content": text}, finish_reason, parsed.errors
     # Fresh ids, not parse_tool_calls' text-derived ones: a model that repeats a call in a later turn would
     # repeat its id, and clients match results to calls by id across the conversation.
-    calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-              "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
-             for c in parsed.calls]
+    calls = [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
+        }
+        for c in parsed.calls
+    ]
     message = {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}
     return message, "tool_calls" if finish_reason == "stop" else finish_reason, []
-

@@ -12,6 +12,7 @@ Either way the server applies the weights between two decode steps once no runni
 with the old ones (``scheduler.py``) and answers ``{"weight_version": K}``. Versions must increase;
 without ``version`` the server adds one.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -63,13 +64,13 @@ def check_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     missing = sorted(set(own) - set(state) - tied)
     unexpected = sorted(set(state) - set(own))
     if missing or unexpected:
-        raise WeightsError(f"the weights do not match the served model: missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]}")
+        raise WeightsError(
+            f"the weights do not match the served model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     wrong = [(k, tuple(state[k].shape), tuple(own[k].shape)) for k in state if state[k].shape != own[k].shape]
     if wrong:
         name, got, want = wrong[0]
-        raise WeightsError(f"weight {name} has shape {got}, the served model's is {want} "
-                           f"({len(wrong)} tensors differ)")
+        raise WeightsError(f"weight {name} has shape {got}, the served model's is {want} ({len(wrong)} tensors differ)")
 
 
 def copy_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -84,6 +85,7 @@ def copy_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 # ----------------------------------------------------------------------------- trainer side
 
+
 def plain_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``model``'s weights under the plain HF names, detached: a model with LoRA adapters merged
     (``W + scale * B A``), which is what a server holding the plain model expects."""
@@ -94,8 +96,11 @@ def plain_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     state = unwrapped.state_dict()
     if lora.has_adapters(unwrapped):
         merged = dict(lora.merged_named_parameters(unwrapped))
-        state = {lora.plain_name(name): merged.get(lora.plain_name(name), tensor)
-                 for name, tensor in state.items() if ".lora_" not in name}
+        state = {
+            lora.plain_name(name): merged.get(lora.plain_name(name), tensor)
+            for name, tensor in state.items()
+            if ".lora_" not in name
+        }
     return {name: t.detach() for name, t in state.items()}
 
 
@@ -107,9 +112,14 @@ def state_dict_bytes(model: torch.nn.Module) -> bytes:
     return save({name: t.to("cpu").clone().contiguous() for name, t in plain_state(model).items()})
 
 
-
-def push_weights(server_url: str, model: torch.nn.Module | None = None, *, checkpoint_dir: str | Path | None = None,
-                 version: int | None = None, timeout: float = 600.0) -> int:
+def push_weights(
+    server_url: str,
+    model: torch.nn.Module | None = None,
+    *,
+    checkpoint_dir: str | Path | None = None,
+    version: int | None = None,
+    timeout: float = 600.0,
+) -> int:
     """Hand new weights to an ``lmforge serve`` at ``server_url``; returns the server's new version.
 
     Give either ``model`` (its state dict is sent over HTTP) or ``checkpoint_dir`` (a directory the
@@ -122,13 +132,19 @@ def push_weights(server_url: str, model: torch.nn.Module | None = None, *, check
     url, request = weights_request(server_url, model, checkpoint_dir=checkpoint_dir, version=version)
     response = httpx.post(url, timeout=timeout, **request)
     if response.status_code != 200:
-        raise RuntimeError(f"{server_url.rstrip('/')} refused the weight update ({response.status_code}): "
-                           f"{response.text}")
+        raise RuntimeError(
+            f"{server_url.rstrip('/')} refused the weight update ({response.status_code}): {response.text}"
+        )
     return int(response.json()["weight_version"])
 
 
-def weights_request(server_url: str, model: torch.nn.Module | None = None, *,
-                    checkpoint_dir: str | Path | None = None, version: int | None = None) -> tuple[str, dict]:
+def weights_request(
+    server_url: str,
+    model: torch.nn.Module | None = None,
+    *,
+    checkpoint_dir: str | Path | None = None,
+    version: int | None = None,
+) -> tuple[str, dict]:
     """The POST that hands new weights to ``lmforge serve``: (url, httpx keyword arguments). Shared by
     :func:`push_weights` and the Atropos trainer's retried push (``lmforge.rl.sources.atropos``)."""
     if (model is None) == (checkpoint_dir is None):
@@ -136,6 +152,8 @@ def weights_request(server_url: str, model: torch.nn.Module | None = None, *,
     base = server_url.rstrip("/")
     if checkpoint_dir is not None:
         return f"{base}/v1/weights", {"json": {"checkpoint_dir": str(checkpoint_dir), "version": version}}
-    return f"{base}/v1/weights/tensors", {"content": state_dict_bytes(model),
-                                          "params": {} if version is None else {"version": version},
-                                          "headers": {"content-type": "application/octet-stream"}}
+    return f"{base}/v1/weights/tensors", {
+        "content": state_dict_bytes(model),
+        "params": {} if version is None else {"version": version},
+        "headers": {"content-type": "application/octet-stream"},
+    }

@@ -16,14 +16,15 @@ each row is one forward of batch 1. The embedding lookup runs once for all rows 
 sized embedding gradient per forward, not one per row), and the LM head runs only on the positions
 that predict a trained token, once for all rows.
 """
+
 from __future__ import annotations
 
 import dataclasses
 
 import torch
 
-from ..data.preference import PreferencePair
 from ..core.ops import selective_log_softmax
+from ..data.preference import PreferencePair
 from ..runtime.optim import PLAIN_HEAD_MODELS, decoder_of
 
 Tensor = torch.Tensor
@@ -39,6 +40,7 @@ ROW_TOKENS = 256
 @dataclasses.dataclass
 class PairPack:
     """b pairs as packed rows; the 2b sides are numbered chosen 0..b-1, then rejected b..2b-1."""
+
     input_ids: list[Tensor]  # per row (L,)
     position_ids: list[Tensor]  # per row (L,): the token's position in its own side
     attend: list[Tensor]  # per row (L, L) bool: query i may attend to key j
@@ -62,7 +64,7 @@ def _segment(pair: PreferencePair) -> tuple[list[int], list[int], list[int], lis
     tokens as (index in the segment of the position that predicts it, token, 0 chosen / 1 rejected))."""
     sides = (pair.chosen, pair.rejected)
     starts = [side.loss_mask.index(1) for side in sides]
-    shared = starts[0] == starts[1] and sides[0].input_ids[:starts[0]] == sides[1].input_ids[:starts[1]]
+    shared = starts[0] == starts[1] and sides[0].input_ids[: starts[0]] == sides[1].input_ids[: starts[1]]
     prefix = starts[0] if shared else 0
     tokens, positions, branch = list(sides[0].input_ids[:prefix]), list(range(prefix)), [0] * prefix
     trained = []
@@ -120,9 +122,16 @@ def pack_pairs(pairs: list[PreferencePair], row_tokens: int = ROW_TOKENS) -> Pai
         attend.append(_attend(torch.tensor(segment_of), torch.tensor(branch)))
         start += len(segment_of)
     num_tokens = sum(len(side.input_ids) for pair in pairs for side in pair)
-    return PairPack(input_ids, position_ids, attend, torch.tensor(predict_at, dtype=torch.long),
-                    torch.tensor(targets, dtype=torch.long), torch.tensor(side_of, dtype=torch.long), 2 * num,
-                    num_tokens)
+    return PairPack(
+        input_ids,
+        position_ids,
+        attend,
+        torch.tensor(predict_at, dtype=torch.long),
+        torch.tensor(targets, dtype=torch.long),
+        torch.tensor(side_of, dtype=torch.long),
+        2 * num,
+        num_tokens,
+    )
 
 
 def _attention_mask(model, attend: Tensor) -> Tensor:
@@ -134,8 +143,9 @@ def _attention_mask(model, attend: Tensor) -> Tensor:
     if implementation == "eager":
         blocked = torch.finfo(torch.float32).min
         return torch.zeros(attend.shape, device=attend.device).masked_fill(~attend, blocked)[None, None]
-    raise ValueError(f"the pair forward needs SDPA or eager attention for its tree mask; this model uses "
-                     f"{implementation!r}")
+    raise ValueError(
+        f"the pair forward needs SDPA or eager attention for its tree mask; this model uses {implementation!r}"
+    )
 
 
 def pair_logits(model, pack: PairPack) -> Tensor:
@@ -146,15 +156,21 @@ def pair_logits(model, pack: PairPack) -> Tensor:
     window = getattr(model.config, "sliding_window", None)  # the tree mask is full causal within a side
     longest = max((int(positions.max()) + 1 for positions in pack.position_ids if len(positions)), default=0)
     if window and longest > window:
-        raise ValueError(f"a side of {longest} tokens is longer than the model's sliding attention window "
-                         f"({window}), which the packed pair forward does not apply; set data.max_len <= {window}")
+        raise ValueError(
+            f"a side of {longest} tokens is longer than the model's sliding attention window "
+            f"({window}), which the packed pair forward does not apply; set data.max_len <= {window}"
+        )
     plain = getattr(model.config, "model_type", "") in PLAIN_HEAD_MODELS and decoder_of(model) is not None
     forward = decoder_of(model) if plain else model
     embeds = model.get_input_embeddings()(torch.cat(pack.input_ids))  # (sum L, H)
     outputs = []
     for part, positions, attend in zip(embeds.split(lengths), pack.position_ids, pack.attend):
-        out = forward(inputs_embeds=part[None], position_ids=positions[None],
-                      attention_mask=_attention_mask(model, attend), use_cache=False)
+        out = forward(
+            inputs_embeds=part[None],
+            position_ids=positions[None],
+            attention_mask=_attention_mask(model, attend),
+            use_cache=False,
+        )
         outputs.append(out.last_hidden_state[0] if plain else out.logits[0])
     picked = torch.cat(outputs)[pack.predict_at]  # (N, H) or (N, V)
     return model.get_output_embeddings()(picked) if plain else picked
@@ -167,5 +183,6 @@ def side_logps(logits: Tensor, pack: PairPack) -> tuple[Tensor, Tensor]:
     token_logps = selective_log_softmax(logits if logits.dtype == torch.float64 else logits.float(), pack.targets)
     sums = torch.zeros(pack.num_sides, dtype=token_logps.dtype, device=token_logps.device)
     counts = torch.zeros(pack.num_sides, dtype=torch.long, device=token_logps.device)
-    return sums.index_add(0, pack.side_of, token_logps), counts.index_add(0, pack.side_of,
-                                                                          torch.ones_like(pack.side_of))
+    return sums.index_add(0, pack.side_of, token_logps), counts.index_add(
+        0, pack.side_of, torch.ones_like(pack.side_of)
+    )

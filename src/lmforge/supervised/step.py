@@ -6,6 +6,7 @@ micro-batches -> count the step's loss tokens over all ranks, once -> forward / 
 micro-batch (gradients reduced across ranks on the last one only) -> clip, update. The loop around
 it (log, evaluate, checkpoint, resume, summary) is :func:`lmforge.runtime.loop.train_loop`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +19,8 @@ import torch
 from ..losses.policy import sft_loss
 from ..parallel.wrap import gradient_sync, run_forward
 from ..runtime.loop import Trainer, TrainState, build_state, full_model, train_loop
-from ..runtime.run import Run
 from ..runtime.optim import BatchOrder, Precision, count_loss_tokens, logits_at, shifted_targets
+from ..runtime.run import Run
 
 
 @dataclasses.dataclass
@@ -37,8 +38,9 @@ def micro_loss(state: TrainState, batch: dict, num_loss_tokens_global: int, prec
     """Loss of one micro-batch, already divided by the step's loss-token count over all ranks."""
     positions, targets = shifted_targets(batch["labels"])
     with precision.autocast():
-        logits = run_forward(state.wrapped, logits_at, state.model, batch["input_ids"], batch["attention_mask"],
-                             positions)
+        logits = run_forward(
+            state.wrapped, logits_at, state.model, batch["input_ids"], batch["attention_mask"], positions
+        )
     return sft_loss(logits, targets, num_loss_tokens_global)
 
 
@@ -49,7 +51,7 @@ def to_device(batch: dict, device: torch.device) -> dict:
 def rank_share(rows: list, rank: int, world_size: int) -> list:
     """This rank's contiguous share of a global batch (equal shares: the batch size divides)."""
     per_rank = len(rows) // world_size
-    return rows[rank * per_rank:(rank + 1) * per_rank]
+    return rows[rank * per_rank : (rank + 1) * per_rank]
 
 
 def supervised_step(state: TrainState, data: SupervisedData, step: int, loss_fn: Callable | None = None) -> dict:
@@ -62,9 +64,11 @@ def supervised_step(state: TrainState, data: SupervisedData, step: int, loss_fn:
     ctx, micro = run.ctx, run.micro_batch_size
     t0 = time.perf_counter()
     rows = rank_share(state.order.next(), ctx.rank, ctx.world_size)
-    batches = [to_device(data.collate([data.train_rows[i] for i in rows[k:k + micro]]), run.device)
-               for k in range(0, len(rows), micro)]
-    num_loss_tokens_global, = ctx.sum_counts(sum(count_loss_tokens(b["labels"]) for b in batches))
+    batches = [
+        to_device(data.collate([data.train_rows[i] for i in rows[k : k + micro]]), run.device)
+        for k in range(0, len(rows), micro)
+    ]
+    (num_loss_tokens_global,) = ctx.sum_counts(sum(count_loss_tokens(b["labels"]) for b in batches))
     data_time = time.perf_counter() - t0
     loss_sum = torch.zeros((), device=run.device)
     sums: dict[str, float] = {}
@@ -86,9 +90,15 @@ def supervised_step(state: TrainState, data: SupervisedData, step: int, loss_fn:
     updater.check_loss(loss_sum, step)  # once per step (a host sync on GPUs), before the update, on every rank
     lr = updater.scheduler.get_last_lr()[0]
     grad_norm = updater.step(step)  # a non-finite norm stops the run or skips this update (train.on_nonfinite)
-    metrics = {"loss": loss_sum, "lr": lr, "grad_norm": grad_norm, "skipped_updates": updater.num_skipped,
-               "loss_tokens": num_loss_tokens_global,
-               "num_tokens": sum(int(b["attention_mask"].sum()) for b in batches), "data_time": data_time}
+    metrics = {
+        "loss": loss_sum,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "skipped_updates": updater.num_skipped,
+        "loss_tokens": num_loss_tokens_global,
+        "num_tokens": sum(int(b["attention_mask"].sum()) for b in batches),
+        "data_time": data_time,
+    }
     if loss_fn is not None:
         metrics["sums"] = sums
     return metrics
@@ -106,11 +116,11 @@ def validation_loss(state: TrainState, data: SupervisedData, max_rows: int = 512
     was_training = state.model.training
     state.model.eval()
     rows = data.val_rows[:max_rows]
-    mine = rows[ctx.rank::ctx.world_size]
+    mine = rows[ctx.rank :: ctx.world_size]
     num_batches = math.ceil(len(rows) / (micro * ctx.world_size)) if rows else 0
     totals = torch.zeros(2, dtype=torch.float64)  # nll, tokens
     for index in range(num_batches):
-        part = mine[index * micro:(index + 1) * micro]
+        part = mine[index * micro : (index + 1) * micro]
         batch = to_device(data.collate(part or rows[:1]), run.device)
         count = count_loss_tokens(batch["labels"]) if part else 0
         if count == 0 and not ctx.distributed:
@@ -123,15 +133,18 @@ def validation_loss(state: TrainState, data: SupervisedData, max_rows: int = 512
     return float(totals[0] / max(totals[1], 1))
 
 
-def train_supervised(run: Run, model, tokenizer, data: SupervisedData,
-                     evaluate: Callable[[object, int], dict] | None = None) -> dict:
+def train_supervised(
+    run: Run, model, tokenizer, data: SupervisedData, evaluate: Callable[[object, int], dict] | None = None
+) -> dict:
     """Train ``model`` on ``data`` as configured by ``run``; returns the final evaluation metrics."""
     tcfg = run.train
     if data.order is None and len(data.train_rows) < tcfg.batch_size:
         from ..core.errors import DataError
 
-        raise DataError(f"{len(data.train_rows)} training rows are fewer than one batch "
-                        f"(train.batch_size={tcfg.batch_size}); lower train.batch_size or add data")
+        raise DataError(
+            f"{len(data.train_rows)} training rows are fewer than one batch "
+            f"(train.batch_size={tcfg.batch_size}); lower train.batch_size or add data"
+        )
     order = data.order if data.order is not None else BatchOrder(len(data.train_rows), tcfg.batch_size, tcfg.seed)
     state = build_state(run, model, tokenizer, order, tcfg.max_steps)
 
@@ -145,6 +158,5 @@ def train_supervised(run: Run, model, tokenizer, data: SupervisedData,
             state.model.train()
         return metrics
 
-    trainer = Trainer(step=lambda step: supervised_step(state, data, step), evaluate=run_eval,
-                      best_metric="val_loss")
+    trainer = Trainer(step=lambda step: supervised_step(state, data, step), evaluate=run_eval, best_metric="val_loss")
     return train_loop(state, trainer)

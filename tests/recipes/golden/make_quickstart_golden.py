@@ -6,6 +6,7 @@ Run it only for a change that is meant to alter the computation, and say so in t
 
 A refactor must leave the file as it is (``tests/recipes/test_quickstart_golden.py`` checks it).
 """
+
 import json
 import sys
 import tempfile

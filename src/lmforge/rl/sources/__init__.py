@@ -5,6 +5,7 @@
 thread. Adding a source is one file with a ``build(setup) -> RolloutSource`` and one entry here
 (docs/architecture.md shows one); the loop does not change.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -36,8 +37,10 @@ def check_source(rollout, is_level: str, distributed: bool) -> None:
     directory is taken)."""
     if rollout.backend not in SOURCES or rollout.backend == "episodes":
         valid = ", ".join(name for name in SOURCES if name != "episodes")
-        raise ConfigError(f"rollout.backend={rollout.backend!r} is not a rollout source; valid: {valid} (episodes "
-                          "of an environment: set env.name)")
+        raise ConfigError(
+            f"rollout.backend={rollout.backend!r} is not a rollout source; valid: {valid} (episodes "
+            "of an environment: set env.name)"
+        )
     check_async(rollout, is_level, distributed)
 
 
@@ -57,5 +60,7 @@ def resume_source(source: RolloutSource, saved: dict, say: Callable[[str], None]
     source.load_state_dict(saved)
     launched = saved.get("async_rollouts", {}).get("pending")
     if launched and not isinstance(source, Overlapped):
-        say(f"[rollout] note: resuming an async checkpoint synchronously skips the prompts of its "
-            f"{len(launched)} launched batch(es); set rollout.async_steps to train on them")
+        say(
+            f"[rollout] note: resuming an async checkpoint synchronously skips the prompts of its "
+            f"{len(launched)} launched batch(es); set rollout.async_steps to train on them"
+        )

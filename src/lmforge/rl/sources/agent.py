@@ -20,6 +20,7 @@ reward 0, is counted (``agent_errors``, ``agent_timeouts``, ``agent_bad_rewards`
 id, and its recorded calls still train, as a built-in environment's failed episodes do. A step in which
 no episode both called the model and returned a usable reward stops the run with the first errors.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,8 +40,8 @@ from typing import Any, Callable
 
 import torch
 
-from ...envs.episode import episode_seed
 from ...core.errors import ConfigError, TrainingError
+from ...envs.episode import episode_seed
 from ...rollout import RewardOutput
 from ...serve.sessions import COUNTS, RunSampling, SessionRecorder
 from ..batch import ScoredRollout
@@ -72,14 +73,18 @@ def load_agent(entry: str, args: dict | None = None) -> Callable:
     except ImportError as exc:
         missing = getattr(exc, "name", None) or ""
         if not target.endswith(".py") and (not missing or target == missing or target.startswith(missing + ".")):
-            raise ConfigError(f"rollout.agent_entry={entry!r}: cannot import {target} ({exc}); put its directory on "
-                              "PYTHONPATH, or give the file's path: path/to/file.py:function") from exc
-        raise ConfigError(f"rollout.agent_entry={entry!r}: importing {target} failed: {failure_text(exc)} -- a "
-                          "module the agent imports is missing from this environment (install it here, where "
-                          "lmforge runs the agent)") from exc
+            raise ConfigError(
+                f"rollout.agent_entry={entry!r}: cannot import {target} ({exc}); put its directory on "
+                "PYTHONPATH, or give the file's path: path/to/file.py:function"
+            ) from exc
+        raise ConfigError(
+            f"rollout.agent_entry={entry!r}: importing {target} failed: {failure_text(exc)} -- a "
+            "module the agent imports is missing from this environment (install it here, where "
+            "lmforge runs the agent)"
+        ) from exc
     except ConfigError:
         raise
-    except Exception as exc:  # noqa: BLE001 - the agent's module failed in its own code while being imported
+    except Exception as exc:
         raise ConfigError(f"rollout.agent_entry={entry!r}: importing {target} raised {failure_text(exc)}") from exc
     function = getattr(module, name, None)
     if not callable(function):
@@ -93,9 +98,11 @@ def check_call(function: Callable, entry: str, args: dict) -> None:
     a signature that does not fit is the user's error, said once at the start."""
     taken = sorted(set(args) & {"base_url", "problem", *OPTIONAL})
     if taken:
-        raise ConfigError(f"rollout.agent_args sets {', '.join(taken)}, which lmforge passes to the agent itself "
-                          "(the episode's base URL, its problem, and model / api_key / episode where the function "
-                          "declares them); use other names")
+        raise ConfigError(
+            f"rollout.agent_args sets {', '.join(taken)}, which lmforge passes to the agent itself "
+            "(the episode's base URL, its problem, and model / api_key / episode where the function "
+            "declares them); use other names"
+        )
     try:
         signature = inspect.signature(function)
     except (TypeError, ValueError):  # a builtin or C callable: nothing to check
@@ -105,13 +112,16 @@ def check_call(function: Callable, entry: str, args: dict) -> None:
     if code is not None:
         where = f" ({code.co_filename}:{code.co_firstlineno})"
     try:
-        signature.bind("http://127.0.0.1:1/sessions/x/v1", {}, **args,
-                       **{k: None for k in OPTIONAL if k in signature.parameters})
+        signature.bind(
+            "http://127.0.0.1:1/sessions/x/v1", {}, **args, **{k: None for k in OPTIONAL if k in signature.parameters}
+        )
     except TypeError as exc:
-        raise ConfigError(f"rollout.agent_entry={entry!r}: {getattr(function, '__name__', entry)}{signature}"
-                          f"{where} cannot be called as function(base_url, problem, **rollout.agent_args) with "
-                          f"agent_args={args!r}: {exc}. The agent takes the episode's base URL and its problem "
-                          "(a dict) first; docs/agents.md") from None
+        raise ConfigError(
+            f"rollout.agent_entry={entry!r}: {getattr(function, '__name__', entry)}{signature}"
+            f"{where} cannot be called as function(base_url, problem, **rollout.agent_args) with "
+            f"agent_args={args!r}: {exc}. The agent takes the episode's base URL and its problem "
+            "(a dict) first; docs/agents.md"
+        ) from None
 
 
 def problem_dict(problem: Any) -> dict:
@@ -136,8 +146,9 @@ class AgentEpisode:
 class AgentRunner:
     """Runs agent episodes against a gateway server (module doc); one per source."""
 
-    def __init__(self, function: Callable, args: dict, url: str, recorder: SessionRecorder, concurrency: int,
-                 timeout_s: float):
+    def __init__(
+        self, function: Callable, args: dict, url: str, recorder: SessionRecorder, concurrency: int, timeout_s: float
+    ):
         self.function, self.args, self.url, self.recorder = function, dict(args), url, recorder
         self.concurrency, self.timeout_s = concurrency, timeout_s
         accepted = inspect.signature(function).parameters
@@ -170,8 +181,9 @@ class AgentRunner:
             while waiting and len(running) < limit:
                 episode = waiting.pop()
                 episode.session, episode.started = self.recorder.open(sampling(episode.number)), time.monotonic()
-                thread = threading.Thread(target=self._call, args=(episode,), daemon=True,
-                                          name=f"lmforge-agent-{episode.number}")
+                thread = threading.Thread(
+                    target=self._call, args=(episode,), daemon=True, name=f"lmforge-agent-{episode.number}"
+                )
                 thread.start()
                 running.append((episode, thread))
             time.sleep(0.005)
@@ -233,15 +245,23 @@ class AgentEngine:
         cfg = setup.rollout
         function = load_agent(cfg.agent_entry, cfg.agent_args)  # before the server: a bad entry starts nothing
         self.recorder = SessionRecorder()
-        self.server = PolicyServer(served_copy(setup.policy), setup.tokenizer, cfg.num_prompts * cfg.group_size,
-                                   "agent", sessions=self.recorder)
-        self.runner = AgentRunner(function, cfg.agent_args, self.server.url, self.recorder, cfg.agent_concurrency,
-                                  cfg.agent_timeout_s)
+        self.server = PolicyServer(
+            served_copy(setup.policy),
+            setup.tokenizer,
+            cfg.num_prompts * cfg.group_size,
+            "agent",
+            sessions=self.recorder,
+        )
+        self.runner = AgentRunner(
+            function, cfg.agent_args, self.server.url, self.recorder, cfg.agent_concurrency, cfg.agent_timeout_s
+        )
         self.version = 0
         self.ctx = setup.ctx
         self.samples: list[list] = []  # the last step's samples (AgentSource pads them under torchrun)
-        setup.print(f"[agent] {cfg.agent_entry}: policy served at {self.server.url}/sessions/<episode>/v1, "
-                    f"{cfg.agent_concurrency or 'all'} episodes at once, {cfg.agent_timeout_s:g} s each")
+        setup.print(
+            f"[agent] {cfg.agent_entry}: policy served at {self.server.url}/sessions/<episode>/v1, "
+            f"{cfg.agent_concurrency or 'all'} episodes at once, {cfg.agent_timeout_s:g} s each"
+        )
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.version += 1
@@ -256,18 +276,28 @@ def score(episodes: list[AgentEpisode], reward_set, task, max_new_tokens: int) -
         if text is not None:
             texts[e.number] = text
         elif total is None and e.end == "ok":
-            e.end, e.error = "bad_reward", f"returned {e.returned!r:.200} (not a finite number, a dict of them, or text)"
+            e.end, e.error = (
+                "bad_reward",
+                f"returned {e.returned!r:.200} (not a finite number, a dict of them, or text)",
+            )
         totals.append(0.0 if total is None else total)
         parts.append(named)
     if texts:
         if reward_set is None:
-            raise ConfigError("the agent returned its final text, which rewards.functions scores, but no reward "
-                              "functions are configured; set rewards.functions or return a number")
+            raise ConfigError(
+                "the agent returned its final text, which rewards.functions scores, but no reward "
+                "functions are configured; set rewards.functions or return a number"
+            )
         numbers = sorted(texts)
         shared = {} if task is None else {"task": task}
         lens = [sum(len(c.token_ids) for c in episodes[n].calls) for n in numbers]
-        out = reward_set([texts[n] for n in numbers], [episodes[n].problem for n in numbers], completion_lens=lens,
-                         max_new_tokens=max_new_tokens, **shared)
+        out = reward_set(
+            [texts[n] for n in numbers],
+            [episodes[n].problem for n in numbers],
+            completion_lens=lens,
+            max_new_tokens=max_new_tokens,
+            **shared,
+        )
         for n, value in zip(numbers, out.total.tolist()):
             totals[n] = value
     names = sorted({k for p in parts for k in p})
@@ -280,10 +310,17 @@ def agent_sampler(engine: AgentEngine) -> Callable:
 
     def sample(_engine, tokenizer, prompts, rows: list[int], cfg, reward_set, seed: int):
         start = time.perf_counter()
-        run = RunSampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, seed=0,
-                          seed_of=lambda number, call: episode_seed(seed, number, call))
-        episodes = engine.runner.run([prompts.problems[i] for i in rows], cfg.group_size,
-                                     lambda number: dataclasses.replace(run, seed=number))
+        run = RunSampling(
+            cfg.temperature,
+            cfg.top_p,
+            cfg.top_k,
+            cfg.max_new_tokens,
+            seed=0,
+            seed_of=lambda number, call: episode_seed(seed, number, call),
+        )
+        episodes = engine.runner.run(
+            [prompts.problems[i] for i in rows], cfg.group_size, lambda number: dataclasses.replace(run, seed=number)
+        )
         generated = time.perf_counter()
         rewards, part_means = score(episodes, reward_set, prompts.task, cfg.max_new_tokens)
         if engine.ctx.distributed:  # every rank logs every part (the metrics are all-reduced by position)
@@ -291,26 +328,44 @@ def agent_sampler(engine: AgentEngine) -> Callable:
             part_means = {name: part_means.get(name, 0.0) for name in names}
         samples = [merge_calls(e.calls) for e in episodes]
         counts = report(episodes, samples, engine.recorder.drain())
-        own = reward_metrics(RewardOutput(total=rewards, per_function=rewards[:, None], names=["agent"],
-                                          num_failed=torch.zeros(1, dtype=torch.long)))
+        own = reward_metrics(
+            RewardOutput(
+                total=rewards,
+                per_function=rewards[:, None],
+                names=["agent"],
+                num_failed=torch.zeros(1, dtype=torch.long),
+            )
+        )
         clash = sorted(set(part_means) & {*own, *counts})
         if clash:
-            raise ConfigError(f"the agent's reward parts {', '.join(k[len('reward_'):] for k in clash)} would be "
-                              f"logged as {', '.join(clash)}, a metric lmforge logs itself; rename them in the "
-                              "dict the agent returns")
+            raise ConfigError(
+                f"the agent's reward parts {', '.join(k[len('reward_') :] for k in clash)} would be "
+                f"logged as {', '.join(clash)}, a metric lmforge logs itself; rename them in the "
+                "dict the agent returns"
+            )
         usable = sum(bool(s) and e.end == "ok" for e, s in zip(episodes, samples))
         if not engine.ctx.sum_counts(usable)[0]:  # under torchrun: the step's usable episodes, all ranks'
             raise TrainingError(unusable_text(episodes, counts))
         engine.samples = samples
         rollout = agent_rollout(samples, tokenizer.pad_token_id, tokenizer.eos_token_id)
         row_rewards = rewards[rollout.episode_index]
-        output = RewardOutput(total=row_rewards, per_function=row_rewards[:, None], names=["agent"],
-                              num_failed=torch.zeros(1, dtype=torch.long))
+        output = RewardOutput(
+            total=row_rewards,
+            per_function=row_rewards[:, None],
+            names=["agent"],
+            num_failed=torch.zeros(1, dtype=torch.long),
+        )
         trained = rollout.trained.sum(1).float()
-        metrics = {**own, **part_means, **counts, "completion_len_mean": trained.mean(),
-                   "completion_len_max": trained.max(),
-                   "truncated_frac": rollout.truncated.float().mean(),
-                   "time_generation": generated - start, "time_scoring": time.perf_counter() - generated}
+        metrics = {
+            **own,
+            **part_means,
+            **counts,
+            "completion_len_mean": trained.mean(),
+            "completion_len_max": trained.max(),
+            "truncated_frac": rollout.truncated.float().mean(),
+            "time_generation": generated - start,
+            "time_scoring": time.perf_counter() - generated,
+        }
         return rollout, output, metrics
 
     return sample
@@ -323,13 +378,19 @@ def unusable_text(episodes: list[AgentEpisode], counts: dict) -> str:
     causes = [f"the first error: {first.error}"] if first else []
     no_calls = sum(not e.calls and e.end == "ok" for e in episodes)
     if no_calls:
-        causes.append(f"{no_calls} episode(s) returned without a call recorded in their session (does the agent "
-                      "build its client from the base_url it is given, for every episode?)")
+        causes.append(
+            f"{no_calls} episode(s) returned without a call recorded in their session (does the agent "
+            "build its client from the base_url it is given, for every episode?)"
+        )
     if counts.get("num_refused_calls"):
-        causes.append(f"{counts['num_refused_calls']} call(s) were refused with a 400 (see the warnings above: "
-                      "malformed, n > 1, or past the context)")
-    return (f"no agent episode of this step is usable (each failed, or never called the model: "
-            f"{dict(Counter(e.end for e in episodes))}); " + ("; ".join(causes) or "no error was raised"))
+        causes.append(
+            f"{counts['num_refused_calls']} call(s) were refused with a 400 (see the warnings above: "
+            "malformed, n > 1, or past the context)"
+        )
+    return (
+        f"no agent episode of this step is usable (each failed, or never called the model: "
+        f"{dict(Counter(e.end for e in episodes))}); " + ("; ".join(causes) or "no error was raised")
+    )
 
 
 def report(episodes: list[AgentEpisode], samples: list[list], late: Counter) -> dict:
@@ -340,18 +401,31 @@ def report(episodes: list[AgentEpisode], samples: list[list], late: Counter) -> 
     for e in episodes:
         counts.update(e.session.counts)
         if e.end != "ok":
-            log.warning("agent episode %d (session %s) ended as %s: %s", e.number, e.session.id, e.end,
-                        e.error or "no error text")
+            log.warning(
+                "agent episode %d (session %s) ended as %s: %s",
+                e.number,
+                e.session.id,
+                e.end,
+                e.error or "no error text",
+            )
         if e.session.counts["refused_calls"]:
-            log.warning("agent episode %d (session %s): %d call(s) refused with a 400 (malformed, or n > 1)",
-                        e.number, e.session.id, e.session.counts["refused_calls"])
+            log.warning(
+                "agent episode %d (session %s): %d call(s) refused with a 400 (malformed, or n > 1)",
+                e.number,
+                e.session.id,
+                e.session.counts["refused_calls"],
+            )
     calls = sum(len(e.calls) for e in episodes)
-    return {"num_agent_errors": ends["error"], "num_agent_timeouts": ends["timeout"],
-            "num_agent_bad_rewards": ends["bad_reward"], "num_agent_no_calls": sum(not e.calls for e in episodes),
-            "calls_per_episode": calls / len(episodes),
-            "samples_per_episode": sum(len(s) for s in samples) / len(episodes),
-            # every count, 0 when none: rl.batch.reduce_rollout_metrics reduces the ranks' metrics by position
-            **{f"num_{k}": counts[k] for k in sorted({*COUNTS, *counts})}}
+    return {
+        "num_agent_errors": ends["error"],
+        "num_agent_timeouts": ends["timeout"],
+        "num_agent_bad_rewards": ends["bad_reward"],
+        "num_agent_no_calls": sum(not e.calls for e in episodes),
+        "calls_per_episode": calls / len(episodes),
+        "samples_per_episode": sum(len(s) for s in samples) / len(episodes),
+        # every count, 0 when none: rl.batch.reduce_rollout_metrics reduces the ranks' metrics by position
+        **{f"num_{k}": counts[k] for k in sorted({*COUNTS, *counts})},
+    }
 
 
 class AgentSource(SampledSource):
@@ -398,10 +472,17 @@ def agent_evaluator(rollout, tokenizer, problems: list, task, reward_set, max_ne
     def evaluate(model: torch.nn.Module) -> tuple[dict, list[AgentEpisode], list[float]]:
         if not held:
             held["recorder"] = SessionRecorder()
-            held["server"] = PolicyServer(served_copy(model), tokenizer, min(len(problems), 64), "agent-eval",
-                                          sessions=held["recorder"])
-            held["runner"] = AgentRunner(function, rollout.agent_args, held["server"].url, held["recorder"],
-                                         rollout.agent_concurrency or min(len(problems), 64), rollout.agent_timeout_s)
+            held["server"] = PolicyServer(
+                served_copy(model), tokenizer, min(len(problems), 64), "agent-eval", sessions=held["recorder"]
+            )
+            held["runner"] = AgentRunner(
+                function,
+                rollout.agent_args,
+                held["server"].url,
+                held["recorder"],
+                rollout.agent_concurrency or min(len(problems), 64),
+                rollout.agent_timeout_s,
+            )
         else:
             held["server"].load(model, held["server"].weight_version + 1)
         greedy = RunSampling(0.0, 1.0, 0, max_new_tokens)
@@ -411,11 +492,24 @@ def agent_evaluator(rollout, tokenizer, problems: list, task, reward_set, max_ne
         failures = sum(e.end != "ok" for e in episodes)
         failed = next((e for e in episodes if e.end != "ok"), None)
         if failed is not None:
-            log.warning("evaluation: %d of %d agent episodes failed; the first (episode %d) ended as %s: %s",
-                        failures, len(episodes), failed.number, failed.end, failed.error or "no error text")
-        return ({"accuracy": (totals >= 1.0).float().mean().item(), "eval_reward": totals.mean().item(),
-                 "eval_calls": sum(len(e.calls) for e in episodes) / len(episodes),
-                 "eval_agent_failures": failures}, episodes, totals.tolist())
+            log.warning(
+                "evaluation: %d of %d agent episodes failed; the first (episode %d) ended as %s: %s",
+                failures,
+                len(episodes),
+                failed.number,
+                failed.end,
+                failed.error or "no error text",
+            )
+        return (
+            {
+                "accuracy": (totals >= 1.0).float().mean().item(),
+                "eval_reward": totals.mean().item(),
+                "eval_calls": sum(len(e.calls) for e in episodes) / len(episodes),
+                "eval_agent_failures": failures,
+            },
+            episodes,
+            totals.tolist(),
+        )
 
     def close() -> None:
         if held:

@@ -9,6 +9,7 @@ own conversation, a prompt rebuilt from text that tokenizes differently) starts 
 same episode. Every sample of an episode carries the episode's reward and its group; an episode's
 samples are counted in ``samples_per_episode``. Nothing is re-tokenized here: the ids are the server's.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,21 +39,23 @@ def merge_calls(calls) -> list[AgentSample]:
         if not call.token_ids:
             continue
         prompt = call.prompt_ids
-        sample = next((s for s in reversed(samples) if len(prompt) >= len(s.ids) and prompt[:len(s.ids)] == s.ids),
-                      None)
+        sample = next(
+            (s for s in reversed(samples) if len(prompt) >= len(s.ids) and prompt[: len(s.ids)] == s.ids), None
+        )
         if sample is None:
             samples.append(AgentSample(list(prompt), len(prompt), [], []))
             sample = samples[-1]
         between = len(prompt) - len(sample.ids)
-        sample.ids += prompt[len(sample.ids):] + call.token_ids
+        sample.ids += prompt[len(sample.ids) :] + call.token_ids
         sample.trained += [0] * between + [1] * len(call.token_ids)
         sample.logprobs += [0.0] * between + list(call.logprobs)
         sample.truncated = call.finish_reason == "length"
     return samples
 
 
-def agent_rollout(episodes: list[list[AgentSample]], pad_token_id: int, empty_id: int,
-                  num_rows: int | None = None) -> RolloutBatch:
+def agent_rollout(
+    episodes: list[list[AgentSample]], pad_token_id: int, empty_id: int, num_rows: int | None = None
+) -> RolloutBatch:
     """The rows of a step's episodes (each a list of samples, an episode's rows adjacent), as a
     RolloutBatch whose ``episode_index`` maps each row to its episode. An episode with no sample (it
     never called the model) gets one row with nothing to train (``[empty_id]``, no completion token
@@ -66,7 +69,7 @@ def agent_rollout(episodes: list[list[AgentSample]], pad_token_id: int, empty_id
     while num_rows is not None and len(rows) < num_rows:
         rows.append(AgentSample([empty_id, empty_id], 1, [0], [0.0]))
         episode_index.append(-1)
-    prompts = [s.ids[:s.prompt_len] for s in rows]
+    prompts = [s.ids[: s.prompt_len] for s in rows]
     distinct: dict[tuple, int] = {}
     group_index = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
     prompt_ids, prompt_mask = left_pad(prompts, pad_token_id)
@@ -78,12 +81,20 @@ def agent_rollout(episodes: list[list[AgentSample]], pad_token_id: int, empty_id
     logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
     for b, sample in enumerate(rows):
         n = len(sample.ids) - sample.prompt_len
-        completion_ids[b, :n] = torch.tensor(sample.ids[sample.prompt_len:])
+        completion_ids[b, :n] = torch.tensor(sample.ids[sample.prompt_len :])
         completion_mask[b, :n] = 1
         trained[b, :n] = torch.tensor(sample.trained)
         logprobs[b, :n] = torch.tensor(sample.logprobs)
-    return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                        completion_mask=completion_mask, logprobs=logprobs, group_index=torch.tensor(group_index),
-                        prompt_lens=prompt_mask.sum(1), completion_lens=lengths,
-                        truncated=torch.tensor([s.truncated for s in rows]), trained_mask=trained,
-                        episode_index=torch.tensor(episode_index))
+    return RolloutBatch(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        logprobs=logprobs,
+        group_index=torch.tensor(group_index),
+        prompt_lens=prompt_mask.sum(1),
+        completion_lens=lengths,
+        truncated=torch.tensor([s.truncated for s in rows]),
+        trained_mask=trained,
+        episode_index=torch.tensor(episode_index),
+    )

@@ -29,6 +29,7 @@ the weights being trained. Retries with backoff on connection errors / 5xx, then
 that leaves the last checkpoint as it was: ``train.resume`` continues the run (groups held in memory
 for a later step are lost; the API has already handed them out).
 """
+
 from __future__ import annotations
 
 import time
@@ -37,10 +38,10 @@ from typing import Any
 import torch
 
 from ...rollout import RewardOutput
-from .atropos_client import AtroposError, _fetch_groups, _request, batch_to_rollout, register, weight_version
 from ...serve.weights import weights_request
 from ..batch import ScoredRollout
 from ..prompts import rank_prompts
+from .atropos_client import AtroposError, _fetch_groups, _request, batch_to_rollout, register, weight_version
 from .base import Policy, SourceSetup
 
 
@@ -53,14 +54,18 @@ def check_groups(groups: list[dict], group_size: int, max_new_tokens: int) -> No
             if not isinstance(group.get(field), list):
                 raise AtroposError(f"batch group {g}: field '{field}' is missing or not a list")
         if len(group["tokens"]) != group_size:
-            raise AtroposError(f"batch group {g}: field 'tokens' holds {len(group['tokens'])} rows, but "
-                               f"rollout.group_size={group_size}; set the environment's group_size to match")
+            raise AtroposError(
+                f"batch group {g}: field 'tokens' holds {len(group['tokens'])} rows, but "
+                f"rollout.group_size={group_size}; set the environment's group_size to match"
+            )
         for r, masks in enumerate(group["masks"]):
             trained = sum(1 for m in masks if m != -100) if isinstance(masks, list) else 0
             if trained > max_new_tokens:
-                raise AtroposError(f"batch group {g} row {r}: field 'masks' marks {trained} completion tokens, more "
-                                   f"than rollout.max_new_tokens={max_new_tokens}; raise it or have the "
-                                   "environment sample fewer")
+                raise AtroposError(
+                    f"batch group {g} row {r}: field 'masks' marks {trained} completion tokens, more "
+                    f"than rollout.max_new_tokens={max_new_tokens}; raise it or have the "
+                    "environment sample fewer"
+                )
         for r, score in enumerate(group["scores"]):
             if not isinstance(score, (int, float)) or score != score:
                 raise AtroposError(f"batch group {g} row {r}: field 'scores' holds {score!r}, not a number")
@@ -96,8 +101,12 @@ class AtroposSource:
         return ctx.broadcast_object(result)
 
     def _server_version(self) -> int:
-        reply = _request("GET", f"{self.rollout.server_url.rstrip('/')}/v1/weights", self.rollout.api_retries,
-                         self.rollout.api_backoff_s)
+        reply = _request(
+            "GET",
+            f"{self.rollout.server_url.rstrip('/')}/v1/weights",
+            self.rollout.api_retries,
+            self.rollout.api_backoff_s,
+        )
         return int(reply["weight_version"])
 
     def _push(self, model: torch.nn.Module, version: int) -> int:
@@ -106,19 +115,34 @@ class AtroposSource:
         is an error at once."""
         url, request = weights_request(self.rollout.server_url, model, version=version)
         limit = self.rollout.push_timeout_s
-        reply = _request("POST", url, self.rollout.api_retries, self.rollout.api_backoff_s, timeout=limit, **request,
-                         deadline=time.monotonic() + limit,
-                         action=f"pushing weights version {version} to rollout.server_url={self.rollout.server_url} "
-                                f"(rollout.push_timeout_s={limit:g})",
-                         remedy="the last checkpoint is intact: resume the run once the inference server is back")
+        reply = _request(
+            "POST",
+            url,
+            self.rollout.api_retries,
+            self.rollout.api_backoff_s,
+            timeout=limit,
+            **request,
+            deadline=time.monotonic() + limit,
+            action=f"pushing weights version {version} to rollout.server_url={self.rollout.server_url} "
+            f"(rollout.push_timeout_s={limit:g})",
+            remedy="the last checkpoint is intact: resume the run once the inference server is back",
+        )
         return int(reply["weight_version"])
 
     def _start(self, policy: Policy, trained_steps: int) -> None:
         def start() -> None:
-            uuid = register(self.rollout.api_url, batch_size=self.rollout.num_prompts * self.rollout.group_size,
-                            max_token_len=self.max_token_len, num_steps=self.num_steps, starting_step=trained_steps,
-                            retries=self.rollout.api_retries, backoff_s=self.rollout.api_backoff_s)
-            self.setup.print(f"[atropos] registered with {self.rollout.api_url} (trainer uuid {uuid}) at step {trained_steps}")
+            uuid = register(
+                self.rollout.api_url,
+                batch_size=self.rollout.num_prompts * self.rollout.group_size,
+                max_token_len=self.max_token_len,
+                num_steps=self.num_steps,
+                starting_step=trained_steps,
+                retries=self.rollout.api_retries,
+                backoff_s=self.rollout.api_backoff_s,
+            )
+            self.setup.print(
+                f"[atropos] registered with {self.rollout.api_url} (trainer uuid {uuid}) at step {trained_steps}"
+            )
             if self.rollout.server_url:
                 return self._server_version()
             return None
@@ -129,10 +153,15 @@ class AtroposSource:
                 raise AtroposError(
                     f"rollout.server_url={self.rollout.server_url} serves weight version {server_version}, but the run "
                     f"resumed at step {trained_steps} (versions must increase); restart lmforge serve on the "
-                    f"resumed checkpoint ({self.setup.run_dir}/step-{trained_steps}) and resume again")
+                    f"resumed checkpoint ({self.setup.run_dir}/step-{trained_steps}) and resume again"
+                )
             model = policy()  # every rank (FSDP2 gathers)
-            self._rank0(f"the end of rank 0's weight push to {self.rollout.server_url}", self._push, model, trained_steps)
-            self.setup.print(f"[atropos] pushed the resumed weights to {self.rollout.server_url} as version {trained_steps}")
+            self._rank0(
+                f"the end of rank 0's weight push to {self.rollout.server_url}", self._push, model, trained_steps
+            )
+            self.setup.print(
+                f"[atropos] pushed the resumed weights to {self.rollout.server_url} as version {trained_steps}"
+            )
         self.started = True
 
     def _next_groups(self, trained_steps: int) -> tuple[list[dict], dict]:
@@ -151,12 +180,21 @@ class AtroposSource:
         while len(self.pending) < cfg.num_prompts:
             remaining = cfg.api_timeout_s - (time.monotonic() - start)
             if remaining <= 0:
-                raise AtroposError(f"no batch from {cfg.api_url}/batch within rollout.api_timeout_s="
-                                   f"{cfg.api_timeout_s:.0f} s ({dropped} stale groups dropped); are the environments "
-                                   "running and pointed at the inference server?")
+                raise AtroposError(
+                    f"no batch from {cfg.api_url}/batch within rollout.api_timeout_s="
+                    f"{cfg.api_timeout_s:.0f} s ({dropped} stale groups dropped); are the environments "
+                    "running and pointed at the inference server?"
+                )
             try:
-                groups, info = _fetch_groups(cfg.api_url, trained_steps, max_staleness, cfg.api_poll_s, remaining,
-                                             cfg.api_retries, cfg.api_backoff_s)
+                groups, info = _fetch_groups(
+                    cfg.api_url,
+                    trained_steps,
+                    max_staleness,
+                    cfg.api_poll_s,
+                    remaining,
+                    cfg.api_retries,
+                    cfg.api_backoff_s,
+                )
             except AtroposError as exc:  # the API stopped answering: say which bound ended the wait
                 if time.monotonic() - start < cfg.api_timeout_s:
                     raise
@@ -164,12 +202,16 @@ class AtroposSource:
             check_groups(groups, cfg.group_size, cfg.max_new_tokens)
             dropped += int(info["atropos_dropped_stale_groups"])
             self.pending.extend(groups)
-        groups, self.pending = self.pending[:cfg.num_prompts], self.pending[cfg.num_prompts:]
+        groups, self.pending = self.pending[: cfg.num_prompts], self.pending[cfg.num_prompts :]
         batch_to_rollout(groups, 0)  # a malformed group stops the run here, on rank 0, naming group and row
         self.dropped_total += dropped
         versions = [trained_steps - v for v in map(weight_version, groups) if v is not None]
-        info = {"time_generation": time.monotonic() - start, "atropos_dropped_stale_groups": dropped,
-                "atropos_dropped_stale_total": self.dropped_total, "atropos_pending_groups": len(self.pending)}
+        info = {
+            "time_generation": time.monotonic() - start,
+            "atropos_dropped_stale_groups": dropped,
+            "atropos_dropped_stale_total": self.dropped_total,
+            "atropos_pending_groups": len(self.pending),
+        }
         if versions:
             info.update(staleness_mean=sum(versions) / len(versions), staleness_max=max(versions))
         return groups, info
@@ -185,25 +227,39 @@ class AtroposSource:
         if not self.rollout.server_url or version % self.rollout.push_every:
             return
         model = policy()  # every rank (FSDP2 gathers)
-        self._rank0(f"the end of rank 0's weight push to {self.rollout.server_url} after step {version}", self._push,
-                    model, version)
+        self._rank0(
+            f"the end of rank 0's weight push to {self.rollout.server_url} after step {version}",
+            self._push,
+            model,
+            version,
+        )
 
     def next_batch(self, step: int) -> ScoredRollout:
         """This rank's share of the next ``num_prompts`` groups."""
         trained_steps = step - 1  # the optimizer steps behind the weights this step starts from
-        groups, info = self._rank0(f"the end of rank 0's pull from {self.rollout.api_url}/batch for step {step}",
-                                   self._next_groups, trained_steps)
+        groups, info = self._rank0(
+            f"the end of rank 0's pull from {self.rollout.api_url}/batch for step {step}",
+            self._next_groups,
+            trained_steps,
+        )
         scores = torch.tensor([float(s) for g in groups for s in g["scores"]])
         rows = rank_prompts(list(range(len(groups))), self.setup.num_mini_batches, self.ctx)
         batch, rewards = batch_to_rollout([groups[i] for i in rows], self.setup.tokenizer.pad_token_id)
-        output = RewardOutput(total=rewards, per_function=rewards[:, None], names=["atropos"],
-                              num_failed=torch.zeros(1, dtype=torch.long))
-        lengths = torch.tensor([sum(1 for m in masks if m != -100) for g in groups for masks in g["masks"]],
-                               dtype=torch.float32)
+        output = RewardOutput(
+            total=rewards, per_function=rewards[:, None], names=["atropos"], num_failed=torch.zeros(1, dtype=torch.long)
+        )
+        lengths = torch.tensor(
+            [sum(1 for m in masks if m != -100) for g in groups for masks in g["masks"]], dtype=torch.float32
+        )
         # Over the whole step's batch (every rank holds it), so no reduction over ranks is needed.
-        metrics = {"reward": scores.mean(), "reward_std": scores.std(correction=0),
-                   "completion_len_mean": lengths.mean(), "completion_len_max": lengths.max(),
-                   "time_scoring": 0.0, **info}
+        metrics = {
+            "reward": scores.mean(),
+            "reward_std": scores.std(correction=0),
+            "completion_len_mean": lengths.mean(),
+            "completion_len_max": lengths.max(),
+            "time_scoring": 0.0,
+            **info,
+        }
         return ScoredRollout(batch, output, metrics)
 
     def state_dict(self) -> dict:

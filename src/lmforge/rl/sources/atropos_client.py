@@ -24,6 +24,7 @@ is one completion whose trained tokens are several spans; the masked tokens insi
 to the forward, never trained. Per-token ``advantages`` sent by an environment are refused (lmforge
 computes advantages from ``scores`` with its configured estimator).
 """
+
 from __future__ import annotations
 
 import time
@@ -44,12 +45,23 @@ class AtroposError(LmforgeError):
 _API_DOWN = "is the Atropos API server (`run-api`) running there? The run can be resumed once it is"
 
 
-def _request(method: str, url: str, retries: int, backoff_s: float, timeout: float = 30.0, *,
-             action: str = "", remedy: str = _API_DOWN, deadline: float | None = None, **kwargs) -> Any:
+def _request(
+    method: str,
+    url: str,
+    retries: int,
+    backoff_s: float,
+    timeout: float = 30.0,
+    *,
+    action: str = "",
+    remedy: str = _API_DOWN,
+    deadline: float | None = None,
+    **kwargs,
+) -> Any:
     """One JSON call with ``retries`` retries on connection errors, timeouts and 5xx, waiting backoff_s *
     2^k; a 4xx is an error at once (the same call would be refused again). ``timeout`` bounds each
     attempt (connecting, each read and write), ``deadline`` (``time.monotonic()``) all of them: no
-    retry starts after it, none outlives it by more than half a second. ``action`` names the call in the errors (default ``METHOD URL``), ``remedy`` is
+    retry starts after it, none outlives it by more than half a second. ``action`` names the call in the errors
+    (default ``METHOD URL``), ``remedy`` is
     what the final error tells the user to do."""
     import httpx
 
@@ -70,23 +82,43 @@ def _request(method: str, url: str, retries: int, backoff_s: float, timeout: flo
         except httpx.TransportError as exc:  # refused, reset, dropped, timed out
             last = f"{type(exc).__name__}: {str(exc) or 'no detail'}"
         if attempt < retries:
-            time.sleep(backoff_s * 2 ** attempt if deadline is None else
-                       max(0.0, min(backoff_s * 2 ** attempt, deadline - time.monotonic())))
+            time.sleep(
+                backoff_s * 2**attempt
+                if deadline is None
+                else max(0.0, min(backoff_s * 2**attempt, deadline - time.monotonic()))
+            )
     raise AtroposError(f"{action} failed after {made} attempt{'s' * (made != 1)} (last: {last}); {remedy}")
 
 
-def register(api_url: str, *, batch_size: int, max_token_len: int, num_steps: int, starting_step: int = 0,
-             checkpoint_dir: str = "", save_checkpoint_interval: int = 0, wandb_group: str = "",
-             wandb_project: str = "", retries: int = 5, backoff_s: float = 1.0) -> int:
+def register(
+    api_url: str,
+    *,
+    batch_size: int,
+    max_token_len: int,
+    num_steps: int,
+    starting_step: int = 0,
+    checkpoint_dir: str = "",
+    save_checkpoint_interval: int = 0,
+    wandb_group: str = "",
+    wandb_project: str = "",
+    retries: int = 5,
+    backoff_s: float = 1.0,
+) -> int:
     """POST /register: announce the trainer (sequences per batch, longest sequence, run length).
 
     Call once, on rank 0, before the first ``pull_batch``. ``starting_step`` is the resumed step.
     Returns the trainer's uuid.
     """
-    body = {"wandb_group": wandb_group, "wandb_project": wandb_project, "batch_size": batch_size,
-            "max_token_len": max_token_len, "checkpoint_dir": checkpoint_dir,
-            "save_checkpoint_interval": save_checkpoint_interval or num_steps, "starting_step": starting_step,
-            "num_steps": num_steps}
+    body = {
+        "wandb_group": wandb_group,
+        "wandb_project": wandb_project,
+        "batch_size": batch_size,
+        "max_token_len": max_token_len,
+        "checkpoint_dir": checkpoint_dir,
+        "save_checkpoint_interval": save_checkpoint_interval or num_steps,
+        "starting_step": starting_step,
+        "num_steps": num_steps,
+    }
     reply = _request("POST", f"{api_url.rstrip('/')}/register", retries, backoff_s, json=body)
     if "uuid" not in reply:
         raise AtroposError(f"POST {api_url}/register answered without a uuid: {reply}")
@@ -94,6 +126,7 @@ def register(api_url: str, *, batch_size: int, max_token_len: int, num_steps: in
 
 
 # ----------------------------------------------------------------------------- batch -> rollout
+
 
 def _row(group: dict, g: int, r: int) -> tuple[list[int], list[int], list[int], list[float] | None]:
     """(prompt ids, completion ids, trained mask over the completion, its logprobs or None) of row r
@@ -107,19 +140,23 @@ def _row(group: dict, g: int, r: int) -> tuple[list[int], list[int], list[int], 
     first, last = trained[0], trained[-1]
     if first == 0:
         raise AtroposError(f"batch group {g} row {r}: no prompt token before the completion (mask[0] != {IGNORE})")
-    trained_mask = [int(m != IGNORE) for m in masks[first:last + 1]]
+    trained_mask = [int(m != IGNORE) for m in masks[first : last + 1]]
     logprobs = None
     if group.get("inference_logprobs") is not None:
         row_logprobs = group["inference_logprobs"][r]
         if len(row_logprobs) != len(tokens):
-            raise AtroposError(f"batch group {g} row {r}: {len(row_logprobs)} inference_logprobs for "
-                               f"{len(tokens)} tokens (they must be aligned with tokens)")
+            raise AtroposError(
+                f"batch group {g} row {r}: {len(row_logprobs)} inference_logprobs for "
+                f"{len(tokens)} tokens (they must be aligned with tokens)"
+            )
         # the sampler's logprob on each trained token; 0 on environment tokens (placeholders there)
-        logprobs = [float(x) if t else 0.0 for x, t in zip(row_logprobs[first:last + 1], trained_mask)]
+        logprobs = [float(x) if t else 0.0 for x, t in zip(row_logprobs[first : last + 1], trained_mask)]
         if max(logprobs) > 1e-4:
-            raise AtroposError(f"batch group {g} row {r}: an inference logprob on a completion token is "
-                               f"{max(logprobs):.4g} > 0 (a placeholder where the sampler's logprob belongs?)")
-    return list(tokens[:first]), list(tokens[first:last + 1]), trained_mask, logprobs
+            raise AtroposError(
+                f"batch group {g} row {r}: an inference logprob on a completion token is "
+                f"{max(logprobs):.4g} > 0 (a placeholder where the sampler's logprob belongs?)"
+            )
+    return list(tokens[:first]), list(tokens[first : last + 1]), trained_mask, logprobs
 
 
 def batch_to_rollout(groups: list[dict], pad_token_id: int) -> tuple[RolloutBatch, torch.Tensor]:
@@ -132,11 +169,15 @@ def batch_to_rollout(groups: list[dict], pad_token_id: int) -> tuple[RolloutBatc
     for g, group in enumerate(groups):
         num_rows = len(group.get("tokens") or [])
         if num_rows == 0 or len(group.get("masks") or []) != num_rows or len(group.get("scores") or []) != num_rows:
-            raise AtroposError(f"batch group {g}: tokens, masks and scores must be non-empty lists of one length "
-                               f"(got {num_rows}, {len(group.get('masks') or [])}, {len(group.get('scores') or [])})")
+            raise AtroposError(
+                f"batch group {g}: tokens, masks and scores must be non-empty lists of one length "
+                f"(got {num_rows}, {len(group.get('masks') or [])}, {len(group.get('scores') or [])})"
+            )
         if group.get("advantages") is not None:
-            raise AtroposError(f"batch group {g} carries per-token advantages; lmforge computes advantages from "
-                               f"scores with its configured estimator (algo.*), so send scores only")
+            raise AtroposError(
+                f"batch group {g} carries per-token advantages; lmforge computes advantages from "
+                f"scores with its configured estimator (algo.*), so send scores only"
+            )
         for r in range(num_rows):
             prompt, completion, row_trained, row_logprobs = _row(group, g, r)
             prompts.append(prompt)
@@ -157,16 +198,23 @@ def batch_to_rollout(groups: list[dict], pad_token_id: int) -> tuple[RolloutBatc
     trained_mask = torch.zeros((len(completions), width), dtype=torch.long)
     completion_logprobs = torch.zeros((len(completions), width), dtype=torch.float32)
     for b, completion in enumerate(completions):
-        completion_ids[b, :len(completion)] = torch.tensor(completion)
-        completion_mask[b, :len(completion)] = 1
-        trained_mask[b, :len(completion)] = torch.tensor(trained[b])
+        completion_ids[b, : len(completion)] = torch.tensor(completion)
+        completion_mask[b, : len(completion)] = 1
+        trained_mask[b, : len(completion)] = torch.tensor(trained[b])
         if logprobs[b] is not None:
-            completion_logprobs[b, :len(completion)] = torch.tensor(logprobs[b])
+            completion_logprobs[b, : len(completion)] = torch.tensor(logprobs[b])
     rollout = RolloutBatch(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask,
-        logprobs=None if logprobs[0] is None else completion_logprobs, group_index=torch.tensor(group_index),
-        prompt_lens=prompt_mask.sum(1), completion_lens=lengths, truncated=torch.zeros(len(prompts), dtype=torch.bool),
-        trained_mask=trained_mask)
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        logprobs=None if logprobs[0] is None else completion_logprobs,
+        group_index=torch.tensor(group_index),
+        prompt_lens=prompt_mask.sum(1),
+        completion_lens=lengths,
+        truncated=torch.zeros(len(prompts), dtype=torch.bool),
+        trained_mask=trained_mask,
+    )
     return rollout, torch.tensor(rewards, dtype=torch.float32)
 
 
@@ -177,8 +225,16 @@ def weight_version(group: dict) -> int | None:
 
 # ----------------------------------------------------------------------------- pull
 
-def _fetch_groups(api_url: str, trainer_step: int, max_staleness: int | None, poll_s: float, timeout_s: float,
-                  retries: int, backoff_s: float) -> tuple[list[dict], dict]:
+
+def _fetch_groups(
+    api_url: str,
+    trainer_step: int,
+    max_staleness: int | None,
+    poll_s: float,
+    timeout_s: float,
+    retries: int,
+    backoff_s: float,
+) -> tuple[list[dict], dict]:
     """Poll GET /batch until a batch with at least one fresh group arrives; drop stale groups."""
     start = time.monotonic()
     dropped = 0
@@ -191,7 +247,9 @@ def _fetch_groups(api_url: str, trainer_step: int, max_staleness: int | None, po
             if not isinstance(groups, list):
                 raise AtroposError(f"GET {api_url}/batch: 'batch' is a {type(groups).__name__}, not a list of groups")
             pairs = [(g, weight_version(g)) for g in groups]
-            pairs = [(g, v) for g, v in pairs if max_staleness is None or v is None or trainer_step - v <= max_staleness]
+            pairs = [
+                (g, v) for g, v in pairs if max_staleness is None or v is None or trainer_step - v <= max_staleness
+            ]
             dropped += len(groups) - len(pairs)
             fresh = [g for g, _ in pairs]
             if fresh:
@@ -201,14 +259,24 @@ def _fetch_groups(api_url: str, trainer_step: int, max_staleness: int | None, po
                     info.update(staleness_mean=sum(known) / len(known), staleness_max=max(known))
                 return fresh, info
         if time.monotonic() - start > timeout_s:
-            raise AtroposError(f"no batch from {api_url}/batch within {timeout_s:.0f} s ({dropped} stale groups "
-                               f"dropped); are the environments running and pointed at the inference server?")
+            raise AtroposError(
+                f"no batch from {api_url}/batch within {timeout_s:.0f} s ({dropped} stale groups "
+                f"dropped); are the environments running and pointed at the inference server?"
+            )
         time.sleep(poll_s)
 
 
-def pull_batch(api_url: str, *, pad_token_id: int, trainer_step: int = 0, max_staleness: int | None = None,
-               poll_s: float = 1.0, timeout_s: float = 600.0, retries: int = 5, backoff_s: float = 1.0
-               ) -> tuple[RolloutBatch, torch.Tensor, dict]:
+def pull_batch(
+    api_url: str,
+    *,
+    pad_token_id: int,
+    trainer_step: int = 0,
+    max_staleness: int | None = None,
+    poll_s: float = 1.0,
+    timeout_s: float = 600.0,
+    retries: int = 5,
+    backoff_s: float = 1.0,
+) -> tuple[RolloutBatch, torch.Tensor, dict]:
     """The next scored batch from the Atropos API: ``(rollout, rewards (B,), metrics)``.
 
     Groups sampled with weights older than ``max_staleness`` steps (trainer_step minus the group's
@@ -233,7 +301,8 @@ def pull_batch(api_url: str, *, pad_token_id: int, trainer_step: int = 0, max_st
     groups, info = payload[0]
     rollout, rewards = batch_to_rollout(groups, pad_token_id)
     metrics = {
-        "reward": rewards.mean(), "reward_std": rewards.std(correction=0),
+        "reward": rewards.mean(),
+        "reward_std": rewards.std(correction=0),
         "completion_len_mean": rollout.completion_lens.float().mean(),
         "completion_len_max": rollout.completion_lens.max(),
         "atropos_groups": torch.tensor(len(groups)),

@@ -19,6 +19,7 @@ fed by an inference server pushes it there. A source may call it later, in its n
 (the sampling sources do: after the last step no copy is made). ``version`` counts the optimizer's
 RL steps behind those weights.
 """
+
 from __future__ import annotations
 
 import dataclasses

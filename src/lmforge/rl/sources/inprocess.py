@@ -1,6 +1,7 @@
 """``rollout.backend=inprocess``: the built-in sampler (KV cache, lockstep decoding) in the training
 process, on the policy itself, or with ``rollout.dtype=bf16|fp16`` on a cast copy of it synced after
 every step (:class:`~lmforge.rollout.CastEngine`)."""
+
 from __future__ import annotations
 
 import torch
@@ -37,12 +38,16 @@ def cast_engine(model: torch.nn.Module, dtype_name: str, is_level: str, bf16_nat
     dtype = CAST_DTYPES[dtype_name]
     device = next(model.parameters()).device
     if device.type == "cpu" and not (dtype is torch.bfloat16 and bf16_native):
-        say(f"[rollout] note: rollout.dtype={dtype_name} on a CPU without native {dtype_name} units "
-            "is usually much slower than fp32; rollout.dtype=same is the fast choice here")
+        say(
+            f"[rollout] note: rollout.dtype={dtype_name} on a CPU without native {dtype_name} units "
+            "is usually much slower than fp32; rollout.dtype=same is the fast choice here"
+        )
     if is_level == "none":
-        say(f"[rollout] note: sampling with {dtype_name} weights and training in "
+        say(
+            f"[rollout] note: sampling with {dtype_name} weights and training in "
             f"{next(model.parameters()).dtype}: the sampler's logprobs differ by rounding; "
-            "algo.is_level=token corrects for it (the rollout_diff_* metrics show the size)")
+            "algo.is_level=token corrects for it (the rollout_diff_* metrics show the size)"
+        )
     return CastEngine(model, dtype)
 
 

@@ -16,7 +16,8 @@ The source never sees a half-updated policy: each in-flight batch has its own co
 its batch is launched and not touched again until that batch has been taken. N copies are held in
 all. In the background thread the wrapped source is synced to that copy (``sync_weights``) and
 asked for the batch (``next_batch``): the in-process source samples from the copy itself, its
-bf16 variant (``rollout.dtype``) casts it into its own copy, vLLM loads it, Atropos pushes it. Batches are produced one at a time, in step
+bf16 variant (``rollout.dtype``) casts it into its own copy, vLLM loads it, Atropos pushes it. Batches are produced
+one at a time, in step
 order, so a source's own state (the prompt order) advances as in a synchronous run.
 
 Correction. The trainer recomputes ``old_logprobs`` with the weights it trains (version k - 1;
@@ -39,6 +40,7 @@ to ``rollout.async_threads`` (0 = half the run's threads, at least 1), so that t
 trainer, each running ops with that many threads, together use about the run's cores. On two cores
 that is one thread each. The run's count is restored at the end.
 """
+
 from __future__ import annotations
 
 import time
@@ -60,9 +62,11 @@ def check_async(rollout, is_level: str, distributed: bool) -> None:
     if not n:
         return
     if is_level == "none":
-        raise ConfigError(f"rollout.async_steps={n} trains on batches sampled by weights {n} step(s) old; set "
-                          "algo.is_level=token (or sequence) so that truncated importance weights "
-                          "pi_trainer / pi_sampler correct for it")
+        raise ConfigError(
+            f"rollout.async_steps={n} trains on batches sampled by weights {n} step(s) old; set "
+            "algo.is_level=token (or sequence) so that truncated importance weights "
+            "pi_trainer / pi_sampler correct for it"
+        )
     if distributed:
         raise ConfigError("rollout.async_steps runs in one process for now; unset it under torchrun")
 
@@ -90,8 +94,9 @@ class Overlapped:
             torch.set_num_threads(shared)
             note = f"; {shared} intra-op thread(s) each for sampling and training (the run has {self.threads})"
         setup.print(f"[rollout] async: sampling {self.ahead} step(s) ahead in a background thread{note}")
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="lmforge-rollout",
-                                           initializer=adopt_thread_count)  # its OpenMP team as set (ops.py)
+        self.executor = ThreadPoolExecutor(
+            1, thread_name_prefix="lmforge-rollout", initializer=adopt_thread_count
+        )  # its OpenMP team as set (ops.py)
         self.pending: dict[int, tuple[Future, int]] = {}  # step -> (batch future, sampler weights version)
         self.policy: Policy | None = None
         self.version = 0  # of the weights last synced
@@ -124,8 +129,12 @@ class Overlapped:
         for ahead in range(step + 1, min(step + self.ahead, self.max_steps) + 1):
             if ahead not in self.pending:
                 self._launch(ahead)
-        metrics = {**scored.metrics, "rollout_version": version, "staleness": self.version - version,
-                   "time_rollout_wait": waited}
+        metrics = {
+            **scored.metrics,
+            "rollout_version": version,
+            "staleness": self.version - version,
+            "time_rollout_wait": waited,
+        }
         return ScoredRollout(scored.rollout, scored.rewards, metrics)
 
     def state_dict(self) -> dict:
@@ -138,11 +147,17 @@ class Overlapped:
             try:
                 scored = future.result()
             except Exception as exc:  # noqa: BLE001 -- re-raised by next_batch(step), after this save
-                self.setup.print(f"[rollout] async: the batch of step {step} failed ({type(exc).__name__}: "
-                                 f"{exc}); the checkpoint is written without it")
+                self.setup.print(
+                    f"[rollout] async: the batch of step {step} failed ({type(exc).__name__}: "
+                    f"{exc}); the checkpoint is written without it"
+                )
                 continue
-            pending[step] = {"rollout": scored.rollout, "rewards": scored.rewards, "metrics": scored.metrics,
-                             "version": version}
+            pending[step] = {
+                "rollout": scored.rollout,
+                "rewards": scored.rewards,
+                "metrics": scored.metrics,
+                "version": version,
+            }
         return {**self.inner.state_dict(), "async_rollouts": {"ahead": self.ahead, "pending": pending}}
 
     def load_state_dict(self, state: dict) -> None:
@@ -157,8 +172,10 @@ class Overlapped:
         if saved:
             self.setup.print(f"[rollout] async: resumed with the saved rollouts of steps {sorted(self.pending)}")
         elif state.get("step"):
-            self.setup.print("[rollout] async: the checkpoint holds no launched batches; the next one is "
-                             "sampled now, from the resumed weights (staleness 0)")
+            self.setup.print(
+                "[rollout] async: the checkpoint holds no launched batches; the next one is "
+                "sampled now, from the resumed weights (staleness 0)"
+            )
 
     def close(self) -> None:
         """Stop the background thread (after its current batch), close ``inner``, give the trainer its

@@ -6,14 +6,15 @@ pad_token_id) -> RolloutBatch``: the policy itself (``inprocess``), a bf16 / fp1
 (``inprocess`` with ``rollout.dtype``), vLLM (``vllm``). The source files build the engine; this
 one does the rest.
 """
+
 from __future__ import annotations
 
 import time
 from typing import Callable
 
 from ...core.errors import DataError, TrainingError
-from ...rollout.evaluation import completion_texts
 from ...rollout import RewardOutput, RewardSet, RolloutBatch
+from ...rollout.evaluation import completion_texts
 from ..batch import ScoredRollout, reduce_rollout_metrics
 from ..config import RolloutConfig
 from ..prompts import PromptSet, rank_prompts, step_seed
@@ -31,8 +32,9 @@ def reward_metrics(rewards: RewardOutput) -> dict:
     }
 
 
-def sample_and_score(engine, tokenizer, prompts: PromptSet, rows: list[int], cfg: RolloutConfig,
-                     reward_set: RewardSet, seed: int) -> tuple[RolloutBatch, RewardOutput, dict]:
+def sample_and_score(
+    engine, tokenizer, prompts: PromptSet, rows: list[int], cfg: RolloutConfig, reward_set: RewardSet, seed: int
+) -> tuple[RolloutBatch, RewardOutput, dict]:
     """Sample ``cfg.group_size`` completions for each prompt in ``rows`` with ``engine``; score them.
 
     Returns the rollout (B = len(rows) * G rows, a prompt's samples adjacent), the rewards and
@@ -46,8 +48,9 @@ def sample_and_score(engine, tokenizer, prompts: PromptSet, rows: list[int], cfg
     texts = completion_texts(tokenizer, rollout)
     problems = [prompts.problems[i] for i in rows for _ in range(cfg.group_size)]
     shared = {} if prompts.task is None else {"task": prompts.task}
-    rewards = reward_set(texts, problems, completion_lens=rollout.completion_lens.tolist(),
-                         max_new_tokens=cfg.max_new_tokens, **shared)
+    rewards = reward_set(
+        texts, problems, completion_lens=rollout.completion_lens.tolist(), max_new_tokens=cfg.max_new_tokens, **shared
+    )
     lengths = rollout.completion_lens.float()
     metrics = {
         **reward_metrics(rewards),
@@ -80,8 +83,9 @@ class SampledSource:
         rows = rank_prompts(s.order.next(), s.num_mini_batches, s.ctx)  # the same global order on every rank
         error, result = None, None
         try:
-            result = self.sample(self.engine, s.tokenizer, s.prompts, rows, s.rollout, s.reward_set,
-                                 step_seed(s.seed, step, s.ctx.rank))
+            result = self.sample(
+                self.engine, s.tokenizer, s.prompts, rows, s.rollout, s.reward_set, step_seed(s.seed, step, s.ctx.rank)
+            )
         except (DataError, TrainingError) as exc:  # e.g. too many reward failures on this rank alone
             error = exc
         s.ctx.check_all_ok(error)

@@ -6,14 +6,15 @@ from the weights being trained.
 The copy is needed because the scheduler keeps its model in eval mode without gradients, which the
 trainer's own module cannot be.
 """
+
 from __future__ import annotations
 
 import copy
 
 import torch
 
-from ...model import lora
 from ...core.errors import TrainingError
+from ...model import lora
 from ...serve.weights import copy_state, plain_state
 
 SERVED_NAME = "policy"
@@ -26,8 +27,9 @@ class PolicyServer:
     def __init__(self, model: torch.nn.Module, tokenizer, max_batch_rows: int, backend: str, sessions=None):
         from ...serve.app import ServedModel, ThreadedServer
 
-        self.served = ServedModel(model, tokenizer, SERVED_NAME, max_batch_rows=max_batch_rows, gather_s=0.005,
-                                  sessions=sessions)
+        self.served = ServedModel(
+            model, tokenizer, SERVED_NAME, max_batch_rows=max_batch_rows, gather_s=0.005, sessions=sessions
+        )
         try:
             self.server = ThreadedServer(self.served, name=f"lmforge-{backend}-serve")
         except RuntimeError as exc:
@@ -45,9 +47,11 @@ class PolicyServer:
         try:  # it waits for the rows in flight (at most one call's tokens each): bounded, never a hang
             update.result(timeout=LOAD_TIMEOUT_S)
         except TimeoutError as exc:
-            raise TrainingError(f"the served policy did not take the weights of version {version} within "
-                                f"{LOAD_TIMEOUT_S:.0f} s (its generation thread is stuck or dead: "
-                                f"alive={self.served.scheduler.alive})") from exc
+            raise TrainingError(
+                f"the served policy did not take the weights of version {version} within "
+                f"{LOAD_TIMEOUT_S:.0f} s (its generation thread is stuck or dead: "
+                f"alive={self.served.scheduler.alive})"
+            ) from exc
 
     def stop(self) -> None:
         self.server.stop()

@@ -47,6 +47,7 @@ One process only (the server and the environment run on rank 0's machine); ``rol
 works as for any source. Needs ``pip install verifiers`` (which pins openai 2.x: a separate venv from
 the serve compatibility clients) and ``uv`` on PATH for the chat harness.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -58,18 +59,20 @@ from pathlib import Path
 
 import torch
 
+from ...core.errors import ConfigError, TrainingError
 from ...envs.safe_encode import encode_rendered, render_marked
 from ...envs.toolcalls import render_messages
-from ...core.errors import ConfigError, TrainingError
 from ...rollout import RewardOutput
-from .atropos_client import IGNORE, batch_to_rollout
 from ..batch import ScoredRollout
+from .atropos_client import IGNORE, batch_to_rollout
 from .base import Policy, SourceSetup
 from .served import SERVED_NAME, PolicyServer, served_copy
 
 log = logging.getLogger(__name__)
-INSTALL_HINT = ("rollout.backend=verifiers needs verifiers (pip install verifiers; it pins openai 2.x, so use a "
-                "venv of its own) and lmforge's serve extra (pip install 'lmforge[serve]')")
+INSTALL_HINT = (
+    "rollout.backend=verifiers needs verifiers (pip install verifiers; it pins openai 2.x, so use a "
+    "venv of its own) and lmforge's serve extra (pip install 'lmforge[serve]')"
+)
 RENDERER = "lmforge.rl.sources.vf_renderer.LmforgeRenderer"  # vf_renderer.py (imported by renderers, by name)
 
 
@@ -105,10 +108,17 @@ def branch_row(episode) -> tuple[dict | None, object | None]:
             ids, sampled = branch.token_ids, branch.sampled_mask
             if branch.trainable and any(sampled) and not sampled[0]:
                 logprobs = [lp if s else 1.0 for lp, s in zip(branch.logprobs, sampled)]
-                return ({"tokens": ids, "masks": [t if s else IGNORE for t, s in zip(ids, sampled)],
-                         "logprobs": logprobs, "score": float(trace.reward),
-                         "turns": sum(1 for c in trace.calls if c.error is None),
-                         "tool_calls": len(trace.tool_messages)}, branch)
+                return (
+                    {
+                        "tokens": ids,
+                        "masks": [t if s else IGNORE for t, s in zip(ids, sampled)],
+                        "logprobs": logprobs,
+                        "score": float(trace.reward),
+                        "turns": sum(1 for c in trace.calls if c.error is None),
+                        "tool_calls": len(trace.tool_messages),
+                    },
+                    branch,
+                )
     return None, None
 
 
@@ -128,16 +138,22 @@ def render_check(tokenizer, branch, row: dict) -> tuple[int | None, int | None]:
         return pos if pos is not None or len(ids) == len(reference) else min(len(ids), len(reference))
 
     def encode(msgs, gen):  # as LmforgeRenderer encodes: the messages' text as text
-        return encode_rendered(tokenizer, render_marked(
-            tokenizer, lambda m, t: render_messages(tokenizer, m, t, add_generation_prompt=gen), msgs, tools))
+        return encode_rendered(
+            tokenizer,
+            render_marked(
+                tokenizer, lambda m, t: render_messages(tokenizer, m, t, add_generation_prompt=gen), msgs, tools
+            ),
+        )
 
     # the whole conversation up to the last turn's prompt: the last reply, often cut at max_tokens,
     # renders closed by the template where the sampled tokens stop
     sampled = [m != IGNORE for m in row["masks"]]
     last = max(i for i in range(1, len(sampled)) if sampled[i] and not sampled[i - 1])
     whole = encode(messages, False)
-    return (differs(encode(messages[:first], True), row["tokens"][:prompt_len]),
-            differs(whole[:last], row["tokens"][:last]))
+    return (
+        differs(encode(messages[:first], True), row["tokens"][:prompt_len]),
+        differs(whole[:last], row["tokens"][:last]),
+    )
 
 
 class VerifiersSource:
@@ -148,14 +164,19 @@ class VerifiersSource:
         from verifiers.v1.utils.loaders import load_environment, resolve_env_config
 
         if setup.ctx.distributed:
-            raise ConfigError("rollout.backend=verifiers runs in one process (its server and environment "
-                              "live in the training process); launch without torchrun")
+            raise ConfigError(
+                "rollout.backend=verifiers runs in one process (its server and environment "
+                "live in the training process); launch without torchrun"
+            )
         self.setup, self.rollout = setup, setup.rollout
         cfg = self.rollout
         absolute_pythonpath()  # verifiers starts the tool servers as `python -m <module>` in their own directories
-        env_cfg = resolve_env_config({"taskset": {"id": cfg.verifiers_env, **cfg.verifiers_args},
-                                      "agent": {"harness": {"id": cfg.verifiers_harness},
-                                                "runtime": {"type": "subprocess"}}})
+        env_cfg = resolve_env_config(
+            {
+                "taskset": {"id": cfg.verifiers_env, **cfg.verifiers_args},
+                "agent": {"harness": {"id": cfg.verifiers_harness}, "runtime": {"type": "subprocess"}},
+            }
+        )
         self.env = load_environment(env_cfg)
         self.tasks = list(self.env.taskset)
         if not self.tasks:
@@ -163,16 +184,27 @@ class VerifiersSource:
         self.order = list(range(len(self.tasks)))
         random.Random(setup.seed).shuffle(self.order)
         tokenizer_dir = save_tokenizer(setup.tokenizer, setup.policy, setup.run_dir)
-        self.server = PolicyServer(served_copy(setup.policy), setup.tokenizer, cfg.num_prompts * cfg.group_size,
-                                   "verifiers")
+        self.server = PolicyServer(
+            served_copy(setup.policy), setup.tokenizer, cfg.num_prompts * cfg.group_size, "verifiers"
+        )
         renderer = cfg.verifiers_renderer or {"name": "custom", "import_path": RENDERER}
-        client = vf.TrainClientConfig(base_url=f"{self.server.url}/v1", api_key_var="LMFORGE_VERIFIERS_API_KEY",
-                                      renderer=renderer, renderer_model_name=str(tokenizer_dir))
-        sampling = vf.SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens,
-                                     **({"top_k": cfg.top_k} if cfg.top_k else {}))
+        client = vf.TrainClientConfig(
+            base_url=f"{self.server.url}/v1",
+            api_key_var="LMFORGE_VERIFIERS_API_KEY",
+            renderer=renderer,
+            renderer_model_name=str(tokenizer_dir),
+        )
+        sampling = vf.SamplingConfig(
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            max_tokens=cfg.max_new_tokens,
+            **({"top_k": cfg.top_k} if cfg.top_k else {}),
+        )
         self.ctx = vf.ModelContext(model=SERVED_NAME, client=client, sampling=sampling)
-        setup.print(f"[verifiers] {cfg.verifiers_env}: {len(self.tasks)} tasks, harness {cfg.verifiers_harness}, "
-                    f"policy served at {self.server.url}, renderer {renderer}")
+        setup.print(
+            f"[verifiers] {cfg.verifiers_env}: {len(self.tasks)} tasks, harness {cfg.verifiers_harness}, "
+            f"policy served at {self.server.url}, renderer {renderer}"
+        )
 
     def step_tasks(self, step: int) -> list:
         start = (step - 1) * self.rollout.num_prompts
@@ -190,10 +222,12 @@ class VerifiersSource:
                 for task in pending:
                     task.cancel()
                 await asyncio.wait(pending, timeout=10.0)  # cancelled; one that ignores it is left behind
-                raise TrainingError(f"rollout.backend=verifiers: {len(pending)} of the {len(running)} episodes of "
-                                    f"step {step} did not finish within rollout.verifiers_timeout_s={limit:g} s (the "
-                                    "environment, its harness or its tool server hangs; see their messages above); "
-                                    "the last checkpoint is intact: resume with train.resume=auto")
+                raise TrainingError(
+                    f"rollout.backend=verifiers: {len(pending)} of the {len(running)} episodes of "
+                    f"step {step} did not finish within rollout.verifiers_timeout_s={limit:g} s (the "
+                    "environment, its harness or its tool server hangs; see their messages above); "
+                    "the last checkpoint is intact: resume with train.resume=auto"
+                )
             return [task.result() for task in running]
 
     def rows(self, episodes: list) -> tuple[list[dict], dict]:
@@ -201,28 +235,42 @@ class VerifiersSource:
         groups, prompt_bad, episode_bad, failed = [], 0, 0, 0
         for g in range(self.rollout.num_prompts):
             group = {"tokens": [], "masks": [], "scores": [], "inference_logprobs": [], "turns": [], "tool_calls": []}
-            for episode in episodes[g * self.rollout.group_size:(g + 1) * self.rollout.group_size]:
+            for episode in episodes[g * self.rollout.group_size : (g + 1) * self.rollout.group_size]:
                 row, branch = branch_row(episode)
                 if row is None:
                     error = episode.last_error or next((t.last_error for t in episode.traces if t.last_error), None)
-                    raise TrainingError(f"rollout.backend=verifiers: an episode of task {episode.task.key[:12]} "
-                                        f"holds no sampled token (it failed: {error.message if error else 'no error'}"
-                                        "); see the environment's and the policy server's messages above")
+                    raise TrainingError(
+                        f"rollout.backend=verifiers: an episode of task {episode.task.key[:12]} "
+                        f"holds no sampled token (it failed: {error.message if error else 'no error'}"
+                        "); see the environment's and the policy server's messages above"
+                    )
                 failed += not episode.ok
                 prompt_pos, episode_pos = render_check(self.setup.tokenizer, branch, row)
                 if (prompt_pos is not None or episode_pos is not None) and not (prompt_bad or episode_bad):
-                    log.warning("verifiers' rendering differs from lmforge's: first prompt at token %s, whole "
-                                "conversation at token %s (of %d); trained as verifiers rendered it",
-                                prompt_pos, episode_pos, len(row["tokens"]))
+                    log.warning(
+                        "verifiers' rendering differs from lmforge's: first prompt at token %s, whole "
+                        "conversation at token %s (of %d); trained as verifiers rendered it",
+                        prompt_pos,
+                        episode_pos,
+                        len(row["tokens"]),
+                    )
                 prompt_bad += prompt_pos is not None
                 episode_bad += episode_pos is not None
-                for key, value in (("tokens", row["tokens"]), ("masks", row["masks"]), ("scores", row["score"]),
-                                   ("inference_logprobs", row["logprobs"]), ("turns", row["turns"]),
-                                   ("tool_calls", row["tool_calls"])):
+                for key, value in (
+                    ("tokens", row["tokens"]),
+                    ("masks", row["masks"]),
+                    ("scores", row["score"]),
+                    ("inference_logprobs", row["logprobs"]),
+                    ("turns", row["turns"]),
+                    ("tool_calls", row["tool_calls"]),
+                ):
                     group[key].append(value)
             groups.append(group)
-        return groups, {"vf_prompt_mismatch": prompt_bad, "vf_episode_mismatch": episode_bad,
-                        "vf_failed_episodes": failed}
+        return groups, {
+            "vf_prompt_mismatch": prompt_bad,
+            "vf_episode_mismatch": episode_bad,
+            "vf_failed_episodes": failed,
+        }
 
     def next_batch(self, step: int) -> ScoredRollout:
         start = time.monotonic()
@@ -230,18 +278,29 @@ class VerifiersSource:
         generation = time.monotonic() - start
         groups, counts = self.rows(episodes)
         batch, rewards = batch_to_rollout(groups, self.setup.tokenizer.pad_token_id)
-        output = RewardOutput(total=rewards, per_function=rewards[:, None], names=["verifiers"],
-                              num_failed=torch.zeros(1, dtype=torch.long))
+        output = RewardOutput(
+            total=rewards,
+            per_function=rewards[:, None],
+            names=["verifiers"],
+            num_failed=torch.zeros(1, dtype=torch.long),
+        )
         trained = batch.trained.sum(1).float()
 
         def flat(key: str) -> torch.Tensor:
             return torch.tensor([float(v) for g in groups for v in g[key]])
 
-        metrics = {"reward": rewards.mean(), "reward_std": rewards.std(correction=0),
-                   "completion_len_mean": trained.mean(), "completion_len_max": trained.max(),
-                   "episode_len_mean": batch.completion_lens.float().mean(),
-                   "turns_per_episode": flat("turns").mean(), "tool_calls_per_episode": flat("tool_calls").mean(),
-                   "time_generation": generation, "time_scoring": 0.0, **counts}
+        metrics = {
+            "reward": rewards.mean(),
+            "reward_std": rewards.std(correction=0),
+            "completion_len_mean": trained.mean(),
+            "completion_len_max": trained.max(),
+            "episode_len_mean": batch.completion_lens.float().mean(),
+            "turns_per_episode": flat("turns").mean(),
+            "tool_calls_per_episode": flat("tool_calls").mean(),
+            "time_generation": generation,
+            "time_scoring": 0.0,
+            **counts,
+        }
         return ScoredRollout(batch, output, metrics)
 
     def sync_weights(self, policy: Policy, version: int) -> None:

@@ -11,6 +11,7 @@ renderer config, ``{name: custom, import_path: lmforge.rl.sources.vf_renderer.Lm
 
 The classes are built on first access (module ``__getattr__``), so this module imports without renderers.
 """
+
 from __future__ import annotations
 
 from functools import cache
@@ -44,9 +45,14 @@ def _classes() -> dict[str, type]:
             # the messages' text is encoded as text: only the template's own special tokens are control
             # tokens (a tool result printing "<|im_end|>" cannot close its turn; envs.safe_encode)
             extra = dict(self.config.model_extra or {})
-            rendered = render_marked(self._tokenizer, lambda msgs, tls: render_messages(
-                self._tokenizer, msgs, tls, add_generation_prompt=add_generation_prompt, **extra),
-                list(messages), tools or None)
+            rendered = render_marked(
+                self._tokenizer,
+                lambda msgs, tls: render_messages(
+                    self._tokenizer, msgs, tls, add_generation_prompt=add_generation_prompt, **extra
+                ),
+                list(messages),
+                tools or None,
+            )
             return encode_rendered(self._tokenizer, rendered)
 
         def parse_response(self, token_ids: list[int], *, tools=None, prompt_ids=None) -> ParsedResponse:
