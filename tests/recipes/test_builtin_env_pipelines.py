@@ -11,11 +11,12 @@ from run_records import records
 from lmforge.core.config import ModelConfig, load_config
 from lmforge.core.errors import ConfigError
 from lmforge.data.tasks import get_task
-from lmforge.envs.episode import EpisodeLimits, EpisodeRunner, episode_rollout
+from lmforge.envs.episode import EpisodeLimits, EpisodeRunner
 from lmforge.envs.registry import make_environment
 from lmforge.model.load import load_model
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
 from lmforge.recipes.sft import SFTConfig, run_sft
+from lmforge.rl.sources.episode_batch import episode_rollout
 from lmforge.rollout import SamplingParams, generate
 
 TINY = [

@@ -17,12 +17,13 @@ from lmforge import rl
 from lmforge.core.config import ModelConfig, load_config
 from lmforge.core.errors import ConfigError, TrainingError
 from lmforge.envs.base import StepResult
-from lmforge.envs.episode import EpisodeLimits, EpisodeRunner, episode_rollout
+from lmforge.envs.episode import EpisodeLimits, EpisodeRunner
 from lmforge.envs.tool_env import ToolEnv
 from lmforge.losses.policy import PolicyLossSpec, policy_loss
 from lmforge.model.load import load_model
 from lmforge.model.tokenizer import ASCII_ALPHABET, DEFAULT_CHAT_TEMPLATE, char_tokenizer
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
+from lmforge.rl.sources.episode_batch import episode_rollout
 from lmforge.rollout import RolloutBatch, SamplingParams, generate
 from lmforge.rollout.continuous import ContinuousDecoder, FinishedRow
 from lmforge.runtime.optim import Precision
@@ -376,7 +377,7 @@ def test_a_mask_with_one_environment_token_switched_on_is_caught(multi_turn):
     ],
 )
 def test_a_broken_environment_ends_its_episodes_counted(env, end, metric, mode):
-    from lmforge.envs.episode import episode_metrics
+    from lmforge.rl.sources.episode_batch import episode_metrics
 
     limits = EpisodeLimits(max_turns=3, max_episode_tokens=64, timeout_s=0.3)
     _, _, episodes, times = run_tiny_episodes(env, limits, mode=mode)
@@ -404,7 +405,7 @@ class Loud(ToolEnv):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_megabyte_tool_result_is_cut_and_invalid_calls_end_the_episode_counted(mode):
-    from lmforge.envs.episode import episode_metrics
+    from lmforge.rl.sources.episode_batch import episode_metrics
 
     tok = char_tokenizer(ASCII_ALPHABET)
     eos = tok.eos_token_id
@@ -445,7 +446,7 @@ class BadReset(Again):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_failed_reset_and_an_empty_reply_are_counted_and_the_others_go_on(mode):
-    from lmforge.envs.episode import episode_metrics
+    from lmforge.rl.sources.episode_batch import episode_metrics
 
     tok = char_tokenizer(ASCII_ALPHABET)
     eos = tok.eos_token_id
@@ -471,7 +472,7 @@ def test_a_failed_reset_and_an_empty_reply_are_counted_and_the_others_go_on(mode
 
 @pytest.mark.parametrize("mode", MODES)
 def test_limits_end_episodes_and_are_counted(mode):
-    from lmforge.envs.episode import episode_metrics
+    from lmforge.rl.sources.episode_batch import episode_metrics
 
     _, _, episodes, times = run_tiny_episodes(
         Again(turns=5), EpisodeLimits(max_turns=2, max_episode_tokens=200), mode=mode

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ...core.errors import ConfigError, TrainingError
-from ...envs.episode import Episode, EpisodeRunner, combine_rewards, episode_metrics, episode_rollout
+from ...envs.episode import Episode, EpisodeRunner
 from ...envs.registry import make_environment
 from ...model.load import context_length
 from ...rollout import RewardOutput, RewardSet, RolloutBatch, SamplingParams, generate
@@ -30,6 +30,7 @@ from ...rollout.rewards import default_workers
 from ..config import RolloutConfig
 from ..prompts import PromptSet
 from .base import SourceSetup
+from .episode_batch import combine_rewards, episode_metrics, episode_rollout
 from .inprocess import make_engine
 from .sampled import SampledSource, reward_metrics
 
