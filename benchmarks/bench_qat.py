@@ -24,9 +24,9 @@ import torch
 from lmforge.data.tasks import get_task
 from lmforge.model.load import load_model
 from lmforge.model.tokenizer import char_tokenizer
+from lmforge.pipelines.quickstart import QuickstartConfig, sft_config
 from lmforge.quantize import dequantize, quantize_model
 from lmforge.quantize.common import load_source
-from lmforge.recipes.quickstart import QuickstartConfig, sft_config
 from lmforge.recipes.sft import run_sft
 from lmforge.rollout.evaluation import task_accuracy
 

@@ -29,7 +29,7 @@ from lmforge.antidistill import pipeline as pipe
 from lmforge.core.config import load_config
 from lmforge.data.tasks import get_task
 from lmforge.model.load import load_model
-from lmforge.recipes.antidistill import AntidistillConfig, run_distill, run_eval, run_grad, run_sample, run_traces
+from lmforge.pipelines.antidistill import AntidistillConfig, run_distill, run_eval, run_grad, run_sample, run_traces
 from lmforge.recipes.sft import SFTConfig, run_sft
 from lmforge.rollout.evaluation import task_accuracy
 

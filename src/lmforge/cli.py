@@ -71,12 +71,12 @@ class Parser(argparse.ArgumentParser):
 
 
 def _option_rows(module: str, config: str) -> list[tuple[str, str, str]]:
-    """``describe`` of the config class ``config`` of ``lmforge.recipes.<module>``, read from the source
-    (no torch import: lmforge.core.confighelp); imported and described where the reader cannot follow it."""
+    """``describe`` of the config class ``config`` of ``lmforge.<module>`` (``recipes.sft``, ...), read from the
+    source (no torch import: lmforge.core.confighelp); imported and described where the reader cannot follow it."""
     try:
-        return confighelp.option_rows(f"recipes.{module}", config)
+        return confighelp.option_rows(module, config)
     except (confighelp.Unreadable, OSError, SyntaxError):
-        return describe(getattr(importlib.import_module(f".recipes.{module}", __package__), config))
+        return describe(getattr(importlib.import_module(f".{module}", __package__), config))
 
 
 def _options_epilog(module: str, config: str) -> str:
@@ -89,7 +89,7 @@ def _options_epilog(module: str, config: str) -> str:
 
 
 def _config_command(sub, name: str, help_text: str, module: str, config: str, runner: Callable) -> None:
-    """``lmforge NAME [CONFIG] [key=value ...]``: the config class ``config`` of ``lmforge.recipes.<module>``
+    """``lmforge NAME [CONFIG] [key=value ...]``: the config class ``config`` of ``lmforge.<module>``
     loaded and given to ``runner(recipe module)(cfg)``; the module (and torch) is imported only to run."""
     parser = sub.add_parser(
         name, help=help_text, description=help_text, epilog_of=lambda: _options_epilog(module, config)
@@ -101,7 +101,7 @@ def _config_command(sub, name: str, help_text: str, module: str, config: str, ru
         config_path, overrides = args.config, list(args.overrides)
         if config_path and "=" in config_path and not config_path.endswith((".yaml", ".yml")):
             config_path, overrides = None, [config_path] + overrides
-        recipe = importlib.import_module(f".recipes.{module}", __package__)
+        recipe = importlib.import_module(f".{module}", __package__)
         cfg = load_config(getattr(recipe, config), config_path, overrides)
         train = getattr(cfg, "train", None)
         args.run_dir = getattr(train, "output_dir", None) or getattr(cfg, "output_dir", None)  # for an error log
@@ -110,31 +110,32 @@ def _config_command(sub, name: str, help_text: str, module: str, config: str, ru
     parser.set_defaults(func=run)
 
 
-# command: (help text, its module under lmforge.recipes, the config class and the run function there)
+# command: (help text, its module under lmforge (a recipe, or a pipeline of recipes), the config class and the run
+# function there)
 RECIPES = {
     "quickstart": (
         "train a tiny model on synthetic addition (SFT, then GRPO), offline, in minutes",
-        "quickstart",
+        "pipelines.quickstart",
         "QuickstartConfig",
         "run_quickstart",
     ),
     "pretrain": (
         "train a model on packed raw text (optionally its own BPE tokenizer)",
-        "pretrain",
+        "recipes.pretrain",
         "PretrainConfig",
         "run_pretrain",
     ),
-    "sft": ("supervised fine-tuning with a completion-only loss", "sft", "SFTConfig", "run_sft"),
+    "sft": ("supervised fine-tuning with a completion-only loss", "recipes.sft", "SFTConfig", "run_sft"),
     "grpo": (
         "RL from verifiable rewards: GRPO and its variants (Dr. GRPO, DAPO, GSPO, RLOO)",
-        "grpo",
+        "recipes.grpo",
         "GRPOConfig",
         "run_grpo",
     ),
-    "ppo": ("RL from verifiable rewards: PPO with a value head and GAE", "ppo", "PPOConfig", "run_ppo"),
+    "ppo": ("RL from verifiable rewards: PPO with a value head and GAE", "recipes.ppo", "PPOConfig", "run_ppo"),
     "dpo": (
         "preference optimisation on prompt / chosen / rejected pairs: DPO, IPO, SimPO",
-        "dpo",
+        "recipes.dpo",
         "DPOConfig",
         "run_dpo",
     ),
@@ -143,7 +144,7 @@ RECIPES = {
             "a reward model (Bradley-Terry) on prompt / chosen / rejected pairs, saved for "
             "AutoModelForSequenceClassification"
         ),
-        "rm",
+        "recipes.rm",
         "RMConfig",
         "run_rm",
     ),
@@ -152,7 +153,7 @@ RECIPES = {
             "distillation from a teacher: on-policy (per-token reverse KL on the student's samples) or "
             "logit (forward KL at a temperature on fixed data)"
         ),
-        "distill",
+        "recipes.distill",
         "DistillConfig",
         "run_distill",
     ),
@@ -202,10 +203,10 @@ def _recipe(sub, name: str) -> None:
 
 def _antidistill(sub) -> None:
     """``lmforge antidistill <stage> CONFIG``: one subcommand per pipeline stage, sharing one config."""
-    try:  # {stage: help text} of recipes.antidistill.STAGES, read without importing it (nor torch)
-        stage_help = confighelp.mapping_heads("recipes.antidistill", "STAGES")
+    try:  # {stage: help text} of pipelines.antidistill.STAGES, read without importing it (nor torch)
+        stage_help = confighelp.mapping_heads("pipelines.antidistill", "STAGES")
     except (confighelp.Unreadable, OSError, SyntaxError):
-        from .recipes.antidistill import STAGES
+        from .pipelines.antidistill import STAGES
 
         stage_help = {name: help_text for name, (help_text, _) in STAGES.items()}
     parser = sub.add_parser("antidistill", help=ANTIDISTILL_HELP, description="antidistillation sampling pipeline")
@@ -215,7 +216,7 @@ def _antidistill(sub) -> None:
             stages,
             name,
             help_text,
-            "antidistill",
+            "pipelines.antidistill",
             "AntidistillConfig",
             lambda recipe, name=name: recipe.STAGES[name][1],
         )

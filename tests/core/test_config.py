@@ -96,7 +96,7 @@ def test_examples_exist():
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_every_example_loads_with_its_command(path):
-    from lmforge.recipes.antidistill import AntidistillConfig
+    from lmforge.pipelines.antidistill import AntidistillConfig
     from lmforge.recipes.distill import DistillConfig
     from lmforge.recipes.dpo import DPOConfig
     from lmforge.recipes.grpo import GRPOConfig
@@ -138,7 +138,7 @@ def test_every_example_loads_with_its_command(path):
 )
 def test_keys_a_task_would_ignore_are_refused(recipe, overrides, named):
     """Keys that only select or score the rows of data.path are an error next to a task, not a no-op."""
-    from lmforge.recipes.antidistill import AntidistillConfig
+    from lmforge.pipelines.antidistill import AntidistillConfig
     from lmforge.recipes.grpo import GRPOConfig
 
     cls = {"grpo": GRPOConfig, "sft": SFTConfig, "antidistill": AntidistillConfig}[recipe]

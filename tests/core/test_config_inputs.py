@@ -8,7 +8,7 @@ import pytest
 from lmforge.cli import EXIT_USER_ERROR, main
 from lmforge.core.config import load_config
 from lmforge.core.errors import ConfigError
-from lmforge.recipes.antidistill import AntidistillConfig
+from lmforge.pipelines.antidistill import AntidistillConfig
 from lmforge.recipes.grpo import GRPOConfig
 from lmforge.recipes.pretrain import PretrainConfig
 from lmforge.recipes.sft import SFTConfig

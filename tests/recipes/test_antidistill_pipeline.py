@@ -22,7 +22,7 @@ from lmforge.data.tasks import get_task
 from lmforge.model.load import load_model
 from lmforge.model.tokenizer import char_tokenizer
 from lmforge.parallel.context import free_port as _free_port
-from lmforge.recipes.antidistill import AntidistillConfig, run_grad, run_traces
+from lmforge.pipelines.antidistill import AntidistillConfig, run_grad, run_traces
 
 TINY = [
     "name=tiny:llama",
@@ -351,7 +351,7 @@ def test_a_rows_reward_that_raises_or_hangs_is_an_error_naming_it(tmp_path, monk
     import time as clock
 
     from lmforge.core.errors import DataError
-    from lmforge.recipes import antidistill
+    from lmforge.pipelines import antidistill
     from lmforge.rollout import BUILTIN_REWARDS
 
     rows = tmp_path / "rows.jsonl"

@@ -53,11 +53,11 @@ def test_every_option_of_every_command_has_help_and_its_default():
 
 
 def _config_classes() -> dict[str, type]:
-    from lmforge.recipes.antidistill import AntidistillConfig
+    from lmforge.pipelines.antidistill import AntidistillConfig
+    from lmforge.pipelines.quickstart import QuickstartConfig
     from lmforge.recipes.grpo import GRPOConfig
     from lmforge.recipes.ppo import PPOConfig
     from lmforge.recipes.pretrain import PretrainConfig
-    from lmforge.recipes.quickstart import QuickstartConfig
     from lmforge.recipes.sft import SFTConfig
 
     return {

@@ -11,8 +11,8 @@ from lmforge.core.config import load_config
 from lmforge.data.tasks import get_task
 from lmforge.model.load import load_model
 from lmforge.model.tokenizer import char_tokenizer
+from lmforge.pipelines.quickstart import QuickstartConfig, grpo_config, sft_config
 from lmforge.recipes.grpo import GRPOConfig, run_grpo
-from lmforge.recipes.quickstart import QuickstartConfig, grpo_config, sft_config
 from lmforge.recipes.sft import run_sft
 from lmforge.rollout import BUILTIN_REWARDS
 

@@ -493,7 +493,7 @@ def test_ppo_resume_with_lora_is_bit_exact(tmp_path):
 
 
 def test_lora_on_the_antidistillation_teacher_is_an_error():
-    from lmforge.recipes.antidistill import AntidistillConfig
+    from lmforge.pipelines.antidistill import AntidistillConfig
 
     with pytest.raises(ConfigError, match=r"teacher\.lora\.r.*student\.lora\.r"):
         load_config(AntidistillConfig, None, ["teacher.lora.r=8"])

@@ -152,7 +152,7 @@ def sft_start_with_room(root: Path) -> Path:
     AVX-512 one, where a rise cannot be told from noise on 200 problems."""
     from lmforge.data.tasks import get_task
     from lmforge.model.tokenizer import char_tokenizer
-    from lmforge.recipes.quickstart import QuickstartConfig, sft_config
+    from lmforge.pipelines.quickstart import QuickstartConfig, sft_config
     from lmforge.recipes.sft import run_sft
 
     cfg = QuickstartConfig(output_dir=str(root), grpo_steps=0, progress=False)

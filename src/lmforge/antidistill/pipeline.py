@@ -1,4 +1,4 @@
-"""Helpers of the ``lmforge antidistill`` pipeline (recipes/antidistill.py): the work directory's
+"""Helpers of the ``lmforge antidistill`` pipeline (pipelines/antidistill.py): the work directory's
 layout, trace rows, batching for the proxy gradient, and the report (table, interpolation, plot).
 
 Work directory (``run.workdir``); each stage reads what the stage before it wrote:

@@ -43,13 +43,13 @@ from ..data.sft import encode_prompt, tokenize_sft, uses_chat_format
 from ..data.tasks import SPLITS, get_task
 from ..model.load import load_model, load_tokenizer_for
 from ..parallel.context import init_parallel, torchrun_world
+from ..recipes.sft import SFTConfig, run_sft
 from ..rollout.engine import SamplingParams, generate
 from ..rollout.evaluation import task_accuracy
 from ..runtime import hardware
 from ..runtime.metrics import make_console
 from ..runtime.run import local_world_size
 from ..supervised.sft_data import SFTDataConfig
-from .sft import SFTConfig, run_sft
 
 Split = Literal["train", "val", "test"]
 

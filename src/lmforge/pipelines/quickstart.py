@@ -16,12 +16,12 @@ from ..core.config import LoggingConfig, ModelConfig, OptimConfig, TrainConfig, 
 from ..data.tasks import get_task
 from ..model.load import load_model
 from ..model.tokenizer import char_tokenizer
+from ..recipes.grpo import GRPOConfig, run_grpo
+from ..recipes.sft import SFTConfig, run_sft
 from ..rl.config import RLDataConfig, RolloutConfig
 from ..rollout.evaluation import task_accuracy
 from ..runtime.metrics import make_console
 from ..supervised.sft_data import SFTDataConfig
-from .grpo import GRPOConfig, run_grpo
-from .sft import SFTConfig, run_sft
 
 
 @dataclasses.dataclass
