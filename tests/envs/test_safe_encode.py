@@ -187,7 +187,7 @@ def test_conversations_without_control_strings_keep_their_ids_and_the_cut_pieces
 
 
 def test_a_template_that_rewrites_a_control_string_is_refused_and_ends_the_episode_counted():
-    from lmforge.envs.episode import episode_metrics
+    from lmforge.rl.sources.episode_batch import episode_metrics
 
     tok = load_tokenizer("char:ascii")
     rewrite = "message['content'] | replace('<eos>', '<eos>!<eos>')"  # writes the string twice

@@ -11,8 +11,9 @@ import pytest
 from episode_envs import Again
 from test_episodes import MODES, run_scripted
 
-from lmforge.envs.episode import EpisodeLimits, EpisodeRunner, episode_metrics, episode_rollout
+from lmforge.envs.episode import EpisodeLimits, EpisodeRunner
 from lmforge.model.tokenizer import load_tokenizer
+from lmforge.rl.sources.episode_batch import episode_metrics, episode_rollout
 from lmforge.rollout import SamplingParams
 
 KEEPS = (

@@ -672,8 +672,8 @@ def test_a_first_prompt_that_fills_the_context_gives_a_row_that_fits(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_per_turn_rewards_sit_on_their_turns_last_policy_token(mode):
-    from lmforge.envs.episode import combine_rewards
     from lmforge.recipes.ppo import episode_rewards
+    from lmforge.rl.sources.episode_batch import combine_rewards
 
     tok, vocab = merging_tokenizer()
     a, eos = vocab["a"], vocab["<eos>"]
