@@ -13,7 +13,7 @@ script prints medians and compares the measured ratio with two predictions:
 
 Contestants:
     plain   rollout.generate(teacher)                    temperature sampling
-    ads     antidistill.ads_generate(teacher, +, -)      teacher and two perturbed proxies in lockstep
+    ads     antidistill.ads.ads_generate(teacher, +, -)      teacher and two perturbed proxies in lockstep
     proxy   rollout.generate(proxy)                      only to measure t_proxy for the second prediction
 
     python benchmarks/bench_antidistill.py                               # random Llamas: 35M teacher, 4.7M proxy

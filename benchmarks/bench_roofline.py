@@ -13,7 +13,7 @@ or ``--model tiny``, bench_rollout.py's random 2-layer Llama), as lmforge runs t
 
 Floors, from two numbers measured at the start (and printed): the memory bandwidth (the best of three
 streams over 1 GB tensors: a sum, a copy, ``c = a + s * b``; bytes moved over the time) and the matmul peak (the best of
-``hardware.matmul_peak_gflops`` at 512, 1024 and 2048). For each phase, the time the hardware needs at the
+``runtime.hardware.matmul_peak_gflops`` at 512, 1024 and 2048). For each phase, the time the hardware needs at the
 least: max(FLOPs / peak, bytes / bandwidth). FLOPs: 2 per weight of every ``nn.Linear`` per token (the
 LM head on the last position only in prefill), attention's 4 x context x (heads x head dim) per layer per
 token, backward twice the forward. Bytes: every Linear weight read once per model call; decode also reads

@@ -31,7 +31,7 @@ step; also the FLOPs lmforge actually executes (LM head on the loss positions on
 Optional contestants (not part of the headline): ``plain`` (``model(**batch).loss``, full logits,
 default AdamW), ``lmforge_bf16`` (the same lmforge step with ``train.dtype=bf16`` autocast).
 
-The lmforge step is the recipe's own step, ``recipes/supervised.py: supervised_step`` (one
+The lmforge step is the recipe's own step, ``supervised/step.py: supervised_step`` (one
 micro-batch per step), on the state that ``runtime.run.start_run`` / ``runtime.loop.build_state``
 build for ``lmforge sft`` (Root module, fused AdamW, LR schedule, global-norm clip 1.0, precision,
 threads); only the row order is the benchmark's (consecutive, as TRL's sequential sampler).

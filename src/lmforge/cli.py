@@ -1,4 +1,4 @@
-"""lmforge COMMAND: each command is a thin call into a recipe.
+"""lmforge COMMAND: each command is a thin call into a recipe (or a pipeline of recipes).
 
 lmforge quickstart                         the embedded default: tiny model, SFT then GRPO, no network
 lmforge pretrain CONFIG [key=value ...]    train on packed text

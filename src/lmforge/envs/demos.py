@@ -9,7 +9,7 @@ tool support): rendered by the chat template, a row is the text the episode runn
 conversation, so the model learns the very tokens it later samples in RL::
 
     rows = demonstration_rows(make_environment("calculator"), task.make_problems(64, 0, "train"), 0, tokenizer)
-    # lmforge sft: data.task=multiplication data.env=calculator (recipes/sft.py)
+    # lmforge sft: data.task=multiplication data.env=calculator (supervised/sft_data.py)
 """
 
 from __future__ import annotations

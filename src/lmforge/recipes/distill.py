@@ -414,7 +414,7 @@ def logit_micro_loss(state, teacher, batch: dict, num_loss_tokens_global: int, t
 
 
 def logit_step(state, data, teacher, temperature: float, step: int) -> dict:
-    """One optimizer step over the next global batch of rows: ``supervised.supervised_step`` with the
+    """One optimizer step over the next global batch of rows: ``supervised.step.supervised_step`` with the
     forward KL to the teacher instead of the cross-entropy to the labels."""
 
     def loss_fn(batch, num_loss_tokens_global):

@@ -6,7 +6,8 @@
                  (packed rows with a per-token trained mask: one span or several per row)
     forward.py   logprobs of the trained tokens through the parallel root; the reference; FLOPs
     sources/     where rows come from: one RolloutSource interface (base.py), one file per source
-                 (inprocess, vllm, atropos), the overlap wrapper over any of them, the registry
+                 (inprocess, vllm, atropos, verifiers, agent, episodes; served and sampled shared), the overlap wrapper
+                 over any of them, the registry; beside them what only they call (atropos_client, episode_batch)
     updates.py   Updates: the passes / mini-batches / micro-batches a recipe's step iterates, with
                  global counts, gradient sync, one optimizer step per update
     loop.py      prepare (build the run's parts from its config) and train_rl (the runtime loop)

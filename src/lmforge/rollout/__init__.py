@@ -1,4 +1,5 @@
-"""Rollouts: the in-process sampling engine and reward functions."""
+"""Rollouts: the in-process sampling engine, the continuous-batching engine (``continuous``), reward functions
+and the timed-call pool they and environment calls run on (``timed_calls``), held-out evaluation, reward models."""
 
 from .engine import (
     CastEngine,

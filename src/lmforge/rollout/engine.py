@@ -471,7 +471,7 @@ class CastEngine:
 
     Decoding a small batch streams every weight from memory once per token, so halving the weight
     bytes nearly halves the decode time where the hardware multiplies bf16 natively (CUDA, and CPUs
-    with AVX512-BF16 or AMX: ``hardware.cpu_has_bf16``). Only the parameters are cast; buffers (the
+    with AVX512-BF16 or AMX: ``runtime.hardware.cpu_has_bf16``). Only the parameters are cast; buffers (the
     rotary frequencies) keep their dtype, and the logits are upcast to float32 before sampling.
 
     The samples then come from the bf16 model and their logprobs differ from the trainer's float32

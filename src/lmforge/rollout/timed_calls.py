@@ -120,7 +120,7 @@ class DaemonThreadPool:
     def _work(self) -> None:
         from ..core.ops import adopt_thread_count
 
-        adopt_thread_count()  # a reward model's forward may run here: its OpenMP team as set (ops.py)
+        adopt_thread_count()  # a reward model's forward may run here: its OpenMP team as set (core/ops.py)
         while True:
             item = self._queue.get()
             if item is None:

@@ -1,5 +1,5 @@
 """``lmforge serve``: an OpenAI-compatible inference server on the rollout engine, and the trainer's side
-of a served rollout loop (``push_weights``; ``atropos.pull_batch``).
+of a served rollout loop (``push_weights``; the Atropos client is ``lmforge.rl.sources.atropos_client``).
 
 Importing this package needs neither FastAPI nor uvicorn; ``app.build_app`` / ``command`` import them
 lazily with an install hint (``pip install 'lmforge[serve]'``). See docs/serving.md.

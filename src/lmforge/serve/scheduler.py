@@ -260,7 +260,7 @@ class BatchScheduler:
     # ------------------------------------------------------------------ scheduler thread
 
     def _run(self) -> None:
-        adopt_thread_count()  # this thread's OpenMP team as torch.set_num_threads set it (ops.py)
+        adopt_thread_count()  # this thread's OpenMP team as torch.set_num_threads set it (core/ops.py)
         try:
             while not self._stopping.is_set():
                 busy = self._engine.busy

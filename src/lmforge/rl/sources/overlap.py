@@ -96,7 +96,7 @@ class Overlapped:
         setup.print(f"[rollout] async: sampling {self.ahead} step(s) ahead in a background thread{note}")
         self.executor = ThreadPoolExecutor(
             1, thread_name_prefix="lmforge-rollout", initializer=adopt_thread_count
-        )  # its OpenMP team as set (ops.py)
+        )  # its OpenMP team as set (core/ops.py)
         self.pending: dict[int, tuple[Future, int]] = {}  # step -> (batch future, sampler weights version)
         self.policy: Policy | None = None
         self.version = 0  # of the weights last synced

@@ -22,7 +22,7 @@ prime-rl's orchestrator consumes it. This source therefore:
    run continues where it stopped with nothing saved) and runs ``rollout.group_size`` episodes of each
    with ``Env.run_slot`` (the environment's own tools, stop conditions and rewards), sampling at
    ``rollout.temperature`` / ``top_p`` / ``top_k`` with ``rollout.max_new_tokens`` per turn;
-4. turns each episode's last branch into an Atropos-shaped row (``serve.atropos.batch_to_rollout``):
+4. turns each episode's last branch into an Atropos-shaped row (``atropos_client.batch_to_rollout``):
    prompt = the tokens before the first sampled token, completion = the rest up to the last sampled
    token, ``trained_mask`` = the sampled tokens (tool output and template scaffold between turns are
    inputs, never trained), the server's logprobs on them, the reward = ``Trace.reward``;
