@@ -150,6 +150,50 @@ class _NonFinite(ConfigError):
     """A float setting given nan or inf (no setting means anything by them)."""
 
 
+_MISMATCH = object()  # _scalar's "not this type"
+
+
+def _scalar(value: Any, tp: type, key: str) -> Any:
+    """``value`` as a bool, int, float or str (``tp``), from what YAML or the command line gives, or
+    ``_MISMATCH``; a float given nan or inf raises ``_NonFinite``."""
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0"):
+            return value.lower() in ("true", "yes", "on", "1")
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                number = None
+            if number is not None and number.is_integer():
+                return int(number)
+    elif tp is float:
+        number = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
+            try:
+                number = float(value)
+            except ValueError:
+                pass
+        if number is not None:
+            if not math.isfinite(number):
+                raise _NonFinite(f"config key '{key}': expected a finite number, got {value!r}")
+            return number
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    return _MISMATCH
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Return ``value`` converted to ``tp`` or raise ConfigError naming ``key``."""
     origin = get_origin(tp)
@@ -187,41 +231,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 f"config key '{key}': expected {_type_name(tp)} (e.g. {{a: b}}), got {_shown(value, key)}"
             )
         return {_coerce(k, key_tp, key): _coerce(v, value_tp, f"{key}.{k}") for k, v in value.items()}
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0"):
-            return value.lower() in ("true", "yes", "on", "1")
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                number = float(value)
-            except ValueError:
-                number = None
-            if number is not None and number.is_integer():
-                return int(number)
-    elif tp is float:
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is not None:
-            if not math.isfinite(number):
-                raise _NonFinite(f"config key '{key}': expected a finite number, got {value!r}")
-            return number
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
+    if tp in (bool, int, float, str):
+        converted = _scalar(value, tp, key)
+        if converted is not _MISMATCH:
+            return converted
     elif dataclasses.is_dataclass(tp):
         if value is None:  # "train:" with every key below it commented out
             value = {}

@@ -103,9 +103,8 @@ def prepare(
 
     ``cfg`` is the recipe's whole config: this is where its sections are resolved (into a copy: ``cfg`` is
     not changed) and handed out (the source gets the rollout section, the steps the sections on the state).
-    ``extra_modules`` (e.g. PPO's value
-    head) are trained and clipped with the model; the saved trainer state of the checkpoint resumed
-    from is ``state.train.saved`` ({} for a fresh run).
+    ``extra_modules`` (e.g. PPO's value head) are trained and clipped with the model; the saved trainer
+    state of the checkpoint resumed from is ``state.train.saved`` ({} for a fresh run).
     """
     check_rl_config(cfg, algo)
     if model is None:
@@ -116,24 +115,9 @@ def prepare(
     cfg = dataclasses.replace(cfg, data=data, algo=algo)  # the saved config holds the resolved values (presets applied)
     prompts = build_prompts(cfg.data, tokenizer, cfg.train.seed, cfg.data.max_prompt_len)
     env = getattr(cfg, "env", None)  # env.name set: rows are episodes (sources/episodes.py)
-    completion_len = env.max_episode_tokens if env is not None and env.name else cfg.rollout.max_new_tokens
-    if completion_len != cfg.rollout.max_new_tokens and completion_len >= (context_length(model) or completion_len + 1):
-        tiny = cfg.model.name.startswith("tiny:")
-        raise ConfigError(
-            f"env.max_episode_tokens={completion_len} leaves no room for a prompt in the model's "
-            f"context of {context_length(model)} tokens"
-            + (" (model.max_position_embeddings)" if tiny else "")
-            + "; lower env.max_episode_tokens"
-            + (" or raise model.max_position_embeddings" if tiny else "")
-        )
-    seq_len = max(len(p) for p in prompts.prompt_ids) + completion_len
-    rows = cfg.rollout.num_prompts * cfg.rollout.group_size
-    if cfg.train.batch_size not in (0, rows):
-        raise ConfigError(
-            f"train.batch_size={cfg.train.batch_size}: an RL step's batch is rollout.num_prompts x "
-            f"rollout.group_size = {rows} completions; leave train.batch_size unset (0)"
-        )
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=rows))
+    env = env if env is not None and env.name else None
+    seq_len = max(len(p) for p in prompts.prompt_ids) + completion_budget(cfg, env, model)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=step_rows(cfg)))
     world_size = torchrun_world()[1]
     update_rows = check_rl_split(cfg.rollout.num_prompts, cfg.rollout.group_size, algo.num_mini_batches, world_size)
     check_source(cfg.rollout, algo.is_level, world_size > 1)  # before start_run takes the run directory
@@ -149,19 +133,14 @@ def prepare(
     )
     source_name = cfg.data.path or f"data.task={cfg.data.task}"
     check_unknown_tokens(tokenizer, prompt_texts(prompts.problems), cfg.model, source_name, run.print)
-    model = lora.apply_for_run(model, cfg.model.lora, run.train, run.ctx).to(
-        run.device
-    )  # model.lora: adapters (docs/lora.md)
+    model = lora.apply_for_run(model, cfg.model.lora, run.train, run.ctx).to(run.device)  # adapters: docs/lora.md
     ref_model = reference_model(model, algo.kl_coef)  # before resume: the reference is the start
     num_updates = cfg.train.max_steps * algo.num_iterations * algo.num_mini_batches
     order = BatchOrder(len(prompts.prompt_ids), cfg.rollout.num_prompts, cfg.train.seed)
     train = build_state(run, model, tokenizer, order, num_updates, extra_modules)
     specs = cfg.rewards.specs(allow_empty=True)  # (empty only in an env run: check_rl_config)
-    reward_set = (
-        RewardSet(specs, cfg.rewards.max_failure_fraction, cfg.rewards.timeout_s, cfg.rewards.workers)
-        if specs
-        else None
-    )
+    rewards = cfg.rewards
+    reward_set = RewardSet(specs, rewards.max_failure_fraction, rewards.timeout_s, rewards.workers) if specs else None
     setup = SourceSetup(
         rollout=cfg.rollout,
         prompts=prompts,
@@ -182,31 +161,50 @@ def prepare(
     )
     source = make_source(setup)
     resume_source(source, train.saved, run.print)
+    print_prompts(prompts, cfg.data.max_prompt_len, run.print)
+    return RLState(train, ref_model, prompts, reward_set, source, cfg.data, cfg.rollout, cfg.rewards, env)
+
+
+def completion_budget(cfg, env, model) -> int:
+    """Tokens after a row's first prompt: ``env.max_episode_tokens`` for episodes, else
+    ``rollout.max_new_tokens``; an error naming both numbers when episodes leave no room for a prompt."""
+    if env is None:
+        return cfg.rollout.max_new_tokens
+    completion_len, context = env.max_episode_tokens, context_length(model)
+    if completion_len != cfg.rollout.max_new_tokens and completion_len >= (context or completion_len + 1):
+        tiny = cfg.model.name.startswith("tiny:")
+        raise ConfigError(
+            f"env.max_episode_tokens={completion_len} leaves no room for a prompt in the model's "
+            f"context of {context} tokens"
+            + (" (model.max_position_embeddings)" if tiny else "")
+            + "; lower env.max_episode_tokens"
+            + (" or raise model.max_position_embeddings" if tiny else "")
+        )
+    return completion_len
+
+
+def step_rows(cfg) -> int:
+    """Rows of an RL step, ``rollout.num_prompts x rollout.group_size``: what ``train.batch_size`` resolves
+    to (an error when it is set to anything else)."""
+    rows = cfg.rollout.num_prompts * cfg.rollout.group_size
+    if cfg.train.batch_size not in (0, rows):
+        raise ConfigError(
+            f"train.batch_size={cfg.train.batch_size}: an RL step's batch is rollout.num_prompts x "
+            f"rollout.group_size = {rows} completions; leave train.batch_size unset (0)"
+        )
+    return rows
+
+
+def print_prompts(prompts: PromptSet, max_prompt_len: int, say: Callable[[str], None]) -> None:
+    """The run's prompt counts: training, held out, dropped or cut to ``data.max_prompt_len``."""
     if prompts.eval_note:
-        run.print(f"[data] {prompts.eval_note}")
-    run.print(
+        say(f"[data] {prompts.eval_note}")
+    dropped = f"; {prompts.num_dropped} longer than data.max_prompt_len={max_prompt_len} dropped"
+    cut = f"; {prompts.num_truncated} left-truncated to {max_prompt_len} tokens"
+    say(
         f"[data] {len(prompts.prompt_ids)} training prompts, {len(prompts.eval_problems)} held-out problems"
-        + (
-            f"; {prompts.num_dropped} longer than data.max_prompt_len={cfg.data.max_prompt_len} dropped"
-            if prompts.num_dropped
-            else ""
-        )
-        + (
-            f"; {prompts.num_truncated} left-truncated to {cfg.data.max_prompt_len} tokens"
-            if prompts.num_truncated
-            else ""
-        )
-    )
-    return RLState(
-        train,
-        ref_model,
-        prompts,
-        reward_set,
-        source,
-        cfg.data,
-        cfg.rollout,
-        cfg.rewards,
-        env if env is not None and env.name else None,
+        + (dropped if prompts.num_dropped else "")
+        + (cut if prompts.num_truncated else "")
     )
 
 

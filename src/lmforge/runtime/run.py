@@ -161,23 +161,8 @@ def start_run(
         layers=getattr(mcfg, "num_hidden_layers", 4),
     )
     choices.device = device
-    batch_size = tcfg.batch_size or DEFAULT_BATCH_SIZE
-    if update_rows is None:
-        update_rows = batch_size
-    per_rank = update_rows // ctx.world_size if update_rows % ctx.world_size == 0 else update_rows
-    wanted = tcfg.micro_batch_size or largest_divisor_at_most(per_rank, choices.micro_batch_size)
-    accum = split_batch(update_rows, wanted, ctx.world_size, update_label)
-    micro = min(wanted, update_rows // ctx.world_size)  # a micro-batch is at most a rank's share
-    choices.micro_batch_size = micro
-    hardware.apply(choices)
-    train = dataclasses.replace(
-        tcfg,
-        batch_size=batch_size,
-        micro_batch_size=micro,
-        threads=choices.threads,
-        dtype={torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[choices.dtype],
-        gradient_checkpointing="on" if choices.gradient_checkpointing else "off",
-    )
+    train, update_rows, accum = resolve_train(tcfg, choices, ctx, update_rows, update_label)
+    micro = train.micro_batch_size
     resolved = dataclasses.replace(cfg, train=train)  # what config.yaml holds
     run = Run(
         name, cfg.model, train, cfg.optim, cfg.parallel, cfg.logging, run_dir, hw, choices, console, ctx, micro, accum
@@ -196,18 +181,48 @@ def start_run(
             )
     ctx.check_all_ok(error)
     if ctx.is_main:
-        console.print(f"[hardware] {hardware.describe(hw)}", markup=False)
-        choices.report(lambda text: console.print(text, markup=False))
-        if ctx.distributed:
-            console.print(
-                f"[parallel] {ctx.world_size} ranks, {ctx.strategy}; {update_label}={update_rows} rows "
-                f"= {micro} per micro-batch x {ctx.world_size} ranks x {accum} accumulation",
-                markup=False,
-            )
+        report_choices(run, update_label, update_rows)
         save_config(resolved, run_dir / "config.yaml")
     ctx.barrier()
     seed_everything(tcfg.seed, ctx.rank)
     return run
+
+
+def resolve_train(tcfg, choices, ctx, update_rows: int | None, update_label: str):
+    """The run's ``train`` section with what was chosen (batch size, micro-batch size, threads, dtype,
+    checkpointing), the rows of one update and the accumulation: ``(train, update_rows, accumulation)``.
+    ``choices.micro_batch_size`` becomes the micro-batch used, and the choices are applied to the process."""
+    batch_size = tcfg.batch_size or DEFAULT_BATCH_SIZE
+    if update_rows is None:
+        update_rows = batch_size
+    per_rank = update_rows // ctx.world_size if update_rows % ctx.world_size == 0 else update_rows
+    wanted = tcfg.micro_batch_size or largest_divisor_at_most(per_rank, choices.micro_batch_size)
+    accum = split_batch(update_rows, wanted, ctx.world_size, update_label)
+    micro = min(wanted, update_rows // ctx.world_size)  # a micro-batch is at most a rank's share
+    choices.micro_batch_size = micro
+    hardware.apply(choices)
+    train = dataclasses.replace(
+        tcfg,
+        batch_size=batch_size,
+        micro_batch_size=micro,
+        threads=choices.threads,
+        dtype={torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[choices.dtype],
+        gradient_checkpointing="on" if choices.gradient_checkpointing else "off",
+    )
+    return train, update_rows, accum
+
+
+def report_choices(run: Run, update_label: str, update_rows: int) -> None:
+    """The hardware and its choices, each with its reason, and under torchrun the batch's split (rank 0)."""
+    ctx = run.ctx
+    run.console.print(f"[hardware] {hardware.describe(run.hw)}", markup=False)
+    run.choices.report(lambda text: run.console.print(text, markup=False))
+    if ctx.distributed:
+        run.console.print(
+            f"[parallel] {ctx.world_size} ranks, {ctx.strategy}; {update_label}={update_rows} rows "
+            f"= {run.micro_batch_size} per micro-batch x {ctx.world_size} ranks x {run.grad_accum} accumulation",
+            markup=False,
+        )
 
 
 LOCK_NAME = ".lmforge.lock"

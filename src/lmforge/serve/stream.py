@@ -79,6 +79,12 @@ def tool_delta(index: int, text: ChoiceText, finish: str) -> dict[str, Any]:
     return {"delta": delta, **{k: v for k, v in choice.items() if k != "index"}}
 
 
+def _error_chunk(error: BaseException) -> dict:
+    """The stream's last event when generation failed after the stream began (its status is already 200)."""
+    message = f"generation failed: {type(error).__name__}: {error}"
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+
+
 async def sse_events(
     kind: str,
     model_name: str,
@@ -102,18 +108,15 @@ async def sse_events(
     texts = {(p, i): ChoiceText(decode, body, stop_ids) for p in range(len(requests)) for i in range(n)}
     open_choices, completion_tokens, finished_requests = set(texts), 0, 0
 
+    def head() -> dict:
+        kind_name = "chat.completion.chunk" if chat else "text_completion"
+        return {"id": ident, "object": kind_name, "created": created, "model": model_name}
+
     def chunk(index: int, piece: dict, finish: str | None, token: int | None, version: int) -> dict:
         choice = {"index": index, **piece, "finish_reason": finish}
         if token is not None:
             choice["token_ids"] = [token]
-        return {
-            "id": ident,
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": created,
-            "model": model_name,
-            "choices": [choice],
-            "weight_version": version,
-        }
+        return {**head(), "choices": [choice], "weight_version": version}
 
     try:
         if chat:
@@ -131,17 +134,7 @@ async def sse_events(
                 _, p, future = event
                 finished_requests += 1
                 if not future.cancelled() and future.exception() is not None:
-                    error = future.exception()
-                    yield _sse(
-                        {
-                            "error": {
-                                "message": f"generation failed: {type(error).__name__}: {error}",
-                                "type": "server_error",
-                                "param": None,
-                                "code": None,
-                            }
-                        }
-                    )
+                    yield _sse(_error_chunk(future.exception()))
                     return
                 continue
             p, i, token, logprob, top, finish, version = event
@@ -163,10 +156,7 @@ async def sse_events(
         if body.include_usage:
             yield _sse(
                 {
-                    "id": ident,
-                    "object": "chat.completion.chunk" if chat else "text_completion",
-                    "created": created,
-                    "model": model_name,
+                    **head(),
                     "choices": [],
                     "weight_version": version,
                     "usage": usage(sum(map(len, prompts)), completion_tokens),
