@@ -26,6 +26,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Protocol
 
+from ..core.config import refuse_ignored
+from ..core.errors import ConfigError
 from ..model.tokenizer import ASCII_ALPHABET
 from .problem import SPLITS, Problem, split_of
 from .rg import rg_task
@@ -508,3 +510,16 @@ def get_task(spec: str) -> Task:
         else:
             kwargs[key] = value
     return cls(**kwargs)
+
+
+def check_task_section(section, path_keys: tuple[str, ...]) -> None:
+    """A data section with ``task`` set (SFT rows, preference pairs, RL prompts): the task spec builds (else a
+    ConfigError naming data.task: an unknown task or parameter, or reasoning-gym not installed), and none of
+    ``path_keys``, the keys that select and map the rows of data.path, is set."""
+    try:
+        get_task(section.task)
+    except ValueError as exc:
+        raise ConfigError(f"data.task: {exc}") from exc
+    refuse_ignored(
+        section, "data", path_keys, f"with data.task={section.task!r} (they select and map the rows of data.path)"
+    )

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from ..core.config import opt, refuse_ignored
 from ..core.errors import ConfigError
 from ..data.prompts import COLUMN_NAMES as PROMPT_COLUMNS
-from ..data.tasks import get_task
+from ..data.tasks import check_task_section
 from ..envs.episode import EpisodeLimits
 from ..envs.registry import check_environment
 from ..losses.advantages import ADVANTAGES
@@ -342,16 +342,7 @@ class RLDataConfig:
         if bool(self.path) == bool(self.task):
             raise ConfigError("set exactly one of data.task (e.g. addition) and data.path (prompt rows: docs/data.md)")
         if self.task:
-            try:
-                get_task(self.task)
-            except ValueError as exc:
-                raise ConfigError(f"data.task: {exc}") from exc
-            refuse_ignored(
-                self,
-                "data",
-                ("split", "eval_split", "eval_fraction", "subset", "columns"),
-                f"with data.task={self.task!r} (they select and map the rows of data.path)",
-            )
+            check_task_section(self, ("split", "eval_split", "eval_fraction", "subset", "columns"))
 
 
 @dataclasses.dataclass

@@ -11,7 +11,7 @@ from typing import Callable, Literal
 
 import torch
 
-from ..core.config import ModelConfig, TrainConfig, opt, refuse_ignored
+from ..core.config import ModelConfig, TrainConfig, opt
 from ..core.errors import ConfigError
 from ..data.preference import (
     COLUMN_NAMES,
@@ -23,7 +23,7 @@ from ..data.preference import (
 )
 from ..data.sft import uses_chat_format
 from ..data.source import split_by_fraction
-from ..data.tasks import get_task
+from ..data.tasks import check_task_section, get_task
 from ..model.load import context_length
 from ..model.tokenizer import check_unknown_tokens
 from ..parallel.wrap import gradient_sync
@@ -74,16 +74,7 @@ class PreferenceDataConfig:
                 "data.task (pairs made from a built-in task, e.g. addition)"
             )
         if self.task:
-            try:
-                get_task(self.task)
-            except ValueError as exc:
-                raise ConfigError(f"data.task: {exc}") from exc
-            refuse_ignored(
-                self,
-                "data",
-                ("split", "eval_split", "val_fraction", "subset", "columns"),
-                f"with data.task={self.task!r} (they select and map the rows of data.path)",
-            )
+            check_task_section(self, ("split", "eval_split", "val_fraction", "subset", "columns"))
         elif self.rejected != "rule":
             raise ConfigError(
                 "data.rejected chooses how pairs are made from data.task; with data.path the rows "

@@ -9,7 +9,7 @@ import dataclasses
 import random
 from typing import Any, Literal
 
-from ..core.config import ModelConfig, TrainConfig, opt, refuse_ignored
+from ..core.config import ModelConfig, TrainConfig, opt
 from ..core.errors import ConfigError
 from ..data.sft import (
     CHAT_SMALL,
@@ -22,7 +22,7 @@ from ..data.sft import (
     uses_chat_format,
 )
 from ..data.sft import COLUMN_NAMES as SFT_COLUMNS
-from ..data.tasks import get_task
+from ..data.tasks import check_task_section, get_task
 from ..envs.demos import demonstration_rows
 from ..envs.registry import make_environment, resolve_environment
 from ..model.load import context_length
@@ -71,16 +71,7 @@ class SFTDataConfig:
                 "CSV, Arrow, a save_to_disk dir, a cached hub id) and data.task (e.g. addition)"
             )
         if self.task:
-            try:
-                get_task(self.task)
-            except ValueError as exc:  # unknown task or parameter, or reasoning-gym not installed
-                raise ConfigError(f"data.task: {exc}") from exc
-            refuse_ignored(
-                self,
-                "data",
-                ("split", "eval_split", "val_fraction", "subset", "columns"),
-                f"with data.task={self.task!r} (they select and map the rows of data.path)",
-            )
+            check_task_section(self, ("split", "eval_split", "val_fraction", "subset", "columns"))
             if self.env:
                 try:  # an unknown environment: a ConfigError now, not after the model loads
                     resolve_environment(self.env)
