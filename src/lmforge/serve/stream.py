@@ -85,6 +85,25 @@ def _error_chunk(error: BaseException) -> dict:
     return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
 
 
+def _token_piece(
+    chat: bool, parse_tools: bool, index: int, text: ChoiceText, sampled: tuple, body, decode_token: Callable
+) -> tuple[dict, str | None]:
+    """One sampled token's choice fields and its finish reason (a tool call parsed at the end may change it):
+    ``sampled`` = (token, logprob, top alternatives, finish); ``text`` is the choice's text so far."""
+    token, logprob, top, finish = sampled
+    delta = text.push(token, finish)
+    if not chat:
+        return {"text": delta, "logprobs": completion_logprobs([token], [logprob], [top], body, decode_token)}, finish
+    piece = {
+        "delta": {"content": "" if parse_tools else delta},
+        "logprobs": chat_logprobs([token], [logprob], [top], body, decode_token),
+    }
+    if parse_tools and finish is not None:
+        piece.update(tool_delta(index, text, finish))
+        finish = piece.pop("finish_reason")
+    return piece, finish
+
+
 async def sse_events(
     kind: str,
     model_name: str,
@@ -139,17 +158,8 @@ async def sse_events(
                 continue
             p, i, token, logprob, top, finish, version = event
             completion_tokens += 1
-            delta = texts[(p, i)].push(token, finish)
-            if chat:
-                piece = {
-                    "delta": {"content": "" if parse_tools else delta},
-                    "logprobs": chat_logprobs([token], [logprob], [top], body, decode_token),
-                }
-                if parse_tools and finish is not None:
-                    piece.update(tool_delta(p * n + i, texts[(p, i)], finish))
-                    finish = piece.pop("finish_reason")
-            else:
-                piece = {"text": delta, "logprobs": completion_logprobs([token], [logprob], [top], body, decode_token)}
+            sampled = (token, logprob, top, finish)
+            piece, finish = _token_piece(chat, parse_tools, p * n + i, texts[(p, i)], sampled, body, decode_token)
             yield _sse(chunk(p * n + i, piece, finish, token, version))
             if finish is not None:
                 open_choices.discard((p, i))
