@@ -46,9 +46,13 @@ class Run:
     choices: hardware.Choices
     console: object
     ctx: ParallelContext = dataclasses.field(default_factory=ParallelContext)
-    micro_batch_size: int = 1  # rows per forward pass on this rank
     grad_accum: int = 1  # micro-batches per rank per optimizer update
     _peak: float = 0.0
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Rows per forward pass on this rank (the resolved ``train.micro_batch_size``)."""
+        return self.train.micro_batch_size
 
     @property
     def device(self) -> torch.device:
@@ -162,11 +166,8 @@ def start_run(
     )
     choices.device = device
     train, update_rows, accum = resolve_train(tcfg, choices, ctx, update_rows, update_label)
-    micro = train.micro_batch_size
     resolved = dataclasses.replace(cfg, train=train)  # what config.yaml holds
-    run = Run(
-        name, cfg.model, train, cfg.optim, cfg.parallel, cfg.logging, run_dir, hw, choices, console, ctx, micro, accum
-    )
+    run = Run(name, cfg.model, train, cfg.optim, cfg.parallel, cfg.logging, run_dir, hw, choices, console, ctx, accum)
     ctx.check_same_config(yaml.safe_dump({k: v for k, v in to_dict(resolved).items()}, sort_keys=True))
     error = None
     if ctx.is_main:
