@@ -5,12 +5,18 @@
 #   2. the same global batch on 1 and 2 GPUs gives close losses (bf16: loose bound);
 #   3. exact resume on the same GPU count;
 #   4. GRPO with FSDP2 + bf16 and the bf16 sampler copy.
-#   bash benchmarks/gpu_check.sh [OUT_DIR]
+#   bash benchmarks/gpu_check.sh [OUT_DIR]       (PYTHON=... picks the interpreter; default python3)
 set -uo pipefail
 out=${1:-runs/gpu_check}
 rm -rf "$out"; mkdir -p "$out"
-ngpu=$(python -c "import torch; print(torch.cuda.device_count())")
-echo "[gpu_check] $(python -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))') x $ngpu"
+# One interpreter for every step, the one that has torch: CUDA images often have python3 and no python,
+# and a torchrun on PATH may belong to another environment.
+py=${PYTHON:-python3}
+ngpu=$("$py" -c "import torch; print(torch.cuda.device_count())") || { echo "[gpu_check] $py cannot import torch"; exit 2; }
+if [ "${ngpu:-0}" -lt 1 ]; then echo "[gpu_check] no CUDA device visible to $py"; exit 2; fi
+torchrun() { "$py" -m torch.distributed.run "$@"; }
+python() { "$py" "$@"; }
+echo "[gpu_check] $("$py" -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))') x $ngpu"
 tiny="model.name=tiny:llama model.tokenizer=char model.hidden_size=256 model.num_layers=4 model.num_heads=4 model.max_position_embeddings=64"
 sft="$tiny data.task=addition data.max_len=32 data.num_eval=64 train.batch_size=64 train.micro_batch_size=16 train.max_steps=40 train.eval_every=20 train.save_every=20 train.keep_last=5 train.dtype=bf16 train.device=cuda parallel.strategy=fsdp2 logging.progress=false"
 status=0
