@@ -79,13 +79,20 @@ def default_settings(cores: int) -> list[str]:
 
 
 def setting(name: str) -> tuple[int, dict[str, str]]:
-    """``auto``, ``t<N>``, ``t<N>-passive`` or ``t<N>-spin<K>`` (GOMP_SPINCOUNT=K: spin K rounds, then
-    sleep) -> (train.threads, 0 = lmforge's choice; environment settings)."""
+    """``auto``, ``t<N>``, ``t<N>-passive``, ``t<N>-unset`` (no wait variable written: on a quiet machine
+    exactly what a user got before lmforge chose its threads) or ``t<N>-spin<K>`` (GOMP_SPINCOUNT=K: spin K
+    rounds, then sleep) -> (train.threads, 0 = lmforge's choice; environment settings)."""
     if name == "auto":
         return 0, {}
     threads, _, wait = name[1:].partition("-")
-    if not name.startswith("t") or not threads.isdigit() or not (wait in ("", "passive") or wait.startswith("spin")):
-        raise SystemExit(f"--settings: {name!r} is not auto, t<N>, t<N>-passive or t<N>-spin<K>")
+    if (
+        not name.startswith("t")
+        or not threads.isdigit()
+        or not (wait in ("", "passive", "unset") or wait.startswith("spin"))
+    ):
+        raise SystemExit(f"--settings: {name!r} is not auto, t<N>, t<N>-passive, t<N>-unset or t<N>-spin<K>")
+    if wait == "unset":  # nothing written: on a busy machine lmforge then sets PASSIVE itself
+        return int(threads), {}
     env = (
         {"OMP_WAIT_POLICY": "PASSIVE"} if wait == "passive" else {"GOMP_SPINCOUNT": wait[4:]} if wait else DEFAULT_WAIT
     )
@@ -192,6 +199,14 @@ class Hogs:
             time.sleep(2)
 
 
+def wait_for_quiet(below: float, seconds: float) -> None:
+    """Wait until the 1-minute load average is under ``below`` (at most ``seconds``): the previous run's
+    own work stays in the average for a minute, and lmforge reads it when it chooses its threads."""
+    end = time.time() + seconds
+    while time.time() < end and os.getloadavg()[0] >= below:
+        time.sleep(2)
+
+
 def measure(args, load: str, table: dict) -> dict[str, dict[str, dict]]:
     """{recipe: {setting: result}} for one load, settings interleaved over ``args.rounds`` rounds."""
     results: dict[str, dict[str, list]] = {r: {s: [] for s in table} for r in args.recipes}
@@ -201,13 +216,17 @@ def measure(args, load: str, table: dict) -> dict[str, dict[str, dict]]:
         for recipe in args.recipes:
             for name in order:
                 threads, env = table[name]
+                if load == "quiet" and args.quiet_below:
+                    wait_for_quiet(args.quiet_below, args.settle)
+                at_start = loadavg()
                 result = run_recipe(recipe, args.steps[recipe], args.warmup, threads, env, args.budget)
                 result["loadavg"] = loadavg()
                 results[recipe][name].append(result)
                 stopped = f", stopped after {len(result['steps'])} steps" if result["stopped"] else ""
                 print(
                     f"  {load:<5} {recipe:<5} {name:<13} median step {result['median']:.3f} s  "
-                    f"(wall {result['wall']:.0f} s{stopped}, load {result['loadavg']})  {result['chosen']}",
+                    f"(wall {result['wall']:.0f} s{stopped}, load {at_start} -> {result['loadavg']})  "
+                    f"{result['chosen']}",
                     flush=True,
                 )
     return {
@@ -252,7 +271,7 @@ def main() -> None:
     parser.add_argument(
         "--settings",
         default="",
-        help="comma-separated: auto, t<N>, t<N>-passive, t<N>-spin<K> "
+        help="comma-separated: auto, t<N>, t<N>-passive, t<N>-unset, t<N>-spin<K> "
         "(default: auto and t<N>, t<N>-passive for N = 1, 2, cores)",
     )
     parser.add_argument("--sft-steps", type=int, default=20)
@@ -267,6 +286,13 @@ def main() -> None:
         default=90.0,
         help="a run still going this many seconds after its "
         "first step is stopped (SIGINT) and its steps so far are used",
+    )
+    parser.add_argument(
+        "--quiet-below",
+        type=float,
+        default=0.0,
+        help="quiet runs start once the 1-minute load average is under this (at most --settle s each; "
+        "0: at once). On a quiet machine the previous run's own load otherwise decides auto's choice",
     )
     parser.add_argument("--json", default="", help="also write every step time here")
     parser.add_argument(
