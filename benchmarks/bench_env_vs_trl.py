@@ -72,6 +72,7 @@ import argparse
 import copy
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -592,6 +593,7 @@ def run(args) -> None:
     lm_step = rl.synced_steps(state, make_step(state, algo))
     log = {"trl": [], "lmforge": []}  # (step, training seconds so far, episodes so far, accuracy)
     clock = {"trl": 0.0, "lmforge": 0.0, "mark": 0.0, "step": 0, "different_problems": []}
+    took = {"trl": [], "lmforge": []}  # each training step's seconds
 
     def evaluate_both(trl_model, step: int) -> None:
         for side, policy in (("trl", trl_model), ("lmforge", state.model)):
@@ -610,12 +612,14 @@ def run(args) -> None:
             clock["mark"] = time.perf_counter()
 
         def on_step_end(self, _args, _state, _control, model=None, **_):
-            clock["trl"] += time.perf_counter() - clock["mark"]
+            took["trl"].append(time.perf_counter() - clock["mark"])
+            clock["trl"] += took["trl"][-1]
             clock["step"] += 1
             step = clock["step"]
             start = time.perf_counter()
             metrics = lm_step(step)
-            clock["lmforge"] += time.perf_counter() - start
+            took["lmforge"].append(time.perf_counter() - start)
+            clock["lmforge"] += took["lmforge"][-1]
             expected = set(problem_keys[(step - 1) * args.prompts : step * args.prompts])
             if not PLAYED["trl"] == PLAYED["lmforge"] == expected:
                 clock["different_problems"].append(step)
@@ -655,7 +659,7 @@ def run(args) -> None:
     )
     evaluate.close()
     state.source.close()
-    report(log, args)
+    report(log, took, args)
     if different:  # the ratios above then compare runs on different problems: say so, and fail
         sys.exit(
             f"[result] the two sides played different problems at steps {different}: the times above do "
@@ -663,8 +667,18 @@ def run(args) -> None:
         )
 
 
-def report(log: dict, args) -> None:
+def report(log: dict, took: dict, args) -> None:
     print(f"[bench] load average at end: {os.getloadavg()}", flush=True)
+    # Per step, beside the race: neither side has an untimed warm-up step (one would train the model), so
+    # the first step's one-off costs (allocations, the first compiled shapes) count in the times to a
+    # target; the median of the later steps does not carry them.
+    later = {side: statistics.median(times[1:] or times) for side, times in took.items()}
+    print(
+        f"[result] per step: first trl {took['trl'][0]:.2f} s, lmforge {took['lmforge'][0]:.2f} s; median of "
+        f"steps 2-{len(took['trl'])}: trl {later['trl']:.2f} s, lmforge {later['lmforge']:.2f} s; "
+        f"trl / lmforge = {later['trl'] / later['lmforge']:.2f}",
+        flush=True,
+    )
     rates = {}
     for side, rows in log.items():
         step, seconds, episodes, _ = rows[-1]
@@ -758,6 +772,20 @@ def main() -> None:
         action="store_true",
         help="TRL generates with transformers' continuous batching (default: model.generate)",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch threads of both sides (one process; default 2). Under load, lmforge's own choice on a "
+        "busy machine is 1 with OMP_WAIT_POLICY=PASSIVE (set that in the environment: OpenMP reads it once)",
+    )
+    parser.add_argument(
+        "--hogs-per-core",
+        type=int,
+        default=0,
+        help="run both sides under bench_busy.py's standard background load: this many spinning processes "
+        "per core, started before and stopped after (default 0: the machine as it is)",
+    )
     parser.add_argument("--quick", action="store_true", help="3 steps, 8 held-out games: to see it run")
     args = parser.parse_args()
     for key, value in SETTINGS[args.env_name].items():
@@ -771,8 +799,17 @@ def main() -> None:
             )
     if args.quick:
         args.steps, args.eval_every, args.eval_games = 3, 3, 8
-    torch.set_num_threads(2)
-    run(args)
+    torch.set_num_threads(args.threads)
+    if not args.hogs_per_core:
+        run(args)
+        return
+    from bench_busy import Hogs  # beside this file
+
+    cores = len(os.sched_getaffinity(0))
+    with Hogs(args.hogs_per_core * cores) as hogs:
+        hogs.settle(60)
+        print(f"[bench] under load: {hogs.count} spinning processes ({args.hogs_per_core} per core)", flush=True)
+        run(args)
 
 
 if __name__ == "__main__":
