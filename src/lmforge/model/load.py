@@ -480,6 +480,21 @@ def save_merged(model: torch.nn.Module, tokenizer, out_dir: str | Path) -> Path:
     return out_dir
 
 
+def activation_checkpointing(model) -> bool:
+    """Whether ``model`` recomputes activations in backward. transformers 5 names it
+    ``is_activation_checkpointing`` and keeps ``is_gradient_checkpointing`` as an alias that warns on each
+    read; older versions have the old name only. A module with neither is not checkpointed."""
+    value = getattr(model, "is_activation_checkpointing", None)
+    return bool(getattr(model, "is_gradient_checkpointing", False) if value is None else value)
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Turn activation (gradient) checkpointing on, by the name the installed transformers gives it
+    (``gradient_checkpointing_enable`` warns in transformers 5)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+
+
 def context_length(model) -> int | None:
     """The longest sequence ``model`` accepts (its position-embedding size), or None if unknown."""
     config = getattr(model, "config", None)

@@ -14,7 +14,7 @@ import inspect
 import torch
 from transformers.cache_utils import DynamicCache
 
-from ..model import lora
+from ..model import load, lora
 from ..parallel.wrap import run_forward
 from ..runtime.optim import PLAIN_HEAD_MODELS, Precision, decoder_of, logits_at
 from .batch import TrainBatch, scatter_completion, trained_ends
@@ -50,7 +50,7 @@ def shares_prompts(model, batch: TrainBatch) -> bool:
         and batch.prompt_lens is not None
         and getattr(getattr(model, "config", None), "model_type", "") in PLAIN_HEAD_MODELS
         and decoder_of(model) is not None
-        and not getattr(model, "is_gradient_checkpointing", False)
+        and not load.activation_checkpointing(model)
         and len(torch.unique(batch.group_index)) < batch.num_rows
     )
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..model import lora
+from ..model import load, lora
 from ..parallel.wrap import Root, full_state_dict, is_sharded, unwrap, wrap
 from . import checkpoint as ckpt
 from .metrics import RunLogger, StepTimer, plot_run, print_summary, summary, truncate_metrics
@@ -88,7 +88,7 @@ def build_state(
     )  # LoRA: adapters only train
     apply_train_qat(run, model)  # train.qat: before the optimizer and the wrapping
     if run.choices.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        load.enable_activation_checkpointing(model)
         model.config.use_cache = False
         if lora.has_adapters(model):  # frozen embeddings: reentrant checkpointing (older transformers'
             # default) needs block inputs that want grads; the non-reentrant default of 5.x does not
