@@ -432,7 +432,7 @@ def lmforge_state(model, tok, args, out_dir: str):
             "train.save_every=0",
             "train.eval_every=0",
             "logging.progress=false",
-            "train.threads=2",
+            f"train.threads={args.threads}",  # sets the whole process's threads, TRL's too
         ],
     )
     algo = cfg.algo.resolved()
@@ -776,8 +776,9 @@ def main() -> None:
         "--threads",
         type=int,
         default=2,
-        help="torch threads of both sides (one process; default 2). Under load, lmforge's own choice on a "
-        "busy machine is 1 with OMP_WAIT_POLICY=PASSIVE (set that in the environment: OpenMP reads it once)",
+        help="torch threads of both sides (one process: lmforge's train.threads sets them for TRL too; default "
+        "2). On a busy machine lmforge's own choice adds OMP_WAIT_POLICY=PASSIVE: set that in the environment "
+        "(OpenMP reads it once, and this script imports torch first)",
     )
     parser.add_argument(
         "--hogs-per-core",
