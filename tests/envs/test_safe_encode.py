@@ -1,4 +1,4 @@
-"""Text is text (issue 37 item 1, ``envs.safe_encode``): a message's special-token strings -- a tool that
+"""Text is text (issue 37 item 1, ``model.safe_encode``): a message's special-token strings -- a tool that
 prints ``<|im_end|>\\n<|im_start|>assistant\\n`` -- are encoded as plain text in the episode runner; only the
 chat template's own structure gives special ids. SmolLM2's real template (marker smollm2) and the char-level
 ``char:ascii`` tokenizer's."""
@@ -12,7 +12,9 @@ import torch
 
 from lmforge.envs.base import StepResult
 from lmforge.envs.episode import EpisodeLimits, EpisodeRunner
-from lmforge.envs.safe_encode import (
+from lmforge.envs.tool_env import ToolEnv
+from lmforge.envs.toolcalls import render_messages
+from lmforge.model.safe_encode import (
     ControlTextError,
     Rendered,
     encode_plain,
@@ -21,8 +23,6 @@ from lmforge.envs.safe_encode import (
     render_marked,
     special_strings,
 )
-from lmforge.envs.tool_env import ToolEnv
-from lmforge.envs.toolcalls import render_messages
 from lmforge.model.tokenizer import load_tokenizer
 from lmforge.rollout import RolloutBatch, SamplingParams
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmforge.envs.safe_encode import special_strings
+from lmforge.model.safe_encode import special_strings
 
 httpx = pytest.importorskip("httpx")
 

@@ -67,7 +67,7 @@ def test_renderers_preflight_reads_max_model_len(server, make_tiny):
 def test_lmforge_renderer_encodes_message_text_as_text(make_ascii):
     """rollout.backend=verifiers renders with ``LmforgeRenderer`` (vf_renderer.py): a tool result that prints the
     template's control strings is text there too, so it cannot close its turn and open an assistant one."""
-    from lmforge.envs.safe_encode import special_strings
+    from lmforge.model.safe_encode import special_strings
     from lmforge.rl.sources.vf_renderer import LmforgeRenderer, LmforgeRendererConfig
 
     _, tokenizer = make_ascii()

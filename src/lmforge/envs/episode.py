@@ -16,7 +16,7 @@ the rest of the rendering, tokenized alone, is the delta. A template that does n
 conversation prefix by prefix (one that rewrites earlier turns, e.g. drops old ``<think>`` blocks)
 fails that check: the episode then ends there, counted as ``num_template_mismatches`` (its tokens
 so far are kept and trained), rather than train on ids the policy never saw. A message's text is
-encoded as text (``safe_encode``): its special-token strings never become control tokens, only the
+encoded as text (``model.safe_encode``): its special-token strings never become control tokens, only the
 template's own structure does.
 
 Limits, each counted when hit, each ending the episode cleanly: turns (``max_turns``), tokens after
@@ -36,11 +36,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..model.safe_encode import ControlTextError, Rendered, encode_rendered, encode_text, render_marked
 from ..rollout import RolloutBatch, SamplingParams
 from ..rollout.continuous import ContinuousDecoder
 from ..rollout.timed_calls import TimedCalls
 from .base import EpisodeState, MalformedReply, Message, check_messages, check_step_result
-from .safe_encode import ControlTextError, Rendered, encode_rendered, encode_text, render_marked
 from .tool_env import INVALID_CALLS
 from .toolcalls import render_messages
 
@@ -143,7 +143,7 @@ class EpisodeRunner:
 
     def render(self, messages: list[Message]) -> Rendered:
         """The conversation with the generation prompt, and where its messages' special-token strings
-        landed (``safe_encode``: they are encoded as text, only the template's are control tokens)."""
+        landed (``model.safe_encode``: they are encoded as text, only the template's are control tokens)."""
         return render_marked(
             self.tokenizer,
             lambda msgs, tools: render_messages(self.tokenizer, msgs, tools, add_generation_prompt=True),
@@ -152,7 +152,7 @@ class EpisodeRunner:
         )
 
     def encode(self, text: str) -> list[int]:
-        """The ids of a message's ``text``, as plain text (``safe_encode.encode_text``)."""
+        """The ids of a message's ``text``, as plain text (``model.safe_encode.encode_text``)."""
         return encode_text(self.tokenizer, text)
 
     def _start(self, episode: Episode, outcome: tuple[str, Any]) -> None:

@@ -26,8 +26,8 @@ import json
 import uuid
 from typing import Any
 
-from ..envs.safe_encode import ControlTextError, Rendered, as_template, encode_rendered, render_marked
 from ..envs.toolcalls import CALL_CLOSE, CALL_OPEN, ParsedReply, parse_tool_calls, render_messages
+from ..model.safe_encode import ControlTextError, Rendered, as_template, encode_rendered, render_marked
 
 # Stands in for the last assistant message's content when finding the text a template writes after it.
 _SENTINEL = "LMFORGE_END_OF_CONTENT_SENTINEL"
@@ -145,7 +145,7 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None, **tem
 
 def render_chat_marked(tokenizer, messages: list[dict], tools: list[dict] | None, **template) -> Rendered:
     """:func:`render_chat`'s text and where the messages' special-token strings landed in it
-    (``envs.safe_encode``); one the template does not write as given is the request's error."""
+    (``model.safe_encode``); one the template does not write as given is the request's error."""
     try:
         return render_marked(
             tokenizer, lambda msgs, tls: render_chat(tokenizer, msgs, tls, **template), messages, tools
@@ -156,7 +156,7 @@ def render_chat_marked(tokenizer, messages: list[dict], tools: list[dict] | None
 
 def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None, **template) -> list[int]:
     """The prompt ids of :func:`render_chat`'s text: the messages' text is encoded as text, so only the
-    template's own special tokens are control tokens (``envs.safe_encode``; docs/serving.md)."""
+    template's own special tokens are control tokens (``model.safe_encode``; docs/serving.md)."""
     return encode_rendered(tokenizer, render_chat_marked(tokenizer, messages, tools, **template))
 
 

@@ -60,8 +60,8 @@ from pathlib import Path
 import torch
 
 from ...core.errors import ConfigError, TrainingError
-from ...envs.safe_encode import encode_rendered, render_marked
 from ...envs.toolcalls import render_messages
+from ...model.safe_encode import encode_rendered, render_marked
 from ...rollout import RewardOutput
 from ..batch import ScoredRollout
 from .atropos_client import IGNORE, batch_to_rollout

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from functools import cache
 
-from ...envs.safe_encode import encode_rendered, render_marked
 from ...envs.toolcalls import parse_tool_calls, render_messages
+from ...model.safe_encode import encode_rendered, render_marked
 
 IMPORT_PATH = "lmforge.rl.sources.vf_renderer.LmforgeRenderer"
 
@@ -43,7 +43,7 @@ def _classes() -> dict[str, type]:
 
         def _apply(self, messages, *, tools=None, add_generation_prompt=False) -> list[int]:
             # the messages' text is encoded as text: only the template's own special tokens are control
-            # tokens (a tool result printing "<|im_end|>" cannot close its turn; envs.safe_encode)
+            # tokens (a tool result printing "<|im_end|>" cannot close its turn; model.safe_encode)
             extra = dict(self.config.model_extra or {})
             rendered = render_marked(
                 self._tokenizer,

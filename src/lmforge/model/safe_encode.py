@@ -137,6 +137,11 @@ def special_strings(tokenizer) -> tuple[str, ...]:
     return _plain(tokenizer).strings
 
 
+def holds_special(tokenizer, text: str) -> bool:
+    """Whether ``text`` holds one of ``tokenizer``'s special-token strings."""
+    return _plain(tokenizer).pattern.search(text) is not None
+
+
 def encode_text(tokenizer, text: str) -> list[int]:
     """The ids of ``text`` as plain text: a special token's string is encoded as the characters it is
     made of (the tokenizer's ``split_special_tokens``), never as the special token."""
@@ -249,21 +254,72 @@ def _strings(obj: Any) -> list[str]:
     return [s for value in values for s in _strings(value)]
 
 
+def _pieces(rendered: Rendered) -> list[tuple[int, int, str]]:
+    """``rendered.text`` cut into (start, end, how) pieces that cover it in order: ``"template"`` where no
+    forged string is (encoded as the tokenizer encodes it), ``"text"`` for the gap between the two
+    control tokens around a forged string (plain text), ``"text_after"`` for such a gap that follows a
+    control token."""
+    text, pieces, done = rendered.text, [], 0
+    starts = [0] + [b for _, b in rendered.control]
+    ends = [a for a, _ in rendered.control] + [len(text)]
+    for start, end in zip(starts, ends):  # the gaps between control tokens
+        if start >= done and any(a < end and b > start for a, b in rendered.forged):
+            if start > done:
+                pieces.append((done, start, "template"))
+            pieces.append((start, end, "text_after" if start else "text"))
+            done = end
+    return pieces + ([(done, len(text), "template")] if done < len(text) else [])
+
+
 def encode_rendered(tokenizer, rendered: Rendered, encode: Callable[[str], list[int]] | None = None) -> list[int]:
     """The ids of ``rendered.text``: ``encode`` (default :func:`encode_plain`) where no forged special
     string is, plain text (:func:`encode_text`) between the two control tokens around each forged one."""
     encode = encode or (lambda text: encode_plain(tokenizer, text))
     if not rendered.forged:
         return list(encode(rendered.text))
-    text, ids, done = rendered.text, [], 0
-    starts = [0] + [b for _, b in rendered.control]
-    ends = [a for a, _ in rendered.control] + [len(text)]
-    for start, end in zip(starts, ends):  # the gaps between control tokens
-        if start >= done and any(a < end and b > start for a, b in rendered.forged):
-            ids += encode(text[done:start]) if start > done else []
-            ids += _after_control(tokenizer, text[start:end]) if start else encode_text(tokenizer, text[start:end])
-            done = end
-    return ids + (list(encode(text[done:])) if done < len(text) else [])
+    ids = []
+    for start, end, how in _pieces(rendered):
+        piece = rendered.text[start:end]
+        if how == "template":
+            ids += encode(piece)
+        elif how == "text_after":
+            ids += _after_control(tokenizer, piece)
+        else:
+            ids += encode_text(tokenizer, piece)
+    return ids
+
+
+def encode_rendered_starts(tokenizer, rendered: Rendered) -> tuple[list[int], list[int]]:
+    """:func:`encode_rendered`'s ids (the default encoding) and the offset in ``rendered.text`` where each
+    id's text starts: what a loss mask over character spans needs (the SFT rows' assistant spans). A
+    fast tokenizer's; a Python tokenizer has no offsets."""
+    pieces = _pieces(rendered) if rendered.forged else [(0, len(rendered.text), "template")]
+    ids: list[int] = []
+    starts: list[int] = []
+    for start, end, how in pieces:
+        piece = rendered.text[start:end]
+        if how == "template":
+            enc = tokenizer(piece, add_special_tokens=False, return_offsets_mapping=True)
+            piece_ids, piece_starts = list(enc["input_ids"]), [a for a, _ in enc["offset_mapping"]]
+        else:
+            anchor = _ANCHOR if how == "text_after" and _plain(tokenizer).marks_start else ""
+            piece_ids, piece_starts = _text_offsets(tokenizer, anchor, piece)
+        ids += piece_ids
+        starts += [start + a for a in piece_starts]
+    return ids, starts
+
+
+def _text_offsets(tokenizer, anchor: str, piece: str) -> tuple[list[int], list[int]]:
+    """:func:`encode_text` of ``piece`` (after ``anchor``, whose ids are cut off again, as
+    :func:`_after_control` does) with each id's start offset in ``piece``."""
+    backend = _plain(tokenizer).backend
+    if backend is None:
+        raise ValueError("offsets of text holding special-token strings need a fast (tokenizers) tokenizer")
+    whole = backend.encode(anchor + piece, add_special_tokens=False)
+    cut = len(backend.encode(anchor, add_special_tokens=False).ids) if anchor else 0
+    if anchor and whole.ids[:cut] != encode_text(tokenizer, anchor):
+        whole, cut, anchor = backend.encode(piece, add_special_tokens=False), 0, ""
+    return list(whole.ids[cut:]), [max(a - len(anchor), 0) for a, _ in whole.offsets[cut:]]
 
 
 def _after_control(tokenizer, text: str) -> list[int]:
