@@ -8,6 +8,10 @@ mapped with ``data.columns`` where they are named otherwise; other keys are igno
 
 How rows become tokens:
 
+- Text is text: a special-token string inside a message, a tool schema, a prompt or a completion (say
+  ``<|im_end|>`` in a user's message) is encoded as the characters it is made of, never as the control
+  token; only the chat template's own special tokens are control tokens (``model.safe_encode``). A
+  template that rewrites such a string so that it cannot be located is the row's error.
 - ``messages`` rows are rendered with the tokenizer's chat template (or :data:`DEFAULT_CHAT_TEMPLATE`
   when it has none) and encoded without adding special tokens (the template adds what it wants). A
   row's optional ``tools`` (OpenAI tool schemas) go to the template too (``apply_chat_template(...,
@@ -34,6 +38,14 @@ from typing import NamedTuple
 import torch
 
 from ..core.errors import DataError
+from ..model.safe_encode import (
+    ControlTextError,
+    encode_rendered,
+    encode_rendered_starts,
+    encode_text,
+    holds_special,
+    render_marked,
+)
 from ..model.tokenizer import DEFAULT_CHAT_TEMPLATE
 from .source import read_rows
 
@@ -168,14 +180,26 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools:
     )
 
 
+def _renderer(tokenizer, add_generation_prompt: bool):
+    def render(messages: list[dict], tools: list[dict] | None) -> str:
+        return _render(tokenizer, messages, add_generation_prompt, tools)
+
+    return render
+
+
 def _encode(tokenizer, text: str) -> list[int]:
+    """A raw-format piece (a prompt, a completion) as text: a special-token string inside it is encoded
+    as the characters it is made of, never as the control token (``model.safe_encode``)."""
+    if holds_special(tokenizer, text):
+        return encode_text(tokenizer, text)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     """The prompt ids exactly as SFT saw them before the completion (for sampling and RL)."""
     if chat:
-        return _encode(tokenizer, _render(tokenizer, [{"role": "user", "content": prompt}], True))
+        messages = [{"role": "user", "content": prompt}]
+        return encode_rendered(tokenizer, render_marked(tokenizer, _renderer(tokenizer, True), messages))
     return _encode(tokenizer, prompt)
 
 
@@ -185,9 +209,9 @@ def chat_example(
     """One conversation through the chat template; with ``completion_only`` the mask holds the
     assistant messages from index ``trained_from`` on (a preference pair's completion after its
     prompt's history: lmforge.data.preference)."""
-    text = _render(tokenizer, messages, add_generation_prompt=False, tools=tools)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+    rendered = render_marked(tokenizer, _renderer(tokenizer, False), messages, tools)
+    text = rendered.text
+    input_ids, starts = encode_rendered_starts(tokenizer, rendered)  # the messages' strings as text
     if not completion_only:
         return SFTExample(input_ids, [1] * len(input_ids))
     spans = []
@@ -203,7 +227,7 @@ def chat_example(
                 "use completion_only=False or a template without history rewriting"
             )
         spans.append((len(before), len(through.rstrip())))  # rstrip: not the newline after end-of-turn
-    loss_mask = [int(any(lo <= start < hi for lo, hi in spans)) for start, _ in offsets]
+    loss_mask = [int(any(lo <= start < hi for lo, hi in spans)) for start in starts]
     return SFTExample(input_ids, loss_mask)
 
 
@@ -240,16 +264,19 @@ def tokenize_sft(
     data = SFTData()
     for number, row in enumerate(rows, start=1):
         row = _check_row(row, f"row {number}")
-        if "messages" in row:
-            example = chat_example(tokenizer, row["messages"], completion_only, row.get("tools"))
-        elif chat:
-            messages = [
-                {"role": "user", "content": row["prompt"]},
-                {"role": "assistant", "content": row["completion"]},
-            ]
-            example = chat_example(tokenizer, messages, completion_only)
-        else:
-            example = raw_example(tokenizer, row["prompt"], row["completion"], completion_only)
+        try:
+            if "messages" in row:
+                example = chat_example(tokenizer, row["messages"], completion_only, row.get("tools"))
+            elif chat:
+                messages = [
+                    {"role": "user", "content": row["prompt"]},
+                    {"role": "assistant", "content": row["completion"]},
+                ]
+                example = chat_example(tokenizer, messages, completion_only)
+            else:
+                example = raw_example(tokenizer, row["prompt"], row["completion"], completion_only)
+        except ControlTextError as exc:
+            raise DataError(f"row {number}: {exc}") from None
         if len(example.input_ids) > max_len:
             if truncation == "drop":
                 data.num_dropped += 1
