@@ -38,7 +38,8 @@ from typing import NamedTuple
 import torch
 
 from ..core.errors import DataError
-from .sft import SFTExample, chat_example, collate_sft, raw_example, uses_chat_format
+from ..model.safe_encode import holds_special
+from .sft import SFTExample, chat_example, collate_sft, raw_example, row_errors, uses_chat_format
 from .source import read_rows
 
 # The names a preference row is read from: what data.columns may map.
@@ -219,6 +220,7 @@ class PreferenceData:
     num_dropped: int = 0  # too long: "drop", or a side with no completion token left after "right"
     num_identical: int = 0  # chosen = rejected: no preference to learn
     num_empty: int = 0  # a completion without text
+    num_special_text: int = 0  # pairs whose text held special-token strings, encoded as text
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -230,6 +232,9 @@ class PreferenceData:
             f"{self.num_empty} with an empty completion skipped" if self.num_empty else "",
             f"{self.num_truncated} truncated to {max_len} tokens" if self.num_truncated else "",
             f"{self.num_dropped} dropped as too long (data.truncation={truncation})" if self.num_dropped else "",
+            f"{self.num_special_text} with special-token strings in their text, encoded as text (docs/data.md)"
+            if self.num_special_text
+            else "",
         ]
         return "; ".join(p for p in parts if p)
 
@@ -274,7 +279,9 @@ def tokenize_pairs(
         if row["chosen"] == row["rejected"]:
             data.num_identical += 1
             continue
-        sides = [encode_side(tokenizer, row["prompt"], row[key], chat) for key in ("chosen", "rejected")]
+        with row_errors(f"row {number}"):
+            sides = [encode_side(tokenizer, row["prompt"], row[key], chat) for key in ("chosen", "rejected")]
+        data.num_special_text += holds_special(tokenizer, [row["prompt"], row["chosen"], row["rejected"]])
         too_long = any(len(side.input_ids) > max_len for side in sides)
         if too_long:
             sides = [_fit(side, max_len) for side in sides] if truncation == "right" else [None]

@@ -31,6 +31,7 @@ tokenizer's offset mapping. With ``completion_only=False`` every token is traine
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -148,6 +149,7 @@ class SFTData:
     examples: list[SFTExample] = field(default_factory=list)
     num_truncated: int = 0  # cut to max_len, kept
     num_dropped: int = 0  # too long for "drop", or nothing left to train on after "right" truncation
+    num_special_text: int = 0  # rows whose text held special-token strings, encoded as text
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -180,6 +182,26 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools:
     )
 
 
+@contextlib.contextmanager
+def row_errors(where: str):
+    """A chat template that rewrites a special-token string of a row (``ControlTextError``: it cannot be
+    told from the template's own tokens) as that row's :class:`DataError`, ``where`` naming the row."""
+    try:
+        yield
+    except ControlTextError as exc:
+        raise DataError(f"{where}: {exc}") from None
+
+
+def special_text_note(count: int, kind: str = "rows") -> str:
+    """The line a command prints for the rows whose text held special-token strings ('' for none)."""
+    if not count:
+        return ""
+    return (
+        f"[data] {count} {kind} hold special-token strings (like <|endoftext|>) in their text; they are "
+        "encoded as the characters they are made of, not as control tokens (docs/data.md)"
+    )
+
+
 def _renderer(tokenizer, add_generation_prompt: bool):
     def render(messages: list[dict], tools: list[dict] | None) -> str:
         return _render(tokenizer, messages, add_generation_prompt, tools)
@@ -198,9 +220,24 @@ def _encode(tokenizer, text: str) -> list[int]:
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     """The prompt ids exactly as SFT saw them before the completion (for sampling and RL)."""
     if chat:
-        messages = [{"role": "user", "content": prompt}]
-        return encode_rendered(tokenizer, render_marked(tokenizer, _renderer(tokenizer, True), messages))
+        return encode_chat_prompt(tokenizer, [{"role": "user", "content": prompt}])
     return _encode(tokenizer, prompt)
+
+
+def encode_prompts(tokenizer, texts: list[str], chat: bool, what: str = "prompt") -> list[list[int]]:
+    """:func:`encode_prompt` of each text; a template that rewrites a special-token string of one is the
+    :class:`DataError` of that ``what`` (1-based)."""
+    ids = []
+    for number, text in enumerate(texts, start=1):
+        with row_errors(f"{what} {number}"):
+            ids.append(encode_prompt(tokenizer, text, chat))
+    return ids
+
+
+def encode_chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """``messages`` through the chat template with the generation prompt, their text as text: the ids
+    :func:`chat_example` has before the next assistant turn."""
+    return encode_rendered(tokenizer, render_marked(tokenizer, _renderer(tokenizer, True), messages, tools))
 
 
 def chat_example(
@@ -264,7 +301,7 @@ def tokenize_sft(
     data = SFTData()
     for number, row in enumerate(rows, start=1):
         row = _check_row(row, f"row {number}")
-        try:
+        with row_errors(f"row {number}"):
             if "messages" in row:
                 example = chat_example(tokenizer, row["messages"], completion_only, row.get("tools"))
             elif chat:
@@ -275,8 +312,7 @@ def tokenize_sft(
                 example = chat_example(tokenizer, messages, completion_only)
             else:
                 example = raw_example(tokenizer, row["prompt"], row["completion"], completion_only)
-        except ControlTextError as exc:
-            raise DataError(f"row {number}: {exc}") from None
+        data.num_special_text += holds_special(tokenizer, row)
         if len(example.input_ids) > max_len:
             if truncation == "drop":
                 data.num_dropped += 1

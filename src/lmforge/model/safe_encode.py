@@ -137,9 +137,11 @@ def special_strings(tokenizer) -> tuple[str, ...]:
     return _plain(tokenizer).strings
 
 
-def holds_special(tokenizer, text: str) -> bool:
-    """Whether ``text`` holds one of ``tokenizer``'s special-token strings."""
-    return _plain(tokenizer).pattern.search(text) is not None
+def holds_special(tokenizer, obj: Any) -> bool:
+    """Whether a string of ``obj`` (a string, or lists and dicts of them: a row, its messages) holds one of
+    ``tokenizer``'s special-token strings."""
+    pattern = _plain(tokenizer).pattern
+    return any(pattern.search(s) for s in _strings(obj))
 
 
 def encode_text(tokenizer, text: str) -> list[int]:

@@ -20,6 +20,7 @@ import torch
 
 from ..core.errors import ConfigError
 from ..data.prompts import prompt_texts
+from ..data.sft import special_text_note
 from ..envs.episode import save_episodes
 from ..model import lora
 from ..model.load import context_length, load_model
@@ -206,6 +207,8 @@ def print_prompts(prompts: PromptSet, max_prompt_len: int, say: Callable[[str], 
         + (dropped if prompts.num_dropped else "")
         + (cut if prompts.num_truncated else "")
     )
+    if prompts.num_special_text:
+        say(special_text_note(prompts.num_special_text, "prompts"))
 
 
 def make_evaluate(state: RLState) -> Callable[[int], dict] | None:

@@ -8,9 +8,10 @@ from typing import Any
 
 from ..core.errors import ConfigError, DataError
 from ..data.prompts import held_out_split, load_prompt_rows
-from ..data.sft import encode_prompt, uses_chat_format
+from ..data.sft import encode_prompts, uses_chat_format
 from ..data.tasks import get_task
 from ..model.load import context_length
+from ..model.safe_encode import holds_special
 from ..parallel.context import ParallelContext
 from .config import RLDataConfig
 
@@ -26,6 +27,7 @@ class PromptSet:
     chat: bool
     num_dropped: int = 0  # prompts longer than data.max_prompt_len, dropped
     num_truncated: int = 0  # ... or cut to their last max_prompt_len tokens
+    num_special_text: int = 0  # prompts whose text held special-token strings, encoded as text
     eval_note: str = ""  # prompts files: what was held out for evaluation, or why nothing was
 
 
@@ -42,7 +44,8 @@ def build_prompts(data: RLDataConfig, tokenizer, seed: int, max_prompt_len: int 
         task, eval_problems = None, []
         problems = load_prompt_rows(data.path, data.split, data.subset, data.columns)
         texts = [row["prompt"] for row in problems]
-    prompt_ids = [encode_prompt(tokenizer, text, chat) for text in texts]
+    prompt_ids = encode_prompts(tokenizer, texts, chat)
+    special_text = sum(holds_special(tokenizer, text) for text in texts)
     dropped = truncated = 0
     if max_prompt_len:
         long = [len(ids) > max_prompt_len for ids in prompt_ids]
@@ -59,7 +62,7 @@ def build_prompts(data: RLDataConfig, tokenizer, seed: int, max_prompt_len: int 
                 f"{max_prompt_len} tokens; raise it (with a longer-context model) or use "
                 "data.prompt_truncation=left"
             )
-    prompts = PromptSet(prompt_ids, problems, task, eval_problems, chat, dropped, truncated)
+    prompts = PromptSet(prompt_ids, problems, task, eval_problems, chat, dropped, truncated, special_text)
     if not data.task:
         hold_out_rows(prompts, data, seed)
     return prompts

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..data.sft import encode_prompt
+from ..data.sft import encode_prompts
 from .engine import SamplingParams, generate
 
 
@@ -59,7 +59,7 @@ def complete(
     seed: int = 0,
 ) -> list[str]:
     """Completions of text prompts (raw, or as one user turn through the chat template)."""
-    ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
+    ids = encode_prompts(tokenizer, prompts, chat)
     return complete_ids(model, tokenizer, ids, max_new_tokens, batch_size, temperature, seed)
 
 
@@ -109,7 +109,7 @@ def held_out_evaluator(
     from .rewards import RewardSet
 
     texts_in = [p.prompt if task is not None else p["prompt"] for p in problems]
-    prompt_ids = [encode_prompt(tokenizer, text, chat) for text in texts_in]
+    prompt_ids = encode_prompts(tokenizer, texts_in, chat, "held-out prompt")
     if max_prompt_len:
         prompt_ids = [ids[-max_prompt_len:] for ids in prompt_ids]
     rewards = (

@@ -14,10 +14,12 @@ from ..core.errors import ConfigError
 from ..data.sft import (
     CHAT_SMALL,
     collate_sft,
+    encode_chat_prompt,
     encode_prompt,
     load_sft_rows,
     row_texts,
     sft_rows_from_task,
+    special_text_note,
     tokenize_sft,
     uses_chat_format,
 )
@@ -129,6 +131,8 @@ def build_data(
                 f"[data] {data.num_truncated} rows truncated to {d.max_len} tokens, "
                 f"{data.num_dropped} dropped (data.truncation={d.truncation})"
             )
+        if data.num_special_text:
+            printer(special_text_note(data.num_special_text))
         parts.append(data.examples)
     if not parts[0]:
         raise ConfigError("no SFT training rows left after tokenization; raise data.max_len")
@@ -154,10 +158,7 @@ def prompt_ids_of(row: dict, tokenizer, chat: bool) -> list[int]:
         messages = row["messages"]
         if messages and messages[-1].get("role") == "assistant":
             messages = messages[:-1]
-        text = tokenizer.apply_chat_template(
-            messages, tools=row.get("tools"), tokenize=False, add_generation_prompt=True
-        )
-        return tokenizer.encode(text, add_special_tokens=False)
+        return encode_chat_prompt(tokenizer, messages, row.get("tools"))
     return encode_prompt(tokenizer, row["prompt"], chat)
 
 
