@@ -312,7 +312,9 @@ def tokenize_sft(
                 example = chat_example(tokenizer, messages, completion_only)
             else:
                 example = raw_example(tokenizer, row["prompt"], row["completion"], completion_only)
-        data.num_special_text += holds_special(tokenizer, row)
+        data.num_special_text += holds_special(
+            tokenizer, [row.get(k) for k in ("messages", "tools", "prompt", "completion")]
+        )
         if len(example.input_ids) > max_len:
             if truncation == "drop":
                 data.num_dropped += 1
