@@ -193,9 +193,7 @@ def row_errors(where: str):
 
 
 def special_text_note(count: int, kind: str = "rows") -> str:
-    """The line a command prints for the rows whose text held special-token strings ('' for none)."""
-    if not count:
-        return ""
+    """The line a command prints for the ``count`` (> 0) rows whose text held special-token strings."""
     return (
         f"[data] {count} {kind} hold special-token strings (like <|endoftext|>) in their text; they are "
         "encoded as the characters they are made of, not as control tokens (docs/data.md)"

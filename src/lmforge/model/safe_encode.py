@@ -304,24 +304,26 @@ def encode_rendered_starts(tokenizer, rendered: Rendered) -> tuple[list[int], li
             enc = tokenizer(piece, add_special_tokens=False, return_offsets_mapping=True)
             piece_ids, piece_starts = list(enc["input_ids"]), [a for a, _ in enc["offset_mapping"]]
         else:
-            anchor = _ANCHOR if how == "text_after" and _plain(tokenizer).marks_start else ""
-            piece_ids, piece_starts = _text_offsets(tokenizer, anchor, piece)
+            piece_ids, piece_starts = _text_offsets(tokenizer, piece, after_control=how == "text_after")
         ids += piece_ids
         starts += [start + a for a in piece_starts]
     return ids, starts
 
 
-def _text_offsets(tokenizer, anchor: str, piece: str) -> tuple[list[int], list[int]]:
-    """:func:`encode_text` of ``piece`` (after ``anchor``, whose ids are cut off again, as
-    :func:`_after_control` does) with each id's start offset in ``piece``."""
-    backend = _plain(tokenizer).backend
-    if backend is None:
+def _text_offsets(tokenizer, piece: str, after_control: bool) -> tuple[list[int], list[int]]:
+    """The ids of ``piece`` as plain text, with each id's start offset in ``piece``: :func:`encode_text`,
+    or after a control token :func:`_after_control`'s (the same anchor rule)."""
+    plain = _plain(tokenizer)
+    if plain.backend is None:
         raise ValueError("offsets of text holding special-token strings need a fast (tokenizers) tokenizer")
-    whole = backend.encode(anchor + piece, add_special_tokens=False)
-    cut = len(backend.encode(anchor, add_special_tokens=False).ids) if anchor else 0
-    if anchor and whole.ids[:cut] != encode_text(tokenizer, anchor):
-        whole, cut, anchor = backend.encode(piece, add_special_tokens=False), 0, ""
-    return list(whole.ids[cut:]), [max(a - len(anchor), 0) for a, _ in whole.offsets[cut:]]
+    if after_control and plain.marks_start:
+        anchor = plain.backend.encode(_ANCHOR, add_special_tokens=False).ids
+        whole = plain.backend.encode(_ANCHOR + piece, add_special_tokens=False)
+        if whole.ids[: len(anchor)] == anchor:
+            cut = len(anchor)
+            return list(whole.ids[cut:]), [max(a - len(_ANCHOR), 0) for a, _ in whole.offsets[cut:]]
+    whole = plain.backend.encode(piece, add_special_tokens=False)
+    return list(whole.ids), [a for a, _ in whole.offsets]
 
 
 def _after_control(tokenizer, text: str) -> list[int]:
