@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {
@@ -194,16 +195,19 @@ class Hogs:
 
     def settle(self, seconds: float) -> None:
         """Wait until the 1-minute load average counts the hogs (or ``seconds`` pass)."""
-        end = time.time() + seconds
-        while time.time() < end and os.getloadavg()[0] < self.count:
-            time.sleep(2)
+        wait_for_load(lambda load: load >= self.count, seconds)
 
 
 def wait_for_quiet(below: float, seconds: float) -> None:
     """Wait until the 1-minute load average is under ``below`` (at most ``seconds``): the previous run's
     own work stays in the average for a minute, and lmforge reads it when it chooses its threads."""
+    wait_for_load(lambda load: load < below, seconds)
+
+
+def wait_for_load(reached: Callable[[float], bool], seconds: float) -> None:
+    """Poll the 1-minute load average every 2 s until ``reached(load)`` or ``seconds`` have passed."""
     end = time.time() + seconds
-    while time.time() < end and os.getloadavg()[0] >= below:
+    while time.time() < end and not reached(os.getloadavg()[0]):
         time.sleep(2)
 
 

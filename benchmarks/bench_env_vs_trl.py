@@ -592,13 +592,13 @@ def run(args) -> None:
     )
     lm_step = rl.synced_steps(state, make_step(state, algo))
     log = {"trl": [], "lmforge": []}  # (step, training seconds so far, episodes so far, accuracy)
-    clock = {"trl": 0.0, "lmforge": 0.0, "mark": 0.0, "step": 0, "different_problems": []}
-    took = {"trl": [], "lmforge": []}  # each training step's seconds
+    clock = {"mark": 0.0, "step": 0, "different_problems": []}
+    took = {"trl": [], "lmforge": []}  # each training step's seconds (a side's training time: their sum)
 
     def evaluate_both(trl_model, step: int) -> None:
         for side, policy in (("trl", trl_model), ("lmforge", state.model)):
             accuracy = evaluate(policy)[0]["accuracy"]
-            log[side].append((step, clock[side], step * args.prompts * args.group, accuracy))
+            log[side].append((step, sum(took[side]), step * args.prompts * args.group, accuracy))
         print(
             f"[eval {step:3d}] held-out success: trl {log['trl'][-1][3]:.3f}  lmforge {log['lmforge'][-1][3]:.3f}",
             flush=True,
@@ -613,18 +613,16 @@ def run(args) -> None:
 
         def on_step_end(self, _args, _state, _control, model=None, **_):
             took["trl"].append(time.perf_counter() - clock["mark"])
-            clock["trl"] += took["trl"][-1]
             clock["step"] += 1
             step = clock["step"]
             start = time.perf_counter()
             metrics = lm_step(step)
             took["lmforge"].append(time.perf_counter() - start)
-            clock["lmforge"] += took["lmforge"][-1]
             expected = set(problem_keys[(step - 1) * args.prompts : step * args.prompts])
             if not PLAYED["trl"] == PLAYED["lmforge"] == expected:
                 clock["different_problems"].append(step)
             print(
-                f"step {step:3d}: trl {clock['trl']:7.1f}s  lmforge {clock['lmforge']:7.1f}s  (lmforge reward "
+                f"step {step:3d}: trl {sum(took['trl']):7.1f}s  lmforge {sum(took['lmforge']):7.1f}s  (lmforge reward "
                 f"{float(metrics['reward']):.2f}, turns {float(metrics['turns_per_episode']):.1f}, policy tokens "
                 f"{float(metrics['completion_len_mean']):.0f} of {float(metrics['episode_len_mean']):.0f}; gen "
                 f"{float(metrics['time_generation']):.1f}s env {float(metrics['time_env']):.1f}s train "
