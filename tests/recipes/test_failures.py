@@ -235,6 +235,31 @@ def test_a_signal_during_the_renames_of_a_save_waits_until_they_are_done(tmp_pat
         restore_signal_handlers(previous)
 
 
+def test_a_signal_during_the_deletion_of_an_old_checkpoint_waits_until_it_is_gone(tmp_path):
+    """keep_last's deletion (rename aside, then delete) finishes before a SIGINT among it is raised: a run
+    it stops leaves no ``.deleting`` directory. Before, the signal broke into the delete (seen in CI: the
+    SIGINT case of test_a_signal_stops_a_single_process_run_cleanly_and_it_resumes)."""
+    previous = install_signal_handlers()
+    try:
+        old = tmp_path / "checkpoints" / "step-000001"
+        (old / "model").mkdir(parents=True)
+        (old / "model" / "weights.bin").write_bytes(b"0" * 1024)
+        real_rmtree = shutil.rmtree
+
+        def rmtree(path, ignore_errors=False):
+            signal.raise_signal(signal.SIGINT)  # the handler runs before the deletion starts
+            real_rmtree(path, ignore_errors=ignore_errors)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ckpt.shutil, "rmtree", rmtree)
+            with pytest.raises(Interrupted) as info:
+                ckpt.remove_checkpoint(old)
+        assert info.value.exit_code == 130
+        assert list((tmp_path / "checkpoints").iterdir()) == []
+    finally:
+        restore_signal_handlers(previous)
+
+
 def test_a_second_signal_while_stopping_ends_the_process_at_once(tmp_path):
     """The first SIGTERM starts a clean stop; a second one (the user insists, e.g. while a long native
     call holds the first) exits 143 at once with a line saying so, never a traceback."""

@@ -263,7 +263,8 @@ def disarm_signals() -> None:
 
 @contextlib.contextmanager
 def deferred_signals():
-    """Hold SIGINT / SIGTERM until the block ends (a few renames that must happen together), then raise."""
+    """Hold SIGINT / SIGTERM until the block ends (a few renames, or a deletion, that must finish together),
+    then raise."""
     _SIGNALS["deferring"] += 1
     try:
         yield

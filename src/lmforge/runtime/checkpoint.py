@@ -257,12 +257,13 @@ def save_checkpoint(state, extra: dict, keep_last: int) -> Path:
 
 
 def remove_checkpoint(path: Path) -> None:
-    """Rename first, then delete: a kill mid-delete leaves a ``.deleting`` directory (removed by the
-    next :func:`clean_checkpoints`), never a half-deleted one under a checkpoint's name."""
+    """Rename first, then delete: a kill mid-delete (SIGKILL, a crash) leaves a ``.deleting`` directory
+    (removed by the next :func:`clean_checkpoints`), never a half-deleted one under a checkpoint's name.
+    SIGINT / SIGTERM wait until the deletion is over, so a run they stop leaves none."""
     doomed = path.with_name(f".{path.name}.deleting-{os.getpid()}")
     with deferred_signals():
         path.rename(doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _pid_of(name: str) -> int | None:
